@@ -1,0 +1,428 @@
+"""`AllToAll`: buffers, Triton kernels and the proxy process wired together.
+
+Data flows one way: model -> kernels -> (shared segment) -> proxy -> wire -> proxy -> kernels -> model.
+This module owns the order of operations of one call; the kernels know nothing of the network and
+the proxy knows nothing of tokens. The call sequence of epoch e (one dispatch + one combine):
+
+    dispatch send  route_tokens -> ROUTE_READY; wait COMBINE_BARRIER >= e-1; pack -> SEND_READY
+    dispatch recv  wait DISPATCH_RECV_READY >= e; unpack -> DISPATCH_RECV_DONE
+    combine send   wait DISPATCH_BARRIER >= e; pack per source -> COMBINE_SEND_READY
+    combine recv   wait COMBINE_RECV_READY >= e; weighted sum -> COMBINE_RECV_DONE
+
+Same-node peers never go through the wire for tokens: dispatch_recv *pulls* their tokens from their
+send buffers and combine_send *pushes* expert outputs into their recv buffers (both mapped here).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+import torch
+
+from . import plan
+from .config import A2AConfig, Flag, Layout
+from .proxy import bootstrap
+from .proxy.engine import auto_provider
+from .proxy.memory import DeviceBuffer, SharedSegment, device_view, open_ipc_handle, close_ipc_handle, unique_name
+from .proxy.worker import ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error
+from .triton_kernels import combine as combine_kernels
+from .triton_kernels import dispatch as dispatch_kernels
+from .triton_kernels import routing, sync
+
+log = logging.getLogger("moe_a2a")
+
+_WORDS_PER_FLAG = 8  # int64 words per 64-byte flag slot
+_IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
+_STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
+                "dispatch received (next: combine send)", "combine sent (next: combine recv)")
+
+
+def _check(name: str, t: Any, shape: tuple | None, dtype, device: torch.device, last_contig: bool = True) -> None:
+    """Tensor contract at the API boundary: a ValueError naming the argument, expected vs actual."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if last_contig and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+class AllToAll:
+    """Expert-parallel dispatch and combine over this rank's group (DESIGN section 4).
+
+    Args:
+        cfg: the sizes.
+        group: torch.distributed process group used only for bootstrap (default WORLD).
+        node_group: ranks that share memory with this one: "auto"/None (same hostname), an int
+            (node size; ranks `[k*n, (k+1)*n)` form node k) or a process group (its size).
+        transport: "auto" (efa if present, else shm), "efa", "shm", "tcp" ("verbs": not yet).
+        device: where the model's tensors live (default: current CUDA device, else CPU).
+        timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
+
+    Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
+    Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
+    """
+
+    def __init__(self, cfg: A2AConfig, group=None, node_group="auto", transport: str = "auto",
+                 device=None, timeout_s: float = 30.0) -> None:
+        import torch.distributed as dist
+
+        if not isinstance(cfg, A2AConfig):
+            raise ValueError(f"cfg: expected A2AConfig, got {type(cfg).__name__}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        if transport not in ("auto", "efa", "shm", "tcp", "verbs"):
+            raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp' or 'verbs', got {transport!r}")
+        if transport == "verbs":
+            raise ValueError("transport 'verbs' (ConnectX-7 RC) is not implemented yet; use 'efa', 'shm' or 'tcp'")
+        if group is None:
+            if not dist.is_initialized():
+                raise ValueError("AllToAll needs torch.distributed initialised (or pass group=)")
+            group = dist.group.WORLD
+        self.cfg, self.group, self.timeout_s = cfg, group, float(timeout_s)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        node_size = self._node_size(node_group)
+        self.layout: Layout = cfg.layout(self.world_size, node_size)
+        lay, r = self.layout, self.rank
+        self.transport = auto_provider() if transport == "auto" else transport
+        self._error: BaseException | None = None
+        self._state, self.epoch = _IDLE, 0
+        self._closed = True
+        self._peer_segments: list[SharedSegment] = []
+        self._ipc_ptrs: list[int] = []
+        self.proxy = None
+
+        # Host-staged unless every peer shares this node's memory and the tensors are on a GPU:
+        # then no token crosses the wire, and the buffers live in GPU memory mapped by CUDA IPC.
+        # (Registering GPU memory with the NIC, DMA-BUF + FI_HMEM_CUDA, is for EFA hosts.)
+        on_gpu = self.device.type == "cuda"
+        self.host_staged = not (on_gpu and not lay.remote_peers(r))
+        if on_gpu and self.host_staged:
+            log.info("moe_a2a rank %d: remote peers over %s: send/recv buffers are host-staged "
+                     "(pinned shared memory reached over PCIe)", r, self.transport)
+        self.segment = SharedSegment(unique_name(), lay.segment_bytes(self.host_staged), create=True)
+        self._closed = False
+        try:
+            self._start(on_gpu)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _node_size(self, node_group) -> int:
+        import torch.distributed as dist
+
+        W = self.world_size
+        if isinstance(node_group, int) and not isinstance(node_group, bool):
+            n = node_group
+        elif node_group is None or node_group == "auto":
+            hosts = bootstrap.exchange(self.group, socket.gethostname())
+            n = hosts.count(hosts[0])
+            if any(hosts[i] != hosts[i // n * n] for i in range(W)) or W % n:
+                raise ValueError(f"node_group='auto': ranks must be grouped contiguously by host in equal "
+                                 f"numbers, got hosts {hosts}")
+        else:
+            n = dist.get_world_size(node_group)
+        if n < 1 or W % n:
+            raise ValueError(f"node_group: node size {n} must divide world size {W}")
+        return n
+
+    def _start(self, on_gpu: bool) -> None:
+        lay, r, seg = self.layout, self.rank, self.segment
+        spec = ProxySpec(lay, r, seg.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
+                         parent_pid=__import__("os").getpid())
+        self.proxy = ProxyHandle(spec)
+        address, region = self.proxy.address(self.timeout_s)
+        if on_gpu:
+            seg.register_cuda()
+            self.base = device_view(seg.addr, seg.nbytes, self.device)
+            if not self.host_staged:
+                self._send_buf = DeviceBuffer(lay.send_bytes, self.device)
+                self._recv_buf = DeviceBuffer(lay.recv_bytes, self.device)
+        else:
+            self.base = seg.tensor(0, seg.nbytes)
+        ipc = (self._send_buf.ipc_handle(), self._recv_buf.ipc_handle()) if not self.host_staged else None
+        table = bootstrap.exchange(self.group, (address, region, seg.name, ipc))
+        self.proxy.finish([t[:3] for t in table], self.timeout_s)
+
+        # Where every buffer this rank's kernels touch lives, as byte offsets from `self.base`.
+        W = lay.world_size
+        peer_send = torch.full((W,), -1, dtype=torch.int64)
+        peer_recv = torch.full((W,), -1, dtype=torch.int64)
+        if self.host_staged:
+            self.send_offset_bytes, self.recv_offset_bytes = lay.send_offset_bytes, lay.recv_offset_bytes
+        else:
+            self.send_offset_bytes = self._send_buf.addr - seg.addr
+            self.recv_offset_bytes = self._recv_buf.addr - seg.addr
+        for p in lay.node_peers(r):
+            if p == r:
+                peer_send[p], peer_recv[p] = self.send_offset_bytes, self.recv_offset_bytes
+            elif self.host_staged:
+                other = SharedSegment(table[p][2])
+                self._peer_segments.append(other)
+                if on_gpu:
+                    other.register_cuda()
+                peer_send[p] = other.addr + lay.send_offset_bytes - seg.addr
+                peer_recv[p] = other.addr + lay.recv_offset_bytes - seg.addr
+            else:
+                send_ptr, _ = open_ipc_handle(table[p][3][0], lay.send_bytes, self.device)
+                recv_ptr, _ = open_ipc_handle(table[p][3][1], lay.recv_bytes, self.device)
+                self._ipc_ptrs += [send_ptr, recv_ptr]
+                peer_send[p], peer_recv[p] = send_ptr - seg.addr, recv_ptr - seg.addr
+        self.peer_send_bytes = peer_send.to(self.device)
+        self.peer_recv_bytes = peer_recv.to(self.device)
+
+        nflags = int(Flag.NUM_FLAGS) * _WORDS_PER_FLAG
+        flag_view = self.base[lay.flags_offset_bytes: lay.flags_offset_bytes + nflags * 8]
+        self.flags = flag_view.view(torch.int64)
+        self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
+        rout = self.base[lay.routing_offset_bytes: lay.routing_offset_bytes + lay.routing_bytes]
+        self.counts = rout.view(torch.int32).view(W, lay.num_experts)
+        self.route_slot = torch.full((self.cfg.max_num_tokens, self.cfg.experts_per_token), -1,
+                                     dtype=torch.int32, device=self.device)
+
+    # ---- public API ---------------------------------------------------------------------------
+    def empty_dispatch_outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(out_expert_num_tokens int32[L], out_expert_x [max_rows, H] in_dtype,
+        out_expert_x_scale [max_rows, num_scales] float32 | None)` on this rank's device, sized for
+        the worst case (`Layout.max_dispatch_rows`)."""
+        cfg, lay = self.cfg, self.layout
+        rows = lay.max_dispatch_rows
+        num = torch.zeros(lay.num_local_experts, dtype=torch.int32, device=self.device)
+        x = torch.zeros(rows, cfg.hidden_dim, dtype=cfg.in_dtype, device=self.device)
+        xs = (torch.zeros(rows, cfg.num_scales, dtype=torch.float32, device=self.device)
+              if cfg.has_scales else None)
+        return num, x, xs
+
+    def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, x, x_scale, indices,
+                 bound_m=None, do_send: bool = True, do_recv: bool = True) -> None:
+        """Send every token to the ranks hosting its experts; receive this rank's tokens expert-major.
+
+        Args:
+            out_expert_num_tokens: `[L]` int32, written by the receive half: routes per local expert.
+            out_expert_x: `[>= max_dispatch_rows, H]` in_dtype; expert l's rows start at
+                `sum_{j<l} round_up(n_j, expert_padding)`, ordered by (source rank, token, k);
+                padding rows untouched. Valid after the receive half.
+            out_expert_x_scale: `[>= max_dispatch_rows, num_scales]` float32, or None without scales.
+            x: `[T, H]` in_dtype, T <= max_num_tokens.  x_scale: `[T, num_scales]` float32 or None.
+            indices: `[T, K]` int32/int64 expert ids, `-1` = not routed.
+            bound_m: optional 1-element int32 tensor on the device: live tokens (CUDA graphs).
+            do_send / do_recv: run the send half, the receive half, or both (default).
+
+        Bad input raises ValueError before anything is sent. On GPU the call is asynchronous and
+        CUDA-graph safe with `bound_m`; validation of index values syncs unless `bound_m` is given.
+        """
+        self._ready()
+        if do_send:
+            self._expect(_IDLE, "dispatch(do_send=True)")
+            self._validate_dispatch(x, x_scale, indices, bound_m)
+        if do_recv:
+            self._expect(_DISPATCH_SENT if not do_send else _IDLE, "dispatch(do_recv=True)")
+            self._validate_dispatch_out(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
+        try:
+            if do_send:
+                self._dispatch_send(x, x_scale, indices, bound_m)
+            if do_recv:
+                self._dispatch_recv(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def combine(self, out_tokens, indices, weights, expert_y, bound_m=None, do_send: bool = True,
+                do_recv: bool = True, accumulate: bool = False) -> None:
+        """Send expert outputs home; form `out_tokens[t] = sum_k weights[t,k] * y(t,k)`.
+
+        Args:
+            out_tokens: `[T, H]` out_dtype (T as in the dispatch); rows of tokens >= live count untouched.
+            indices: `[T, K]` as given to `dispatch` (the routes are remembered from it).
+            weights: `[T, K]` float32.
+            expert_y: `[>= max_dispatch_rows, H]` out_dtype: row i is the expert output of row i
+                of `out_expert_x` from `dispatch` (padding rows are never read).
+            accumulate: add to the old `out_tokens` (in fp32, before the k terms) instead of overwriting.
+        """
+        self._ready()
+        cfg = self.cfg
+        if do_send:
+            self._expect(_DISPATCH_DONE, "combine(do_send=True)")
+            _check("expert_y", expert_y, None, cfg.out_dtype, self.device)
+            if expert_y.dim() != 2 or expert_y.shape[1] != cfg.hidden_dim:
+                raise ValueError(f"expert_y: expected [rows, {cfg.hidden_dim}], got {tuple(expert_y.shape)}")
+            if expert_y.shape[0] < self.layout.max_dispatch_rows:
+                raise ValueError(f"expert_y: needs >= {self.layout.max_dispatch_rows} rows (as out_expert_x), "
+                                 f"got {expert_y.shape[0]}")
+        if do_recv:
+            self._expect(_COMBINE_SENT if not do_send else _DISPATCH_DONE, "combine(do_recv=True)")
+            T = self._T
+            _check("out_tokens", out_tokens, (T, cfg.hidden_dim), cfg.out_dtype, self.device)
+            _check("weights", weights, (T, cfg.experts_per_token), torch.float32, self.device)
+            _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), self.device)
+        try:
+            if do_send:
+                self._combine_send(expert_y)
+            if do_recv:
+                self._combine_recv(out_tokens, weights, accumulate, bound_m)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def close(self) -> None:
+        """Stop the proxy, release shared memory. Idempotent; also `with AllToAll(...) as a2a:`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proxy is not None:
+            self.proxy.stop(self.segment, self.layout)
+        for ptr in self._ipc_ptrs:
+            close_ipc_handle(ptr)
+        for s in self._peer_segments:
+            s.close()
+        self.segment.close()
+
+    def __enter__(self) -> "AllToAll":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- the four halves --------------------------------------------------------------------------
+    def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
+        self.epoch += 1
+        e, r = self.epoch, self.rank
+        self._T, self._bound_m = x.shape[0], bound_m
+        slot = self.route_slot[: x.shape[0]]
+        routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[r], out_route_slot=slot,
+                             bound_m=bound_m)
+        self._signal(Flag.ROUTE_READY, e)
+        self._wait(Flag.COMBINE_BARRIER, e - 1, "combine barrier of the previous call")
+        dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
+                                               bound_m=bound_m)
+        self._signal(Flag.SEND_READY, e)
+        self._state = _DISPATCH_SENT
+
+    def _dispatch_recv(self, out_num, out_x, out_x_scale) -> None:
+        e = self.epoch
+        self._wait(Flag.DISPATCH_RECV_READY, e, "dispatch: count rows and tokens from peers")
+        dispatch_kernels.unpack_tokens_by_expert(
+            out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
+            self.recv_offset_bytes, self.cfg, self.layout)
+        self._signal(Flag.DISPATCH_RECV_DONE, e)
+        self._state = _DISPATCH_DONE
+
+    def _combine_send(self, expert_y) -> None:
+        e = self.epoch
+        self._wait(Flag.DISPATCH_BARRIER, e, "dispatch barrier (peers still reading their buffers)")
+        combine_kernels.pack_combine_by_source(
+            expert_y, self.counts, self.rank, self.base, self.peer_recv_bytes,
+            self.send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout)
+        self._signal(Flag.COMBINE_SEND_READY, e)
+        self._state = _COMBINE_SENT
+
+    def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
+        e = self.epoch
+        self._wait(Flag.COMBINE_RECV_READY, e, "combine: expert outputs from peers")
+        combine_kernels.reduce_combined_tokens(
+            out_tokens, self.route_slot[: self._T], weights, self.base, self.recv_offset_bytes, self.cfg,
+            accumulate=accumulate, bound_m=bound_m if bound_m is not None else self._bound_m)
+        self._signal(Flag.COMBINE_RECV_DONE, e)
+        self._state = _IDLE
+
+    # ---- flags, errors, validation -----------------------------------------------------------------
+    def _signal(self, flag: Flag, value: int) -> None:
+        sync.signal_flag(self.flags, int(flag) * _WORDS_PER_FLAG, value)
+
+    def _wait(self, flag: Flag, target: int, what: str) -> None:
+        if target <= 0:
+            return
+        try:
+            sync.wait_flag(self.flags, int(flag) * _WORDS_PER_FLAG, target,
+                           int(Flag.ERROR) * _WORDS_PER_FLAG, self.timeout_s, what=what)
+        except TimeoutError:
+            self._raise_proxy_error()
+            raise TimeoutError(f"rank {self.rank}: {what}: timed out after {self.timeout_s:g}s "
+                               f"(epoch {target})") from None
+        if self.device.type != "cuda":
+            self._raise_proxy_error()
+
+    def _raise_proxy_error(self) -> None:
+        code = int(self.flags_host[int(Flag.ERROR) * _WORDS_PER_FLAG])
+        if code:
+            msg = read_error(self.segment, self.layout)
+            raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)
+        if self.proxy is not None and self.proxy.proc.poll() is not None:
+            raise RuntimeError(f"rank {self.rank}: proxy process exited with code {self.proxy.proc.returncode}")
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        raise exc
+
+    def _ready(self) -> None:
+        if self._closed:
+            raise ValueError("AllToAll is closed")
+        if self._error is not None:
+            raise RuntimeError(f"AllToAll is unusable after an earlier error: {self._error!r}") from self._error
+        if self.device.type == "cuda":
+            self._raise_proxy_error_once()
+
+    def _raise_proxy_error_once(self) -> None:
+        try:
+            self._raise_proxy_error()
+        except BaseException as exc:
+            self._error = exc
+            raise
+
+    def _expect(self, state: int, call: str) -> None:
+        if self._state != state:
+            raise ValueError(f"{call}: called out of order; the instance is {_STATE_NAMES[self._state]}")
+
+    def _validate_dispatch(self, x, x_scale, indices, bound_m) -> None:
+        cfg = self.cfg
+        _check("x", x, None, cfg.in_dtype, self.device)
+        if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
+            raise ValueError(f"x: expected [T, {cfg.hidden_dim}], got {tuple(x.shape)}")
+        T = x.shape[0]
+        if T > cfg.max_num_tokens:
+            raise ValueError(f"x: {T} tokens > max_num_tokens ({cfg.max_num_tokens})")
+        if cfg.has_scales:
+            if x_scale is None:
+                raise ValueError(f"x_scale: this config has scales (scale_block={cfg.block_size}); got None")
+            _check("x_scale", x_scale, (T, cfg.num_scales), torch.float32, self.device)
+        elif x_scale is not None:
+            raise ValueError("x_scale: this config has no scales; pass None")
+        _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), self.device)
+        if not indices.is_contiguous():
+            raise ValueError("indices: must be contiguous")
+        if bound_m is not None:
+            _check("bound_m", bound_m, (1,), torch.int32, self.device)
+        else:
+            routing.validate_indices(indices, cfg.num_experts)
+
+    def _validate_dispatch_out(self, num, x, xs) -> None:
+        cfg, lay = self.cfg, self.layout
+        _check("out_expert_num_tokens", num, (lay.num_local_experts,), torch.int32, self.device)
+        _check("out_expert_x", x, None, cfg.in_dtype, self.device)
+        if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.shape[0] < lay.max_dispatch_rows:
+            raise ValueError(f"out_expert_x: expected [>= {lay.max_dispatch_rows}, {cfg.hidden_dim}], "
+                             f"got {tuple(x.shape)} (use empty_dispatch_outputs())")
+        if cfg.has_scales:
+            _check("out_expert_x_scale", xs, None, torch.float32, self.device, last_contig=False)
+            if xs.dim() != 2 or xs.shape[1] != cfg.num_scales or xs.shape[0] < lay.max_dispatch_rows:
+                raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {cfg.num_scales}], "
+                                 f"got {tuple(xs.shape)}")
+        elif xs is not None:
+            raise ValueError("out_expert_x_scale: this config has no scales; pass None")
+
+
+__all__ = ["AllToAll"]

@@ -1,0 +1,353 @@
+"""Every size and offset of moe_a2a, in one place.
+
+`A2AConfig` is what a user writes (DESIGN section 4); `A2AConfig.layout(world_size)` gives a
+`Layout`, the derived sizes that depend on the number of ranks: local experts, private region,
+worst-case receive rows and the byte offsets of everything in a rank's shared segment.
+
+Units: names ending in `_bytes` are bytes; `*_rows` count token slots; everything else is elements.
+
+Buffers of one rank (slots are rows of `dispatch_stride_bytes` or `combine_stride_bytes`):
+
+    send buffer  dispatch: [T*K rows]  this rank's routes, expert-major (so each peer's run is contiguous)
+                 combine:  [W*T*K rows] expert outputs staged per source rank, source-major
+    recv buffer  dispatch: [W*P rows]  private region, slot s*P.. for source s
+                           [W*T*K rows] remainder region, source s at W*P + sum_{s'<s} max(0, n_s' - P)
+                 combine:  [T*K rows]  expert outputs of this rank's routes, at their dispatch send slot
+
+The worst case "every route of every rank lands on one rank" fits: W*T*K rows (duplicates included).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+PAGE_BYTES = 4096
+ROW_ALIGN_BYTES = 16  # rows start on 16-byte boundaries so kernels can use 16-byte accesses
+FLAG_SLOT_BYTES = 64  # one cache line per flag: writers on different sides never share a line
+
+
+
+def _dtypes():
+    """(fp8, payload, out) dtypes. torch is imported here, not at module import, so the proxy
+    process (which only needs `Layout`) starts without it."""
+    import torch
+
+    fp8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+    return fp8, fp8 + (torch.bfloat16, torch.float16, torch.float32), (torch.bfloat16, torch.float16, torch.float32)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class Flag(enum.IntEnum):
+    """int64 slots at the start of a rank's shared segment. Values are epochs (call numbers,
+    starting at 1, never reset), so a flag is "raised for epoch e" when it reads >= e: no ABA."""
+
+    ROUTE_READY = 0          # GPU -> proxy: this rank's count row is in the routing buffer
+    SEND_READY = 1           # GPU -> proxy: dispatch send buffer packed
+    DISPATCH_RECV_READY = 2  # proxy -> GPU: all count rows and all dispatch tokens have landed
+    DISPATCH_RECV_DONE = 3   # GPU -> proxy: dispatch_recv finished reading the recv buffer
+    DISPATCH_BARRIER = 4     # proxy -> GPU: every rank finished dispatch_recv (buffers reusable)
+    COMBINE_SEND_READY = 5   # GPU -> proxy: expert outputs staged / pushed
+    COMBINE_RECV_READY = 6   # proxy -> GPU: all expert outputs for this rank's tokens landed
+    COMBINE_RECV_DONE = 7    # GPU -> proxy: combine_recv finished
+    COMBINE_BARRIER = 8      # proxy -> GPU: every rank finished combine_recv
+    ERROR = 9                # proxy -> model: nonzero when the proxy failed; message in the error area
+    HEARTBEAT = 10           # proxy: incremented while alive
+    PROXY_READY = 11         # proxy: 1 once it is bootstrapped and registered
+    SHUTDOWN = 12            # model -> proxy: 1 asks the proxy to exit
+    NUM_FLAGS = 13
+
+
+class Imm(enum.IntEnum):
+    """Kinds of 32-bit RDMA immediates. The immediate also carries the sender and the epoch, so a
+    receiver counts exactly which peer delivered what for which call (see `plan.make_imm`)."""
+
+    ROUTE = 1
+    DISPATCH = 2
+    DISPATCH_BARRIER = 3
+    COMBINE = 4
+    COMBINE_BARRIER = 5
+
+
+IMM_KIND_BITS = 4
+IMM_RANK_BITS = 12   # up to 4096 ranks
+IMM_EPOCH_BITS = 32 - IMM_KIND_BITS - IMM_RANK_BITS
+ERROR_MESSAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class A2AConfig:
+    """Sizes of one expert-parallel all-to-all (DESIGN section 4).
+
+    Args:
+        max_num_tokens: upper bound on tokens per rank per call (T).
+        num_experts: total experts over all ranks (E).
+        experts_per_token: top-k (K).
+        hidden_dim: elements per token (H).
+        in_dtype: dispatch payload dtype (fp8 e4m3/e5m2, bf16, fp16 or fp32).
+        scale_block: elements per fp32 scale; "auto" means 128 for fp8 payloads and None otherwise.
+        out_dtype: combine payload dtype (bf16, fp16 or fp32).
+        expert_padding: each expert's segment of the dispatch output is padded to this many rows.
+        max_private_tokens: per-sender private region of each receiver in rows; None picks twice the
+            average rows a sender sends to one rank (see `Layout`), 0 disables it.
+    """
+
+    max_num_tokens: int = 128
+    num_experts: int = 256
+    experts_per_token: int = 8
+    hidden_dim: int = 7168
+    in_dtype: "torch.dtype" = None  # type: ignore[assignment]  # default bf16
+    scale_block: int | None | str = "auto"
+    out_dtype: "torch.dtype" = None  # type: ignore[assignment]  # default bf16
+    expert_padding: int = 1
+    max_private_tokens: int | None = None
+    _scale_block: int | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        fp8_dtypes, payload_dtypes, out_dtypes = _dtypes()
+        for name in ("in_dtype", "out_dtype"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, torch.bfloat16)
+        for name in ("max_num_tokens", "num_experts", "experts_per_token", "hidden_dim", "expert_padding"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"A2AConfig.{name} must be a positive int, got {value!r}")
+        if self.in_dtype not in payload_dtypes:
+            raise ValueError(
+                f"A2AConfig.in_dtype must be one of {[str(d) for d in payload_dtypes]}, got {self.in_dtype!r}"
+            )
+        if self.out_dtype not in out_dtypes:
+            raise ValueError(
+                f"A2AConfig.out_dtype must be one of {[str(d) for d in out_dtypes]}, got {self.out_dtype!r}"
+            )
+        scale_block = self.scale_block
+        if scale_block == "auto":
+            scale_block = 128 if self.in_dtype in fp8_dtypes else None
+        if scale_block is not None and (
+            isinstance(scale_block, bool) or not isinstance(scale_block, int) or scale_block < 1
+        ):
+            raise ValueError(f"A2AConfig.scale_block must be a positive int, None or 'auto', got {scale_block!r}")
+        object.__setattr__(self, "_scale_block", scale_block)
+        mpt = self.max_private_tokens
+        if mpt is not None and (isinstance(mpt, bool) or not isinstance(mpt, int) or mpt < 0):
+            raise ValueError(f"A2AConfig.max_private_tokens must be None or an int >= 0, got {mpt!r}")
+
+    # ---- per-token sizes -------------------------------------------------------------------
+    @property
+    def block_size(self) -> int | None:
+        """Elements per fp32 scale, or None when the payload carries no scales."""
+        return self._scale_block
+
+    @property
+    def has_scales(self) -> bool:
+        return self._scale_block is not None
+
+    @property
+    def num_scales(self) -> int:
+        """Scale columns per token: ceil(H / scale_block), 0 without scales."""
+        return ceil_div(self.hidden_dim, self._scale_block) if self._scale_block else 0
+
+    @property
+    def in_itemsize(self) -> int:
+        return self.in_dtype.itemsize
+
+    @property
+    def out_itemsize(self) -> int:
+        return self.out_dtype.itemsize
+
+    @property
+    def x_bytes(self) -> int:
+        """Payload bytes of one dispatched token."""
+        return self.hidden_dim * self.in_itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.num_scales * 4
+
+    @property
+    def dispatch_scale_offset_bytes(self) -> int:
+        """Where a slot's fp32 scales start: right after the payload, 16-byte aligned."""
+        return round_up(self.x_bytes, ROW_ALIGN_BYTES)
+
+    @property
+    def dispatch_stride_bytes(self) -> int:
+        """Bytes per dispatch slot: payload, then scales, each padded to 16 bytes."""
+        return self.dispatch_scale_offset_bytes + round_up(self.scale_bytes, ROW_ALIGN_BYTES)
+
+    @property
+    def y_bytes(self) -> int:
+        """Payload bytes of one combined (expert output) row."""
+        return self.hidden_dim * self.out_itemsize
+
+    @property
+    def combine_stride_bytes(self) -> int:
+        return round_up(self.y_bytes, ROW_ALIGN_BYTES)
+
+    @property
+    def max_routes(self) -> int:
+        """T*K: routes (token, slot) one rank sends at most."""
+        return self.max_num_tokens * self.experts_per_token
+
+    def layout(self, world_size: int, node_size: int | None = None) -> "Layout":
+        """Derived sizes for `world_size` ranks, `node_size` per node (default: all on one node)."""
+        return Layout.from_config(self, world_size, node_size if node_size is not None else world_size)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one rank's buffers for a world of `world_size` ranks (`node_size` per node).
+
+    Plain ints only (no torch), so the proxy process can receive it without importing torch.
+    Build it with `A2AConfig.layout(world_size, node_size)`."""
+
+    world_size: int
+    node_size: int
+    num_experts: int
+    max_num_tokens: int
+    experts_per_token: int
+    expert_padding: int
+    private_rows: int             # P: rows each receiver reserves per sender (see A2AConfig)
+    dispatch_stride_bytes: int
+    combine_stride_bytes: int
+
+    @classmethod
+    def from_config(cls, cfg: "A2AConfig", world_size: int, node_size: int) -> "Layout":
+        W, E = world_size, cfg.num_experts
+        if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+            raise ValueError(f"world_size must be a positive int, got {W!r}")
+        if W >= 1 << IMM_RANK_BITS:
+            raise ValueError(f"world_size must be < {1 << IMM_RANK_BITS}, got {W}")
+        if E % W:
+            raise ValueError(f"num_experts ({E}) must be divisible by world_size ({W})")
+        ns = node_size
+        if isinstance(ns, bool) or not isinstance(ns, int) or ns < 1 or W % ns:
+            raise ValueError(f"node_size must be a positive divisor of world_size ({W}), got {ns!r}")
+        # Default P: twice the average rows one sender sends to one rank (T*K/W), rounded up to 8
+        # and capped at T*K, so most senders need no remainder write at uniform routing.
+        if cfg.max_private_tokens is not None:
+            private = min(cfg.max_private_tokens, cfg.max_routes)
+        else:
+            private = min(cfg.max_routes, round_up(ceil_div(2 * cfg.max_routes, W), 8))
+        return cls(W, ns, E, cfg.max_num_tokens, cfg.experts_per_token, cfg.expert_padding, private,
+                   cfg.dispatch_stride_bytes, cfg.combine_stride_bytes)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def max_routes(self) -> int:
+        return self.max_num_tokens * self.experts_per_token
+
+    @property
+    def max_recv_routes(self) -> int:
+        """Rows one rank may receive in one dispatch: every route of every rank (duplicates too)."""
+        return self.world_size * self.max_routes
+
+    @property
+    def max_dispatch_rows(self) -> int:
+        """Rows of `out_expert_x`: all received routes plus padding of every local expert."""
+        return self.max_recv_routes + self.num_local_experts * (self.expert_padding - 1)
+
+    # ---- regions of the send and recv buffers (bytes, relative to each buffer) ---------------
+    @property
+    def private_offset_bytes(self) -> int:
+        return 0
+
+    @property
+    def remainder_offset_bytes(self) -> int:
+        return self.world_size * self.private_rows * self.dispatch_stride_bytes
+
+    @property
+    def combine_stage_offset_bytes(self) -> int:
+        """Where the expert side stages combine rows for remote sources, in its send buffer."""
+        return 0
+
+    @property
+    def send_bytes(self) -> int:
+        dispatch = self.max_routes * self.dispatch_stride_bytes
+        combine = self.max_recv_routes * self.combine_stride_bytes
+        return round_up(max(dispatch, combine), PAGE_BYTES)
+
+    @property
+    def recv_bytes(self) -> int:
+        dispatch = self.remainder_offset_bytes + self.max_recv_routes * self.dispatch_stride_bytes
+        combine = self.max_routes * self.combine_stride_bytes
+        return round_up(max(dispatch, combine), PAGE_BYTES)
+
+    # ---- the shared host segment of one rank (flags, error, routing, host-staged buffers) ----
+    @property
+    def flags_offset_bytes(self) -> int:
+        return 0
+
+    @property
+    def error_offset_bytes(self) -> int:
+        return round_up(int(Flag.NUM_FLAGS) * FLAG_SLOT_BYTES, 64)
+
+    @property
+    def routing_offset_bytes(self) -> int:
+        """int32 [W, E]: row s holds source s's per-expert counts (written by s over the wire)."""
+        return round_up(self.error_offset_bytes + ERROR_MESSAGE_BYTES, PAGE_BYTES)
+
+    @property
+    def routing_bytes(self) -> int:
+        return self.world_size * self.num_experts * 4
+
+    @property
+    def send_offset_bytes(self) -> int:
+        """Send buffer in the segment (host-staged mode)."""
+        return round_up(self.routing_offset_bytes + self.routing_bytes, PAGE_BYTES)
+
+    @property
+    def recv_offset_bytes(self) -> int:
+        return self.send_offset_bytes + self.send_bytes
+
+    def segment_bytes(self, host_staged: bool = True) -> int:
+        end = self.recv_offset_bytes + self.recv_bytes if host_staged else self.send_offset_bytes
+        return round_up(end, PAGE_BYTES)
+
+    def flag_offset_bytes(self, flag: Flag) -> int:
+        return self.flags_offset_bytes + int(flag) * FLAG_SLOT_BYTES
+
+    # ---- ranks and nodes ------------------------------------------------------------------
+    def node_of(self, rank: int) -> int:
+        return rank // self.node_size
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.node_of(a) == self.node_of(b)
+
+    def remote_peers(self, rank: int) -> list[int]:
+        return [p for p in range(self.world_size) if not self.same_node(rank, p)]
+
+    def node_peers(self, rank: int) -> list[int]:
+        """Ranks on this rank's node, itself included."""
+        first = self.node_of(rank) * self.node_size
+        return list(range(first, first + self.node_size))
+
+
+def sizes_table(cfg: A2AConfig, world_size: int) -> dict[str, int]:
+    """The derived sizes as a dict (for docs, the CLI and benchmarks)."""
+    lay = cfg.layout(world_size)
+    return {
+        "num_local_experts": lay.num_local_experts,
+        "num_scales": cfg.num_scales,
+        "dispatch_stride_bytes": cfg.dispatch_stride_bytes,
+        "combine_stride_bytes": cfg.combine_stride_bytes,
+        "private_rows": lay.private_rows,
+        "max_dispatch_rows": lay.max_dispatch_rows,
+        "send_bytes": lay.send_bytes,
+        "recv_bytes": lay.recv_bytes,
+        "segment_bytes": lay.segment_bytes(True),
+    }
+
+
+__all__ = ["A2AConfig", "Layout", "Flag", "Imm", "round_up", "ceil_div", "sizes_table"]

@@ -1,0 +1,124 @@
+"""The protocol's arithmetic: pure functions of the exchanged count rows.
+
+`counts` is the `[W, E]` matrix every rank holds after the routing exchange: row s = how many
+routes source rank s sends to each expert. From it every rank derives, without further messages,
+who writes what where (DESIGN section 6). The proxy uses these functions to post writes; the
+Triton kernels compute the same offsets on the device, and tests check that both agree.
+
+A *write* is `(peer, src_offset_bytes, length_bytes, dst_offset_bytes)`, offsets relative to the
+start of the sender's send buffer and of the receiver's recv buffer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import IMM_EPOCH_BITS, IMM_KIND_BITS, IMM_RANK_BITS, Imm, Layout
+
+Write = tuple[int, int, int, int]
+
+
+# ---- immediates ------------------------------------------------------------------------------
+def make_imm(kind: Imm, rank: int, epoch: int) -> int:
+    """32-bit immediate: kind | sender rank | epoch (low bits). Counting exact values tells a
+    receiver which peer is missing, and an early immediate of the next call is never confused
+    with one of this call."""
+    return (int(kind) << (IMM_RANK_BITS + IMM_EPOCH_BITS)) | (rank << IMM_EPOCH_BITS) | (
+        epoch & ((1 << IMM_EPOCH_BITS) - 1))
+
+
+def split_imm(imm: int) -> tuple[int, int, int]:
+    """Inverse of `make_imm`: (kind, rank, epoch low bits)."""
+    epoch = imm & ((1 << IMM_EPOCH_BITS) - 1)
+    rank = (imm >> IMM_EPOCH_BITS) & ((1 << IMM_RANK_BITS) - 1)
+    kind = imm >> (IMM_RANK_BITS + IMM_EPOCH_BITS)
+    assert IMM_KIND_BITS + IMM_RANK_BITS + IMM_EPOCH_BITS == 32
+    return kind, rank, epoch
+
+
+# ---- counts ------------------------------------------------------------------------------------
+def validate_counts(counts: np.ndarray, lay: Layout) -> None:
+    """Refuse a count matrix that would overrun a buffer (a corrupt or malicious peer row)."""
+    W, E, T, K = lay.world_size, lay.num_experts, lay.max_num_tokens, lay.experts_per_token
+    if counts.shape != (W, E):
+        raise ValueError(f"count matrix: expected shape {(W, E)}, got {counts.shape}")
+    bad = np.nonzero((counts < 0).any(1) | (counts.sum(1) > T * K))[0]
+    if len(bad):
+        raise ValueError(f"count rows of ranks {bad.tolist()} are negative or exceed T*K={T * K}")
+
+
+def rank_counts(row: np.ndarray, lay: Layout) -> np.ndarray:
+    """[W]: routes one source sends to each destination rank (experts are contiguous per rank)."""
+    return row.reshape(lay.world_size, lay.num_local_experts).sum(1)
+
+
+def send_offsets(row: np.ndarray, lay: Layout) -> np.ndarray:
+    """[W] exclusive prefix sums: first send-buffer slot of each destination's run (rows)."""
+    n = rank_counts(row, lay)
+    return np.cumsum(n) - n
+
+
+def recv_counts(counts: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
+    """[W]: routes each source sends to `rank`."""
+    L = lay.num_local_experts
+    return counts[:, rank * L:(rank + 1) * L].sum(1)
+
+
+def remainder_offsets(n_recv: np.ndarray, lay: Layout) -> np.ndarray:
+    """[W]: recv-buffer row where source s's tokens beyond the private region start.
+
+    Every source gets a place, same-node ones included (they leave holes), so the formula is the
+    same on every rank and needs no knowledge of the node layout."""
+    rest = np.maximum(n_recv - lay.private_rows, 0)
+    return lay.world_size * lay.private_rows + np.cumsum(rest) - rest
+
+
+def combine_stage_offsets(n_recv: np.ndarray) -> np.ndarray:
+    """[W]: row of the expert side's send buffer where rows for source s are staged for combine."""
+    return np.cumsum(n_recv) - n_recv
+
+
+def expert_segments(counts: np.ndarray, rank: int, lay: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(rows per local expert [L], first row of each expert's padded segment [L]) on `rank`."""
+    L, pad = lay.num_local_experts, lay.expert_padding
+    totals = counts[:, rank * L:(rank + 1) * L].sum(0)
+    padded = (totals + pad - 1) // pad * pad
+    return totals, np.cumsum(padded) - padded
+
+
+# ---- writes ------------------------------------------------------------------------------------
+def private_writes(row: np.ndarray, rank: int, lay: Layout) -> list[Write]:
+    """First phase of dispatch: to every remote peer, the first min(n, P) routes into this rank's
+    private slot. Zero-length writes are kept: each carries the immediate the peer counts."""
+    P, stride = lay.private_rows, lay.dispatch_stride_bytes
+    n, off = rank_counts(row, lay), send_offsets(row, lay)
+    return [(d, int(off[d]) * stride, int(min(n[d], P)) * stride,
+             lay.private_offset_bytes + rank * P * stride) for d in lay.remote_peers(rank)]
+
+
+def remainder_writes(counts: np.ndarray, rank: int, lay: Layout) -> list[Write]:
+    """Second phase of dispatch, once every count row is known: one write per remote peer that
+    gets more than P routes from this rank (no write, and no immediate, otherwise)."""
+    P, stride = lay.private_rows, lay.dispatch_stride_bytes
+    n, off = rank_counts(counts[rank], lay), send_offsets(counts[rank], lay)
+    writes = []
+    for d in lay.remote_peers(rank):
+        if n[d] > P:
+            dst_row = remainder_offsets(recv_counts(counts, d, lay), lay)[rank]
+            writes.append((d, int(off[d] + P) * stride, int(n[d] - P) * stride, int(dst_row) * stride))
+    return writes
+
+
+def expected_dispatch_imms(counts: np.ndarray, rank: int, lay: Layout) -> dict[int, int]:
+    """Remote peer -> DISPATCH immediates this rank must receive: 1 private (+1 remainder)."""
+    n = recv_counts(counts, rank, lay)
+    return {s: 1 + int(n[s] > lay.private_rows) for s in lay.remote_peers(rank)}
+
+
+def combine_writes(counts: np.ndarray, rank: int, lay: Layout) -> list[Write]:
+    """Combine, expert side: to every remote source, its rows (staged contiguously) back to the
+    slots its dispatch send buffer used, in its recv buffer. Zero-length writes kept."""
+    stride = lay.combine_stride_bytes
+    n = recv_counts(counts, rank, lay)
+    stage = combine_stage_offsets(n)
+    return [(s, lay.combine_stage_offset_bytes + int(stage[s]) * stride, int(n[s]) * stride,
+             int(send_offsets(counts[s], lay)[rank]) * stride) for s in lay.remote_peers(rank)]

@@ -1,0 +1,1 @@
+"""Host proxy: libfabric ctypes shim, TransferEngine, bootstrap helpers."""

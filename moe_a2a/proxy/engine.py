@@ -1,0 +1,583 @@
+"""TransferEngine: RDMA writes with 32-bit immediates over libfabric, specialised for MoE all-to-all.
+
+The engine knows nothing of tokens: only registered buffers, byte offsets, peers and immediates.
+
+- ``register`` a buffer once; its :class:`RemoteRegion` descriptor (picklable) is exchanged at bootstrap.
+- ``connect`` peers (``fi_av_insert``, cached) and build a :class:`PeerGroup`: addresses resolved and one
+  ``fi_msg_rma`` template per peer pre-built, so a posted write only patches five integers.
+- ``scatter``: one source buffer, one write per target (peer, src offset, length, dst offset), each with
+  an immediate; zero-length targets carry only the immediate. ``barrier``: a zero-length write with an
+  immediate to every peer of a group.
+- Completion by counting: every ``FI_REMOTE_WRITE`` completion increments a counter keyed by its exact
+  32-bit immediate; ``wait_imms`` waits (progressing) until expected counts arrived and consumes them.
+
+Software providers (tcp, shm) move data only while the *target* reads its CQ, so every wait here
+progresses all CQs continuously, and every wait has a timeout.
+
+Domains: with ``num_domains > 1`` (EFA: two or more NICs per GPU) the peers of a group are sharded over
+domains in contiguous ranges; local domain ``d`` always talks to the remote engine's domain
+``d % remote_num_domains``, so keys and addresses pair up.
+
+Threading: none. One engine is driven by one thread (the proxy process's loop).
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from . import libfabric as lf
+
+# Python-side bound on the CQ entries read per fi_cq_read: large enough to drain a scatter's completions
+# in one call, small enough that a 40 B * N buffer stays in L1.
+CQ_BATCH = 32
+_ENTRY_U64 = ctypes.sizeof(lf.fi_cq_data_entry) // 8  # 5: op_context, flags, len, buf, data
+# fi_msg_rma template per peer, as 14 uint64 words: the message (8 words), its iovec (2), its fi_rma_iov
+# (3) and the one-element desc array (1). Patched per write through a memoryview (~35 ns per word,
+# cheaper than a ctypes field assignment).
+_T_MSG_IOV, _T_DESC, _T_IOV_COUNT, _T_ADDR, _T_RMA_IOV, _T_RMA_IOV_COUNT, _T_CONTEXT, _T_DATA = range(8)
+_T_IOV_BASE, _T_IOV_LEN, _T_RMA_ADDR, _T_RMA_LEN, _T_RMA_KEY, _T_DESC0 = range(8, 14)
+_T_WORDS = 14
+_CTX_WORDS = 4  # struct fi_context: 4 pointers; FI_CONTEXT mode needs one per outstanding op
+_WRITE_FLAGS = lf.FI_REMOTE_CQ_DATA | lf.FI_COMPLETION
+_IMM_MASK = 0xFFFFFFFF
+_NEG_EAGAIN = -lf.FI_EAGAIN
+_NEG_EAVAIL = -lf.FI_EAVAIL
+
+
+def _u64_view(ctypes_array) -> memoryview:
+    return memoryview(ctypes_array).cast("B").cast("Q")
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    """Picklable address of an engine: provider name and one endpoint name per domain."""
+
+    provider: str
+    names: tuple[bytes, ...]
+
+    def __str__(self) -> str:
+        return f"{self.provider}:{self.names[0][:24].hex()}"
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """Picklable descriptor of a registered buffer, for peers to write into it.
+
+    ``base`` is the remote address of byte 0 as the provider wants it: the virtual address when the
+    provider's ``mr_mode`` has ``FI_MR_VIRT_ADDR`` (shm, efa), else 0 (tcp: offsets into the MR).
+    ``keys`` holds one key per domain of the owning engine.
+    """
+
+    provider: str
+    nbytes: int
+    base: int
+    keys: tuple[int, ...]
+
+
+class LocalRegion:
+    """A buffer registered in every domain of an engine (source of writes and/or target of peers)."""
+
+    def __init__(self, engine: "TransferEngine", addr: int, nbytes: int, mrs: list):
+        self.addr = addr
+        self.nbytes = nbytes
+        self._engine = engine
+        self._mrs = mrs
+        self.descs = tuple(m.desc for m in mrs)  # fi_mr_desc per domain (may be 0 when not FI_MR_LOCAL)
+        self.keys = tuple(m.key for m in mrs)
+
+    def descriptor(self) -> RemoteRegion:
+        """What a peer needs to write into this buffer (picklable)."""
+        base = self.addr if self._engine.info.virt_addr else 0
+        return RemoteRegion(self._engine.provider_name, self.nbytes, base, self.keys)
+
+    def close(self) -> None:
+        """Deregister (idempotent). No write from or into this buffer may be in flight."""
+        for m in self._mrs:
+            m.close()
+        self._mrs = []
+        if self in self._engine._regions:
+            self._engine._regions.remove(self)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A connected remote engine: its address and its ``fi_addr_t`` in each local domain's AV."""
+
+    index: int
+    address: EngineAddress
+    fi_addrs: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"peer#{self.index}({self.address})"
+
+
+class PeerGroup:
+    """Peers with one remote region each, with pre-built write templates (see ``TransferEngine.peer_group``).
+
+    ``len(group)`` peers; position ``i`` in the group is the ``peer_index`` used by ``scatter`` targets.
+    """
+
+    def __init__(self, engine: "TransferEngine", peers: Sequence[Peer], regions: Sequence[RemoteRegion]):
+        n = len(peers)
+        nd = engine.num_domains
+        self.peers = tuple(peers)
+        self.regions = tuple(regions)
+        # Contiguous peer ranges per domain: position i -> domain i * nd // n.
+        self.domain_of = tuple(i * nd // n for i in range(n))
+        self._templates = (ctypes.c_uint64 * (_T_WORDS * n))()
+        self._mv = _u64_view(self._templates)
+        base_addr = ctypes.addressof(self._templates)
+        mv = self._mv
+        for i, (peer, region, d) in enumerate(zip(peers, regions, self.domain_of)):
+            b = i * _T_WORDS
+            addr0 = base_addr + 8 * b
+            mv[b + _T_MSG_IOV] = addr0 + 8 * _T_IOV_BASE
+            mv[b + _T_DESC] = addr0 + 8 * _T_DESC0
+            mv[b + _T_IOV_COUNT] = 1
+            mv[b + _T_ADDR] = peer.fi_addrs[d]
+            mv[b + _T_RMA_IOV] = addr0 + 8 * _T_RMA_ADDR
+            mv[b + _T_RMA_IOV_COUNT] = 1
+            mv[b + _T_RMA_KEY] = region.keys[d % len(region.keys)]
+        # Parallel tuples read by the posting loop (tuple indexing is the cheapest lookup in CPython).
+        self.msg_addr = tuple(base_addr + 8 * _T_WORDS * i for i in range(n))
+        self.word = tuple(_T_WORDS * i for i in range(n))
+        self.ep_ptr = tuple(engine._eps[d].ptr for d in self.domain_of)
+        self.writemsg = tuple(engine._eps[d].writemsg for d in self.domain_of)
+        self.remote_base = tuple(r.base for r in regions)
+        self.remote_nbytes = tuple(r.nbytes for r in regions)
+        self.barrier_targets = tuple((i, 0, 0, 0) for i in range(n))
+        self._src = None  # LocalRegion whose descs are in the templates
+
+    def __len__(self) -> int:
+        return len(self.peers)
+
+    def _set_source(self, src: LocalRegion) -> None:
+        # The desc (fi_mr_desc of the source MR in the peer's domain) changes only with the source.
+        mv = self._mv
+        for i, d in enumerate(self.domain_of):
+            mv[i * _T_WORDS + _T_DESC0] = src.descs[d]
+        self._src = src
+
+
+class TransferEngine:
+    """RDMA-write engine over libfabric (see the module docstring).
+
+    Args:
+        provider: ``"tcp"`` (tcp;ofi_rxm), ``"shm"``, ``"efa"`` or ``"auto"`` (efa if present, else shm,
+            else tcp).
+        num_domains: domains (NICs) to open; peers of a group are sharded over them.
+        tx_size: transmit queue depth to ask for (None: provider default). Small values make the
+            provider return ``-FI_EAGAIN``, which the engine absorbs by progressing and retrying.
+        cq_size: entries per CQ.
+        max_inflight: bound on writes posted and not yet completed (one ``fi_context`` each); posting
+            beyond it progresses until a slot frees. Default ``min(cq_size // 2, 4096)`` per domain, so
+            local completions can never overrun a CQ.
+        hmem: ask for ``FI_HMEM`` (needed to register GPU memory).
+        timeout_s: bound on any internal wait (posting against ``-FI_EAGAIN``, waiting for a slot).
+    """
+
+    def __init__(self, provider: str = "auto", num_domains: int = 1, *, tx_size: int | None = None,
+                 cq_size: int = 4096, max_inflight: int | None = None, hmem: bool = False,
+                 timeout_s: float = 30.0):
+        if num_domains < 1:
+            raise ValueError(f"num_domains must be >= 1, got {num_domains}")
+        if provider == "auto":
+            provider = auto_provider()
+        self.provider = provider
+        self.num_domains = num_domains
+        self.timeout_s = timeout_s
+        self._closed = False
+        self._regions: list[LocalRegion] = []
+        self._peers: dict[EngineAddress, Peer] = {}
+        self._domains: list = []
+        self._cqs: list = []
+        self._avs: list = []
+        self._eps: list = []
+        self.info = lf.getinfo(provider, hmem=hmem, tx_size=tx_size)
+        self.provider_name = self.info.prov_name
+        self._next_key = 1  # requested keys when the provider does not pick them (tcp)
+        try:
+            self._fabric = lf.Fabric(self.info)
+            for _ in range(num_domains):
+                dom = self._fabric.domain()
+                self._domains.append(dom)
+                cq = dom.cq_open(cq_size)
+                self._cqs.append(cq)
+                av = dom.av_open(256)
+                self._avs.append(av)
+                ep = dom.endpoint()
+                self._eps.append(ep)
+                # One CQ for both directions: local write completions and remote-write immediates.
+                ep.bind(cq.ptr, lf.FI_TRANSMIT | lf.FI_RECV, "cq")
+                ep.bind(av.ptr, 0, "av")
+                ep.enable()
+            self.address = EngineAddress(self.provider_name, tuple(ep.getname() for ep in self._eps))
+        except BaseException:
+            self.close()
+            raise
+        # Completion bookkeeping.
+        if max_inflight is None:
+            max_inflight = min(cq_size // 2, 4096) * num_domains
+        self.max_inflight = max_inflight
+        self._ctx_pool = (ctypes.c_uint64 * (_CTX_WORDS * max_inflight))()
+        self._ctx_base = ctypes.addressof(self._ctx_pool)
+        self._free_slots = list(range(max_inflight))
+        self._slot_peer: list = [None] * max_inflight  # for error messages: which peer a write went to
+        self._cq_buf = (lf.fi_cq_data_entry * CQ_BATCH)()
+        self._cq_buf_addr = ctypes.addressof(self._cq_buf)
+        self._cq_mv = _u64_view(self._cq_buf)
+        self._cq_calls = tuple((cq.read, cq.ptr, cq) for cq in self._cqs)
+        self._imm_counts: dict[int, int] = {}
+        self.writes_posted = 0  # totals, for tests and benchmarks
+        self.writes_completed = 0
+        self.imms_received = 0
+        self.eagain_retries = 0  # posts retried after -FI_EAGAIN (back-pressure or lazy connect)
+        # A small buffer registered once: the source of zero-length writes (barriers).
+        self._scratch = ctypes.create_string_buffer(64)
+        self._scratch_region = self.register(ctypes.addressof(self._scratch), 64)
+
+    # ------------------------------------------------------------------ memory
+
+    def register(self, addr: int, nbytes: int, dmabuf_fd: int | None = None,
+                 cuda_device: int | None = None) -> LocalRegion:
+        """Register ``[addr, addr+nbytes)`` in every domain, for local reads and remote writes.
+
+        Host memory by default. GPU memory with ``cuda_device`` set (``FI_HMEM_CUDA`` by virtual address;
+        with ``dmabuf_fd`` by DMA-BUF, libfabric >= 1.20): raises :class:`~.libfabric.HmemUnsupported`
+        when the provider/build cannot, so the caller can fall back to host-staged buffers.
+        The memory must stay valid until the region is closed.
+        """
+        self._check_open()
+        if nbytes <= 0 or addr <= 0:
+            raise ValueError(f"register: need addr > 0 and nbytes > 0, got addr={addr:#x} nbytes={nbytes}")
+        access = lf.FI_WRITE | lf.FI_REMOTE_WRITE | lf.FI_READ | lf.FI_REMOTE_READ
+        mrs = []
+        try:
+            for dom in self._domains:
+                key = self._next_key
+                self._next_key += 1
+                if cuda_device is None and dmabuf_fd is None:
+                    mrs.append(dom.mr_reg(addr, nbytes, access, key))
+                else:
+                    mrs.append(dom.mr_regattr_cuda(addr, nbytes, access, key, cuda_device or 0, dmabuf_fd))
+        except BaseException:
+            for m in mrs:
+                m.close()
+            raise
+        region = LocalRegion(self, addr, nbytes, mrs)
+        self._regions.append(region)
+        return region
+
+    # ------------------------------------------------------------------ peers
+
+    def connect(self, addresses: Iterable[EngineAddress]) -> list[Peer]:
+        """Insert remote engines into the AVs (cached: connecting twice returns the same :class:`Peer`).
+
+        Connections themselves are lazy (rxm connects on the first write; the engine retries
+        ``-FI_EAGAIN`` meanwhile)."""
+        self._check_open()
+        out = []
+        for a in addresses:
+            if not isinstance(a, EngineAddress):
+                raise ValueError(f"connect: expected EngineAddress, got {type(a).__name__}")
+            if a.provider != self.provider_name:
+                raise ValueError(f"connect: address of provider {a.provider!r}, this engine uses "
+                                 f"{self.provider_name!r}")
+            peer = self._peers.get(a)
+            if peer is None:
+                fi_addrs = tuple(av.insert(a.names[d % len(a.names)]) for d, av in enumerate(self._avs))
+                peer = Peer(len(self._peers), a, fi_addrs)
+                self._peers[a] = peer
+            out.append(peer)
+        return out
+
+    def peer_group(self, peers: Sequence[Peer], remote_regions: Sequence[RemoteRegion]) -> PeerGroup:
+        """A group of peers, each with the remote region its writes land in. Raises ``ValueError`` for an
+        unknown peer or a region of the wrong type/provider/domain count."""
+        self._check_open()
+        if len(peers) != len(remote_regions) or not peers:
+            raise ValueError(f"peer_group: need one remote region per peer and at least one peer, got "
+                             f"{len(peers)} peers and {len(remote_regions)} regions")
+        for i, (p, r) in enumerate(zip(peers, remote_regions)):
+            if not isinstance(p, Peer) or self._peers.get(p.address) is not p:
+                raise ValueError(f"peer_group: position {i}: {p!r} is not a peer of this engine "
+                                 f"(use engine.connect)")
+            if not isinstance(r, RemoteRegion):
+                raise ValueError(f"peer_group: position {i}: expected RemoteRegion, got {type(r).__name__}")
+            if r.provider != self.provider_name or len(r.keys) != len(p.address.names):
+                raise ValueError(f"peer_group: position {i}: region of provider {r.provider!r} with "
+                                 f"{len(r.keys)} keys does not match {p} ({len(p.address.names)} domains)")
+        return PeerGroup(self, peers, remote_regions)
+
+    # ------------------------------------------------------------------ posting
+
+    def scatter(self, grp: PeerGroup, src: LocalRegion, targets: Sequence[tuple[int, int, int, int]],
+                imm: int | Sequence[int]) -> None:
+        """Post one RDMA write with immediate per target; returns once all are posted (not completed).
+
+        Args:
+            grp: the peer group (from :meth:`peer_group`).
+            src: the local source region.
+            targets: ``(peer_index, src_offset, length, dst_offset)`` tuples, byte units; ``peer_index``
+                is the position in ``grp``, offsets are relative to ``src`` and to the peer's region.
+                ``length == 0`` is allowed: the write carries only the immediate.
+            imm: one 32-bit immediate for all targets, or one per target.
+
+        Every target is validated before anything is posted (``ValueError``). ``-FI_EAGAIN`` (queue full,
+        rxm not yet connected) is absorbed by progressing the CQs and retrying, up to ``timeout_s``.
+        """
+        n_targets = len(targets)
+        if isinstance(imm, int):
+            if not 0 <= imm <= _IMM_MASK:
+                raise ValueError(f"scatter: imm {imm} is not a 32-bit unsigned value")
+            imms = None
+        else:
+            imms = imm
+            if len(imms) != n_targets:
+                raise ValueError(f"scatter: {len(imms)} imms for {n_targets} targets")
+            for v in imms:
+                if not 0 <= v <= _IMM_MASK:
+                    raise ValueError(f"scatter: imm {v} is not a 32-bit unsigned value")
+        self._validate(grp, src, targets)
+        if grp._src is not src:
+            grp._set_source(src)
+        # Hot loop (measured budget ~1 µs per write): locals only, tuple indexing, memoryview stores.
+        mv = grp._mv
+        word = grp.word
+        msg_addr = grp.msg_addr
+        ep_ptr = grp.ep_ptr
+        writemsg = grp.writemsg
+        remote_base = grp.remote_base
+        peers = grp.peers
+        free = self._free_slots
+        slot_peer = self._slot_peer
+        ctx_base = self._ctx_base
+        src_addr = src.addr
+        flags = _WRITE_FLAGS
+        v = imm
+        for k in range(n_targets):
+            p, so, length, do = targets[k]
+            if imms is not None:
+                v = imms[k]
+            b = word[p]
+            mv[b + 8] = src_addr + so  # iov_base
+            mv[b + 9] = length  # iov_len
+            mv[b + 10] = remote_base[p] + do  # rma_iov.addr
+            mv[b + 11] = length  # rma_iov.len
+            mv[b + 7] = v  # data (the immediate)
+            if not free:
+                self._wait_slot()
+            slot = free.pop()
+            slot_peer[slot] = peers[p]
+            mv[b + 6] = ctx_base + (slot << 5)  # context: this op's fi_context
+            rc = writemsg[p](ep_ptr[p], msg_addr[p], flags)
+            if rc:
+                self._post_failed(rc, grp, p, slot, v)
+        self.writes_posted += n_targets
+
+    def barrier(self, grp: PeerGroup, imm: int) -> None:
+        """Post a zero-length write carrying ``imm`` to every peer of ``grp`` (the receivers count it)."""
+        self.scatter(grp, self._scratch_region, grp.barrier_targets, imm)
+
+    def _validate(self, grp: PeerGroup, src: LocalRegion, targets) -> None:
+        if not isinstance(grp, PeerGroup):
+            raise ValueError(f"expected a PeerGroup, got {type(grp).__name__}")
+        if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
+            raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
+        n_peers = len(grp.peers)
+        src_n = src.nbytes
+        rsize = grp.remote_nbytes
+        for t in targets:
+            p, so, length, do = t
+            if (p < 0 or p >= n_peers or so < 0 or do < 0 or length < 0 or so + length > src_n
+                    or do + length > rsize[p]):
+                raise ValueError(self._bad_target(grp, src, t))
+
+    @staticmethod
+    def _bad_target(grp: PeerGroup, src: LocalRegion, t) -> str:
+        p, so, length, do = t
+        if not 0 <= p < len(grp.peers):
+            return f"scatter target {t}: peer index {p} outside the group of {len(grp.peers)} peers"
+        return (f"scatter target {t} (peer_index, src_offset, length, dst_offset): source range "
+                f"[{so}, {so + length}) of {src.nbytes} B, destination range [{do}, {do + length}) of "
+                f"{grp.remote_nbytes[p]} B at {grp.peers[p]}: out of bounds or negative")
+
+    def _post_failed(self, rc: int, grp: PeerGroup, p: int, slot: int, imm: int) -> None:
+        """Slow path of a post: retry ``-FI_EAGAIN`` while progressing; raise anything else."""
+        deadline = time.monotonic() + self.timeout_s
+        writemsg, ep, msg = grp.writemsg[p], grp.ep_ptr[p], grp.msg_addr[p]
+        while rc == _NEG_EAGAIN:
+            self.eagain_retries += 1
+            self.progress()
+            if time.monotonic() > deadline:
+                break
+            rc = writemsg(ep, msg, _WRITE_FLAGS)
+        if rc:
+            self._free_slots.append(slot)
+            self._slot_peer[slot] = None
+            if rc == _NEG_EAGAIN:
+                raise TimeoutError(f"fi_writemsg to {grp.peers[p]} returned -FI_EAGAIN for {self.timeout_s}s "
+                                   f"(peer not progressing or not reachable) [imm {imm:#x}]")
+            raise lf.FabricError("fi_writemsg", rc, peer=grp.peers[p], context=f"imm {imm:#x}")
+
+    def _wait_slot(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self._free_slots:
+            self.progress()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.max_inflight} writes in flight and none completed within "
+                                   f"{self.timeout_s}s (peers not progressing?)")
+
+    # ------------------------------------------------------------------ completions
+
+    def progress(self) -> None:
+        """Read each CQ once (up to ``CQ_BATCH`` entries): count received immediates, retire local
+        write completions. Raises :class:`~.libfabric.FabricError` for an error completion, naming the
+        peer of the failed write when it was ours."""
+        for read, cq_ptr, cq in self._cq_calls:
+            n = read(cq_ptr, self._cq_buf_addr, CQ_BATCH)
+            if n > 0:
+                self._consume(n)
+            elif n != _NEG_EAGAIN:
+                if n == _NEG_EAVAIL:
+                    self._raise_cq_error(cq)
+                raise lf.FabricError("fi_cq_read", n)
+
+    def _consume(self, n: int) -> None:
+        mv = self._cq_mv
+        counts = self._imm_counts
+        free = self._free_slots
+        ctx_base = self._ctx_base
+        remote_flag = lf.FI_REMOTE_WRITE
+        n_local = 0
+        for i in range(0, n * _ENTRY_U64, _ENTRY_U64):
+            # Classify by FI_REMOTE_WRITE: some providers also flag FI_REMOTE_CQ_DATA on the initiator.
+            if mv[i + 1] & remote_flag:
+                v = mv[i + 4] & _IMM_MASK
+                counts[v] = counts.get(v, 0) + 1
+            else:
+                free.append((mv[i] - ctx_base) >> 5)
+                n_local += 1
+        self.writes_completed += n_local
+        self.imms_received += n - n_local
+
+    def _raise_cq_error(self, cq) -> None:
+        entry, msg = cq.readerr()
+        peer, what = None, "remote write" if entry.flags & lf.FI_REMOTE_WRITE else "write"
+        ctx = entry.op_context or 0
+        if ctx and 0 <= ctx - self._ctx_base < 8 * _CTX_WORDS * self.max_inflight:
+            slot = (ctx - self._ctx_base) >> 5
+            peer = self._slot_peer[slot]
+            self._slot_peer[slot] = None
+            self._free_slots.append(slot)
+            self.writes_completed += 1
+        raise lf.FabricError("fi_cq_read", -entry.err, msg, peer=peer,
+                             context=f"{what}, {entry.len} B, imm {entry.data & _IMM_MASK:#x}")
+
+    @property
+    def writes_pending(self) -> int:
+        """Writes posted and not yet completed locally."""
+        return self.max_inflight - len(self._free_slots)
+
+    def imm_count(self, imm: int) -> int:
+        """Immediates ``imm`` received and not yet consumed (no progress is made)."""
+        return self._imm_counts.get(imm, 0)
+
+    def imm_counts(self) -> dict[int, int]:
+        """Copy of all unconsumed immediate counts (for tests and debugging)."""
+        return dict(self._imm_counts)
+
+    def take_imm(self, imm: int, n: int) -> None:
+        """Consume ``n`` received immediates ``imm``; ``ValueError`` if fewer arrived."""
+        have = self._imm_counts.get(imm, 0)
+        if have < n:
+            raise ValueError(f"take_imm: {n} of imm {imm:#x} requested, {have} received")
+        if have == n:
+            del self._imm_counts[imm]
+        else:
+            self._imm_counts[imm] = have - n
+
+    def wait_imms(self, expected: dict[int, int], timeout_s: float | None = None, what: str = "immediates",
+                  names: dict[int, str] | None = None) -> None:
+        """Progress until ``expected[imm]`` immediates of each ``imm`` arrived, then consume them.
+
+        Immediates that arrived before the call count. On timeout raises ``TimeoutError`` naming
+        ``what`` and every short immediate with received/expected counts (``names`` may map an imm to a
+        readable label such as ``"rank 3"``; otherwise the caller's imm encoding identifies the peer).
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        counts = self._imm_counts
+        deadline = None
+        while True:
+            for imm, n in expected.items():
+                if counts.get(imm, 0) < n:
+                    break
+            else:
+                break
+            self.progress()
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout_s
+            elif now > deadline:
+                short = [(imm, counts.get(imm, 0), n) for imm, n in expected.items() if counts.get(imm, 0) < n]
+                label = names or {}
+                detail = "; ".join(f"{label.get(i, f'imm {i:#x}')}: {got}/{n}" for i, got, n in short)
+                raise TimeoutError(f"{what}: timed out after {timeout_s:g}s waiting for immediates: {detail}")
+        for imm, n in expected.items():
+            if n:
+                self.take_imm(imm, n)
+
+    def wait_writes(self, timeout_s: float | None = None) -> None:
+        """Progress until every posted write completed locally (its source buffer may be reused)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        free = self._free_slots
+        while len(free) < self.max_inflight:
+            self.progress()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"wait_writes: {self.writes_pending} writes still in flight after "
+                                   f"{timeout_s:g}s")
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Close endpoints, AVs, CQs, MRs, domains, fabric (that order: each needs the next). Idempotent.
+
+        Writes still in flight are abandoned (call ``wait_writes`` first for a clean drain)."""
+        if self._closed:
+            return
+        self._closed = True
+        for obj in (*self._eps, *self._avs, *self._cqs):
+            obj.close()
+        for r in list(self._regions):
+            r.close()
+        for obj in self._domains:
+            obj.close()
+        if getattr(self, "_fabric", None) is not None:
+            self._fabric.close()
+        self.info.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("TransferEngine is closed")
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"TransferEngine({self.provider_name}, domains={self.num_domains}, "
+                f"mr_mode={self.info.mr_mode:#x}, pending={self.writes_pending if not self._closed else 0})")
+
+
+def auto_provider() -> str:
+    """``"efa"`` if present, else ``"shm"``, else ``"tcp"`` (only providers we tested as RDM+RMA)."""
+    names = lf.list_providers()
+    for want in ("efa", "shm", "tcp;ofi_rxm"):
+        if want in names:
+            return {"tcp;ofi_rxm": "tcp"}.get(want, want)
+    raise lf.FabricError("fi_getinfo", -lf.FI_ENODATA, f"none of efa, shm, tcp available (found {names})")

@@ -1,0 +1,305 @@
+"""The proxy process: one per rank, it drives the NIC for that rank's GPU.
+
+Why a process and not a thread: a busy-polling Python thread in the model's process makes every
+Triton launch wait for the GIL (5 ms per launch measured on the GPU host, DESIGN section 2).
+
+The model process and the proxy talk only through flags in the rank's shared segment (epoch
+numbers, never reset); the proxy knows buffers, offsets, peers and immediates, never tokens. It
+reads the count rows the routing exchange delivers and turns them into writes with `plan`.
+
+One call (epoch e) of dispatch + combine, as seen by the proxy of rank r:
+
+    ROUTE_READY        -> scatter my count row to every peer (imm ROUTE)
+    SEND_READY         -> scatter to every remote peer its first min(n, P) routes (imm DISPATCH)
+    all ROUTE imms     -> validate the count matrix; remainder writes (imm DISPATCH)
+    all DISPATCH imms, same-node peers' SEND_READY   -> raise DISPATCH_RECV_READY
+    DISPATCH_RECV_DONE -> barrier (imm DISPATCH_BARRIER) -> raise DISPATCH_BARRIER
+    COMBINE_SEND_READY -> scatter each remote source its rows (imm COMBINE)
+    all COMBINE imms, same-node peers' COMBINE_SEND_READY -> raise COMBINE_RECV_READY
+    COMBINE_RECV_DONE  -> barrier (imm COMBINE_BARRIER) -> raise COMBINE_BARRIER
+
+Started with `python -m moe_a2a.proxy.worker FD` by `ProxyHandle.start`; this module must not
+import torch (the proxy would take seconds to start and hundreds of MB for nothing).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from .. import plan
+from ..config import ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, Flag, Imm, Layout
+from .engine import TransferEngine
+from .memory import SharedSegment
+
+ERROR_TIMEOUT = 1  # values of Flag.ERROR
+ERROR_FAILED = 2
+_WORDS_PER_FLAG = FLAG_SLOT_BYTES // 8
+
+
+@dataclass(frozen=True)
+class ProxySpec:
+    """Everything the proxy needs to start (picklable, torch-free)."""
+
+    layout: Layout
+    rank: int
+    segment: str
+    host_staged: bool      # send/recv buffers live in the segment (else: GPU memory, no data on the wire)
+    provider: str
+    timeout_s: float
+    parent_pid: int
+    spin_s: float = 1e-3   # busy-poll this long before backing off to short sleeps
+
+
+class Flags:
+    """int64 epoch flags of one segment, one cache line apart."""
+
+    def __init__(self, seg: SharedSegment, lay: Layout) -> None:
+        n = int(Flag.NUM_FLAGS) * _WORDS_PER_FLAG
+        self._words = seg.numpy(lay.flags_offset_bytes, n, np.int64)
+
+    def __getitem__(self, flag: Flag) -> int:
+        return int(self._words[int(flag) * _WORDS_PER_FLAG])
+
+    def __setitem__(self, flag: Flag, value: int) -> None:
+        self._words[int(flag) * _WORDS_PER_FLAG] = value
+
+
+def write_error(seg: SharedSegment, lay: Layout, code: int, message: str) -> None:
+    """Report an error to the model process: message first, then the flag (the reader trusts the
+    message once the flag is nonzero)."""
+    data = message.encode()[: ERROR_MESSAGE_BYTES - 1] + b"\0"
+    seg.numpy(lay.error_offset_bytes, len(data))[:] = np.frombuffer(data, np.uint8)
+    Flags(seg, lay)[Flag.ERROR] = code
+
+
+def read_error(seg: SharedSegment, lay: Layout) -> str:
+    raw = bytes(seg.numpy(lay.error_offset_bytes, ERROR_MESSAGE_BYTES))
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+class _Stop(Exception):
+    """The owner asked the proxy to exit, or died."""
+
+
+class Proxy:
+    """The state machine of one rank's proxy (see the module docstring)."""
+
+    def __init__(self, spec: ProxySpec, conn: Connection) -> None:
+        self.spec, self.lay, self.rank = spec, spec.layout, spec.rank
+        lay, r = self.lay, self.rank
+        self.seg = SharedSegment(spec.segment)
+        self.flags = Flags(self.seg, lay)
+        self.routing = self.seg.numpy(lay.routing_offset_bytes, lay.world_size * lay.num_experts,
+                                      np.int32).reshape(lay.world_size, lay.num_experts)
+        self.engine = TransferEngine(spec.provider, timeout_s=spec.timeout_s)
+        self.region = self.engine.register(self.seg.addr, self.seg.nbytes)
+        # Bootstrap: the owner gathers every rank's (address, region, segment name) for us.
+        conn.send((self.engine.address, self.region.descriptor()))
+        table = conn.recv()
+        self.peers = [p for p in range(lay.world_size) if p != r]
+        self.pos = {p: i for i, p in enumerate(self.peers)}
+        self.remote = lay.remote_peers(r)
+        self.node_peers = [p for p in lay.node_peers(r) if p != r]
+        if self.peers:
+            handles = self.engine.connect([table[p][0] for p in self.peers])
+            self.group = self.engine.peer_group(handles, [table[p][1] for p in self.peers])
+        # Same-node peers' flags (they raise SEND_READY / COMBINE_SEND_READY after writing to us).
+        self.peer_flags = {p: Flags(SharedSegment(table[p][2]), lay) for p in self.node_peers}
+        self.flags[Flag.PROXY_READY] = 1
+        self._last_beat = 0.0
+
+    # ---- waiting ------------------------------------------------------------------------------
+    def _idle(self, since: float) -> None:
+        """Progress the CQ (software providers land data only when the target polls) and back off
+        to short sleeps after `spin_s`, so many ranks can share a 2-core CI machine."""
+        self.engine.progress()
+        now = time.monotonic()
+        if now - self._last_beat > 0.01:
+            self._last_beat = now
+            self.flags[Flag.HEARTBEAT] = self.flags[Flag.HEARTBEAT] + 1
+            if self.flags[Flag.SHUTDOWN] or os.getppid() != self.spec.parent_pid:
+                raise _Stop()
+        if now - since > self.spec.spin_s:
+            time.sleep(min(1e-3, (now - since) / 10))
+
+    def wait_local(self, flag: Flag, epoch: int) -> None:
+        """Wait for this rank's model process: no deadline (the model may be busy elsewhere)."""
+        start = time.monotonic()
+        while self.flags[flag] < epoch:
+            self._idle(start)
+
+    def wait_peers(self, epoch: int, what: str, imms: dict[int, int], flag: Flag | None = None) -> None:
+        """Wait for immediates (keyed by exact value) and same-node peers' `flag` >= epoch."""
+        start = time.monotonic()
+        while True:
+            short = [i for i, n in imms.items() if self.engine.imm_count(i) < n]
+            slow = [p for p in self.node_peers if flag is not None and self.peer_flags[p][flag] < epoch]
+            if not short and not slow:
+                break
+            if time.monotonic() - start > self.spec.timeout_s:
+                missing = sorted({plan.split_imm(i)[1] for i in short} | set(slow))
+                raise TimeoutError(f"rank {self.rank}: {what} (epoch {epoch}) timed out after "
+                                   f"{self.spec.timeout_s:g}s; missing peers {missing}")
+            self._idle(start)
+        for i, n in imms.items():
+            self.engine.take_imm(i, n)
+
+    def _imms(self, kind: Imm, epoch: int, peers, count=1) -> dict[int, int]:
+        if isinstance(count, dict):
+            return {plan.make_imm(kind, p, epoch): count[p] for p in peers}
+        return {plan.make_imm(kind, p, epoch): count for p in peers}
+
+    # ---- posting ------------------------------------------------------------------------------
+    def scatter(self, writes, src_base: int, dst_base: int, kind: Imm, epoch: int) -> None:
+        if writes:
+            imm = plan.make_imm(kind, self.rank, epoch)
+            self.engine.scatter(self.group, self.region,
+                                [(self.pos[d], src_base + s, n, dst_base + o) for d, s, n, o in writes], imm)
+
+    def barrier(self, kind: Imm, epoch: int, what: str) -> None:
+        if self.peers:
+            self.engine.barrier(self.group, plan.make_imm(kind, self.rank, epoch))
+        self.wait_peers(epoch, what, self._imms(kind, epoch, self.peers))
+        # Our own writes are complete once every peer has passed the barrier; drain the CQ so the
+        # send buffer can be reused without a stale completion in flight.
+        self.engine.wait_writes()
+
+    # ---- one call -------------------------------------------------------------------------------
+    def run_epoch(self, e: int) -> None:
+        lay, r, F = self.lay, self.rank, Flag
+        row_bytes = lay.num_experts * 4
+        send, recv = lay.send_offset_bytes, lay.recv_offset_bytes
+
+        self.wait_local(F.ROUTE_READY, e)
+        if self.peers:
+            off = lay.routing_offset_bytes + r * row_bytes
+            self.engine.scatter(self.group, self.region, [(i, off, row_bytes, off) for i in range(len(self.peers))],
+                                plan.make_imm(Imm.ROUTE, r, e))
+        self.wait_local(F.SEND_READY, e)
+        self.scatter(plan.private_writes(self.routing[r].astype(np.int64), r, lay), send, recv, Imm.DISPATCH, e)
+        self.wait_peers(e, "dispatch: routing exchange", self._imms(Imm.ROUTE, e, self.peers))
+        counts = self.routing.astype(np.int64)
+        plan.validate_counts(counts, lay)
+        self.scatter(plan.remainder_writes(counts, r, lay), send, recv, Imm.DISPATCH, e)
+        self.wait_peers(e, "dispatch: tokens", self._imms(Imm.DISPATCH, e, self.remote,
+                                                           plan.expected_dispatch_imms(counts, r, lay)),
+                        F.SEND_READY)
+        self.flags[F.DISPATCH_RECV_READY] = e
+
+        self.wait_local(F.DISPATCH_RECV_DONE, e)
+        self.barrier(Imm.DISPATCH_BARRIER, e, "dispatch: barrier")
+        self.flags[F.DISPATCH_BARRIER] = e
+
+        self.wait_local(F.COMBINE_SEND_READY, e)
+        self.scatter(plan.combine_writes(counts, r, lay), send, recv, Imm.COMBINE, e)
+        self.wait_peers(e, "combine: expert outputs", self._imms(Imm.COMBINE, e, self.remote),
+                        F.COMBINE_SEND_READY)
+        self.flags[F.COMBINE_RECV_READY] = e
+
+        self.wait_local(F.COMBINE_RECV_DONE, e)
+        self.barrier(Imm.COMBINE_BARRIER, e, "combine: barrier")
+        self.flags[F.COMBINE_BARRIER] = e
+
+    def run(self) -> None:
+        epoch = 1
+        while True:
+            self.run_epoch(epoch)
+            epoch += 1
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to kill us when the owner dies (Linux), on top of the ppid check."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(fd: int) -> None:
+    _die_with_parent()
+    conn = Connection(fd)
+    spec: ProxySpec = conn.recv()
+    if os.getppid() != spec.parent_pid:
+        return
+    proxy = None
+    try:
+        proxy = Proxy(spec, conn)
+        conn.send("ready")
+        proxy.run()
+    except _Stop:
+        pass
+    except BaseException as exc:  # report everything: the model process turns it into its error
+        code = ERROR_TIMEOUT if isinstance(exc, TimeoutError) else ERROR_FAILED
+        msg = str(exc) if isinstance(exc, TimeoutError) else f"proxy of rank {spec.rank} failed:\n{traceback.format_exc()}"
+        try:
+            seg = proxy.seg if proxy else SharedSegment(spec.segment)
+            write_error(seg, spec.layout, code, msg)
+        finally:
+            try:
+                conn.send(("error", msg))
+            except OSError:
+                pass
+    finally:
+        if proxy is not None:
+            proxy.close()
+
+
+class ProxyHandle:
+    """The owner's side: starts the proxy process and finishes its bootstrap."""
+
+    def __init__(self, spec: ProxySpec) -> None:
+        import socket
+
+        self.spec = spec
+        ours, theirs = socket.socketpair()
+        self._sock = ours
+        self.conn = Connection(os.dup(ours.fileno()))
+        self.proc = subprocess.Popen([sys.executable, "-m", "moe_a2a.proxy.worker", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], close_fds=True)
+        theirs.close()
+        self.conn.send(spec)
+
+    def _recv(self, what: str, timeout_s: float):
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"rank {self.spec.rank}: proxy process did not answer ({what}) within {timeout_s:g}s")
+        msg = self.conn.recv()
+        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+            raise RuntimeError(msg[1])
+        return msg
+
+    def address(self, timeout_s: float):
+        """(engine address, region descriptor) of the proxy, for the bootstrap exchange."""
+        return self._recv("address", timeout_s)
+
+    def finish(self, table, timeout_s: float) -> None:
+        """Give the proxy every rank's (address, descriptor, segment name); wait until ready."""
+        self.conn.send(table)
+        self._recv("ready", timeout_s)
+
+    def stop(self, seg: SharedSegment | None, layout: Layout, timeout_s: float = 5.0) -> None:
+        if seg is not None and seg._mmap is not None:
+            Flags(seg, layout)[Flag.SHUTDOWN] = 1
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+        self._sock.close()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

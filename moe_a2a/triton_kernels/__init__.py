@@ -1,0 +1,1 @@
+"""Triton kernels of moe_a2a, one job per file (DESIGN section 3)."""

@@ -1,0 +1,236 @@
+"""Routing: per-expert route counts and each route's expert-major send slot.
+
+A *route* is one (token t, slot k) of `indices [T, K]`; routes are numbered row-major, r = t*K + k.
+For every expert e, `counts[e]` is the number of live routes to e, and a live route's send slot is
+
+    route_slot[t, k] = psum_excl(counts)[e] + #(earlier live routes r' < r with the same expert e)
+
+i.e. its position when the live routes are sorted stably by expert. Dead routes (index -1, or token
+t >= bound_m) get -1 and are not counted.
+
+Deterministic by construction: no atomics decide any position. A block of routes is sorted on the key
+`expert * BLOCK_R + local_index` (unique keys, so any correct sort gives the same order), and the sorted
+position of a live route *is* its rank within the block's expert-major order.
+
+Two paths, chosen by the launcher from T*K:
+- one launch, one program (T*K <= 4096; decode T=128, K=8 has 1024 routes): the block is the whole
+  input, so the sorted position is the final slot and the block histogram is `counts`.
+- two launches (prefill): `_route_block_kernel` writes a histogram row per block of 512 routes and the
+  in-block position of each route; `_route_fixup_kernel` turns the histograms into per-(block, expert)
+  offsets (every program re-reads the small [num_blocks, E] histogram, which saves a third launch for a
+  separate scan) and adds them. No program waits on another program of the same launch, so this also
+  runs under `TRITON_INTERPRET=1`, which runs programs one after the other.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest route count handled by one program. A bitonic sort of 4096 int32 keys in 8 warps stays in
+# registers; past that two launches (≈5-11 µs of host time each) beat one program doing all the work.
+SINGLE_PROGRAM_MAX_ROUTES = 4096
+# Routes per program on the two-launch path: 4096 tokens x 8 routes -> 64 programs, and a [64, E]
+# histogram that each fix-up program re-reads from L2 (64 KB at E=256).
+MULTI_BLOCK_ROUTES = 512
+
+
+@triton.jit
+def _route_block_kernel(
+    indices_ptr,      # (T, K) int32/int64, contiguous; -1 = not routed
+    bound_m_ptr,      # (1,) int32 live token count; read only when HAS_BOUND_M
+    route_slot_ptr,   # (T, K) int32, contiguous: out, final slot (SINGLE) or in-block position
+    counts_ptr,       # (E,) int32, element stride `stride_counts`: out, written only when SINGLE
+    hist_ptr,         # (num_blocks, E) int32 contiguous scratch: out, written only when not SINGLE
+    num_tokens,       # T
+    num_experts,      # E
+    stride_counts,    # elements between consecutive counts (a column of a [W, E] matrix view too)
+    K: tl.constexpr,
+    BLOCK_R: tl.constexpr,       # routes per program, a power of two
+    E_BINS: tl.constexpr,        # next_pow2(E + 1): bin E collects dead routes
+    HAS_BOUND_M: tl.constexpr,
+    SINGLE: tl.constexpr,        # one program covers every route: write final slots and counts
+):
+    """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE)."""
+    pid = tl.program_id(0)
+    # int64 before the multiply: T*K*... stays small today, but route offsets feed pointer math.
+    local = tl.arange(0, BLOCK_R)
+    route = pid.to(tl.int64) * BLOCK_R + local
+    num_routes = num_tokens.to(tl.int64) * K
+    num_live_tokens = num_tokens
+    if HAS_BOUND_M:
+        num_live_tokens = tl.minimum(tl.load(bound_m_ptr), num_tokens)
+    in_range = route < num_routes
+    expert = tl.load(indices_ptr + route, mask=in_range, other=-1).to(tl.int32)
+    # Out-of-range experts are refused on the host (validate_indices); treating them as dead here
+    # keeps a bad index from corrupting memory through the histogram.
+    is_live = in_range & (route // K < num_live_tokens) & (expert >= 0) & (expert < num_experts)
+    expert = tl.where(is_live, expert, num_experts)
+
+    # Unique keys: the sort order is fully determined, dead routes go last.
+    key = expert * BLOCK_R + local
+    sorted_key = tl.sort(key)
+    sorted_local = sorted_key % BLOCK_R
+    sorted_is_live = sorted_key < num_experts * BLOCK_R
+    # Position `local` in sorted order holds route `sorted_local`: a permutation, so each route's
+    # slot is written by exactly one element and the store needs no ordering.
+    slot = tl.where(sorted_is_live, local, -1)
+    sorted_route = pid.to(tl.int64) * BLOCK_R + sorted_local
+    tl.store(route_slot_ptr + sorted_route, slot, mask=sorted_route < num_routes)
+
+    hist = tl.histogram(expert, E_BINS)  # integer counts: order-independent, hence deterministic
+    bins = tl.arange(0, E_BINS)
+    if SINGLE:
+        tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, hist, mask=bins < num_experts)
+    else:
+        tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
+
+
+@triton.jit
+def _route_fixup_kernel(
+    indices_ptr,      # (T, K) int32/int64, contiguous
+    route_slot_ptr,   # (T, K) int32: in: in-block position or -1; out: final slot or -1
+    counts_ptr,       # (E,) int32, element stride `stride_counts`: out (program 0 writes it)
+    hist_ptr,         # (num_blocks, E) int32 from _route_block_kernel
+    num_tokens,       # T
+    num_experts,      # E
+    num_blocks,       # programs of _route_block_kernel (= this grid)
+    stride_counts,
+    K: tl.constexpr,
+    BLOCK_R: tl.constexpr,       # same as _route_block_kernel
+    E_PAD: tl.constexpr,         # next_pow2(E)
+    CHUNK_B: tl.constexpr,       # histogram rows read per step (CHUNK_B * E_PAD <= 4096 elements)
+):
+    """Grid: one program per block of _route_block_kernel. Each re-reads the whole histogram:
+    total[e] over all blocks, before[e] over blocks < pid, and adds
+    delta[e] = psum_excl(total)[e] + before[e] - psum_excl(hist[pid])[e] to its routes' positions."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    rows = tl.arange(0, CHUNK_B)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_blocks, CHUNK_B):
+        row = start + rows
+        tile = tl.load(hist_ptr + row[:, None].to(tl.int64) * num_experts + experts[None, :],
+                       mask=(row[:, None] < num_blocks) & (experts[None, :] < num_experts), other=0)
+        total += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where(row[:, None] < pid, tile, 0), axis=0)
+    mine = tl.load(hist_ptr + pid.to(tl.int64) * num_experts + experts, mask=experts < num_experts, other=0)
+    delta = (tl.cumsum(total, axis=0) - total) + before - (tl.cumsum(mine, axis=0) - mine)
+    if pid == 0:
+        tl.store(counts_ptr + experts.to(tl.int64) * stride_counts, total, mask=experts < num_experts)
+
+    route = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = route < num_tokens.to(tl.int64) * K
+    position = tl.load(route_slot_ptr + route, mask=in_range, other=-1)
+    is_live = position >= 0
+    expert = tl.load(indices_ptr + route, mask=in_range & is_live, other=0).to(tl.int32)
+    slot = position + tl.gather(delta, expert, 0)
+    tl.store(route_slot_ptr + route, tl.where(is_live, slot, -1), mask=in_range)
+
+
+def validate_indices(indices: torch.Tensor, num_experts: int) -> None:
+    """Host check that every value of `indices` is -1 or in [0, num_experts). Syncs the device.
+
+    Raises ValueError naming the first bad value and its (token, slot)."""
+    if indices.numel() == 0:
+        return
+    bad = (indices < -1) | (indices >= num_experts)
+    if bool(bad.any()):
+        t, k = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"indices[{t}, {k}] = {int(indices[t, k])}: expected -1 (not routed) or a value "
+                         f"in [0, {num_experts})")
+
+
+def route_tokens(
+    indices: torch.Tensor,
+    num_experts: int,
+    out_counts: torch.Tensor | None = None,
+    out_route_slot: torch.Tensor | None = None,
+    bound_m: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Count routes per expert and give every route its expert-major send slot.
+
+    Args:
+        indices: `[num_tokens, num_topk]` int32/int64, contiguous, `-1` = not routed. Values must be
+            -1 or in [0, num_experts) (check with `validate_indices`; others are treated as -1).
+        num_experts: E.
+        out_counts: optional `[E]` int32 on the device of `indices`, any stride (e.g. this rank's row
+            of the `[W, E]` routing matrix in registered host memory).
+        out_route_slot: optional `[num_tokens, num_topk]` int32, contiguous.
+        bound_m: optional `[1]` int32 device tensor; tokens >= min(bound_m, T) are dead.
+
+    Returns:
+        `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
+        route's position in the stable expert-major order (`psum_excl(counts)[e]` + earlier routes to
+        e), -1 for dead routes. Per-rank send offsets follow from counts (`plan.send_offsets`).
+
+    One launch when T*K <= SINGLE_PROGRAM_MAX_ROUTES, two otherwise (plus a scratch allocation).
+    Does not sync the CPU; safe in a CUDA graph when the outputs are given.
+    """
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2:
+        raise ValueError(f"indices: expected a [T, K] tensor, got "
+                         f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices)}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices: expected dtype int32 or int64, got {indices.dtype}")
+    if not indices.is_contiguous():
+        raise ValueError(f"indices: expected a contiguous tensor, got strides {indices.stride()}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    T, K = indices.shape
+    if K < 1:
+        raise ValueError(f"indices: expected at least one column (K >= 1), got shape {(T, K)}")
+    device = indices.device
+    if out_counts is None:
+        out_counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    elif out_counts.dim() != 1 or out_counts.shape[0] != num_experts or out_counts.dtype != torch.int32 \
+            or out_counts.device != device:
+        raise ValueError(f"out_counts: expected [{num_experts}] int32 on {device}, got "
+                         f"{tuple(out_counts.shape)} {out_counts.dtype} on {out_counts.device}")
+    if out_route_slot is None:
+        out_route_slot = torch.empty(T, K, dtype=torch.int32, device=device)
+    elif tuple(out_route_slot.shape) != (T, K) or out_route_slot.dtype != torch.int32 \
+            or out_route_slot.device != device or not out_route_slot.is_contiguous():
+        raise ValueError(f"out_route_slot: expected contiguous [{T}, {K}] int32 on {device}, got "
+                         f"{tuple(out_route_slot.shape)} {out_route_slot.dtype} on {out_route_slot.device}")
+    if bound_m is not None and (bound_m.numel() != 1 or bound_m.dtype != torch.int32 or bound_m.device != device):
+        raise ValueError(f"bound_m: expected a 1-element int32 tensor on {device}, got "
+                         f"{tuple(bound_m.shape)} {bound_m.dtype} on {bound_m.device}")
+
+    num_routes = T * K
+    e_bins = triton.next_power_of_2(num_experts + 1)
+    bound_arg = bound_m if bound_m is not None else out_counts  # never read without HAS_BOUND_M
+    if num_routes <= SINGLE_PROGRAM_MAX_ROUTES:
+        block_r = max(16, triton.next_power_of_2(num_routes))
+        if (num_experts + 1) * block_r >= 2**31:
+            raise ValueError(f"num_experts: {num_experts} too large for int32 sort keys")
+        _route_block_kernel[(1,)](
+            indices, bound_arg, out_route_slot, out_counts, out_counts,
+            T, num_experts, out_counts.stride(0),
+            K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=True,
+            num_warps=4 if block_r <= 1024 else 8,
+        )
+        return out_counts, out_route_slot
+
+    block_r = MULTI_BLOCK_ROUTES
+    if (num_experts + 1) * block_r >= 2**31:
+        raise ValueError(f"num_experts: {num_experts} too large for int32 sort keys")
+    num_blocks = triton.cdiv(num_routes, block_r)
+    hist = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=device)
+    _route_block_kernel[(num_blocks,)](
+        indices, bound_arg, out_route_slot, out_counts, hist,
+        T, num_experts, out_counts.stride(0),
+        K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=False,
+        num_warps=4,
+    )
+    e_pad = triton.next_power_of_2(num_experts)
+    _route_fixup_kernel[(num_blocks,)](
+        indices, out_route_slot, out_counts, hist,
+        T, num_experts, num_blocks, out_counts.stride(0),
+        K=K, BLOCK_R=block_r, E_PAD=e_pad, CHUNK_B=max(1, 4096 // e_pad),
+        num_warps=4,
+    )
+    return out_counts, out_route_slot
+
+
+__all__ = ["route_tokens", "validate_indices", "SINGLE_PROGRAM_MAX_ROUTES", "MULTI_BLOCK_ROUTES"]
