@@ -1,0 +1,180 @@
+"""TransferEngine over real libfabric (tcp;ofi_rxm and shm) between real processes.
+
+Multi-process bodies live in ``_engine_workers.py`` (spawned children import only that and the engine);
+``_peers.run_peers`` spawns them and relays the address/descriptor exchange.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from moe_a2a.proxy import libfabric as lf
+from moe_a2a.proxy.engine import EngineAddress, RemoteRegion, TransferEngine
+
+from . import _engine_workers as w
+from ._peers import Died, run_peers
+
+PROVIDERS = ["tcp", "shm"]
+
+
+def _available(provider: str) -> bool:
+    try:
+        lf.getinfo(provider).close()
+    except (OSError, lf.FabricError):
+        return False
+    return True
+
+
+pytestmark = pytest.mark.parametrize(
+    "provider",
+    [pytest.param(p, marks=pytest.mark.skipif(not _available(p), reason=f"libfabric provider {p} unavailable"))
+     for p in PROVIDERS])
+
+
+@pytest.fixture
+def loop_engine(provider):
+    """One engine that writes into itself (it is its own peer): exercises the whole path in-process."""
+    eng = TransferEngine(provider, timeout_s=10.0)
+    yield eng
+    eng.close()
+
+
+def _self_group(eng, nbytes=1 << 16):
+    src_buf = ctypes.create_string_buffer(bytes(range(256)) * (nbytes // 256), nbytes)
+    dst_buf = ctypes.create_string_buffer(nbytes)
+    src = eng.register(ctypes.addressof(src_buf), nbytes)
+    dst = eng.register(ctypes.addressof(dst_buf), nbytes)
+    [me] = eng.connect([eng.address])
+    grp = eng.peer_group([me], [dst.descriptor()])
+    return src_buf, dst_buf, src, dst, grp
+
+
+@pytest.mark.timeout(30)
+def test_self_write_lands_with_immediate(loop_engine):
+    eng = loop_engine
+    src_buf, dst_buf, src, dst, grp = _self_group(eng)
+    # mr_mode decides the remote address: virtual address (shm) or offset into the MR (tcp).
+    desc = dst.descriptor()
+    assert desc.base == (dst.addr if eng.info.virt_addr else 0)
+    # Second target has length 0: it must still deliver its immediate.
+    eng.scatter(grp, src, [(0, 5, 1000, 77), (0, 0, 0, 0)], [0xABCD0001, 0xABCD0002])
+    eng.wait_imms({0xABCD0001: 1, 0xABCD0002: 1}, 10, "self write")
+    eng.wait_writes(10)
+    assert dst_buf.raw[77:1077] == src_buf.raw[5:1005]
+    assert dst_buf.raw[:77] == bytes(77) and dst_buf.raw[1077:2000] == bytes(923)
+    assert eng.imm_counts() == {} and eng.writes_pending == 0
+    assert (eng.writes_posted, eng.writes_completed, eng.imms_received) == (2, 2, 2)
+    # Barrier: one zero-length write per peer; counters by exact 32-bit value, take_imm consumes.
+    eng.barrier(grp, 0xFFFFFFFF)
+    eng.barrier(grp, 0xFFFFFFFF)
+    eng.wait_imms({0xFFFFFFFF: 1}, 10, "barrier")
+    eng.wait_imms({0xFFFFFFFF: 1}, 10, "barrier 2")
+    with pytest.raises(ValueError, match="requested"):
+        eng.take_imm(0xFFFFFFFF, 1)
+    eng.wait_writes(10)
+
+
+@pytest.mark.timeout(30)
+def test_bad_descriptors_raise_value_error_before_posting(loop_engine):
+    eng = loop_engine
+    src_buf, dst_buf, src, dst, grp = _self_group(eng, 4096)
+    bad_targets = {
+        "dst past end": [(0, 0, 16, 4090)],
+        "src past end": [(0, 4090, 16, 0)],
+        "negative offset": [(0, -1, 1, 0)],
+        "negative length": [(0, 0, -1, 0)],
+        "unknown peer index": [(1, 0, 1, 0)],
+        "negative peer index": [(-1, 0, 1, 0)],
+    }
+    for why, targets in bad_targets.items():
+        # The good first target must not be posted either: validation precedes posting.
+        with pytest.raises(ValueError):
+            eng.scatter(grp, src, [(0, 0, 8, 0)] + targets, 1)
+        assert eng.writes_posted == 0, why
+    with pytest.raises(ValueError, match="32-bit"):
+        eng.scatter(grp, src, [(0, 0, 8, 0)], 1 << 32)
+    with pytest.raises(ValueError, match="imms for"):
+        eng.scatter(grp, src, [(0, 0, 8, 0)], [1, 2])
+    with pytest.raises(ValueError, match="LocalRegion"):
+        eng.scatter(grp, dst.descriptor(), [(0, 0, 8, 0)], 1)
+    [me] = eng.connect([eng.address])
+    with pytest.raises(ValueError, match="RemoteRegion"):
+        eng.peer_group([me], [dst])  # a LocalRegion where a descriptor is expected
+    with pytest.raises(ValueError, match="keys"):
+        eng.peer_group([me], [RemoteRegion(eng.provider_name, 4096, 0, (1, 2))])
+    with pytest.raises(ValueError, match="provider"):
+        eng.connect([EngineAddress("other", (b"x",))])
+    with TransferEngine(eng.provider) as other:
+        [stranger] = other.connect([other.address])
+        with pytest.raises(ValueError, match="not a peer of this engine"):
+            eng.peer_group([stranger], [dst.descriptor()])
+    assert eng.writes_posted == 0
+
+
+@pytest.mark.timeout(30)
+def test_host_engine_refuses_gpu_registration_clearly(loop_engine):
+    buf = ctypes.create_string_buffer(4096)
+    with pytest.raises(lf.HmemUnsupported, match="FI_HMEM"):
+        loop_engine.register(ctypes.addressof(buf), 4096, cuda_device=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_writes_verify_bytes(provider, seed):
+    # Sizes 0, 1, odd and up to 1 MiB/K, unaligned src/dst offsets, 1-6 writes per batch.
+    _, verified = run_peers(2, w.random_writes, provider, seed, 25)
+    assert verified > 0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("size,num_domains", [
+    pytest.param(2, 1, id="1peer"),
+    pytest.param(4, 2, id="3peers-2domains"),  # peers sharded over 2 domains: both must be used
+    pytest.param(8, 1, id="7peers"),
+])
+def test_scatter_all_to_all_with_barrier(provider, size, num_domains):
+    results = run_peers(size, w.all_to_all, provider, 20, num_domains, timeout_s=60)
+    for r in results:
+        assert r["leftover_imms"] == {} and r["pending"] == 0
+        # 20 iterations x (size-1) peers x (one data write + one barrier write).
+        assert r["posted"] == r["completed"] == r["received"] == 20 * (size - 1) * 2
+        assert r["domains"] == list(range(num_domains))
+
+
+@pytest.mark.timeout(60)
+def test_thousand_iterations_no_drift(provider):
+    [a, b] = run_peers(2, w.all_to_all, provider, 1000, 1, 64)
+    for r in (a, b):
+        assert r["leftover_imms"] == {} and r["pending"] == 0
+        assert r["posted"] == r["completed"] == r["received"] == 2000
+
+
+@pytest.mark.timeout(60)
+def test_back_pressure_small_queue(provider):
+    # A tx queue of 8, at most 64 writes in flight, and a receiver that does not poll for 0.3 s: posting
+    # must be throttled (provider -FI_EAGAIN or waiting for a context slot), and every write still lands.
+    sender, receiver = run_peers(2, w.flood, provider, 2048, 64, dict(tx_size=8, cq_size=256, max_inflight=64))
+    assert sender["throttled"] > 0, sender
+    assert sender["posted"] == sender["completed"] == receiver["received"] == 2048
+    assert receiver["data_ok"]
+
+
+@pytest.mark.timeout(60)
+def test_killed_peer_gives_timeout_naming_it(provider):
+    timeout_s = 1.0
+    root, _, dead = run_peers(3, w.killed_peer, provider, timeout_s)
+    assert isinstance(dead, Died)
+    assert "barrier" in root["wait"] and "rank 2: 0/1" in root["wait"] and "rank 1" not in root["wait"]
+    assert root["wait_s"] < timeout_s + 1.0
+    # Writing to the dead rank fails within the engine timeout and names the peer.
+    assert root["dead_peer"] in root["write"], root["write"]
+    assert root["write_s"] < 2 * timeout_s + 1.0
+
+
+@pytest.mark.timeout(90)
+def test_bootstrap_exchange_over_gloo(provider, tmp_path):
+    if provider != "tcp":
+        pytest.skip("bootstrap is provider-independent; run once (tcp)")
+    results = run_peers(2, w.exchange_over_gloo, str(tmp_path / "init"), timeout_s=80)
+    assert results[0] == results[1] and len(results[0]) == 2
