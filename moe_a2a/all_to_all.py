@@ -14,7 +14,9 @@ send buffers and combine_send *pushes* expert outputs into their recv buffers (b
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -98,6 +100,7 @@ class AllToAll:
         self._state, self.epoch = _IDLE, 0
         self._closed = True
         self._peer_segments: list[SharedSegment] = []
+        self._waits: dict[Flag, str] = {}  # status slot -> what its last wait was for
         self._ipc_ptrs: list[int] = []
         self.proxy = None
 
@@ -138,57 +141,72 @@ class AllToAll:
 
     def _start(self, on_gpu: bool) -> None:
         lay, r, seg = self.layout, self.rank, self.segment
+        # The proxy gives up a little before the model does, so the model reports the proxy's
+        # message (which names the missing peers) rather than a bare timeout of its own.
+        # With fewer cores than busy processes (CI: 2 cores, 2 processes per rank) spinning
+        # starves the peers that must make progress: yield instead (measured 16 ms -> 0.3 ms).
         spec = ProxySpec(lay, r, seg.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
-                         parent_pid=__import__("os").getpid())
+                         parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * 2)
         self.proxy = ProxyHandle(spec)
         address, region = self.proxy.address(self.timeout_s)
         if on_gpu:
             seg.register_cuda()
-            self.base = device_view(seg.addr, seg.nbytes, self.device)
             if not self.host_staged:
                 self._send_buf = DeviceBuffer(lay.send_bytes, self.device)
                 self._recv_buf = DeviceBuffer(lay.recv_bytes, self.device)
-        else:
-            self.base = seg.tensor(0, seg.nbytes)
         ipc = (self._send_buf.ipc_handle(), self._recv_buf.ipc_handle()) if not self.host_staged else None
         table = bootstrap.exchange(self.group, (address, region, seg.name, ipc))
         self.proxy.finish([t[:3] for t in table], self.timeout_s)
 
-        # Where every buffer this rank's kernels touch lives, as byte offsets from `self.base`.
+        # Addresses of every buffer this rank's kernels touch: own and same-node peers' send/recv.
         W = lay.world_size
-        peer_send = torch.full((W,), -1, dtype=torch.int64)
-        peer_recv = torch.full((W,), -1, dtype=torch.int64)
         if self.host_staged:
-            self.send_offset_bytes, self.recv_offset_bytes = lay.send_offset_bytes, lay.recv_offset_bytes
+            send_at = {r: seg.addr + lay.send_offset_bytes}
+            recv_at = {r: seg.addr + lay.recv_offset_bytes}
         else:
-            self.send_offset_bytes = self._send_buf.addr - seg.addr
-            self.recv_offset_bytes = self._recv_buf.addr - seg.addr
+            send_at, recv_at = {r: self._send_buf.addr}, {r: self._recv_buf.addr}
         for p in lay.node_peers(r):
             if p == r:
-                peer_send[p], peer_recv[p] = self.send_offset_bytes, self.recv_offset_bytes
-            elif self.host_staged:
+                continue
+            if self.host_staged:
                 other = SharedSegment(table[p][2])
                 self._peer_segments.append(other)
                 if on_gpu:
                     other.register_cuda()
-                peer_send[p] = other.addr + lay.send_offset_bytes - seg.addr
-                peer_recv[p] = other.addr + lay.recv_offset_bytes - seg.addr
+                send_at[p] = other.addr + lay.send_offset_bytes
+                recv_at[p] = other.addr + lay.recv_offset_bytes
             else:
-                send_ptr, _ = open_ipc_handle(table[p][3][0], lay.send_bytes, self.device)
-                recv_ptr, _ = open_ipc_handle(table[p][3][1], lay.recv_bytes, self.device)
-                self._ipc_ptrs += [send_ptr, recv_ptr]
-                peer_send[p], peer_recv[p] = send_ptr - seg.addr, recv_ptr - seg.addr
+                send_at[p], _ = open_ipc_handle(table[p][3][0], lay.send_bytes, self.device)
+                recv_at[p], _ = open_ipc_handle(table[p][3][1], lay.recv_bytes, self.device)
+                self._ipc_ptrs += [send_at[p], recv_at[p]]
+        # The kernels address all of them as byte offsets from one base at the lowest address, so
+        # every offset is >= 0 (a negative offset means "remote peer" in the peer tables).
+        spans = [(seg.addr, seg.nbytes)] + [(a, lay.send_bytes) for a in send_at.values()] + \
+                [(a, lay.recv_bytes) for a in recv_at.values()]
+        lo = min(a for a, _ in spans)
+        hi = max(a + n for a, n in spans)
+        self.base = self._view(lo, hi - lo)
+        self.send_offset_bytes, self.recv_offset_bytes = send_at[r] - lo, recv_at[r] - lo
+        peer_send = torch.full((W,), -1, dtype=torch.int64)
+        peer_recv = torch.full((W,), -1, dtype=torch.int64)
+        for p in send_at:
+            peer_send[p], peer_recv[p] = send_at[p] - lo, recv_at[p] - lo
         self.peer_send_bytes = peer_send.to(self.device)
         self.peer_recv_bytes = peer_recv.to(self.device)
 
         nflags = int(Flag.NUM_FLAGS) * _WORDS_PER_FLAG
-        flag_view = self.base[lay.flags_offset_bytes: lay.flags_offset_bytes + nflags * 8]
-        self.flags = flag_view.view(torch.int64)
+        self.flags = self._view(seg.addr + lay.flags_offset_bytes, nflags * 8).view(torch.int64)
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
-        rout = self.base[lay.routing_offset_bytes: lay.routing_offset_bytes + lay.routing_bytes]
-        self.counts = rout.view(torch.int32).view(W, lay.num_experts)
+        self.counts = self._view(seg.addr + lay.routing_offset_bytes, lay.routing_bytes).view(
+            torch.int32).view(W, lay.num_experts)
         self.route_slot = torch.full((self.cfg.max_num_tokens, self.cfg.experts_per_token), -1,
                                      dtype=torch.int32, device=self.device)
+
+    def _view(self, addr: int, nbytes: int) -> torch.Tensor:
+        """uint8 tensor over [addr, addr+nbytes) on this rank's device (memory is not touched)."""
+        if self.device.type == "cuda":
+            return device_view(addr, nbytes, self.device)
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
 
     # ---- public API ---------------------------------------------------------------------------
     def empty_dispatch_outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -306,7 +324,7 @@ class AllToAll:
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[r], out_route_slot=slot,
                              bound_m=bound_m)
         self._signal(Flag.ROUTE_READY, e)
-        self._wait(Flag.COMBINE_BARRIER, e - 1, "combine barrier of the previous call")
+        self._wait(Flag.COMBINE_BARRIER, e - 1, "combine barrier of the previous call", Flag.STATUS_COMBINE_BARRIER)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
                                                bound_m=bound_m)
         self._signal(Flag.SEND_READY, e)
@@ -314,7 +332,8 @@ class AllToAll:
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale) -> None:
         e = self.epoch
-        self._wait(Flag.DISPATCH_RECV_READY, e, "dispatch: count rows and tokens from peers")
+        self._wait(Flag.DISPATCH_RECV_READY, e, "dispatch: count rows and tokens from peers",
+                   Flag.STATUS_DISPATCH_RECV)
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
             self.recv_offset_bytes, self.cfg, self.layout)
@@ -323,7 +342,8 @@ class AllToAll:
 
     def _combine_send(self, expert_y) -> None:
         e = self.epoch
-        self._wait(Flag.DISPATCH_BARRIER, e, "dispatch barrier (peers still reading their buffers)")
+        self._wait(Flag.DISPATCH_BARRIER, e, "dispatch barrier (peers still reading their buffers)",
+                   Flag.STATUS_DISPATCH_BARRIER)
         combine_kernels.pack_combine_by_source(
             expert_y, self.counts, self.rank, self.base, self.peer_recv_bytes,
             self.send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout)
@@ -332,7 +352,7 @@ class AllToAll:
 
     def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
         e = self.epoch
-        self._wait(Flag.COMBINE_RECV_READY, e, "combine: expert outputs from peers")
+        self._wait(Flag.COMBINE_RECV_READY, e, "combine: expert outputs from peers", Flag.STATUS_COMBINE_RECV)
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, self.base, self.recv_offset_bytes, self.cfg,
             accumulate=accumulate, bound_m=bound_m if bound_m is not None else self._bound_m)
@@ -343,13 +363,18 @@ class AllToAll:
     def _signal(self, flag: Flag, value: int) -> None:
         sync.signal_flag(self.flags, int(flag) * _WORDS_PER_FLAG, value)
 
-    def _wait(self, flag: Flag, target: int, what: str) -> None:
+    def _wait(self, flag: Flag, target: int, what: str, status: Flag) -> None:
+        """Wait until `flag` >= target. CPU: on the host, raising here. GPU: a spinning kernel on
+        the stream (no CPU sync) that records its outcome in `status`, checked at the next call."""
         if target <= 0:
             return
+        self._waits[status] = what
+        word = int(status) * _WORDS_PER_FLAG
+        status_view = self.flags[word: word + 1] if self.device.type == "cuda" else None
         try:
-            sync.wait_flag(self.flags, int(flag) * _WORDS_PER_FLAG, target,
-                           int(Flag.ERROR) * _WORDS_PER_FLAG, self.timeout_s, what=what)
-        except TimeoutError:
+            sync.wait_flag(self.flags, int(flag) * _WORDS_PER_FLAG, target, int(Flag.ERROR) * _WORDS_PER_FLAG,
+                           self.timeout_s, status=status_view, what=what)
+        except (TimeoutError, sync.PeerError):
             self._raise_proxy_error()
             raise TimeoutError(f"rank {self.rank}: {what}: timed out after {self.timeout_s:g}s "
                                f"(epoch {target})") from None
@@ -357,6 +382,10 @@ class AllToAll:
             self._raise_proxy_error()
 
     def _raise_proxy_error(self) -> None:
+        for status, what in self._waits.items():
+            code = int(self.flags_host[int(status) * _WORDS_PER_FLAG])
+            if code == 1 and not int(self.flags_host[int(Flag.ERROR) * _WORDS_PER_FLAG]):
+                raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s")
         code = int(self.flags_host[int(Flag.ERROR) * _WORDS_PER_FLAG])
         if code:
             msg = read_error(self.segment, self.layout)

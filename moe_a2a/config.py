@@ -62,7 +62,13 @@ class Flag(enum.IntEnum):
     HEARTBEAT = 10           # proxy: incremented while alive
     PROXY_READY = 11         # proxy: 1 once it is bootstrapped and registered
     SHUTDOWN = 12            # model -> proxy: 1 asks the proxy to exit
-    NUM_FLAGS = 13
+    # Results of the GPU's flag waits (0 ok, 1 timeout, 2 peer error), one slot per wait so a later
+    # success cannot hide an earlier failure; the host reads them at its next call without a sync.
+    STATUS_COMBINE_BARRIER = 13
+    STATUS_DISPATCH_RECV = 14
+    STATUS_DISPATCH_BARRIER = 15
+    STATUS_COMBINE_RECV = 16
+    NUM_FLAGS = 17
 
 
 class Imm(enum.IntEnum):

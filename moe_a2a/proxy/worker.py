@@ -57,6 +57,7 @@ class ProxySpec:
     timeout_s: float
     parent_pid: int
     spin_s: float = 1e-3   # busy-poll this long before backing off to short sleeps
+    idle_yield: bool = False  # sched_yield in the engine's waits (more busy processes than cores)
 
 
 class Flags:
@@ -100,7 +101,7 @@ class Proxy:
         self.flags = Flags(self.seg, lay)
         self.routing = self.seg.numpy(lay.routing_offset_bytes, lay.world_size * lay.num_experts,
                                       np.int32).reshape(lay.world_size, lay.num_experts)
-        self.engine = TransferEngine(spec.provider, timeout_s=spec.timeout_s)
+        self.engine = TransferEngine(spec.provider, timeout_s=spec.timeout_s, idle_yield=spec.idle_yield)
         self.region = self.engine.register(self.seg.addr, self.seg.nbytes)
         # Bootstrap: the owner gathers every rank's (address, region, segment name) for us.
         conn.send((self.engine.address, self.region.descriptor()))

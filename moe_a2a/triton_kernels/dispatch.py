@@ -17,13 +17,12 @@ one UVA space, and under `TRITON_INTERPRET=1` raw host addresses work the same w
   nothing computed on the host per call, so it can be captured in a CUDA graph.
 
 The per-(source, local expert) tables are built by the `@triton.jit` helpers `_recv_pair_tables`,
-`_send_offsets_of` and `_select` below; `combine.pack_combine_by_source` reuses them, so both directions
+`_send_offsets_of` and `_tile_rows` below; `combine.pack_combine_by_source` reuses them, so both directions
 agree on every row by construction.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -31,16 +30,24 @@ import triton.language as tl
 
 from ..config import A2AConfig, Layout
 
-# Persistent programs per SM of the unpack / combine-pack kernels (several, to hide the latency of the
-# small per-program prologue and of loads from peers' memory).
-PROGRAMS_PER_SM = 4
+# Persistent programs per SM of the unpack / combine-pack kernels. Measured on H200 (W=64 layout,
+# decode T=128 and prefill T=4096): 1 beats 2 and 4 (decode unpack 8.3 vs 10.2 / 13.0 us).
+PROGRAMS_PER_SM = 1
 # Programs of those kernels without a GPU (interpreter): few, but more than one, so the persistent
 # loop's stride is exercised.
 CPU_PROGRAMS = 3
 # Largest copy chunk of one row, in bytes: 2 KB = 4 warps x 32 lanes x 16 bytes, one vector per lane.
 MAX_CHUNK_BYTES = 2048
-# Rows per tile of the unpack / combine-pack loop.
-ROWS_PER_TILE = 4
+# Rows per tile of the unpack / combine-pack loop. Each tile pays a one-hot lookup over the W*L pairs,
+# so bigger tiles amortise it, but at decode there are only ~1000 rows for 132 SMs. Measured on H200:
+# decode unpack 8.3 us at 8 rows (12.7 at 16), prefill 224 us at 16 rows (254 at 8).
+ROWS_PER_TILE = 8
+ROWS_PER_TILE_LARGE = 16     # when a rank sends more than LARGE_ROUTES routes (prefill)
+LARGE_ROUTES = 4096
+# The interpreter pays per operation, not per element, so it takes big tiles.
+CPU_ROWS_PER_TILE = 32
+# Tokens per program of pack / reduce in the interpreter (1 on GPU).
+CPU_TOKENS_PER_PROGRAM = 64
 
 
 # ================================================================================================
@@ -115,21 +122,31 @@ def _send_offsets_of(
 
 
 @triton.jit
-def _select(sel, table):
-    """Row-wise pick: sel [BLOCK_R, NPAIR] one-hot (or all False), table [NPAIR] -> [BLOCK_R].
-    A register 'gather' by masked sum: NPAIR = E is small, and it needs no scratch memory."""
-    return tl.sum(tl.where(sel, table[None, :], 0), axis=1)
-
-
-@triton.jit
-def _rows_of_tile(tile, num_rows, dense_start, cnt, BLOCK_R: tl.constexpr):
-    """Dense rows q of one tile, whether they exist, their one-hot pair selector and their index i
-    inside the pair's run."""
-    q = tile.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _tile_rows(
+    tile,                # int32: tile number; rows tile*BLOCK_R .. +BLOCK_R of the dense numbering
+    num_rows,            # int64: received rows in total
+    cnt, dense_start, out_start,  # [NPAIR] int64 pair tables of `_recv_pair_tables`, flattened
+    first_bytes,         # [NPAIR] int64: byte offset (from base) of the pair's row 0 in the other buffer
+    rest_bytes,          # [NPAIR] int64: ... of a virtual row 0 for rows i >= split (only when HAS_SPLIT)
+    split,               # [NPAIR] int64: rows i < split use first_bytes, the others rest_bytes
+    STRIDE_BYTES: tl.constexpr,   # slot stride of the other buffer
+    BLOCK_R: tl.constexpr,
+    HAS_SPLIT: tl.constexpr,      # dispatch from a remote source: private region, then remainder
+):
+    """For the BLOCK_R dense rows q of a tile: (is_row, row of the expert-major tensor, byte offset of
+    the row's slot from base). The pair of each row is found by a one-hot [BLOCK_R, NPAIR] compare and
+    the pair's table entries by masked sums: a register gather that needs no scratch memory, cheap
+    because NPAIR = E is small (256) next to the BLOCK_R rows of kilobytes each tile moves."""
+    q = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # rows < W*T*K < 2**31: int32 tile is safe
     is_row = q < num_rows
     sel = (q[:, None] >= dense_start[None, :]) & (q[:, None] < dense_start[None, :] + cnt[None, :])
-    i = q - _select(sel, dense_start)
-    return is_row, sel, i
+    i = q - tl.sum(tl.where(sel, dense_start[None, :], 0), axis=1)
+    row = tl.sum(tl.where(sel, out_start[None, :], 0), axis=1) + i
+    addr = tl.sum(tl.where(sel, first_bytes[None, :], 0), axis=1)
+    if HAS_SPLIT:
+        use_first = i < tl.sum(tl.where(sel, split[None, :], 0), axis=1)
+        addr = tl.where(use_first, addr, tl.sum(tl.where(sel, rest_bytes[None, :], 0), axis=1))
+    return is_row, row, addr + i * STRIDE_BYTES
 
 
 # ================================================================================================
@@ -154,43 +171,48 @@ def _pack_tokens_by_expert_kernel(
     SD_BYTES: tl.constexpr,        # dispatch slot stride (multiple of 16)
     WORD_BYTES: tl.constexpr,
     ALIGN_WORDS: tl.constexpr,     # row starts are multiples of this many words (16 bytes when proven)
+    BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_BOUND_M: tl.constexpr,
 ):
-    """Grid: (T, cdiv(X_WORDS, BLOCK_W)): one program per token x BLOCK_W-word chunk of its payload.
+    """Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
+    chunk of their payload.
 
-    Reads the chunk once and writes it to the K slots of the token: T*x_bytes read, K*T*x_bytes
-    written. The chunk-0 program also copies the token's S scales (4*S bytes per slot)."""
-    t = tl.program_id(0).to(tl.int64)
+    Reads the chunk once and writes it to the K slots of each token: T*x_bytes read, up to K*T*x_bytes
+    written. The chunk-0 programs also copy the tokens' S scales (4*S bytes per slot)."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     chunk = tl.program_id(1)
     num_live = num_tokens
     if HAS_BOUND_M:
         num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)
-    is_live = t < num_live
+    is_live = tokens < num_live                                          # [BLOCK_T]
 
     word_ty: tl.constexpr = x_ptr.dtype.element_ty
     base_words = base_ptr.to(tl.pointer_type(word_ty))
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
 
     cols = chunk * BLOCK_W + tl.arange(0, BLOCK_W)
-    col_ok = cols < X_WORDS
-    row = tl.load(x_ptr + t * stride_x_t + cols, mask=col_ok & is_live)
+    x_mask = is_live[:, None] & (cols < X_WORDS)[None, :]
+    rows = tl.load(x_ptr + tokens[:, None] * stride_x_t + cols[None, :], mask=x_mask)
     if HAS_SCALES:
         s_cols = tl.arange(0, S_PAD)
-        scale_ok = (s_cols < S) & (chunk == 0) & is_live
-        scales = tl.load(x_scale_ptr + t * stride_scale_t + s_cols * stride_scale_s, mask=scale_ok)
+        # Only chunk 0 copies scales: fold `chunk == 0` into the column bound (a scalar condition
+        # broadcast into a block mask is also what the interpreter mishandles).
+        s_mask = is_live[:, None] & (s_cols < tl.where(chunk == 0, S, 0))[None, :]
+        scales = tl.load(x_scale_ptr + tokens[:, None] * stride_scale_t + s_cols[None, :] * stride_scale_s,
+                         mask=s_mask)
 
     for k in range(K):
-        slot = tl.load(route_slot_ptr + t * stride_slot_t + k * stride_slot_k,
+        slot = tl.load(route_slot_ptr + tokens * stride_slot_t + k * stride_slot_k,
                        mask=is_live, other=-1).to(tl.int64)
         has_slot = (slot >= 0) & (slot < MAX_SLOTS)
         dst_bytes = send_bytes + slot * SD_BYTES
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
-        tl.store(base_words + dst_words + cols, row, mask=col_ok & has_slot)
+        tl.store(base_words + dst_words[:, None] + cols[None, :], rows, mask=x_mask & has_slot[:, None])
         if HAS_SCALES:
             dst_scale = (dst_bytes + SCALE_OFFSET_BYTES) // 4
-            tl.store(base_i32 + dst_scale + s_cols, scales, mask=scale_ok & has_slot)
+            tl.store(base_i32 + dst_scale[:, None] + s_cols[None, :], scales, mask=s_mask & has_slot[:, None])
 
 
 @triton.jit
@@ -251,18 +273,16 @@ def _unpack_tokens_by_expert_kernel(
     split = tl.reshape(split, (NPAIR,))
 
     l_idx = tl.arange(0, L_PAD)
-    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=(l_idx < L) & (pid == 0))
+    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where(pid == 0, L, 0))
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty
     base_words = base_ptr.to(tl.pointer_type(word_ty))
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
-    num_tiles = tl.cdiv(num_rows, BLOCK_R)
+    num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
     for tile in range(pid, num_tiles, num_programs):
-        is_row, sel, i = _rows_of_tile(tile, num_rows, dense_start, cnt, BLOCK_R)
-        out_row = _select(sel, out_start) + i
+        is_row, out_row, src_bytes = _tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
+                                                rest_bytes, split, SD_BYTES, BLOCK_R, True)
         is_row = is_row & (out_row < num_out_rows)
-        src_bytes = tl.where(i < _select(sel, split), _select(sel, first_bytes),
-                             _select(sel, rest_bytes)) + i * SD_BYTES
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
         for c0 in range(0, X_WORDS, BLOCK_W):
@@ -352,14 +372,29 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _persistent_programs(device: torch.device, max_tiles: int) -> int:
-    """Grid of the persistent kernels: a fixed count (capacity-bound, never data-bound: no sync)."""
+def _persistent_grid(device: torch.device, layout: Layout) -> tuple[tuple[int], int]:
+    """(grid, rows per tile) of the persistent kernels. The grid is fixed by the device and the
+    buffer capacity, never by the data (that would need a host sync and break CUDA graphs)."""
+    max_rows = layout.max_recv_routes
     if device.type == "cuda":
-        programs = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        programs *= PROGRAMS_PER_SM
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = _sm_count(index) * PROGRAMS_PER_SM
+        rows_per_tile = ROWS_PER_TILE_LARGE if layout.max_routes > LARGE_ROUTES else ROWS_PER_TILE
     else:
-        programs = CPU_PROGRAMS
-    return max(1, min(programs, max_tiles))
+        programs, rows_per_tile = CPU_PROGRAMS, CPU_ROWS_PER_TILE
+    return (max(1, min(programs, triton.cdiv(max_rows, rows_per_tile))),), rows_per_tile
+
+
+def _check_layout(layout, cfg: A2AConfig) -> None:
+    """`layout` must be `cfg.layout(W, node_size)` for some W: same sizes and strides."""
+    fields = ("num_experts", "max_num_tokens", "experts_per_token", "expert_padding",
+              "dispatch_stride_bytes", "combine_stride_bytes")
+    if not isinstance(layout, Layout):
+        _fail("layout", "a Layout (cfg.layout(world_size))", type(layout).__name__)
+    bad = [f for f in fields if getattr(layout, f) != getattr(cfg, f)]
+    if bad:
+        _fail("layout", "cfg.layout(world_size) of this cfg",
+              ", ".join(f"{f}={getattr(layout, f)}" for f in bad))
 
 
 def _check_counts(counts, W: int, E: int, device) -> None:
@@ -422,23 +457,27 @@ def pack_tokens_by_expert(
     x_row_bytes = x.stride(0) * x.element_size()
     word_bytes, word_dtype = _word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
                                          send_offset_bytes, cfg.dispatch_stride_bytes)
-    align = _align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr() + send_offset_bytes)
+    # The hint is on the offset from base, so base and offset must each be 16-byte aligned.
+    align = _align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes)
     x_words = _as_words(x, word_dtype)
     row_words = cfg.x_bytes // word_bytes
     block_w = _chunk_words(row_words, word_bytes)
+    # GPU: one token per program (decode T=128 x 4 chunks = 512 programs fill 132 SMs). Interpreter:
+    # it pays per operation, not per element, so all tokens in one program.
+    block_t = 1 if device.type == "cuda" else min(triton.next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
     S = cfg.num_scales
     scale_i32 = x_scale.view(torch.int32) if cfg.has_scales else x_words  # dummy pointer without scales
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
-    grid = (T, triton.cdiv(row_words, block_w))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(row_words, block_w))
     _pack_tokens_by_expert_kernel[grid](
         x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,
         x_words.stride(0), stride_scale[0], stride_scale[1], route_slot.stride(0), route_slot.stride(1),
         K=K, MAX_SLOTS=cfg.max_routes, X_WORDS=row_words, S=S, S_PAD=triton.next_power_of_2(max(S, 1)),
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
-        WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_W=block_w,
+        WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_T=block_t, BLOCK_W=block_w,
         HAS_SCALES=cfg.has_scales, HAS_BOUND_M=bound_m is not None,
-        num_warps=_num_warps(block_w, word_bytes),
+        num_warps=_num_warps(block_t * block_w, word_bytes),
     )
 
 
@@ -476,8 +515,7 @@ def unpack_tokens_by_expert(
     """
     if not isinstance(cfg, A2AConfig):
         _fail("cfg", "an A2AConfig", type(cfg).__name__)
-    if not isinstance(layout, Layout) or layout.cfg != cfg:
-        _fail("layout", "cfg.layout(world_size)", repr(layout))
+    _check_layout(layout, cfg)
     W, L, E = layout.world_size, layout.num_local_experts, cfg.num_experts
     _check_tensor("out_expert_x", out_expert_x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
     device = out_expert_x.device
@@ -496,17 +534,19 @@ def unpack_tokens_by_expert(
     _check_int("recv_bytes", recv_bytes)
 
     out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
-    recv_start = base.data_ptr() + recv_bytes + layout.private_offset_bytes
-    word_bytes, word_dtype = _word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_start,
-                                         base.data_ptr(), cfg.dispatch_stride_bytes)
-    align = _align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_start, base.data_ptr())
+    # Sources' rows start at base + (recv_bytes or peer_send_bytes[s]) + multiples of Sd (16-aligned);
+    # the hint is on the offset from base, so base and recv_bytes must each be 16-byte aligned.
+    word_bytes, word_dtype = _word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes,
+                                         base.data_ptr(), layout.private_offset_bytes,
+                                         cfg.dispatch_stride_bytes)
+    align = _align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes, base.data_ptr())
     x_words = _as_words(out_expert_x, word_dtype)
     row_words = cfg.x_bytes // word_bytes
     block_w = _chunk_words(row_words, word_bytes)
     S = cfg.num_scales
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
     stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
-    grid = (_persistent_programs(device, triton.cdiv(layout.max_recv_routes, ROWS_PER_TILE)),)
+    grid, block_r = _persistent_grid(device, layout)
     _unpack_tokens_by_expert_kernel[grid](
         out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
         counts.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
@@ -515,9 +555,9 @@ def unpack_tokens_by_expert(
         X_WORDS=row_words, S=S, S_PAD=triton.next_power_of_2(max(S, 1)),
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
-        BLOCK_R=ROWS_PER_TILE, BLOCK_W=block_w, BLOCK_E=min(triton.next_power_of_2(E), 256),
+        BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(triton.next_power_of_2(E), 256),
         HAS_SCALES=cfg.has_scales,
-        num_warps=_num_warps(ROWS_PER_TILE * block_w, word_bytes),
+        num_warps=_num_warps(block_r * block_w, word_bytes),
     )
 
 

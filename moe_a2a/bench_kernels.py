@@ -1,0 +1,239 @@
+"""Kernel benchmarks: every Triton kernel of one rank at the decode and prefill configurations,
+next to (a) the same local work in plain torch and (b) the floor (bytes moved / measured copy
+bandwidth, and one launch).
+
+One GPU simulates rank 0 of a `world`-rank layout: the other ranks' count rows and the receive
+buffer are synthesised, so the kernels move exactly the bytes they would in the real run.
+Timing follows the device method: CUDA events around each call, median of `iters` after warm-up,
+inputs rotated over several independent sets so no call finds the previous one's data in L2.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from . import plan
+from .config import A2AConfig
+
+PRESETS = {
+    # DeepSeek-V3 / Kimi-K2 sizes: fp8 payload with 56 fp32 scales per token, bf16 combine
+    "decode": dict(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=7168),
+    "prefill": dict(max_num_tokens=4096, num_experts=256, experts_per_token=8, hidden_dim=7168),
+}
+
+
+@dataclass
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    min_us: float
+    max_us: float
+
+    @classmethod
+    def of(cls, samples_ms: list[float]) -> "Timing":
+        s = sorted(x * 1e3 for x in samples_ms)
+        q = lambda f: s[min(len(s) - 1, int(f * len(s)))]
+        return cls(statistics.median(s), q(0.1), q(0.9), s[0], s[-1])
+
+
+def time_cuda(fn, args_list, iters: int = 200, warmup: int = 20) -> Timing:
+    """Median of per-call CUDA event times; `args_list` rotates inputs between calls."""
+    for i in range(warmup):
+        fn(*args_list[i % len(args_list)])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        a = args_list[i % len(args_list)]
+        starts[i].record()
+        fn(*a)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return Timing.of([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    t = time_cuda(lambda: b.copy_(a), [()], iters=20, warmup=3)
+    return 2 * a.numel() / (t.median_us * 1e-6)
+
+
+def empty_launch_us(device) -> float:
+    """GPU time of an empty-ish Triton launch (the per-kernel floor)."""
+    from .triton_kernels import sync
+
+    flags = torch.zeros(64, dtype=torch.int64, device=device)
+    return time_cuda(lambda: sync.signal_flag(flags, 0, 1), [()], iters=200).median_us
+
+
+def _inputs(cfg: A2AConfig, world: int, seed: int, device):
+    """One rank's inputs plus a synthetic [W, E] count matrix for the receive side."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    T, K, E, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.num_experts, cfg.hidden_dim
+    x = torch.randn(T, H, generator=g).to(cfg.in_dtype).to(device)
+    xs = (torch.rand(T, cfg.num_scales, generator=g) + 0.5).to(device) if cfg.has_scales else None
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(torch.int32).to(device)
+    counts = torch.stack([torch.bincount(torch.rand(T, E, generator=g).topk(K, dim=1).indices.flatten(),
+                                         minlength=E) for _ in range(world)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g).to(device)
+    return x, xs, idx, w, counts
+
+
+def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters: int = 200, rotate: int = 4,
+                  device="cuda") -> dict:
+    """Time each kernel of one rank (rank 0 of `world`, `node` per node) and its torch twin."""
+    from .triton_kernels import combine as ck
+    from .triton_kernels import dispatch as dk
+    from .triton_kernels import quant, routing
+
+    device = torch.device(device)
+    cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    lay = cfg.layout(world, node)
+    r, L, W = 0, lay.num_local_experts, world
+    T, K, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim
+    sets = [_inputs(cfg, world, s, device) for s in range(rotate)]
+    # Buffers in GPU memory (the EFA / single-node layout): send | recv | peers' send | peers' recv
+    # for same-node peers, all as offsets from one base.
+    send_b, recv_b = lay.send_bytes, lay.recv_bytes
+    base = torch.zeros(2 * (send_b + recv_b), dtype=torch.uint8, device=device)
+    send_off, recv_off = 0, send_b
+    peer_send = torch.full((W,), -1, dtype=torch.int64)
+    peer_recv = torch.full((W,), -1, dtype=torch.int64)
+    for p in lay.node_peers(r):  # same-node peers all alias one mapped "peer" buffer pair
+        peer_send[p] = send_off if p == r else send_b + recv_b
+        peer_recv[p] = recv_off if p == r else 2 * send_b + recv_b
+    peer_send, peer_recv = peer_send.to(device), peer_recv.to(device)
+    base.view(torch.int8)[: base.numel() // 2].random_(-64, 64)
+
+    counts_dev = [s[4].to(device) for s in sets]
+    for i, s in enumerate(sets):  # our own row must match our indices
+        counts_dev[i][r] = torch.bincount(s[2].flatten().long(), minlength=cfg.num_experts).int()
+    rows = [int(c[:, :L].sum()) for c in counts_dev]
+    num, ex, exs = (torch.zeros(L, dtype=torch.int32, device=device),
+                    torch.empty(lay.max_dispatch_rows, H, dtype=cfg.in_dtype, device=device),
+                    torch.empty(lay.max_dispatch_rows, cfg.num_scales, dtype=torch.float32, device=device))
+    ey = torch.randn(lay.max_dispatch_rows, H, device=device).to(cfg.out_dtype)
+    slots = [routing.route_tokens(s[2], cfg.num_experts)[1] for s in sets]
+    out = torch.empty(T, H, dtype=cfg.out_dtype, device=device)
+    xbf = [torch.randn(T, H, device=device, dtype=torch.bfloat16) for _ in range(rotate)]
+
+    bw = copy_bandwidth(device)
+    launch = empty_launch_us(device)
+    Sd, Sc = cfg.dispatch_stride_bytes, cfg.combine_stride_bytes
+    routes = T * K
+    recv_rows = statistics.mean(rows)
+    res = {}
+
+    def row(name, fn, args, nbytes, torch_fn=None, torch_args=None):
+        t = time_cuda(fn, args, iters)
+        entry = {"triton": t.__dict__, "bytes": nbytes, "floor_us": nbytes / bw * 1e6 + launch,
+                 "bw_fraction": nbytes / bw * 1e6 / t.median_us}
+        if torch_fn is not None:
+            entry["torch"] = time_cuda(torch_fn, torch_args, iters).__dict__
+        res[name] = entry
+
+    # routing: read indices, write counts + slots
+    row("route_tokens", lambda i: routing.route_tokens(i, cfg.num_experts, out_route_slot=slots[0]),
+        [(s[2],) for s in sets], routes * 4 * 2 + cfg.num_experts * 4,
+        lambda i: _torch_route(i, cfg.num_experts), [(s[2],) for s in sets])
+    # pack: read each token once (payload + scales), write it K times
+    tok = cfg.x_bytes + cfg.scale_bytes
+    row("pack_tokens_by_expert",
+        lambda x, xs, sl: dk.pack_tokens_by_expert(x, xs, sl, base, send_off, cfg),
+        [(s[0], s[1], sl) for s, sl in zip(sets, slots)], T * tok + routes * tok,
+        lambda x, xs, i: _torch_pack(x, xs, i, base, send_off, cfg), [(s[0], s[1], s[2]) for s in sets])
+    row("unpack_tokens_by_expert",
+        lambda c: dk.unpack_tokens_by_expert(num, ex, exs, c, r, base, peer_send, recv_off, cfg, lay),
+        [(c,) for c in counts_dev], 2 * recv_rows * tok,
+        lambda c: _torch_unpack(c, r, L, base, recv_off, ex, exs, cfg), [(c,) for c in counts_dev])
+    row("pack_combine_by_source",
+        lambda c: ck.pack_combine_by_source(ey, c, r, base, peer_recv, send_off, cfg, lay),
+        [(c,) for c in counts_dev], 2 * recv_rows * cfg.y_bytes,
+        lambda c: _torch_combine_pack(c, r, L, ey, base, send_off, cfg), [(c,) for c in counts_dev])
+    row("reduce_combined_tokens",
+        lambda sl, w: ck.reduce_combined_tokens(out, sl, w, base, recv_off, cfg),
+        [(sl, s[3]) for s, sl in zip(sets, slots)], routes * cfg.y_bytes + T * cfg.y_bytes,
+        lambda sl, w: _torch_reduce(out, sl, w, base, recv_off, cfg), [(sl, s[3]) for s, sl in zip(sets, slots)])
+    row("quantize_fp8", lambda xb: quant.quantize_fp8(xb, 128), [(xb,) for xb in xbf],
+        T * H * 2 + T * H + T * cfg.num_scales * 4,
+        lambda xb: _torch_quant(xb, 128), [(xb,) for xb in xbf])
+    return {"preset": preset, "world": world, "node": node, "config": str(cfg), "copy_bw_GBps": bw / 1e9,
+            "launch_us": launch, "recv_rows": recv_rows, "kernels": res}
+
+
+# ---- the same local work in plain torch (what a user writes by hand) ---------------------------------
+def _torch_route(idx, E):
+    flat = idx.flatten().long()
+    live = flat >= 0
+    counts = torch.bincount(flat[live], minlength=E)
+    order = torch.argsort(torch.where(live, flat, E), stable=True)
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(order.numel(), device=idx.device)
+    return counts, torch.where(live, slot, -1)
+
+
+def _torch_pack(x, xs, idx, base, send_off, cfg):
+    counts, slot = _torch_route(idx, cfg.num_experts)
+    live = slot >= 0
+    tok = torch.div(torch.arange(slot.numel(), device=x.device), cfg.experts_per_token, rounding_mode="floor")
+    order = torch.argsort(torch.where(live, slot, slot.numel()))[: int(live.sum())]
+    rows = base[send_off: send_off + cfg.max_routes * cfg.dispatch_stride_bytes].view(-1, cfg.dispatch_stride_bytes)
+    rows[: order.numel(), : cfg.x_bytes] = x.view(torch.uint8).index_select(0, tok[order])
+    if xs is not None:
+        off = cfg.dispatch_scale_offset_bytes
+        rows[: order.numel(), off: off + cfg.scale_bytes] = xs.view(torch.uint8).index_select(0, tok[order])
+
+
+def _torch_unpack(counts, r, L, base, recv_off, ex, exs, cfg):
+    c = counts[:, r * L:(r + 1) * L].long()                       # [W, L]
+    n = int(c.sum())
+    src = torch.repeat_interleave(torch.arange(c.numel(), device=c.device), c.flatten())  # (s, l) per row
+    expert = src % L
+    perm = torch.argsort(expert, stable=True)                     # source-major -> expert-major
+    rows = base[recv_off: recv_off + n * cfg.dispatch_stride_bytes].view(n, cfg.dispatch_stride_bytes)
+    ex[:n].view(torch.uint8).copy_(rows.index_select(0, perm)[:, : cfg.x_bytes])
+    off = cfg.dispatch_scale_offset_bytes
+    exs[:n].view(torch.uint8).view(n, -1).copy_(rows.index_select(0, perm)[:, off: off + cfg.scale_bytes])
+    return c.sum(0)
+
+
+def _torch_combine_pack(counts, r, L, ey, base, send_off, cfg):
+    c = counts[:, r * L:(r + 1) * L].long()
+    n = int(c.sum())
+    expert = torch.repeat_interleave(torch.arange(c.numel(), device=c.device), c.flatten()) % L
+    perm = torch.argsort(expert, stable=True)
+    rows = base[send_off: send_off + n * cfg.combine_stride_bytes].view(n, cfg.combine_stride_bytes)
+    rows.index_copy_(0, perm, ey[:n].view(torch.uint8))
+
+
+def _torch_reduce(out, slot, w, base, recv_off, cfg):
+    rows = base[recv_off: recv_off + cfg.max_routes * cfg.combine_stride_bytes].view(cfg.max_routes, -1)
+    y = rows.view(cfg.out_dtype)[:, : cfg.hidden_dim]
+    live = slot >= 0
+    g = y.index_select(0, torch.where(live, slot, 0).flatten().long()).view(*slot.shape, -1).float()
+    out.copy_((g * (w * live)[..., None]).sum(1).to(out.dtype))
+
+
+def _torch_quant(x, block):
+    T, H = x.shape
+    xf = x.float().view(T, H // block, block)
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+    return (xf / scale).to(torch.float8_e4m3fn).view(T, H), scale.squeeze(-1)
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{result['preset']}: {result['config']}",
+             f"world {result['world']} (node {result['node']}), {result['recv_rows']:.0f} rows received, "
+             f"copy bandwidth {result['copy_bw_GBps']:.0f} GB/s, one launch {result['launch_us']:.1f} µs",
+             f"{'kernel':<26}{'triton µs':>11}{'torch µs':>11}{'floor µs':>10}{'% of BW':>9}{'x torch':>9}"]
+    for name, e in result["kernels"].items():
+        t = e["triton"]["median_us"]
+        tt = e.get("torch", {}).get("median_us", float("nan"))
+        lines.append(f"{name:<26}{t:>11.1f}{tt:>11.1f}{e['floor_us']:>10.1f}{100 * e['bw_fraction']:>8.0f}%"
+                     f"{tt / t:>9.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,296 @@
+"""Combine data movement: send expert outputs back by source, then the weighted sum per token.
+
+- `pack_combine_by_source` (expert side): the reverse of `dispatch.unpack_tokens_by_expert`. Every row
+  this rank received in dispatch is read from `expert_y` (the same row unpack wrote) and written, as
+  opaque bytes, to where its home rank expects it: a same-node home's recv buffer directly, at the
+  slot its dispatch send used; for a remote home, this rank's staging area, grouped by source, from
+  which the proxy sends one block per peer (`plan.combine_writes`). The walk over rows and every
+  offset come from the shared helpers of dispatch.py, on the device (no sync, CUDA-graph safe).
+- `reduce_combined_tokens` (home side): out[t] = sum_k weights[t, k] * row(route_slot[t, k]),
+  accumulated in fp32 in k order (the old out[t] first when accumulating) and cast once, like
+  `reference.combine`. Deterministic: each output element is owned by one program, no atomics.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import A2AConfig, Layout
+from .dispatch import (
+    CPU_TOKENS_PER_PROGRAM,
+    _align_words,
+    _as_words,
+    _check_bound_m,
+    _check_counts,
+    _check_int,
+    _check_layout,
+    _check_peer_table,
+    _check_tensor,
+    _chunk_words,
+    _fail,
+    _num_warps,
+    _persistent_grid,
+    _recv_pair_tables,
+    _tile_rows,
+    _send_offsets_of,
+    _word_bytes,
+)
+
+# Hidden elements per program of the reduce: 1024 bf16 = 2 KB per route row per program.
+MAX_REDUCE_BLOCK_H = 1024
+
+
+@triton.jit
+def _f32_to_bf16_rtne(x):
+    """fp32 -> bf16, round to nearest even, with integer ops. Exactly what the GPU's `cvt.rn.bf16.f32`
+    (and torch) do; written out because the interpreter's fp32 -> bf16 cast truncates, which would
+    make CPU tests disagree with the reference by one ulp."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN, never rounds to inf
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _pack_combine_by_source_kernel(
+    expert_y_ptr,        # (R, Y_WORDS) words, row stride `stride_y_r`: expert outputs, dispatch rows
+    counts_ptr,          # (W, E) int32: the routing matrix of this call's dispatch
+    base_ptr,            # uint8: byte address space of the staging area and peers' recv buffers
+    peer_recv_bytes_ptr,  # (W,) int64: home s's recv buffer - base (same node), -1 = remote home
+    stage_bytes,         # int: staging area of this rank (send buffer + combine_stage_offset) - base
+    rank,
+    num_y_rows,          # R: rows of expert_y (a row past it is never read)
+    stride_counts_w, stride_y_r,
+    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
+    PAD: tl.constexpr,
+    Y_WORDS: tl.constexpr,          # payload words per row (H * out_itemsize / WORD_BYTES)
+    SC_BYTES: tl.constexpr,         # combine slot stride (multiple of 16)
+    WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
+
+    Row i of pair (local expert l, source s) has block index b = sum_{j<l} counts[s, rank*L+j] + i in
+    source s's block and goes to
+      same-node s: peer_recv[s] + (send_offsets_s[rank] + b) * Sc   (the slot of its dispatch send)
+      remote s:    stage + (psum_excl(n)[s] + b) * Sc               (plan.combine_stage_offsets)
+    Moves y_bytes in and out per received row."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
+        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
+
+    s_idx = tl.arange(0, W_PAD)
+    peer_recv = tl.load(peer_recv_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
+    is_push = (peer_recv >= 0) & (s_idx < W)
+    send_off = _send_offsets_of(counts_ptr, stride_counts_w, rank, is_push, L, W_PAD, BLOCK_E)
+    stage_row = tl.cumsum(n_src, axis=0) - n_src
+    first_bytes = tl.where(is_push[None, :],
+                           peer_recv[None, :] + (send_off[None, :] + block_start) * SC_BYTES,
+                           stage_bytes + (stage_row[None, :] + block_start) * SC_BYTES)
+
+    NPAIR: tl.constexpr = L_PAD * W_PAD
+    cnt = tl.reshape(cnt, (NPAIR,))
+    dense_start = tl.reshape(dense_start, (NPAIR,))
+    out_start = tl.reshape(out_start, (NPAIR,))
+    first_bytes = tl.reshape(first_bytes, (NPAIR,))
+
+    word_ty: tl.constexpr = expert_y_ptr.dtype.element_ty
+    base_words = base_ptr.to(tl.pointer_type(word_ty))
+    num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
+    for tile in range(pid, num_tiles, num_programs):
+        is_row, y_row, dst_bytes = _tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
+                                              first_bytes, cnt, SC_BYTES, BLOCK_R, False)
+        is_row = is_row & (y_row < num_y_rows)
+        dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
+        src_words = y_row * stride_y_r
+        for c0 in range(0, Y_WORDS, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            mask = is_row[:, None] & (cols < Y_WORDS)[None, :]
+            v = tl.load(expert_y_ptr + src_words[:, None] + cols[None, :], mask=mask)
+            tl.store(base_words + dst_words[:, None] + cols[None, :], v, mask=mask)
+
+
+@triton.jit
+def _reduce_combined_tokens_kernel(
+    out_tokens_ptr,      # (T, H) out_dtype, row stride `stride_out_t`: out (and input when ACCUMULATE)
+    route_slot_ptr,      # (T, K) int32/int64, strides (stride_slot_t, stride_slot_k); -1 = no route
+    weights_ptr,         # (T, K) float32, strides (stride_w_t, stride_w_k)
+    base_ptr,            # uint8: byte address space of the recv buffer
+    bound_m_ptr,         # (1,) int32 live tokens; read only when HAS_BOUND_M
+    recv_bytes,          # int: this rank's recv buffer - base
+    num_tokens,          # T
+    stride_out_t, stride_slot_t, stride_slot_k, stride_w_t, stride_w_k,
+    K: tl.constexpr,
+    MAX_SLOTS: tl.constexpr,       # T*K slots in the recv buffer: a bad slot is skipped, never read
+    H: tl.constexpr,               # constexpr: the tail mask of the last chunk is then provable
+    SC_BYTES: tl.constexpr,
+    ITEM_BYTES: tl.constexpr,      # out_dtype itemsize
+    ALIGN_ELEMS: tl.constexpr,     # row starts are multiples of this many elements (16 B when proven)
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_BOUND_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
+    elements.
+
+    Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs) and writes one.
+    Tokens t >= bound_m are not touched; masked routes (slot -1) are skipped, their weight unread."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chunk = tl.program_id(1)
+    num_live = num_tokens
+    if HAS_BOUND_M:
+        num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)
+    is_live = tokens < num_live                                           # [BLOCK_T]
+
+    y_ty: tl.constexpr = out_tokens_ptr.dtype.element_ty
+    base_y = base_ptr.to(tl.pointer_type(y_ty))
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = is_live[:, None] & (cols < H)[None, :]
+    out_ptrs = out_tokens_ptr + tokens[:, None] * stride_out_t + cols[None, :]
+    if ACCUMULATE:
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for k in range(K):  # k order: the fp32 sum is rounded exactly as in the reference
+        slot = tl.load(route_slot_ptr + tokens * stride_slot_t + k * stride_slot_k,
+                       mask=is_live, other=-1).to(tl.int64)
+        has_slot = (slot >= 0) & (slot < MAX_SLOTS)
+        w = tl.load(weights_ptr + tokens * stride_w_t + k * stride_w_k, mask=has_slot, other=0.0)
+        row = tl.multiple_of((recv_bytes + slot * SC_BYTES) // ITEM_BYTES, ALIGN_ELEMS)
+        y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has_slot[:, None], other=0.0)
+        acc = tl.where(has_slot[:, None], acc + w[:, None] * y.to(tl.float32), acc)
+    if y_ty == tl.bfloat16:
+        tl.store(out_ptrs, _f32_to_bf16_rtne(acc), mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(y_ty), mask=mask)  # fp16: rtne on GPU and in the interpreter
+
+
+def pack_combine_by_source(
+    expert_y: torch.Tensor,
+    counts: torch.Tensor,
+    rank: int,
+    base: torch.Tensor,
+    peer_recv_bytes: torch.Tensor,
+    stage_bytes: int,
+    cfg: A2AConfig,
+    layout: Layout,
+) -> None:
+    """Send every expert output row this rank computed back towards its home rank.
+
+    Args:
+        expert_y: `[R, H]` cfg.out_dtype, last stride 1, rows as `unpack_tokens_by_expert` laid them out
+            (padding rows are not read).
+        counts: `[W, E]` int32, the same routing matrix as the dispatch of this call (device or
+            pinned host memory).
+        rank: this rank.
+        base: 1-D uint8 tensor, base of the byte address space of everything below.
+        peer_recv_bytes: `[W]` int64: for a same-node home s (this rank included), the offset of s's
+            recv buffer from base; `-1` for a remote home. Offsets are multiples of 16.
+        stage_bytes: offset from base of this rank's combine staging area (its send buffer +
+            `layout.combine_stage_offset_bytes`); rows for remote home s are staged contiguously at
+            row `plan.combine_stage_offsets(n)[s]`, ready for `plan.combine_writes`.
+
+    No host sync; CUDA-graph safe.
+    """
+    if not isinstance(cfg, A2AConfig):
+        _fail("cfg", "an A2AConfig", type(cfg).__name__)
+    _check_layout(layout, cfg)
+    W, L, E = layout.world_size, layout.num_local_experts, cfg.num_experts
+    _check_tensor("expert_y", expert_y, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
+    device = expert_y.device
+    R = expert_y.shape[0]
+    _check_counts(counts, W, E, device)
+    _check_int("rank", rank, 0, W)
+    _check_tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
+    _check_peer_table("peer_recv_bytes", peer_recv_bytes, W, device)
+    _check_int("stage_bytes", stage_bytes)
+
+    y_row_bytes = expert_y.stride(0) * expert_y.element_size() if R else 0
+    word_bytes, word_dtype = _word_bytes(cfg.y_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes,
+                                         base.data_ptr(), cfg.combine_stride_bytes)
+    align = _align_words(word_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes, base.data_ptr())
+    y_words = _as_words(expert_y, word_dtype)
+    row_words = cfg.y_bytes // word_bytes
+    block_w = _chunk_words(row_words, word_bytes)
+    grid, block_r = _persistent_grid(device, layout)
+    _pack_combine_by_source_kernel[grid](
+        y_words, counts, base, peer_recv_bytes, stage_bytes, rank, R,
+        counts.stride(0), y_words.stride(0) if R else row_words,
+        W=W, L=L, W_PAD=triton.next_power_of_2(W), L_PAD=triton.next_power_of_2(L),
+        PAD=cfg.expert_padding, Y_WORDS=row_words, SC_BYTES=cfg.combine_stride_bytes,
+        WORD_BYTES=word_bytes, ALIGN_WORDS=align,
+        BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(triton.next_power_of_2(E), 256),
+        num_warps=_num_warps(block_r * block_w, word_bytes),
+    )
+
+
+def reduce_combined_tokens(
+    out_tokens: torch.Tensor,
+    route_slot: torch.Tensor,
+    weights: torch.Tensor,
+    recv_base: torch.Tensor,
+    recv_offset_bytes: int,
+    cfg: A2AConfig,
+    accumulate: bool = False,
+    bound_m: torch.Tensor | None = None,
+) -> None:
+    """out_tokens[t] = sum_k weights[t, k] * y(route_slot[t, k]) for t < bound_m, in place.
+
+    Args:
+        out_tokens: `[T, H]` cfg.out_dtype, last stride 1: out (and the first addend when accumulate).
+        route_slot: `[T, K]` int32/int64, the dispatch send slots (`-1` = not routed); the expert
+            output of route (t, k) is the row at `recv + route_slot[t, k] * cfg.combine_stride_bytes`.
+        weights: `[T, K]` float32 (any strides); weights of masked routes are not read.
+        recv_base: 1-D uint8 tensor, base of the byte address space.
+        recv_offset_bytes: offset of this rank's recv buffer from recv_base.
+        accumulate: add to the old out_tokens[t] (first, then k = 0..K-1) instead of overwriting.
+        bound_m: optional `[1]` int32 on out_tokens' device: tokens t >= bound_m[0] are not touched.
+
+    Accumulates in fp32 in k order and casts once (round to nearest even). No host sync; CUDA-graph
+    safe.
+    """
+    if not isinstance(cfg, A2AConfig):
+        _fail("cfg", "an A2AConfig", type(cfg).__name__)
+    _check_tensor("out_tokens", out_tokens, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
+    device = out_tokens.device
+    T, K, H = out_tokens.shape[0], cfg.experts_per_token, cfg.hidden_dim
+    if T > cfg.max_num_tokens:
+        _fail("out_tokens", f"at most max_num_tokens={cfg.max_num_tokens} rows", str(T))
+    _check_tensor("route_slot", route_slot, dtypes=(torch.int32, torch.int64), shape=(T, K), device=device,
+                  last_contig=False)
+    _check_tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=device, last_contig=False)
+    _check_tensor("recv_base", recv_base, dtypes=(torch.uint8,), shape=(None,), device=device)
+    _check_int("recv_offset_bytes", recv_offset_bytes)
+    if not isinstance(accumulate, bool):
+        _fail("accumulate", "a bool", repr(accumulate))
+    _check_bound_m(bound_m, device)
+    item = cfg.out_itemsize
+    # Rows are read as out_dtype elements at base + offset: both must be element-aligned.
+    if recv_offset_bytes % item:
+        _fail("recv_offset_bytes", f"a multiple of out itemsize {item}", str(recv_offset_bytes))
+    if recv_base.data_ptr() % item:
+        _fail("recv_base", f"data_ptr aligned to {item} bytes", hex(recv_base.data_ptr()))
+    if T == 0:
+        return
+
+    align = _align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
+                         recv_offset_bytes)
+    block_h = min(triton.next_power_of_2(H), MAX_REDUCE_BLOCK_H)
+    # GPU: one token per program (decode T=128 x 7 chunks of 1024 = 896 programs). Interpreter: it pays
+    # per operation, not per element, so all tokens in one program.
+    block_t = 1 if device.type == "cuda" else min(triton.next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    _reduce_combined_tokens_kernel[grid](
+        out_tokens, route_slot, weights, recv_base, bound_m if bound_m is not None else route_slot,
+        recv_offset_bytes, T,
+        out_tokens.stride(0), route_slot.stride(0), route_slot.stride(1), weights.stride(0), weights.stride(1),
+        K=K, MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes, ITEM_BYTES=item,
+        ALIGN_ELEMS=align, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
+        num_warps=_num_warps(block_t * block_h, item),
+    )
+
+
+__all__ = ["pack_combine_by_source", "reduce_combined_tokens"]

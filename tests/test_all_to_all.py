@@ -1,0 +1,180 @@
+"""End to end: LocalCluster ranks (real processes, real proxies, real libfabric tcp/shm) against
+reference.py. Kernels run in the Triton interpreter on CPU tensors (tests/conftest.py)."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moe_a2a import LocalCluster
+from moe_a2a.config import A2AConfig
+from moe_a2a.demo import check_against_reference, make_inputs, rank_roundtrip
+
+pytestmark = [pytest.mark.slow]
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    node: int
+    transport: str
+    in_dtype: torch.dtype
+    private: int | None = None
+    padding: int = 1
+    hidden: int = 40
+    tokens: int = 6
+
+
+CASES = [
+    # 2 nodes of 2: same-node pull/push and remote writes in one run
+    pytest.param(Case(4, 2, "shm", torch.bfloat16, padding=4), id="W4-N2-SHM-BF16-PAD4"),
+    # fp8 payload with scales; private region 0: every remote token takes the remainder path
+    pytest.param(Case(2, 1, "tcp", torch.float8_e4m3fn, private=0, hidden=130), id="W2-N1-TCP-FP8-P0"),
+    # one node: no token crosses the wire, only counts and barriers
+    pytest.param(Case(4, 4, "shm", torch.float32, private=1000), id="W4-N4-SHM-FP32-PBIG"),
+    # every rank its own node, odd world size, over tcp
+    pytest.param(Case(3, 1, "tcp", torch.bfloat16, padding=3), id="W3-N1-TCP-BF16-PAD3"),
+]
+
+
+def _cfg(c: Case) -> A2AConfig:
+    return A2AConfig(max_num_tokens=c.tokens, num_experts=2 * c.world, experts_per_token=3, hidden_dim=c.hidden,
+                     in_dtype=c.in_dtype, out_dtype=torch.bfloat16, expert_padding=c.padding,
+                     max_private_tokens=c.private)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def cluster(request):
+    c: Case = request.param
+    cfg = _cfg(c)
+    with LocalCluster(cfg, world_size=c.world, node_size=c.node, transport=c.transport, device="cpu",
+                      timeout_s=60.0) as cl:
+        yield cfg, c, cl
+
+
+@pytest.mark.timeout(600)
+def test_three_calls_random_routing_match_reference(cluster):
+    cfg, c, cl = cluster
+    results = cl.run(rank_roundtrip, cfg.max_num_tokens, 1, 3, "random")
+    assert check_against_reference(cfg, results) == []
+
+
+@pytest.mark.timeout(600)
+def test_skew_and_duplicates_and_empty_ranks(cluster):
+    cfg, c, cl = cluster
+    # every token of every rank to expert 0 (worst case for the private region: the remainder path)
+    results = cl.run(rank_roundtrip, cfg.max_num_tokens, 2, 1, "skew")
+    assert check_against_reference(cfg, results) == []
+    assert int(results[0]["calls"][0]["num"][0]) == c.world * cfg.max_num_tokens * cfg.experts_per_token
+    # duplicate experts in a row; rank 0 sends zero tokens, others vary
+    tokens = [0] + [cfg.max_num_tokens - r % 3 for r in range(1, c.world)]
+    results = cl.run(rank_roundtrip, tokens, 3, 1, "dupes")
+    assert check_against_reference(cfg, results) == []
+
+
+def _split_with_work_between(a2a, rank, seed):
+    """Send halves, unrelated work, receive halves: must equal one full call (the reference)."""
+    cfg, dev = a2a.cfg, a2a.device
+    x, xs, idx, w = make_inputs(cfg, rank, cfg.max_num_tokens, seed)
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
+    busy = sum(torch.randn(64, 64).sum().item() for _ in range(20))  # "shared experts"
+    time.sleep(0.05 * rank)  # ranks arrive at the receive half at different times
+    a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
+    from moe_a2a.demo import toy_expert
+    y = toy_expert(ex, exs, cfg)
+    out = torch.ones(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype)
+    a2a.combine(out, idx, w, y, do_recv=False)
+    time.sleep(0.05 * (a2a.world_size - rank))
+    a2a.combine(out, idx, w, y, do_send=False, accumulate=True)
+    rows = int(sum((n + cfg.expert_padding - 1) // cfg.expert_padding * cfg.expert_padding for n in num.tolist()))
+    return {"busy": busy, "calls": [{"x": x, "x_scale": xs, "indices": idx, "weights": w, "num": num,
+                                     "expert_x": ex[:rows], "expert_x_scale": None if exs is None else exs[:rows],
+                                     "out": out - 1}]}  # accumulate=True added the old ones
+
+
+@pytest.mark.timeout(600)
+def test_split_send_recv_with_work_between_and_accumulate(cluster):
+    cfg, c, cl = cluster
+    results = cl.run(_split_with_work_between, 5)
+    # `out - 1` undoes the accumulated ones up to bf16 rounding of (1 + sum): loosen the tolerance
+    assert check_against_reference(cfg, results, atol=5e-2, rtol=2e-2) == []
+
+
+def _bad_inputs(a2a, rank):
+    """Every bad call raises ValueError naming the argument, and the instance still works after."""
+    cfg = a2a.cfg
+    x, xs, idx, w = make_inputs(cfg, rank, cfg.max_num_tokens, 9)
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    errors = []
+
+    def expect(fn, needle):
+        try:
+            fn()
+        except ValueError as e:
+            errors.append(needle in str(e) or f"{needle!r} not in {e}")
+        else:
+            errors.append(f"no ValueError for {needle}")
+
+    bad_idx = idx.clone()
+    bad_idx[0, 0] = cfg.num_experts
+    expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
+    bad_idx[0, 0] = -2
+    expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
+    too_many = torch.zeros(cfg.max_num_tokens + 1, cfg.hidden_dim, dtype=cfg.in_dtype)
+    expect(lambda: a2a.dispatch(num, ex, exs, too_many, xs, idx), "max_num_tokens")
+    expect(lambda: a2a.dispatch(num, ex, exs, x.float() if x.dtype != torch.float32 else x.half(), xs, idx), "x")
+    expect(lambda: a2a.dispatch(num, ex[:1], exs, x, xs, idx), "out_expert_x")
+    expect(lambda: a2a.combine(torch.zeros(1), idx, w, ex), "out of order")
+    expect(lambda: a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False), "out of order")
+    a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
+    expect(lambda: a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False), "out of order")
+    a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
+    out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype)
+    y = torch.zeros(ex.shape, dtype=cfg.out_dtype)
+    expect(lambda: a2a.combine(out, idx, w, y.float() if y.dtype != torch.float32 else y.half()), "expert_y")
+    expect(lambda: a2a.combine(out, idx, w.double(), y), "weights")
+    a2a.combine(out, idx, w, y)
+    return errors
+
+
+@pytest.mark.timeout(600)
+def test_bad_input_is_refused_before_sending(cluster):
+    cfg, c, cl = cluster
+    for errs in cl.run(_bad_inputs):
+        assert errs and all(e is True for e in errs), errs
+    # the cluster still computes correctly afterwards
+    assert check_against_reference(cfg, cl.run(rank_roundtrip, cfg.max_num_tokens, 4, 1)) == []
+
+
+def _proxy_pid(a2a, rank):
+    return a2a.proxy.proc.pid
+
+
+def _die_or_dispatch(a2a, rank, victim):
+    if rank == victim:
+        os._exit(3)
+    return rank_roundtrip(a2a, rank, a2a.cfg.max_num_tokens, 7, 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport):
+    cfg = A2AConfig(max_num_tokens=4, num_experts=6, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
+    timeout_s = 8.0
+    with LocalCluster(cfg, world_size=3, node_size=1, transport=transport, device="cpu", timeout_s=timeout_s) as cl:
+        proxies = cl.run(_proxy_pid)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            cl.run(_die_or_dispatch, 2)
+        elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert "rank(s) [2] died" in msg
+    assert "missing peers [2]" in msg, msg  # the survivors' proxies name the dead rank
+    assert elapsed < timeout_s + 15
+    time.sleep(0.5)
+    for pid in proxies:  # every proxy process is gone with its owner
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

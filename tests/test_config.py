@@ -1,0 +1,69 @@
+"""A2AConfig and Layout: validation and the derived sizes every other module relies on."""
+import pickle
+
+import pytest
+import torch
+
+from moe_a2a.config import A2AConfig, Flag, round_up
+
+
+def test_decode_sizes_match_the_design():
+    cfg = A2AConfig(in_dtype=torch.float8_e4m3fn)  # DeepSeek-V3 decode
+    assert cfg.num_scales == 56 and cfg.block_size == 128
+    assert cfg.dispatch_stride_bytes == 7168 + 224  # payload + scales, both 16-byte aligned
+    assert cfg.combine_stride_bytes == 7168 * 2
+    lay = cfg.layout(64)
+    assert lay.num_local_experts == 4
+    assert lay.max_recv_routes == 64 * 128 * 8  # every route of every rank may land on one rank
+    assert lay.private_rows == 32               # 2 x average (16), rounded to 8
+
+
+def test_strides_are_16_byte_aligned_for_odd_sizes():
+    cfg = A2AConfig(hidden_dim=7, in_dtype=torch.float8_e4m3fn, scale_block=3, out_dtype=torch.float16)
+    assert cfg.num_scales == 3
+    assert cfg.dispatch_scale_offset_bytes % 16 == 0 and cfg.dispatch_stride_bytes % 16 == 0
+    assert cfg.combine_stride_bytes == 16
+
+
+def test_segment_regions_do_not_overlap():
+    lay = A2AConfig(max_num_tokens=5, num_experts=12, experts_per_token=3, hidden_dim=33).layout(4, 2)
+    regions = [(lay.flags_offset_bytes, int(Flag.NUM_FLAGS) * 64), (lay.error_offset_bytes, 4096),
+               (lay.routing_offset_bytes, lay.routing_bytes), (lay.send_offset_bytes, lay.send_bytes),
+               (lay.recv_offset_bytes, lay.recv_bytes)]
+    for (a, na), (b, nb) in zip(regions, regions[1:]):
+        assert a + na <= b, (a, na, b)
+    assert lay.segment_bytes(True) >= lay.recv_offset_bytes + lay.recv_bytes
+    assert lay.segment_bytes(True) % 4096 == 0
+
+
+def test_layout_is_torch_free_and_picklable():
+    lay = A2AConfig().layout(8, 4)
+    assert "torch" not in pickle.dumps(lay).decode("latin1")
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(max_num_tokens=0), "max_num_tokens"),
+    (dict(num_experts=-1), "num_experts"),
+    (dict(experts_per_token=True), "experts_per_token"),
+    (dict(in_dtype=torch.int8), "in_dtype"),
+    (dict(out_dtype=torch.float8_e4m3fn), "out_dtype"),
+    (dict(scale_block=0), "scale_block"),
+    (dict(max_private_tokens=-2), "max_private_tokens"),
+    (dict(expert_padding=0), "expert_padding"),
+])
+def test_bad_fields_raise_value_error_naming_them(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        A2AConfig(**kwargs)
+
+
+@pytest.mark.parametrize("world, node, needle", [(3, 3, "divisible"), (4, 3, "node_size"), (0, 1, "world_size")])
+def test_bad_world_layouts(world, node, needle):
+    with pytest.raises(ValueError, match=needle):
+        A2AConfig(num_experts=8).layout(world, node)
+
+
+def test_private_rows_override_and_cap():
+    cfg = A2AConfig(max_num_tokens=4, experts_per_token=2, num_experts=8, max_private_tokens=100)
+    assert cfg.layout(2).private_rows == 8  # capped at T*K
+    assert A2AConfig(num_experts=8, max_private_tokens=0).layout(2).private_rows == 0
+    assert round_up(13, 8) == 16

@@ -1,0 +1,137 @@
+"""quantize_fp8 against the same formula in torch, bitwise on the fp8 bytes and the scales."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from moe_a2a.triton_kernels.quant import dequantize_fp8, quantize_fp8
+
+
+def torch_quantize(x: torch.Tensor, block: int):
+    """The documented formula: scale = amax/448 (1 below the smallest normal fp32), RNE cast of the
+    clamped quotient. torch's fp32 division is correctly rounded, like tl.div_rn."""
+    T, H = x.shape
+    S = -(-H // block)
+    padded = torch.nn.functional.pad(x.float(), (0, S * block - H)).reshape(T, S, block)
+    scale = padded.abs().amax(-1) / 448.0
+    scale = torch.where(scale >= 2.0**-126, scale, torch.ones_like(scale))
+    q = (padded / scale[..., None]).clamp(-448.0, 448.0).reshape(T, S * block)[:, :H]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor):
+    diff = got.view(torch.uint8) != want.view(torch.uint8)
+    assert not bool(diff.any()), f"{int(diff.sum())} bytes differ, first at {torch.nonzero(diff)[0].tolist()}"
+
+
+@pytest.mark.timeout(120)
+@settings(deadline=None, max_examples=25)
+@given(
+    T=st.integers(0, 6),
+    H=st.integers(1, 300),
+    block=st.sampled_from([1, 7, 32, 128]),       # 7: not a power of two (masked tile columns)
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    log_range=st.sampled_from([(-3, 3), (-12, -6), (2, 4)]),  # small values exercise subnormal codes
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_torch_formula(T, H, block, dtype, log_range, seed):
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = torch.exp2(torch.empty(T, H).uniform_(*log_range, generator=gen))
+    x = (torch.randn(T, H, generator=gen).sign() * magnitude).to(dtype)
+    q, scale = quantize_fp8(x, block)
+    want_q, want_scale = torch_quantize(x, block)
+    assert q.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (T, -(-H // block))
+    assert_same_bytes(q, want_q)
+    assert torch.equal(scale, want_scale)
+    # Round trip: e4m3 keeps 3 mantissa bits (relative error <= 2**-4 for normals) and subnormal
+    # steps of 2**-9 * scale (absolute error <= 2**-10 * scale).
+    back = dequantize_fp8(q, scale, block)
+    full_scale = scale.repeat_interleave(block, dim=1)[:, :H]
+    err = (back - x.float()).abs()
+    bound = torch.maximum(x.float().abs() * 2.0**-4, full_scale * 2.0**-10) * (1 + 1e-6)
+    assert bool((err <= bound).all())
+
+
+@pytest.mark.timeout(60)
+def test_encoding_every_code_tie_and_neighbour():
+    """A row whose first element is 448 gets scale exactly 1, so the kernel encodes the other
+    elements as given: every e4m3 value, every midpoint (ties go to even; the midpoint above 448
+    would round to 480, the clamp keeps it at 448) and their fp32 neighbours, against torch's cast."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = torch.unique(codes[torch.isfinite(codes)])          # sorted, -448 .. 448
+    mids = (finite[1:] + finite[:-1]) / 2
+    values = torch.cat([finite, mids, torch.nextafter(mids, torch.full_like(mids, 1e9)),
+                        torch.nextafter(mids, torch.full_like(mids, -1e9)),
+                        torch.tensor([-0.0, 2.0**-10, -(2.0**-10), 2.0**-11, 447.9, -447.9, 2.0**-9 * 1.5])])
+    x = torch.cat([torch.full((1,), 448.0), values])[None, :]
+    q, scale = quantize_fp8(x, block=x.shape[1])
+    assert torch.equal(scale, torch.ones(1, 1))
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert_same_bytes(q, want)
+
+
+@pytest.mark.timeout(60)
+def test_zero_and_tiny_blocks_get_scale_one():
+    x = torch.zeros(2, 20)
+    x[1, :10] = 1e-38     # amax / 448 is below the smallest normal fp32: scale 1, bytes 0
+    x[1, 10:] = 3.0
+    q, scale = quantize_fp8(x, block=10)
+    assert torch.equal(scale, torch.tensor([[1.0, 1.0], [1.0, 3.0 / 448.0]]))
+    assert not bool(q.view(torch.uint8)[:, :10].any())
+    assert torch.equal(dequantize_fp8(q, scale, 10)[1, 10:], torch.full((10,), 3.0))
+
+
+@pytest.mark.timeout(60)
+def test_decode_row_width_bf16():
+    """H = 7168 at block 128: 56 scales per token (the DeepSeek decode shape, fewer tokens)."""
+    x = torch.randn(4, 7168, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    q, scale = quantize_fp8(x)
+    want_q, want_scale = torch_quantize(x, 128)
+    assert_same_bytes(q, want_q)
+    assert torch.equal(scale, want_scale)
+
+
+@pytest.mark.timeout(60)
+def test_caller_outputs_and_bound_m():
+    """Caller-allocated outputs (scale as a transposed, strided view); rows >= bound_m untouched."""
+    T, H, block = 6, 40, 16
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(6))
+    out = torch.full((T, H), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale_t = torch.full((3, T), -1.0)
+    q, scale = quantize_fp8(x, block, out=out, out_scale=scale_t.t(), bound_m=torch.tensor([4], dtype=torch.int32))
+    assert q.data_ptr() == out.data_ptr()
+    want_q, want_scale = torch_quantize(x[:4], block)
+    assert_same_bytes(out[:4], want_q)
+    assert torch.equal(scale_t.t()[:4], want_scale)
+    assert bool((out.view(torch.uint8)[4:] == 0x11).all()) and bool((scale_t.t()[4:] == -1.0).all())
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="x: expected dtype"):
+        quantize_fp8(x.to(torch.int32))
+    with pytest.raises(ValueError, match="block"):
+        quantize_fp8(x, 0)
+    with pytest.raises(ValueError, match="last stride"):
+        quantize_fp8(torch.zeros(8, 2).t())
+    with pytest.raises(ValueError, match="out:"):
+        quantize_fp8(x, 4, out=torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out_scale"):
+        quantize_fp8(x, 4, out_scale=torch.zeros(2, 3))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compares the native "
+                    "fp8 cast with the integer encoding the CPU tests check")
+def test_gpu_native_cast_equals_bit_encoding():
+    gen = torch.Generator().manual_seed(7)
+    magnitude = torch.exp2(torch.empty(64, 1000).uniform_(-14, 4, generator=gen))
+    x = (torch.randn(64, 1000, generator=gen).sign() * magnitude).to(torch.bfloat16).cuda()
+    q_native, s_native = quantize_fp8(x, 128, _fp8_via_bits=False)
+    q_bits, s_bits = quantize_fp8(x, 128, _fp8_via_bits=True)
+    want_q, want_s = torch_quantize(x.cpu(), 128)
+    assert_same_bytes(q_native.cpu(), want_q)
+    assert_same_bytes(q_bits.cpu(), want_q)
+    assert torch.equal(s_native.cpu(), want_s) and torch.equal(s_bits.cpu(), want_s)

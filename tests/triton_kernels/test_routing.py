@@ -1,0 +1,194 @@
+"""route_tokens against a plain-torch oracle (stable argsort), reference.expert_rows and plan.
+
+Runs under TRITON_INTERPRET=1 on CPU tensors (tests/conftest.py). The interpreter's tl.sort costs
+seconds per 1024 keys, so the two-launch path is reached with tiny blocks (`_block_routes=16`) and
+only one test uses the decode size.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from moe_a2a import plan, reference
+from moe_a2a.config import A2AConfig
+from moe_a2a.triton_kernels.routing import route_tokens, validate_indices
+
+# Forces the two-launch path (histogram + fix-up) with 16 routes per block, so several blocks and
+# routes of one token straddling a block edge show up at small T.
+MULTI = dict(_single_max_routes=0, _block_routes=16)
+# Forces the one-program path whatever the size.
+SINGLE = dict(_single_max_routes=1 << 30)
+
+
+def oracle(indices: torch.Tensor, num_experts: int, bound_m: int | None = None):
+    """counts and route_slot from a stable argsort over the live routes."""
+    T, K = indices.shape
+    flat = indices.reshape(-1).to(torch.int64)
+    is_live = flat >= 0
+    if bound_m is not None:
+        is_live &= torch.arange(T * K) // K < bound_m
+    expert = flat[is_live]
+    counts = torch.bincount(expert, minlength=num_experts).to(torch.int32)
+    order = torch.argsort(expert, stable=True)
+    position = torch.empty_like(expert)
+    position[order] = torch.arange(len(expert))
+    slot = torch.full_like(flat, -1)
+    slot[is_live] = position
+    return counts, slot.reshape(T, K).to(torch.int32)
+
+
+def check_invariants(indices, num_experts, counts, route_slot, bound_m=None):
+    T, K = indices.shape
+    live = indices.to(torch.int64) >= 0
+    if bound_m is not None:
+        live &= (torch.arange(T) < bound_m)[:, None]
+    total = int(live.sum())
+    assert int(counts.sum()) == total                     # counts sum == live routes
+    assert torch.equal(counts.to(torch.int64),
+                       torch.bincount(indices.to(torch.int64)[live], minlength=num_experts))
+    assert bool((route_slot[~live] == -1).all())          # dead routes get -1
+    slots = route_slot[live].to(torch.int64)
+    assert torch.equal(torch.sort(slots).values, torch.arange(total))  # bijection onto [0, total)
+    # Each expert's routes land inside its segment [psum_excl(counts)[e], psum_incl(counts)[e]).
+    starts = torch.cumsum(counts.to(torch.int64), 0) - counts.to(torch.int64)
+    e = indices.to(torch.int64)[live]
+    assert bool(((slots >= starts[e]) & (slots < starts[e] + counts.to(torch.int64)[e])).all())
+
+
+def make_indices(T, K, E, mask_p, dtype, gen):
+    idx = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int64)
+    idx[torch.rand(T, K, generator=gen) < mask_p] = -1
+    return idx.to(dtype)
+
+
+@pytest.mark.timeout(120)
+@settings(deadline=None, max_examples=30)
+@given(
+    T=st.integers(0, 24),
+    K=st.integers(1, 9),
+    E=st.sampled_from([1, 3, 7, 16, 100]),        # 3, 7, 100: not powers of two
+    mask_p=st.sampled_from([0.0, 0.3, 1.0]),      # 1.0: every route masked
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    bound=st.one_of(st.none(), st.integers(0, 30)),  # bound_m below, at and above T
+    multi=st.booleans(),                          # single-program vs two-launch path
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_oracle(T, K, E, mask_p, dtype, bound, multi, seed):
+    gen = torch.Generator().manual_seed(seed)
+    indices = make_indices(T, K, E, mask_p, dtype, gen)
+    bound_m = None if bound is None else torch.tensor([bound], dtype=torch.int32)
+    counts, route_slot = route_tokens(indices, E, bound_m=bound_m, **(MULTI if multi else SINGLE))
+    want_counts, want_slot = oracle(indices, E, bound)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(route_slot, want_slot)
+    check_invariants(indices, E, counts, route_slot, bound)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("multi", [False, True], ids=["single", "multi"])
+@pytest.mark.parametrize("case", ["one_expert", "duplicates", "last_expert", "all_masked"])
+def test_edge_cases(case, multi):
+    T, K, E = 20, 5, 7
+    if case == "one_expert":      # skew: every route to expert 3, slots are plain row-major order
+        indices = torch.full((T, K), 3, dtype=torch.int32)
+    elif case == "duplicates":    # the same expert twice in one row is routed twice
+        indices = torch.tensor([[2, 2, -1, 2, 0]] * T, dtype=torch.int64)
+    elif case == "last_expert":   # expert E-1: the highest sort key below the dead-route keys
+        indices = torch.full((T, K), E - 1, dtype=torch.int64)
+        indices[::2, 1] = -1
+    else:                         # nothing live: counts all zero, every slot -1
+        indices = torch.full((T, K), -1, dtype=torch.int32)
+    counts, route_slot = route_tokens(indices, E, **(MULTI if multi else SINGLE))
+    want_counts, want_slot = oracle(indices, E)
+    assert torch.equal(counts, want_counts) and torch.equal(route_slot, want_slot)
+    check_invariants(indices, E, counts, route_slot)
+    if case == "one_expert":
+        assert torch.equal(route_slot.reshape(-1), torch.arange(T * K, dtype=torch.int32))
+
+
+@pytest.mark.timeout(120)
+def test_decode_size_and_plan():
+    """Decode shape (T=128, K=8, E=256: the default path, two launches with 64-route blocks) against
+    reference.expert_rows (one rank, no padding: its rows are exactly the send slots) and
+    plan.send_offsets (each destination rank's routes form one run starting there)."""
+    cfg = A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=16)
+    gen = torch.Generator().manual_seed(1)
+    indices = torch.randint(0, 256, (128, 8), generator=gen, dtype=torch.int64)
+    indices[torch.rand(128, 8, generator=gen) < 0.1] = -1
+    counts, route_slot = route_tokens(indices, cfg.num_experts)
+    want_counts, want_slot = oracle(indices, cfg.num_experts)
+    assert torch.equal(counts, want_counts) and torch.equal(route_slot, want_slot)
+    rows = reference.expert_rows(cfg, [indices])[0]
+    assert torch.equal(route_slot.to(torch.int64), rows)
+    lay = cfg.layout(8)
+    row = counts.numpy()
+    offsets = plan.send_offsets(row, lay)
+    n = plan.rank_counts(row, lay)
+    dest = torch.where(indices >= 0, indices // lay.num_local_experts, -1)
+    for d in range(lay.world_size):
+        slots = np.sort(route_slot[dest == d].numpy())
+        assert np.array_equal(slots, np.arange(offsets[d], offsets[d] + n[d]))
+
+
+@pytest.mark.timeout(60)
+def test_max_tokens_multi_block_vs_reference():
+    """T = max_num_tokens on the two-launch path with many blocks (64 routes each), against
+    reference.dispatch's counts (one rank hosts every expert)."""
+    cfg = A2AConfig(max_num_tokens=96, num_experts=12, experts_per_token=4, hidden_dim=4,
+                    in_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    indices = torch.randint(-1, cfg.num_experts, (cfg.max_num_tokens, 4), generator=gen, dtype=torch.int32)
+    counts, route_slot = route_tokens(indices, cfg.num_experts, _single_max_routes=0, _block_routes=64)
+    want_counts, want_slot = oracle(indices, cfg.num_experts)
+    assert torch.equal(counts, want_counts) and torch.equal(route_slot, want_slot)
+    x = torch.zeros(cfg.max_num_tokens, 4)
+    ref_counts = reference.dispatch(cfg, [x], None, [indices])[0][0]
+    assert torch.equal(counts, ref_counts)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("multi", [False, True], ids=["single", "multi"])
+def test_caller_outputs_strided_counts(multi):
+    """out_counts as a column of a larger matrix (a foreign strided view) is written in place;
+    its neighbours are untouched; stale output contents do not leak."""
+    T, K, E = 10, 3, 5
+    indices = torch.randint(-1, E, (T, K), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    matrix = torch.full((E, 3), 77, dtype=torch.int32)
+    out_slot = torch.full((T, K), 55, dtype=torch.int32)
+    counts, route_slot = route_tokens(indices, E, out_counts=matrix[:, 1], out_route_slot=out_slot,
+                                      **(MULTI if multi else SINGLE))
+    want_counts, want_slot = oracle(indices, E)
+    assert route_slot.data_ptr() == out_slot.data_ptr()
+    assert torch.equal(matrix[:, 1], want_counts) and torch.equal(out_slot, want_slot)
+    assert bool((matrix[:, 0] == 77).all() and (matrix[:, 2] == 77).all())
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments():
+    idx = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices: expected dtype"):
+        route_tokens(idx.float(), 4)
+    with pytest.raises(ValueError, match="indices: expected a .T, K. tensor"):
+        route_tokens(idx.reshape(-1), 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        route_tokens(torch.zeros(2, 4, dtype=torch.int32).t(), 4)
+    with pytest.raises(ValueError, match="num_experts"):
+        route_tokens(idx, 0)
+    with pytest.raises(ValueError, match="out_counts"):
+        route_tokens(idx, 4, out_counts=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out_route_slot"):
+        route_tokens(idx, 4, out_route_slot=torch.zeros(4, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="bound_m"):
+        route_tokens(idx, 4, bound_m=torch.tensor([1], dtype=torch.int64))
+
+
+@pytest.mark.timeout(30)
+def test_validate_indices():
+    validate_indices(torch.tensor([[-1, 0], [3, 2]]), 4)
+    validate_indices(torch.zeros(0, 3, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match=r"indices\[1, 0\] = 4"):
+        validate_indices(torch.tensor([[-1, 0], [4, 2]]), 4)
+    with pytest.raises(ValueError, match=r"indices\[0, 1\] = -2"):
+        validate_indices(torch.tensor([[0, -2]], dtype=torch.int32), 4)
