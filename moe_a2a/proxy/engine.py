@@ -166,6 +166,14 @@ class PeerGroup:
         self._src = src
 
 
+class PeerTimeout(TimeoutError):
+    """A write to one peer could not be posted in time; ``position`` is the peer's index in its group."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
+
+
 class TransferEngine:
     """RDMA-write engine over libfabric (see the module docstring).
 
@@ -426,8 +434,8 @@ class TransferEngine:
             self._free_slots.append(slot)
             self._slot_peer[slot] = None
             if rc == _NEG_EAGAIN:
-                raise TimeoutError(f"fi_writemsg to {grp.peers[p]} returned -FI_EAGAIN for {self.timeout_s}s "
-                                   f"(peer not progressing or not reachable) [imm {imm:#x}]")
+                raise PeerTimeout(f"fi_writemsg to {grp.peers[p]} returned -FI_EAGAIN for {self.timeout_s}s "
+                                  f"(peer not progressing or not reachable) [imm {imm:#x}]", position=p)
             raise lf.FabricError("fi_writemsg", rc, peer=grp.peers[p], context=f"imm {imm:#x}")
 
     def _wait_slot(self) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import plan
 from ..config import ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, Flag, Imm, Layout
-from .engine import TransferEngine
+from .engine import PeerTimeout, TransferEngine
 from .memory import SharedSegment
 
 ERROR_TIMEOUT = 1  # values of Flag.ERROR
@@ -213,7 +213,12 @@ class Proxy:
     def run(self) -> None:
         epoch = 1
         while True:
-            self.run_epoch(epoch)
+            try:
+                self.run_epoch(epoch)
+            except PeerTimeout as exc:  # a post to a dead peer: name its rank, as the waits do
+                rank = self.peers[exc.position]
+                raise TimeoutError(f"rank {self.rank}: posting to rank {rank} (epoch {epoch}) timed out: "
+                                   f"{exc}; missing peers [{rank}]") from exc
             epoch += 1
 
     def close(self) -> None:
