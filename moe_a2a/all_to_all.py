@@ -301,6 +301,9 @@ class AllToAll:
             close_ipc_handle(ptr)
         for s in self._peer_segments:
             s.close()
+        for buf in (getattr(self, "_send_buf", None), getattr(self, "_recv_buf", None)):
+            if buf is not None:
+                buf.close()
         self.segment.close()
 
     def __enter__(self) -> "AllToAll":

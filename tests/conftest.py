@@ -1,3 +1,11 @@
+"""Test settings shared by every test.
+
+CI has no GPU: kernels run in the Triton interpreter on CPU tensors. On the GPU machine run the same
+property tests with compiled kernels by setting MOE_A2A_TEST_DEVICE=cuda (and not TRITON_INTERPRET),
+e.g. `MOE_A2A_TEST_DEVICE=cuda python -m pytest tests/triton_kernels`.
+"""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE = os.environ.get("MOE_A2A_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -13,6 +13,8 @@ from moe_a2a import LocalCluster
 from moe_a2a.config import A2AConfig
 from moe_a2a.demo import check_against_reference, make_inputs, rank_roundtrip
 
+from .conftest import TEST_DEVICE
+
 pytestmark = [pytest.mark.slow]
 
 
@@ -50,7 +52,7 @@ def _cfg(c: Case) -> A2AConfig:
 def cluster(request):
     c: Case = request.param
     cfg = _cfg(c)
-    with LocalCluster(cfg, world_size=c.world, node_size=c.node, transport=c.transport, device="cpu",
+    with LocalCluster(cfg, world_size=c.world, node_size=c.node, transport=c.transport, device=TEST_DEVICE,
                       timeout_s=60.0) as cl:
         yield cfg, c, cl
 
@@ -78,15 +80,15 @@ def test_skew_and_duplicates_and_empty_ranks(cluster):
 def _split_with_work_between(a2a, rank, seed):
     """Send halves, unrelated work, receive halves: must equal one full call (the reference)."""
     cfg, dev = a2a.cfg, a2a.device
-    x, xs, idx, w = make_inputs(cfg, rank, cfg.max_num_tokens, seed)
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, seed))
     num, ex, exs = a2a.empty_dispatch_outputs()
     a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
-    busy = sum(torch.randn(64, 64).sum().item() for _ in range(20))  # "shared experts"
+    busy = sum(torch.randn(64, 64, device=dev).sum().item() for _ in range(20))  # "shared experts"
     time.sleep(0.05 * rank)  # ranks arrive at the receive half at different times
     a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
     from moe_a2a.demo import toy_expert
     y = toy_expert(ex, exs, cfg)
-    out = torch.ones(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype)
+    out = torch.ones(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
     a2a.combine(out, idx, w, y, do_recv=False)
     time.sleep(0.05 * (a2a.world_size - rank))
     a2a.combine(out, idx, w, y, do_send=False, accumulate=True)
@@ -106,8 +108,8 @@ def test_split_send_recv_with_work_between_and_accumulate(cluster):
 
 def _bad_inputs(a2a, rank):
     """Every bad call raises ValueError naming the argument, and the instance still works after."""
-    cfg = a2a.cfg
-    x, xs, idx, w = make_inputs(cfg, rank, cfg.max_num_tokens, 9)
+    cfg, dev = a2a.cfg, a2a.device
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, 9))
     num, ex, exs = a2a.empty_dispatch_outputs()
     errors = []
 
@@ -124,17 +126,17 @@ def _bad_inputs(a2a, rank):
     expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
     bad_idx[0, 0] = -2
     expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
-    too_many = torch.zeros(cfg.max_num_tokens + 1, cfg.hidden_dim, dtype=cfg.in_dtype)
+    too_many = torch.zeros(cfg.max_num_tokens + 1, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev)
     expect(lambda: a2a.dispatch(num, ex, exs, too_many, xs, idx), "max_num_tokens")
     expect(lambda: a2a.dispatch(num, ex, exs, x.float() if x.dtype != torch.float32 else x.half(), xs, idx), "x")
     expect(lambda: a2a.dispatch(num, ex[:1], exs, x, xs, idx), "out_expert_x")
-    expect(lambda: a2a.combine(torch.zeros(1), idx, w, ex), "out of order")
+    expect(lambda: a2a.combine(torch.zeros(1, device=dev), idx, w, ex), "out of order")
     expect(lambda: a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False), "out of order")
     a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
     expect(lambda: a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False), "out of order")
     a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
-    out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype)
-    y = torch.zeros(ex.shape, dtype=cfg.out_dtype)
+    out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    y = torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev)
     expect(lambda: a2a.combine(out, idx, w, y.float() if y.dtype != torch.float32 else y.half()), "expert_y")
     expect(lambda: a2a.combine(out, idx, w.double(), y), "weights")
     a2a.combine(out, idx, w, y)
@@ -165,7 +167,8 @@ def _die_or_dispatch(a2a, rank, victim):
 def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport):
     cfg = A2AConfig(max_num_tokens=4, num_experts=6, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
     timeout_s = 8.0
-    with LocalCluster(cfg, world_size=3, node_size=1, transport=transport, device="cpu", timeout_s=timeout_s) as cl:
+    with LocalCluster(cfg, world_size=3, node_size=1, transport=transport, device=TEST_DEVICE,
+                      timeout_s=timeout_s) as cl:
         proxies = cl.run(_proxy_pid)
         start = time.monotonic()
         with pytest.raises(TimeoutError) as info:

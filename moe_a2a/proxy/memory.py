@@ -118,11 +118,21 @@ def device_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 class DeviceBuffer:
-    """GPU memory that same-node processes can map (CUDA IPC)."""
+    """GPU memory that same-node processes can map (CUDA IPC).
+
+    Allocated with cudaMalloc, not torch's caching allocator: an IPC handle maps a whole allocation,
+    so the buffer must start exactly at one."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.addr, self.nbytes, self.device = self.tensor.data_ptr(), nbytes, device
+        from cuda.bindings import runtime as rt
+
+        with torch.cuda.device(device):
+            err, ptr = rt.cudaMalloc(nbytes)
+            if err != rt.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaMalloc({nbytes}) failed: {err}")
+            rt.cudaMemset(ptr, 0, nbytes)
+        self.addr, self.nbytes, self.device = int(ptr), nbytes, device
+        self.tensor = device_view(self.addr, nbytes, device)
 
     def ipc_handle(self) -> bytes:
         from cuda.bindings import runtime as rt
@@ -130,7 +140,15 @@ class DeviceBuffer:
         err, handle = rt.cudaIpcGetMemHandle(self.addr)
         if err != rt.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaIpcGetMemHandle failed: {err}")
-        return bytes(handle.reserved)
+        return ctypes.string_at(handle.getPtr(), 64)  # the opaque 64-byte cudaIpcMemHandle_t
+
+    def close(self) -> None:
+        if self.addr:
+            from cuda.bindings import runtime as rt
+
+            self.tensor = None
+            rt.cudaFree(self.addr)
+            self.addr = 0
 
 
 def open_ipc_handle(handle: bytes, nbytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
@@ -138,7 +156,7 @@ def open_ipc_handle(handle: bytes, nbytes: int, device: torch.device) -> tuple[i
     from cuda.bindings import runtime as rt
 
     h = rt.cudaIpcMemHandle_t()
-    h.reserved = list(handle)
+    ctypes.memmove(h.getPtr(), handle, 64)
     with torch.cuda.device(device):
         err, ptr = rt.cudaIpcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess)
     if err != rt.cudaError_t.cudaSuccess:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from moe_a2a import plan, reference
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 
+from ..conftest import TEST_DEVICE
 from .harness import (FP8, Case, cases, live_indices, make_inputs, route_slots, run_combine,
                       run_dispatch, to_cpu, to_device)
 
@@ -41,7 +42,7 @@ def toy_expert(case: Case, rank: int, counts: torch.Tensor, expert_x: torch.Tens
     return y.to(cfg.out_dtype)
 
 
-def check_combine(case: Case, accumulate: bool, device: str = "cpu") -> None:
+def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> None:
     cfg, W = case.cfg, case.world_size
     world = case.world(device)
     xs, scales, indices = make_inputs(case, payload="values")

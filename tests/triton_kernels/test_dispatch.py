@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from moe_a2a import plan, reference
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 
+from ..conftest import TEST_DEVICE
 from .harness import FP8, POISON, Case, cases, live_indices, make_inputs, route_slots, run_dispatch, to_cpu
 
 
-def check_dispatch(case: Case, device: str = "cpu") -> None:
+def check_dispatch(case: Case, device: str = TEST_DEVICE) -> None:
     cfg, W = case.cfg, case.world_size
     world = case.world(device)
     lay = world.layout

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from ..conftest import TEST_DEVICE
 from hypothesis import given, settings, strategies as st
 
 from moe_a2a import plan, reference
@@ -79,7 +81,9 @@ def test_matches_oracle(T, K, E, mask_p, dtype, bound, multi, seed):
     gen = torch.Generator().manual_seed(seed)
     indices = make_indices(T, K, E, mask_p, dtype, gen)
     bound_m = None if bound is None else torch.tensor([bound], dtype=torch.int32)
-    counts, route_slot = route_tokens(indices, E, bound_m=bound_m, **(MULTI if multi else SINGLE))
+    counts, route_slot = route_tokens(indices.to(TEST_DEVICE), E, bound_m=None if bound_m is None else bound_m.to(TEST_DEVICE),
+                                      **(MULTI if multi else SINGLE))
+    counts, route_slot = counts.cpu(), route_slot.cpu()
     want_counts, want_slot = oracle(indices, E, bound)
     assert torch.equal(counts, want_counts)
     assert torch.equal(route_slot, want_slot)

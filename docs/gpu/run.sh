@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# What was run by hand on the GPU machine (device tool, nvidia-h200), from the repository root:
+#   bash docs/gpu/run.sh bench   # kernel/flag/end-to-end benchmarks + GPU demo
+#   bash docs/gpu/run.sh tests   # the property and end-to-end tests with compiled kernels
+# Results land in $OUT (JSON, PNG, logs); docs/benchmarks.md quotes them.
+set -u
+export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset TRITON_INTERPRET
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+step() { local t=$1; shift; echo "=== $* (limit ${t}s)"; local s=$(date +%s.%N)
+         timeout "$t" "$@" > >(tee -a "$OUT/log.txt") 2>&1; echo "=== rc=$? in $(echo "$(date +%s.%N) - $s" | bc) s"; }
+nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+case "${1:-bench}" in
+bench)
+  step 200 python3 -m moe_a2a.bench kernels --preset both --json "$OUT/kernels.json" --png "$OUT/kernels.png"
+  step 60  python3 -m moe_a2a.bench flags --iters 2000 --reps 10 --json "$OUT/flags.json"
+  step 120 python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
+  step 120 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
+  step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
+  ;;
+tests)
+  step 240 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_all_to_all.py
+  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels
+  step 90  python3 -m moe_a2a.bench_transport --iters 300 --json "$OUT/transport.json"
+  ;;
+esac

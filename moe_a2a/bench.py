@@ -1,0 +1,260 @@
+"""`moe-a2a bench`: benchmarks that write JSON and PNG and print a table (DESIGN section 8).
+
+    moe-a2a bench kernels   --preset decode|prefill|both --world 64 --node 8     (GPU)
+    moe-a2a bench flags     GPU -> proxy process -> GPU flag round trip           (GPU)
+    moe-a2a bench e2e       --world 4 --node 2 --preset decode --transport shm    (LocalCluster)
+    moe-a2a bench transport libfabric costs (delegates to moe_a2a.bench_transport)
+
+Every timing is a median over many calls after warm-up; JSON files keep p10/p90/min/max too.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": " ".join(["moe-a2a", "bench", *sys.argv[2:]]), **result}
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+def _stats(samples: list[float]) -> dict:
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]
+    return {"median": statistics.median(s), "p10": q(0.1), "p90": q(0.9), "min": s[0], "max": s[-1], "n": len(s)}
+
+
+# ---- kernels ------------------------------------------------------------------------------------------
+def run_kernels(args) -> int:
+    from .bench_kernels import bench_kernels, format_table
+
+    presets = ["decode", "prefill"] if args.preset == "both" else [args.preset]
+    results = []
+    for p in presets:
+        res = bench_kernels(p, world=args.world, node=args.node, iters=args.iters)
+        print(format_table(res), flush=True)
+        results.append(res)
+    _write(args.json, {"kernels": results})
+    if args.png:
+        _plot_kernels(results, args.png)
+    return 0
+
+
+def _plot_kernels(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.2), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        names = list(res["kernels"])
+        tri = [res["kernels"][n]["triton"]["median_us"] for n in names]
+        tor = [res["kernels"][n].get("torch", {}).get("median_us", 0) for n in names]
+        flo = [res["kernels"][n]["floor_us"] for n in names]
+        xs = range(len(names))
+        ax.bar([x - 0.27 for x in xs], tor, 0.27, label="plain torch")
+        ax.bar(xs, tri, 0.27, label="moe_a2a Triton")
+        ax.bar([x + 0.27 for x in xs], flo, 0.27, label="floor (bytes/BW + launch)")
+        ax.set_xticks(list(xs), [n.replace("_", "\n", 1) for n in names], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("GPU time per call, µs (median)")
+        ax.set_title(f"{res['preset']}: T={res['config'].split('max_num_tokens=')[1].split(',')[0]}, "
+                     f"layout of {res['world']} ranks")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- GPU -> proxy -> GPU flag round trip -------------------------------------------------------------
+def run_flags(args) -> int:
+    import subprocess
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    from .proxy.memory import SharedSegment, device_view, unique_name
+    from .triton_kernels.sync import _load_acquire_sys
+
+    @triton.jit
+    def ping_kernel(flags_ptr, n_iters):
+        # One program: raise PING = i, spin until the other process answers PONG = i. Measures the
+        # round trip alone, without launch costs in between.
+        for i in range(1, n_iters + 1):
+            v = i.to(tl.int64)
+            tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                      [flags_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
+            seen = _load_acquire_sys(flags_ptr + 8, True)
+            while seen < v:
+                seen = _load_acquire_sys(flags_ptr + 8, True)
+
+    seg = SharedSegment(unique_name("moe_a2a-bench"), 4096, create=True)
+    try:
+        seg.register_cuda()
+        flags = device_view(seg.addr, 4096, torch.device("cuda")).view(torch.int64)
+        echo = subprocess.Popen([sys.executable, "-c", _ECHO, seg.name, str(args.iters + 100)])
+        time.sleep(0.5)
+        ping_kernel[(1,)](flags, 100)  # warm-up (compiles) with the echo process running
+        torch.cuda.synchronize()
+        seg.numpy(0, 2, "int64")[:] = 0
+        time.sleep(0.05)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(args.reps):
+            seg.numpy(0, 2, "int64")[:] = 0
+            time.sleep(0.01)
+            start.record()
+            ping_kernel[(1,)](flags, args.iters)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / args.iters)
+        echo.kill()
+    finally:
+        seg.close()
+    st = _stats(samples)
+    print(f"GPU -> proxy process -> GPU flag round trip: median {st['median']:.2f} µs "
+          f"(min {st['min']:.2f}, p90 {st['p90']:.2f}) over {args.reps} x {args.iters} round trips")
+    _write(args.json, {"flag_round_trip_us": st})
+    return 0
+
+
+# The echo process: plain Python + numpy on the shared page, as the proxy reads its flags.
+_ECHO = """
+import sys, numpy as np
+from moe_a2a.proxy.memory import SharedSegment
+seg = SharedSegment(sys.argv[1]); f = seg.numpy(0, 2, np.int64)
+while True:
+    v = f[0]
+    if v != f[1]:
+        f[1] = v
+"""
+
+
+# ---- end to end over a LocalCluster ------------------------------------------------------------------
+def _e2e_rank(a2a, rank, iters, warmup, seed):
+    """Per-phase latency of dispatch/combine halves on one rank (events on GPU, wall clock on CPU)."""
+    import torch
+
+    from .demo import make_inputs, toy_expert
+
+    cfg, dev = a2a.cfg, a2a.device
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    sets = [tuple(t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, seed + i))
+            for i in range(4)]
+    y = torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev)
+    out = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    phases = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+    times = {p: [] for p in phases + ("total",)}
+    cuda = dev.type == "cuda"
+    bound = torch.tensor([cfg.max_num_tokens], dtype=torch.int32, device=dev)  # skips the index sync
+    for it in range(warmup + iters):
+        x, xs, idx, w = sets[it % len(sets)]
+        marks = []
+
+        def mark():
+            if cuda:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                marks.append(e)
+            else:
+                marks.append(time.perf_counter())
+
+        mark()
+        a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound, do_recv=False)
+        mark()
+        a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound, do_send=False)
+        mark()
+        a2a.combine(out, idx, w, y, do_recv=False)
+        mark()
+        a2a.combine(out, idx, w, y, do_send=False)
+        mark()
+        if cuda:
+            torch.cuda.synchronize()
+            d = [marks[i].elapsed_time(marks[i + 1]) * 1e3 for i in range(4)]
+        else:
+            d = [(marks[i + 1] - marks[i]) * 1e6 for i in range(4)]
+        if it >= warmup:
+            for p, v in zip(phases, d):
+                times[p].append(v)
+            times["total"].append(sum(d))
+    return {p: _stats(v) for p, v in times.items()}
+
+
+def run_e2e(args) -> int:
+    import torch
+
+    from .bench_kernels import PRESETS
+    from .config import A2AConfig
+    from .local import LocalCluster
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        sizes = dict(max_num_tokens=16, num_experts=8 * args.world, experts_per_token=4, hidden_dim=128)
+    else:
+        sizes = PRESETS[args.preset]
+    cfg = A2AConfig(**sizes, in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
+                      timeout_s=args.timeout) as cl:
+        res = cl.run(_e2e_rank, args.iters, args.warmup, 0)
+    print(f"end to end, {args.world} ranks ({args.node} per node), transport {args.transport}, {device}: {cfg}")
+    print(f"{'phase':<16}" + "".join(f"{'rank ' + str(r):>12}" for r in range(args.world)) + "   (median µs)")
+    for p in res[0]:
+        print(f"{p:<16}" + "".join(f"{r[p]['median']:>12.1f}" for r in res))
+    _write(args.json, {"config": str(cfg), "world": args.world, "node": args.node, "transport": args.transport,
+                       "device": device, "per_rank": res})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels", help="each Triton kernel vs plain torch vs the floor (GPU)")
+    k.add_argument("--preset", default="both", choices=["decode", "prefill", "both"],
+                   help="decode: T=128, prefill: T=4096 (H=7168 fp8 + 56 scales, K=8, E=256)")
+    k.add_argument("--world", type=int, default=64, help="world size of the simulated layout (default 64)")
+    k.add_argument("--node", type=int, default=8, help="ranks per node in the layout (default 8)")
+    k.add_argument("--iters", type=int, default=200, help="timed calls per kernel (default 200)")
+    k.add_argument("--json", default=None, help="write results here")
+    k.add_argument("--png", default=None, help="write a bar chart here")
+    f = sub.add_parser("flags", help="GPU -> proxy process -> GPU flag round trip (GPU)")
+    f.add_argument("--iters", type=int, default=2000, help="round trips per kernel (default 2000)")
+    f.add_argument("--reps", type=int, default=20, help="kernels timed (default 20)")
+    f.add_argument("--json", default=None, help="write results here")
+    e = sub.add_parser("e2e", help="dispatch/combine halves over a LocalCluster")
+    e.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    e.add_argument("--node", type=int, default=2, help="ranks per node (default 2)")
+    e.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes on GPU")
+    e.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "auto"], help="provider")
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="rank device")
+    e.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
+    e.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
+    e.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
+    e.add_argument("--json", default=None, help="write results here")
+    t = sub.add_parser("transport", help="libfabric costs (see python -m moe_a2a.bench_transport --help)",
+                       add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.what == "kernels":
+        return run_kernels(args)
+    if args.what == "flags":
+        return run_flags(args)
+    if args.what == "e2e":
+        return run_e2e(args)
+    from .bench_transport import main as transport_main
+
+    return transport_main(args.rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
