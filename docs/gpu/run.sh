@@ -7,8 +7,9 @@ set -u
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-step() { local t=$1; shift; echo "=== $* (limit ${t}s)"; local s=$(date +%s.%N)
-         timeout "$t" "$@" > >(tee -a "$OUT/log.txt") 2>&1; echo "=== rc=$? in $(echo "$(date +%s.%N) - $s" | bc) s"; }
+step() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$OUT/log.txt"; local s=$SECONDS
+         timeout "$t" "$@" >>"$OUT/log.txt" 2>&1; local rc=$?
+         tail -n 25 "$OUT/log.txt"; echo "=== rc=$rc in $((SECONDS - s)) s" | tee -a "$OUT/log.txt"; }
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case "${1:-bench}" in
 bench)
