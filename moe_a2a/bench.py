@@ -93,9 +93,9 @@ def run_flags(args) -> int:
             v = i.to(tl.int64)
             tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
                                       [flags_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
-            seen = _load_acquire_sys(flags_ptr + 8, True)
+            seen = _load_acquire_sys(flags_ptr + 1, True)
             while seen < v:
-                seen = _load_acquire_sys(flags_ptr + 8, True)
+                seen = _load_acquire_sys(flags_ptr + 1, True)
 
     seg = SharedSegment(unique_name("moe_a2a-bench"), 4096, create=True)
     try:
