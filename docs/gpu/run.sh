@@ -11,17 +11,17 @@ step() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$OUT/log.txt";
          timeout "$t" "$@" >>"$OUT/log.txt" 2>&1; local rc=$?
          tail -n 25 "$OUT/log.txt"; echo "=== rc=$rc in $((SECONDS - s)) s" | tee -a "$OUT/log.txt"; }
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-case "${1:-bench}" in
-bench)
-  step 200 python3 -m moe_a2a.bench kernels --preset both --json "$OUT/kernels.json" --png "$OUT/kernels.png"
-  step 60  python3 -m moe_a2a.bench flags --iters 2000 --reps 10 --json "$OUT/flags.json"
-  step 120 python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
-  step 120 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
-  step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
+case "${1:-all}" in
+all)
+  step 120 python3 -m moe_a2a.bench kernels --preset both --json "$OUT/kernels.json" --png "$OUT/kernels.png"
+  step 45  python3 -m moe_a2a.bench flags --iters 2000 --reps 10 --json "$OUT/flags.json"
+  step 50  python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
+  step 50  python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
+  step 150 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_all_to_all.py
+  step 120 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels
+  step 45  python3 -m moe_a2a.bench_transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
   ;;
-tests)
-  step 240 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_all_to_all.py
-  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels
-  step 90  python3 -m moe_a2a.bench_transport --iters 300 --json "$OUT/transport.json"
+demo)
+  step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
 esac
