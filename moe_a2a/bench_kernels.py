@@ -122,7 +122,9 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     sets = [_inputs(cfg, world, s, device) for s in range(rotate)]
     # Buffers in GPU memory (the EFA / single-node layout): send | recv | peers' send | peers' recv
     # for same-node peers, all as offsets from one base.
-    counts_cpu = [s_[4] for s_ in sets]
+    counts_cpu = [s_[4].clone() for s_ in sets]
+    for c, s_ in zip(counts_cpu, sets):  # our own row must match our indices
+        c[r] = torch.bincount(s_[2].flatten().long().cpu(), minlength=cfg.num_experts).int()
     max_rows = max(int(c[:, :L].sum()) for c in counts_cpu) + L * (cfg.expert_padding - 1)
     # Sized for the rows this benchmark moves, not the worst case (W*T*K rows: 30 GB at prefill).
     send_b = -(-max(T * K * cfg.dispatch_stride_bytes, max_rows * cfg.combine_stride_bytes) // 4096) * 4096
@@ -137,9 +139,7 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     peer_send, peer_recv = peer_send.to(device), peer_recv.to(device)
     base.view(torch.int8)[: base.numel() // 2].random_(-64, 64)
 
-    counts_dev = [s[4].to(device) for s in sets]
-    for i, s in enumerate(sets):  # our own row must match our indices
-        counts_dev[i][r] = torch.bincount(s[2].flatten().long(), minlength=cfg.num_experts).int()
+    counts_dev = [c.to(device) for c in counts_cpu]
     rows = [int(c[:, :L].sum()) for c in counts_dev]
     num, ex, exs = (torch.zeros(L, dtype=torch.int32, device=device),
                     torch.empty(max_rows, H, dtype=cfg.in_dtype, device=device),
