@@ -67,13 +67,17 @@ class AllToAll:
         transport: "auto" (efa if present, else shm), "efa", "shm", "tcp" ("verbs": not yet).
         device: where the model's tensors live (default: current CUDA device, else CPU).
         timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
+        gpu_wait: on a GPU, how the receive halves wait for the proxy: "kernel" (a spinning kernel on
+            the stream: asynchronous, CUDA-graph safe), "host" (the CPU polls, then launches: for
+            ranks that share one GPU, where a spinning kernel would block its time-sliced peers),
+            or "auto" (host when another rank of this node uses the same GPU, else kernel).
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
     """
 
     def __init__(self, cfg: A2AConfig, group=None, node_group="auto", transport: str = "auto",
-                 device=None, timeout_s: float = 30.0) -> None:
+                 device=None, timeout_s: float = 30.0, gpu_wait: str = "auto") -> None:
         import torch.distributed as dist
 
         if not isinstance(cfg, A2AConfig):
@@ -82,6 +86,9 @@ class AllToAll:
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
         if transport not in ("auto", "efa", "shm", "tcp", "verbs"):
             raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp' or 'verbs', got {transport!r}")
+        if gpu_wait not in ("auto", "kernel", "host"):
+            raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
+        self._gpu_wait = gpu_wait
         if transport == "verbs":
             raise ValueError("transport 'verbs' (ConnectX-7 RC) is not implemented yet; use 'efa', 'shm' or 'tcp'")
         if group is None:
@@ -161,7 +168,11 @@ class AllToAll:
         # Ranks sharing one GPU (several processes on one device) are time-sliced, not concurrent: a
         # kernel spinning on a flag would hold the GPU while the peer it waits for cannot run
         # (measured: 9 ms per phase with 4 ranks on one H200). Such ranks wait on the host instead.
-        self.host_waits = on_gpu and any(t[4] == gpu for i, t in enumerate(table) if i != r)
+        shared_gpu = on_gpu and any(t[4] == gpu for i, t in enumerate(table) if i != r)
+        self.host_waits = on_gpu and (self._gpu_wait == "host" or (self._gpu_wait == "auto" and shared_gpu))
+        # Kernel-side waits and signals read the epoch from the device, so a captured CUDA graph
+        # publishes and awaits the epoch of each replay, not the one seen at capture.
+        self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device) if on_gpu else None
         self.proxy.finish([t[:3] for t in table], self.timeout_s)
 
         # Addresses of every buffer this rank's kernels touch: own and same-node peers' send/recv.
@@ -327,67 +338,73 @@ class AllToAll:
     # ---- the four halves --------------------------------------------------------------------------
     def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
         self.epoch += 1
-        e, r = self.epoch, self.rank
+        if self.epoch_dev is not None:
+            sync.advance_epoch(self.epoch_dev)
+        r = self.rank
         self._T, self._bound_m = x.shape[0], bound_m
         slot = self.route_slot[: x.shape[0]]
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[r], out_route_slot=slot,
                              bound_m=bound_m)
-        self._signal(Flag.ROUTE_READY, e)
-        self._wait(Flag.COMBINE_BARRIER, e - 1, "combine barrier of the previous call", Flag.STATUS_COMBINE_BARRIER)
+        self._signal(Flag.ROUTE_READY)
+        self._wait(Flag.COMBINE_BARRIER, "combine barrier of the previous call", Flag.STATUS_COMBINE_BARRIER, -1)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
                                                bound_m=bound_m)
-        self._signal(Flag.SEND_READY, e)
+        self._signal(Flag.SEND_READY)
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale) -> None:
-        e = self.epoch
-        self._wait(Flag.DISPATCH_RECV_READY, e, "dispatch: count rows and tokens from peers",
-                   Flag.STATUS_DISPATCH_RECV)
+        self._wait(Flag.DISPATCH_RECV_READY, "dispatch: count rows and tokens from peers", Flag.STATUS_DISPATCH_RECV)
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
             self.recv_offset_bytes, self.cfg, self.layout)
-        self._signal(Flag.DISPATCH_RECV_DONE, e)
+        self._signal(Flag.DISPATCH_RECV_DONE)
         self._state = _DISPATCH_DONE
 
     def _combine_send(self, expert_y) -> None:
-        e = self.epoch
-        self._wait(Flag.DISPATCH_BARRIER, e, "dispatch barrier (peers still reading their buffers)",
+        self._wait(Flag.DISPATCH_BARRIER, "dispatch barrier (peers still reading their buffers)",
                    Flag.STATUS_DISPATCH_BARRIER)
         combine_kernels.pack_combine_by_source(
             expert_y, self.counts, self.rank, self.base, self.peer_recv_bytes,
             self.send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout)
-        self._signal(Flag.COMBINE_SEND_READY, e)
+        self._signal(Flag.COMBINE_SEND_READY)
         self._state = _COMBINE_SENT
 
     def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
-        e = self.epoch
-        self._wait(Flag.COMBINE_RECV_READY, e, "combine: expert outputs from peers", Flag.STATUS_COMBINE_RECV)
+        self._wait(Flag.COMBINE_RECV_READY, "combine: expert outputs from peers", Flag.STATUS_COMBINE_RECV)
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, self.base, self.recv_offset_bytes, self.cfg,
             accumulate=accumulate, bound_m=bound_m if bound_m is not None else self._bound_m)
-        self._signal(Flag.COMBINE_RECV_DONE, e)
+        self._signal(Flag.COMBINE_RECV_DONE)
         self._state = _IDLE
 
     # ---- flags, errors, validation -----------------------------------------------------------------
-    def _signal(self, flag: Flag, value: int) -> None:
-        sync.signal_flag(self.flags, int(flag) * _WORDS_PER_FLAG, value)
+    def _signal(self, flag: Flag) -> None:
+        """Publish this call's epoch in `flag` once the stream gets here."""
+        if self.epoch_dev is not None:
+            sync.signal_flag(self.flags, int(flag) * _WORDS_PER_FLAG, 0, epoch=self.epoch_dev)
+        else:
+            sync.signal_flag(self.flags, int(flag) * _WORDS_PER_FLAG, self.epoch)
 
-    def _wait(self, flag: Flag, target: int, what: str, status: Flag) -> None:
-        """Wait until `flag` >= target. CPU: on the host, raising here. GPU: a spinning kernel on
-        the stream (no CPU sync) that records its outcome in `status`, checked at the next call."""
-        if target <= 0:
-            return
+    def _wait(self, flag: Flag, what: str, status: Flag, delta: int = 0) -> None:
+        """Wait until `flag` >= this call's epoch + delta. CPU and host waits: here, raising here.
+        Kernel waits: a spinning kernel on the stream (no CPU sync) that records its outcome in
+        `status`, checked at the next call."""
+        on_host = self.device.type != "cuda" or self.host_waits
+        if on_host and self.epoch + delta <= 0:
+            return  # (a kernel wait is never skipped: a CUDA graph captured at call 1 replays it)
         self._waits[status] = what
         word = int(status) * _WORDS_PER_FLAG
-        on_host = self.device.type != "cuda" or self.host_waits
-        flags = self.flags_host if on_host else self.flags
         try:
-            sync.wait_flag(flags, int(flag) * _WORDS_PER_FLAG, target, int(Flag.ERROR) * _WORDS_PER_FLAG,
-                           self.timeout_s, status=None if on_host else self.flags[word: word + 1], what=what)
+            if on_host:
+                sync.wait_flag(self.flags_host, int(flag) * _WORDS_PER_FLAG, self.epoch + delta,
+                               int(Flag.ERROR) * _WORDS_PER_FLAG, self.timeout_s, what=what)
+            else:
+                sync.wait_flag(self.flags, int(flag) * _WORDS_PER_FLAG, delta, int(Flag.ERROR) * _WORDS_PER_FLAG,
+                               self.timeout_s, status=self.flags[word: word + 1], what=what, epoch=self.epoch_dev)
         except (TimeoutError, sync.PeerError):
             self._raise_proxy_error()
             raise TimeoutError(f"rank {self.rank}: {what}: timed out after {self.timeout_s:g}s "
-                               f"(epoch {target})") from None
+                               f"(epoch {self.epoch + delta})") from None
         if on_host:
             self._raise_proxy_error()
 

@@ -9,3 +9,9 @@ import os
 TEST_DEVICE = os.environ.get("MOE_A2A_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def examples(n: int) -> int:
+    """Hypothesis examples for a property test: all of them in CI; a quarter with compiled kernels,
+    where every new shape costs a compilation (about a second) on the GPU machine."""
+    return n if TEST_DEVICE == "cpu" else max(10, n // 4)

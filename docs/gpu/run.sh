@@ -21,6 +21,15 @@ all)
   step 120 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels
   step 45  python3 -m moe_a2a.bench_transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
   ;;
+final)
+  step 120 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graph.py
+  step 100 python3 -m moe_a2a.bench kernels --preset both --json "$OUT/kernels.json" --png "$OUT/kernels.png"
+  step 130 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_all_to_all.py
+  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_dispatch.py \
+       tests/triton_kernels/test_combine.py tests/triton_kernels/test_routing.py
+  step 30  env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_quant.py \
+       tests/triton_kernels/test_sync.py -k "gpu or cuda"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;

@@ -62,12 +62,16 @@ def _load_acquire_sys(ptr, USE_PTX: tl.constexpr):
 def _signal_flag_kernel(
     flags_ptr,        # (N,) int64 flags area (host memory reached through UVA on GPU)
     flag_index,       # int64 element index of the flag: slot * FLAG_SLOT_BYTES / 8
-    value,            # int64 epoch to publish
+    value,            # int64 epoch to publish (added to *epoch_ptr with HAS_EPOCH)
+    epoch_ptr,        # (1,) int64 device epoch counter (CUDA graphs: read at replay, not capture)
     USE_PTX: tl.constexpr,  # GPU: st.release.sys; interpreter: an atomic exchange
+    HAS_EPOCH: tl.constexpr,
 ):
     """Grid: (1,). Publishes `value` after everything earlier on the stream."""
     ptr = flags_ptr + flag_index.to(tl.int64)
     v = value.to(tl.int64)
+    if HAS_EPOCH:
+        v += tl.load(epoch_ptr)
     if USE_PTX:
         # A store, not an atomic: a posted PCIe write with release semantics at system scope.
         tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l", [ptr, v],
@@ -82,16 +86,20 @@ def _wait_flag_kernel(
     status_ptr,       # (1,) int64 out: 0 ok, 1 timeout, 2 peer error
     flag_index,       # int64 element index of the awaited flag
     error_index,      # int64 element index of the ERROR flag
-    target,           # int64: done when flag >= target
+    target,           # int64: done when flag >= target (+ *epoch_ptr with HAS_EPOCH)
     timeout_ns,       # int64: give up after this long (%globaltimer; USE_PTX only)
     max_spins,        # int64: give up after this many polls; 0 = no cap (the interpreter needs one)
+    epoch_ptr,        # (1,) int64 device epoch counter
     USE_PTX: tl.constexpr,
+    HAS_EPOCH: tl.constexpr,
 ):
     """Grid: (1,). Spins until the flag reaches `target`, the ERROR flag is set, or time runs out;
     a raised flag wins over a set error (the data is complete)."""
     flag_ptr = flags_ptr + flag_index.to(tl.int64)
     error_ptr = flags_ptr + error_index.to(tl.int64)
     target = target.to(tl.int64)
+    if HAS_EPOCH:
+        target += tl.load(epoch_ptr)
     timeout_ns = timeout_ns.to(tl.int64)
     max_spins = max_spins.to(tl.int64)
     if USE_PTX:
@@ -148,7 +156,28 @@ def _run_device(flags: torch.Tensor, device) -> torch.device:
     return run_on
 
 
-def signal_flag(flags: torch.Tensor, slot: int, value: int, *, device=None) -> None:
+@triton.jit
+def _advance_epoch_kernel(epoch_ptr):
+    """Grid: (1,). epoch += 1, on the stream: a CUDA graph replay advances it too."""
+    tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
+
+
+def advance_epoch(epoch: torch.Tensor) -> None:
+    """Increment a `[1]` int64 device epoch counter on the current stream (CUDA-graph safe)."""
+    if epoch.numel() != 1 or epoch.dtype != torch.int64 or epoch.device.type != "cuda":
+        raise ValueError(f"epoch: expected a [1] int64 CUDA tensor, got {tuple(epoch.shape)} {epoch.dtype} "
+                         f"on {epoch.device}")
+    with torch.cuda.device(epoch.device):
+        _advance_epoch_kernel[(1,)](epoch, num_warps=1)
+
+
+def _check_epoch(epoch, run_on) -> None:
+    if epoch is not None and (epoch.numel() != 1 or epoch.dtype != torch.int64 or epoch.device != run_on):
+        raise ValueError(f"epoch: expected a [1] int64 tensor on {run_on}, got {tuple(epoch.shape)} "
+                         f"{epoch.dtype} on {epoch.device}")
+
+
+def signal_flag(flags: torch.Tensor, slot: int, value: int, *, device=None, epoch=None) -> None:
     """Set `flags[slot] = value` after all earlier work on the current stream of `device`.
 
     Args:
@@ -158,13 +187,17 @@ def signal_flag(flags: torch.Tensor, slot: int, value: int, *, device=None) -> N
         value: the epoch to publish (int64).
         device: where to run; None = `flags.device`. A CUDA device launches one program (async, safe in a
             CUDA graph); a CPU device stores from the host immediately.
+        epoch: CUDA only: optional `[1]` int64 device tensor; publishes `epoch[0] + value`, read when the
+            kernel runs (so a CUDA graph replay publishes the current epoch, not the captured one).
     """
     words = _flag_words(flags)
     index = _flag_index(words, slot, "slot")
     run_on = _run_device(words, device)
     if run_on.type == "cuda":
+        _check_epoch(epoch, run_on)
         with torch.cuda.device(run_on):
-            _signal_flag_kernel[(1,)](words, index, int(value), USE_PTX=True, num_warps=1)
+            _signal_flag_kernel[(1,)](words, index, int(value), epoch if epoch is not None else words,
+                                      USE_PTX=True, HAS_EPOCH=epoch is not None, num_warps=1)
     else:
         words.numpy()[index] = int(value)  # an aligned 8-byte store: atomic on x86 and arm64
 
@@ -203,9 +236,11 @@ def _host_wait(words: torch.Tensor, index: int, error_index: int, target: int, t
             time.sleep(0)
 
 
-def _launch_wait_kernel(words, status, index, error_index, target, timeout_ns, max_spins, use_ptx) -> None:
+def _launch_wait_kernel(words, status, index, error_index, target, timeout_ns, max_spins, use_ptx,
+                        epoch=None) -> None:
     _wait_flag_kernel[(1,)](words, status, index, error_index, int(target), int(timeout_ns), int(max_spins),
-                            USE_PTX=use_ptx, num_warps=1)
+                            epoch if epoch is not None else words, USE_PTX=use_ptx, HAS_EPOCH=epoch is not None,
+                            num_warps=1)
 
 
 def wait_flag(
@@ -218,6 +253,7 @@ def wait_flag(
     status: torch.Tensor | None = None,
     device=None,
     what: str | None = None,
+    epoch: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Wait until `flags[slot] >= target` or `flags[error_slot] != 0`, at most `timeout_s`.
 
@@ -231,6 +267,7 @@ def wait_flag(
             2 peer error); pass it to make the call CUDA-graph safe (allocated otherwise).
         device: where to wait; None = `flags.device`.
         what: names the awaited event in error messages (default: the Flag's name).
+        epoch: CUDA only: optional `[1]` int64 device tensor; the target becomes `epoch[0] + target`.
 
     Returns:
         On CUDA: the status tensor, valid once the stream reaches this point (stream-ordered, no CPU
@@ -255,10 +292,11 @@ def wait_flag(
     elif status.numel() != 1 or status.dtype != torch.int64 or status.device != run_on:
         raise ValueError(f"status: expected a 1-element int64 tensor on {run_on}, got "
                          f"{tuple(status.shape)} {status.dtype} on {status.device}")
+    _check_epoch(epoch, run_on)
     with torch.cuda.device(run_on):
-        _launch_wait_kernel(words, status, index, error_index, target, int(timeout_s * 1e9), 0, True)
+        _launch_wait_kernel(words, status, index, error_index, target, int(timeout_s * 1e9), 0, True, epoch)
     return status
 
 
-__all__ = ["signal_flag", "wait_flag", "check_status", "flag_word", "PeerError",
+__all__ = ["signal_flag", "wait_flag", "advance_epoch", "check_status", "flag_word", "PeerError",
            "STATUS_OK", "STATUS_TIMEOUT", "STATUS_PEER_ERROR"]

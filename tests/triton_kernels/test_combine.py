@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from moe_a2a import plan, reference
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 
-from ..conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE, examples
 from .harness import (FP8, Case, cases, live_indices, make_inputs, route_slots, run_combine,
                       run_dispatch, to_cpu, to_device)
 
@@ -81,7 +81,7 @@ def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> No
 
 
 @pytest.mark.timeout(150)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), accumulate=st.booleans())
 def test_combine_matches_reference(case: Case, accumulate: bool) -> None:
     check_combine(case, accumulate)

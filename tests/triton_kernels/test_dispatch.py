@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from moe_a2a import plan, reference
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 
-from ..conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE, examples
 from .harness import FP8, POISON, Case, cases, live_indices, make_inputs, route_slots, run_dispatch, to_cpu
 
 
@@ -60,7 +60,7 @@ def check_dispatch(case: Case, device: str = TEST_DEVICE) -> None:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_dispatch_matches_reference(case: Case) -> None:
     check_dispatch(case)

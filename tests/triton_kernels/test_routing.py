@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE, examples
 from hypothesis import given, settings, strategies as st
 
 from moe_a2a import plan, reference
@@ -66,7 +66,7 @@ def make_indices(T, K, E, mask_p, dtype, gen):
 
 
 @pytest.mark.timeout(120)
-@settings(deadline=None, max_examples=30)
+@settings(deadline=None, max_examples=examples(30))
 @given(
     T=st.integers(0, 24),
     K=st.integers(1, 9),

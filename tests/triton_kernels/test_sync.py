@@ -134,10 +134,25 @@ def test_wait_kernel_interpreted():
 @pytest.mark.timeout(60)
 def test_signal_kernel_interpreted():
     flags = new_flags()
-    sync._signal_flag_kernel[(1,)](flags, word(Flag.SEND_READY), 1, USE_PTX=False)   # 1: a value Triton
-    sync._signal_flag_kernel[(1,)](flags, word(Flag.ROUTE_READY), 2**35, USE_PTX=False)  # would specialise
+    sync._signal_flag_kernel[(1,)](flags, word(Flag.SEND_READY), 1, flags, USE_PTX=False,   # 1: a value Triton
+                                   HAS_EPOCH=False)                                        # would specialise
+    sync._signal_flag_kernel[(1,)](flags, word(Flag.ROUTE_READY), 2**35, flags, USE_PTX=False, HAS_EPOCH=False)
     assert int(flags[word(Flag.SEND_READY)]) == 1 and int(flags[word(Flag.ROUTE_READY)]) == 2**35
     assert int(flags.count_nonzero()) == 2
+
+
+@pytest.mark.timeout(60)
+def test_device_epoch_offsets_signal_and_wait_targets():
+    """CUDA-graph mode: value and target are relative to an epoch counter read when the kernel runs."""
+    flags = new_flags()
+    epoch = torch.tensor([41], dtype=torch.int64)
+    sync._signal_flag_kernel[(1,)](flags, word(Flag.SEND_READY), 1, epoch, USE_PTX=False, HAS_EPOCH=True)
+    assert int(flags[word(Flag.SEND_READY)]) == 42
+    status = torch.full((1,), -1, dtype=torch.int64)
+    sync._launch_wait_kernel(flags, status, word(Flag.SEND_READY), word(Flag.ERROR), 1, 10**9, 5, False, epoch)
+    assert int(status) == sync.STATUS_OK
+    sync._launch_wait_kernel(flags, status, word(Flag.SEND_READY), word(Flag.ERROR), 2, 10**9, 5, False, epoch)
+    assert int(status) == sync.STATUS_TIMEOUT  # 43 never arrives: the spin cap ends it
 
 
 @pytest.mark.timeout(30)
