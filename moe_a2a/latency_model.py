@@ -55,6 +55,8 @@ HBM_COPY_GBPS = 4240.0            # H200 copy bandwidth measured (4.24 TB/s), fo
 # ---- proxy (Python + ctypes libfabric shim; docs/transport.md) --------------------------------------
 POST_US = 1.4                     # Python cost per posted write: 1.0-1.8 µs median at 63 targets
 POST_US_LOW, POST_US_HIGH = 1.0, 1.8  # the measured range (docs/transport.md), drawn as a band
+POST_US_C_HELPER = 0.2            # WHAT-IF only: a C helper posting a whole scatter in one call
+                                  # (docs/transport.md "Not done"); drawn dotted, not our implementation
 CQ_US = 0.2                       # ASSUMPTION (not measured): proxy cost per completion drained (CQ batch of
                                   # 32 decoded through a memoryview, docs/transport.md "Receive side").
                                   # Charged for the local completion of each own write (drained between
@@ -314,8 +316,11 @@ def table(worlds=WORLDS, fabrics=FABRICS, **kw) -> list[dict]:
             band = {k: v for k, v in kw.items() if k != "post_us"}
             lo = predict(w, fab, post_us=POST_US_LOW, **band)
             hi = predict(w, fab, post_us=POST_US_HIGH, **band)
+            fast = predict(w, fab, post_us=POST_US_C_HELPER, **band)
             r.update({"dispatch_low": lo["dispatch"], "dispatch_high": hi["dispatch"],
-                      "combine_low": lo["combine"], "combine_high": hi["combine"]})
+                      "combine_low": lo["combine"], "combine_high": hi["combine"],
+                      "dispatch_c_helper": fast["dispatch"], "combine_c_helper": fast["combine"],
+                      "total_c_helper": fast["total"]})
             rows.append(r)
     return rows
 
@@ -356,7 +361,11 @@ def plot(rows: list[dict], path: str) -> None:
                 lo = [r["dispatch_low"] + r["combine_low"] for r in rs]
                 hi = [r["dispatch_high"] + r["combine_high"] for r in rs]
                 ax.fill_between(ws, lo, hi, color=colors[fab], alpha=0.15)
+            ax.plot(ws, [r[f"{phase}_c_helper"] for r in rs], ":", color=colors[fab], lw=1.5,
+                    label=f"MODEL what-if {fab.upper()}: C-helper posting {POST_US_C_HELPER} µs/write")
         idx = {"dispatch": 4, "combine": 5, "total": 6}[phase]
+        top = max([r[f"{phase}_high"] if phase != "total" else r["dispatch_high"] + r["combine_high"]
+                   for r in rows] + [p[idx] for p in PUBLISHED if p[idx] is not None])
         seen = set()
         for src, cfg, fab, ep, *vals in PUBLISHED:
             v = vals[idx - 4]
@@ -371,11 +380,11 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xticklabels(["16", "24", "32", "64"])
         ax.set_xlabel("EP size (8 GPUs per node)")
         ax.set_ylabel("latency (µs)")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.6 * top)
         name = "dispatch + combine" if phase == "total" else phase
         ax.set_title(f"{name}: MODEL (not measured) vs published")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=6.5, loc="upper left", ncol=2)
     # where the time goes: stacked critical-path terms
     ax = axes.flat[3]
     bars = [(r["fabric"], r["world"], ph, r) for ph in ("dispatch", "combine") for r in rows]
@@ -386,6 +395,7 @@ def plot(rows: list[dict], path: str) -> None:
         bottoms += vals
     ax.set_xticks(np.arange(len(bars)))
     ax.set_xticklabels([f"{ph[0].upper()} {f.upper()}\nEP{w}" for f, w, ph, _ in bars], fontsize=7)
+    ax.set_ylim(0, 1.15 * bottoms.max())
     ax.set_ylabel("µs on the critical path")
     ax.set_title("MODEL (not measured): where the time goes (D = dispatch, C = combine)")
     ax.legend(fontsize=8)

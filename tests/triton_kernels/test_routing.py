@@ -90,6 +90,12 @@ def test_matches_oracle(T, K, E, mask_p, dtype, bound, multi, seed):
     check_invariants(indices, E, counts, route_slot, bound)
 
 
+def _route(indices, E, **kw):
+    """route_tokens on the test device (the interpreter in CI, compiled kernels on the GPU machine)."""
+    counts, route_slot = route_tokens(indices.to(TEST_DEVICE), E, **kw)
+    return counts.cpu(), route_slot.cpu()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("multi", [False, True], ids=["single", "multi"])
 @pytest.mark.parametrize("case", ["one_expert", "duplicates", "last_expert", "all_masked"])
@@ -104,7 +110,7 @@ def test_edge_cases(case, multi):
         indices[::2, 1] = -1
     else:                         # nothing live: counts all zero, every slot -1
         indices = torch.full((T, K), -1, dtype=torch.int32)
-    counts, route_slot = route_tokens(indices, E, **(MULTI if multi else SINGLE))
+    counts, route_slot = _route(indices, E, **(MULTI if multi else SINGLE))
     want_counts, want_slot = oracle(indices, E)
     assert torch.equal(counts, want_counts) and torch.equal(route_slot, want_slot)
     check_invariants(indices, E, counts, route_slot)
@@ -121,7 +127,7 @@ def test_decode_size_and_plan():
     gen = torch.Generator().manual_seed(1)
     indices = torch.randint(0, 256, (128, 8), generator=gen, dtype=torch.int64)
     indices[torch.rand(128, 8, generator=gen) < 0.1] = -1
-    counts, route_slot = route_tokens(indices, cfg.num_experts)
+    counts, route_slot = _route(indices, cfg.num_experts)
     want_counts, want_slot = oracle(indices, cfg.num_experts)
     assert torch.equal(counts, want_counts) and torch.equal(route_slot, want_slot)
     rows = reference.expert_rows(cfg, [indices])[0]
@@ -144,7 +150,7 @@ def test_max_tokens_multi_block_vs_reference():
                     in_dtype=torch.float32)
     gen = torch.Generator().manual_seed(2)
     indices = torch.randint(-1, cfg.num_experts, (cfg.max_num_tokens, 4), generator=gen, dtype=torch.int32)
-    counts, route_slot = route_tokens(indices, cfg.num_experts, _single_max_routes=0, _block_routes=64)
+    counts, route_slot = _route(indices, cfg.num_experts, _single_max_routes=0, _block_routes=64)
     want_counts, want_slot = oracle(indices, cfg.num_experts)
     assert torch.equal(counts, want_counts) and torch.equal(route_slot, want_slot)
     x = torch.zeros(cfg.max_num_tokens, 4)
@@ -159,12 +165,13 @@ def test_caller_outputs_strided_counts(multi):
     its neighbours are untouched; stale output contents do not leak."""
     T, K, E = 10, 3, 5
     indices = torch.randint(-1, E, (T, K), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
-    matrix = torch.full((E, 3), 77, dtype=torch.int32)
-    out_slot = torch.full((T, K), 55, dtype=torch.int32)
-    counts, route_slot = route_tokens(indices, E, out_counts=matrix[:, 1], out_route_slot=out_slot,
+    matrix = torch.full((E, 3), 77, dtype=torch.int32, device=TEST_DEVICE)
+    out_slot = torch.full((T, K), 55, dtype=torch.int32, device=TEST_DEVICE)
+    counts, route_slot = route_tokens(indices.to(TEST_DEVICE), E, out_counts=matrix[:, 1], out_route_slot=out_slot,
                                       **(MULTI if multi else SINGLE))
     want_counts, want_slot = oracle(indices, E)
     assert route_slot.data_ptr() == out_slot.data_ptr()
+    matrix, out_slot = matrix.cpu(), out_slot.cpu()
     assert torch.equal(matrix[:, 1], want_counts) and torch.equal(out_slot, want_slot)
     assert bool((matrix[:, 0] == 77).all() and (matrix[:, 2] == 77).all())
 
