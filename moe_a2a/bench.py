@@ -22,7 +22,7 @@ def _write(path: str | None, result: dict) -> None:
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": " ".join(["moe-a2a", "bench", *sys.argv[2:]]), **result}
+                  "command": " ".join(sys.argv), **result}
         with open(path, "w") as f:
             json.dump(result, f, indent=1, default=str)
 
