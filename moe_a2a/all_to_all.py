@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import plan
-from .config import A2AConfig, Flag, Layout
+from .config import TRACE_EVENTS, A2AConfig, Flag, Layout
 from .proxy import bootstrap
 from .proxy.engine import auto_provider
 from .proxy.memory import DeviceBuffer, SharedSegment, device_view, open_ipc_handle, close_ipc_handle, unique_name
@@ -109,6 +109,7 @@ class AllToAll:
         self._peer_segments: list[SharedSegment] = []
         self._waits: dict[Flag, str] = {}  # status slot -> what its last wait was for
         self.host_waits = False
+        self._tracing, self._spans = False, {}
         self._ipc_ptrs: list[int] = []
         self.proxy = None
 
@@ -265,9 +266,10 @@ class AllToAll:
             self._validate_dispatch_out(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
         try:
             if do_send:
-                self._dispatch_send(x, x_scale, indices, bound_m)
+                self._traced("dispatch_send", self._dispatch_send, x, x_scale, indices, bound_m)
             if do_recv:
-                self._dispatch_recv(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
+                self._traced("dispatch_recv", self._dispatch_recv, out_expert_num_tokens, out_expert_x,
+                             out_expert_x_scale)
         except BaseException as exc:
             self._fail(exc)
 
@@ -301,11 +303,41 @@ class AllToAll:
             _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), self.device)
         try:
             if do_send:
-                self._combine_send(expert_y)
+                self._traced("combine_send", self._combine_send, expert_y)
             if do_recv:
-                self._combine_recv(out_tokens, weights, accumulate, bound_m)
+                self._traced("combine_recv", self._combine_recv, out_tokens, weights, accumulate, bound_m)
         except BaseException as exc:
             self._fail(exc)
+
+    def set_tracing(self, on: bool = True) -> None:
+        """Record timestamps of every call (model halves and proxy steps) for `trace()`.
+
+        Off by default and free when off. On a GPU each traced half ends with a device sync, so the
+        spans are the GPU's work; do not trace while timing."""
+        self._tracing = bool(on)
+        self.flags_host[int(Flag.TRACE) * _WORDS_PER_FLAG] = int(on)
+
+    def trace(self) -> dict:
+        """The last traced call: `{"rank", "epoch", "model": {half: (t0_ns, t1_ns)}, "proxy": {event: t_ns}}`,
+        CLOCK_MONOTONIC nanoseconds (one clock for every process of this machine)."""
+        # The proxy's last steps (the combine barrier) finish after combine returns: let them land.
+        deadline = time.monotonic() + self.timeout_s
+        while (self._state == _IDLE and self.epoch and time.monotonic() < deadline
+               and int(self.flags_host[int(Flag.COMBINE_BARRIER) * _WORDS_PER_FLAG]) < self.epoch):
+            time.sleep(1e-4)
+        raw = self.segment.numpy(self.layout.trace_offset_bytes, 2 * len(TRACE_EVENTS), "int64").reshape(-1, 2)
+        proxy = {name: int(t) for name, (e, t) in zip(TRACE_EVENTS, raw) if e == self.epoch}
+        return {"rank": self.rank, "epoch": self.epoch, "model": dict(self._spans), "proxy": proxy}
+
+    def _traced(self, name: str, fn, *args) -> None:
+        if not self._tracing:
+            fn(*args)
+            return
+        t0 = time.monotonic_ns()
+        fn(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._spans[name] = (t0, time.monotonic_ns())
 
     def close(self) -> None:
         """Stop the proxy, release shared memory. Idempotent; also `with AllToAll(...) as a2a:`."""
@@ -338,6 +370,7 @@ class AllToAll:
     # ---- the four halves --------------------------------------------------------------------------
     def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
         self.epoch += 1
+        self._spans = {}
         if self.epoch_dev is not None:
             sync.advance_epoch(self.epoch_dev)
         r = self.rank

@@ -3,6 +3,7 @@
     moe-a2a bench kernels   --preset decode|prefill|both --world 64 --node 8     (GPU)
     moe-a2a bench flags     GPU -> proxy process -> GPU flag round trip           (GPU)
     moe-a2a bench e2e       --world 4 --node 2 --preset decode --transport shm    (LocalCluster)
+    moe-a2a bench timeline  one traced call drawn as a Gantt chart (GPU / proxy / wire lanes)
     moe-a2a bench transport libfabric costs (delegates to moe_a2a.bench_transport)
 
 Every timing is a median over many calls after warm-up; JSON files keep p10/p90/min/max too.
@@ -215,6 +216,107 @@ def run_e2e(args) -> int:
     return 0
 
 
+# ---- timeline of one traced call ---------------------------------------------------------------------
+def _timeline_rank(a2a, rank, seed):
+    import torch
+
+    from .demo import make_inputs, toy_expert
+
+    cfg, dev = a2a.cfg, a2a.device
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    out = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    traces = []
+    for it in range(3):  # the last call is the one drawn: kernels compiled, connections up
+        x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, seed + it))
+        a2a.set_tracing(it == 2)
+        a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
+        a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
+        y = toy_expert(ex, exs, cfg)
+        a2a.combine(out, idx, w, y, do_recv=False)
+        a2a.combine(out, idx, w, y, do_send=False)
+        traces.append(a2a.trace())
+    a2a.set_tracing(False)
+    return traces[-1]
+
+
+# Proxy activity between two of its timestamps: (start event, end event, label, kind).
+_PROXY_SPANS = [
+    ("route_ready_seen", "route_posted", "post count row", "post"),
+    ("send_ready_seen", "private_posted", "post private", "post"),
+    ("private_posted", "routes_received", "wait count rows", "wire"),
+    ("routes_received", "remainder_posted", "post remainder", "post"),
+    ("remainder_posted", "dispatch_received", "wait tokens", "wire"),
+    ("dispatch_recv_done_seen", "dispatch_barrier", "barrier", "wire"),
+    ("combine_send_seen", "combine_posted", "post combine", "post"),
+    ("combine_posted", "combine_received", "wait outputs", "wire"),
+    ("combine_recv_done_seen", "combine_barrier", "barrier", "wire"),
+]
+
+
+def plot_timeline(traces: list[dict], path: str, title: str) -> None:
+    """One Gantt chart of a dispatch + combine: per rank a GPU/model lane and a proxy lane (posting
+    vs waiting on the wire/peers), times relative to the first event of any rank."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(min(v[0] for v in t["model"].values()) for t in traces)
+    t_end = max(max(v[1] for v in t["model"].values()) for t in traces)
+    unit, scale = ("ms", 1e6) if t_end - t0 > 1e8 else ("µs", 1e3)  # the interpreter takes seconds
+    colors = {"dispatch_send": "#1f77b4", "dispatch_recv": "#aec7e8", "combine_send": "#ff7f0e",
+              "combine_recv": "#ffbb78", "post": "#2ca02c", "wire": "#d62728"}
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.8 * len(traces)))
+    labels = []
+    for i, t in enumerate(traces):
+        y_model, y_proxy = 2 * i, 2 * i + 1
+        labels += [f"rank {t['rank']} kernels", f"rank {t['rank']} proxy"]
+        for name, (a, b) in t["model"].items():
+            ax.barh(y_model, (b - a) / scale, left=(a - t0) / scale, color=colors[name], edgecolor="k", lw=0.3)
+        p = t["proxy"]
+        for start, end, label, kind in _PROXY_SPANS:
+            if start in p and end in p:
+                ax.barh(y_proxy, max(p[end] - p[start], 1) / scale, left=(p[start] - t0) / scale, color=colors[kind],
+                        edgecolor="k", lw=0.3, alpha=0.8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{unit} since the first rank started dispatch")
+    handles = [matplotlib.patches.Patch(color=c, label=n.replace("_", " ") if n not in ("post", "wire") else
+                                        {"post": "proxy posting writes", "wire": "waiting: wire / peers"}[n])
+               for n, c in colors.items()]
+    ax.legend(handles=handles, fontsize=7, ncol=3, loc="lower right")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_timeline(args) -> int:
+    import torch
+
+    from .bench_kernels import PRESETS
+    from .config import A2AConfig
+    from .local import LocalCluster
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        sizes = dict(max_num_tokens=16, num_experts=8 * args.world, experts_per_token=4, hidden_dim=128)
+    else:
+        sizes = PRESETS[args.preset]
+    cfg = A2AConfig(**sizes, in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
+                      timeout_s=args.timeout) as cl:
+        traces = cl.run(_timeline_rank, 0)
+    title = (f"one traced dispatch + combine: {args.world} ranks, {args.node} per node, {args.transport}, {device}, "
+             f"T={cfg.max_num_tokens} H={cfg.hidden_dim} K={cfg.experts_per_token} E={cfg.num_experts}")
+    for t in traces:
+        spans = {k: round((b - a) / 1e3, 1) for k, (a, b) in t["model"].items()}
+        print(f"rank {t['rank']}: model halves µs {spans}")
+    if args.png:
+        plot_timeline(traces, args.png, title)
+    _write(args.json, {"config": str(cfg), "device": device, "traces": traces})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,6 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
     e.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
     e.add_argument("--json", default=None, help="write results here")
+    tl = sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / wire lanes")
+    tl.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    tl.add_argument("--node", type=int, default=2, help="ranks per node (default 2)")
+    tl.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes on GPU")
+    tl.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "auto"], help="provider")
+    tl.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="rank device")
+    tl.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
+    tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default timeline.png)")
+    tl.add_argument("--json", default=None, help="write the raw timestamps here")
     t = sub.add_parser("transport", help="libfabric costs (see python -m moe_a2a.bench_transport --help)",
                        add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER)
@@ -251,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_flags(args)
     if args.what == "e2e":
         return run_e2e(args)
+    if args.what == "timeline":
+        return run_timeline(args)
     from .bench_transport import main as transport_main
 
     return transport_main(args.rest) or 0

@@ -68,7 +68,8 @@ class Flag(enum.IntEnum):
     STATUS_DISPATCH_RECV = 14
     STATUS_DISPATCH_BARRIER = 15
     STATUS_COMBINE_RECV = 16
-    NUM_FLAGS = 17
+    TRACE = 17               # model -> proxy: nonzero = record TRACE_EVENTS times for each call
+    NUM_FLAGS = 18
 
 
 class Imm(enum.IntEnum):
@@ -81,6 +82,14 @@ class Imm(enum.IntEnum):
     COMBINE = 4
     COMBINE_BARRIER = 5
 
+
+# Moments the proxy timestamps (CLOCK_MONOTONIC ns) when Flag.TRACE is set: one (epoch, t_ns) pair of
+# int64 per event in the trace area, overwritten each call (the last call stays readable).
+TRACE_EVENTS = (
+    "route_ready_seen", "route_posted", "send_ready_seen", "private_posted", "routes_received",
+    "remainder_posted", "dispatch_received", "dispatch_recv_done_seen", "dispatch_barrier",
+    "combine_send_seen", "combine_posted", "combine_received", "combine_recv_done_seen", "combine_barrier",
+)
 
 IMM_KIND_BITS = 4
 IMM_RANK_BITS = 12   # up to 4096 ranks
@@ -300,9 +309,14 @@ class Layout:
         return round_up(int(Flag.NUM_FLAGS) * FLAG_SLOT_BYTES, 64)
 
     @property
+    def trace_offset_bytes(self) -> int:
+        """int64 [len(TRACE_EVENTS), 2]: (epoch, CLOCK_MONOTONIC ns) per proxy event."""
+        return self.error_offset_bytes + ERROR_MESSAGE_BYTES
+
+    @property
     def routing_offset_bytes(self) -> int:
         """int32 [W, E]: row s holds source s's per-expert counts (written by s over the wire)."""
-        return round_up(self.error_offset_bytes + ERROR_MESSAGE_BYTES, PAGE_BYTES)
+        return round_up(self.trace_offset_bytes + len(TRACE_EVENTS) * 16, PAGE_BYTES)
 
     @property
     def routing_bytes(self) -> int:

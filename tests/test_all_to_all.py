@@ -181,3 +181,21 @@ def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport):
     time.sleep(0.5)
     for pid in proxies:  # every proxy process is gone with its owner
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def _traced_call(a2a, rank):
+    from moe_a2a.bench import _timeline_rank
+    return _timeline_rank(a2a, rank, 11)
+
+
+@pytest.mark.timeout(600)
+def test_tracing_records_every_step_in_order(cluster):
+    from moe_a2a.config import TRACE_EVENTS
+    cfg, c, cl = cluster
+    for t in cl.run(_traced_call):
+        assert list(t["model"]) == ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
+        spans = list(t["model"].values())
+        assert all(a <= b for a, b in spans) and all(s[1] <= n[0] for s, n in zip(spans, spans[1:]))
+        assert list(t["proxy"]) == list(TRACE_EVENTS)  # every proxy step of the traced call
+        times = list(t["proxy"].values())
+        assert times == sorted(times)

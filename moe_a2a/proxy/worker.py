@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from .. import plan
-from ..config import ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, Flag, Imm, Layout
+from ..config import ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, TRACE_EVENTS, Flag, Imm, Layout
 from .engine import PeerTimeout, TransferEngine
 from .memory import SharedSegment
 
@@ -115,8 +115,15 @@ class Proxy:
             self.group = self.engine.peer_group(handles, [table[p][1] for p in self.peers])
         # Same-node peers' flags (they raise SEND_READY / COMBINE_SEND_READY after writing to us).
         self.peer_flags = {p: Flags(SharedSegment(table[p][2]), lay) for p in self.node_peers}
+        self.trace = self.seg.numpy(lay.trace_offset_bytes, 2 * len(TRACE_EVENTS), np.int64).reshape(-1, 2)
+        self._tracing, self._epoch = False, 0
         self.flags[Flag.PROXY_READY] = 1
         self._last_beat = 0.0
+
+    def mark(self, event: int) -> None:
+        """Timestamp a TRACE_EVENTS entry (only when the model asked for tracing: ~0.5 µs each)."""
+        if self._tracing:
+            self.trace[event] = (self._epoch, time.monotonic_ns())
 
     # ---- waiting ------------------------------------------------------------------------------
     def _idle(self, since: float) -> None:
@@ -176,39 +183,54 @@ class Proxy:
 
     # ---- one call -------------------------------------------------------------------------------
     def run_epoch(self, e: int) -> None:
-        lay, r, F = self.lay, self.rank, Flag
+        lay, r, F, mark = self.lay, self.rank, Flag, self.mark
         row_bytes = lay.num_experts * 4
         send, recv = lay.send_offset_bytes, lay.recv_offset_bytes
 
         self.wait_local(F.ROUTE_READY, e)
+        self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
+        mark(0)  # route_ready_seen
         if self.peers:
             off = lay.routing_offset_bytes + r * row_bytes
             self.engine.scatter(self.group, self.region, [(i, off, row_bytes, off) for i in range(len(self.peers))],
                                 plan.make_imm(Imm.ROUTE, r, e))
+        mark(1)  # route_posted
         self.wait_local(F.SEND_READY, e)
+        mark(2)  # send_ready_seen
         self.scatter(plan.private_writes(self.routing[r].astype(np.int64), r, lay), send, recv, Imm.DISPATCH, e)
+        mark(3)  # private_posted
         self.wait_peers(e, "dispatch: routing exchange", self._imms(Imm.ROUTE, e, self.peers))
+        mark(4)  # routes_received
         counts = self.routing.astype(np.int64)
         plan.validate_counts(counts, lay)
         self.scatter(plan.remainder_writes(counts, r, lay), send, recv, Imm.DISPATCH, e)
+        mark(5)  # remainder_posted
         self.wait_peers(e, "dispatch: tokens", self._imms(Imm.DISPATCH, e, self.remote,
                                                            plan.expected_dispatch_imms(counts, r, lay)),
                         F.SEND_READY)
         self.flags[F.DISPATCH_RECV_READY] = e
+        mark(6)  # dispatch_received
 
         self.wait_local(F.DISPATCH_RECV_DONE, e)
+        mark(7)  # dispatch_recv_done_seen
         self.barrier(Imm.DISPATCH_BARRIER, e, "dispatch: barrier")
         self.flags[F.DISPATCH_BARRIER] = e
+        mark(8)  # dispatch_barrier
 
         self.wait_local(F.COMBINE_SEND_READY, e)
+        mark(9)  # combine_send_seen
         self.scatter(plan.combine_writes(counts, r, lay), send, recv, Imm.COMBINE, e)
+        mark(10)  # combine_posted
         self.wait_peers(e, "combine: expert outputs", self._imms(Imm.COMBINE, e, self.remote),
                         F.COMBINE_SEND_READY)
         self.flags[F.COMBINE_RECV_READY] = e
+        mark(11)  # combine_received
 
         self.wait_local(F.COMBINE_RECV_DONE, e)
+        mark(12)  # combine_recv_done_seen
         self.barrier(Imm.COMBINE_BARRIER, e, "combine: barrier")
         self.flags[F.COMBINE_BARRIER] = e
+        mark(13)  # combine_barrier
 
     def run(self) -> None:
         epoch = 1
