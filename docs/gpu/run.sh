@@ -30,6 +30,19 @@ final)
   step 30  env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_quant.py \
        tests/triton_kernels/test_sync.py -k "gpu or cuda"
   ;;
+last)
+  step 70  python3 -m moe_a2a.bench timeline --world 4 --node 2 --device cuda --png "$OUT/timeline.png" --json "$OUT/timeline.json"
+  step 60  env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_routing.py
+  # The quickstart notebook's code cells as one script (the image has no Jupyter kernel).
+  step 110 env MPLBACKEND=Agg python3 -c "import json; nb = json.load(open('notebooks/quickstart.ipynb')); \
+      exec(compile('\n'.join(''.join(c['source']) for c in nb['cells'] if c['cell_type'] == 'code'), 'quickstart', 'exec'))"
+  ;;
+x2)  # kind nvidia-h200-x2: one rank per GPU, same-node peers through CUDA IPC over NVLink
+  nvidia-smi topo -m | head -4
+  step 45 python3 -m moe_a2a.bench e2e --world 2 --node 2 --device cuda --iters 100 --warmup 10 --json "$OUT/e2e_x2.json"
+  step 45 python3 -m moe_a2a.bench_nccl --world 2 --iters 200 --json "$OUT/nccl_x2.json"
+  step 60 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graph.py
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
