@@ -4,6 +4,7 @@
     moe-a2a bench flags     GPU -> proxy process -> GPU flag round trip           (GPU)
     moe-a2a bench e2e       --world 4 --node 2 --preset decode --transport shm    (LocalCluster)
     moe-a2a bench timeline  one traced call drawn as a Gantt chart (GPU / proxy / wire lanes)
+    moe-a2a bench nccl      the torch.distributed all_to_all_single baseline (delegates to moe_a2a.bench_nccl)
     moe-a2a bench transport libfabric costs (delegates to moe_a2a.bench_transport)
 
 Every timing is a median over many calls after warm-up; JSON files keep p10/p90/min/max too.
@@ -38,9 +39,11 @@ def _stats(samples: list[float]) -> dict:
 def run_kernels(args) -> int:
     from .bench_kernels import bench_kernels, format_table
 
+    from tqdm import tqdm
+
     presets = ["decode", "prefill"] if args.preset == "both" else [args.preset]
     results = []
-    for p in presets:
+    for p in tqdm(presets, desc="presets", unit="preset", disable=len(presets) < 2):
         res = bench_kernels(p, world=args.world, node=args.node, iters=args.iters)
         print(format_table(res), flush=True)
         results.append(res)
@@ -157,7 +160,9 @@ def _e2e_rank(a2a, rank, iters, warmup, seed):
     times = {p: [] for p in phases + ("total",)}
     cuda = dev.type == "cuda"
     bound = torch.tensor([cfg.max_num_tokens], dtype=torch.int32, device=dev)  # skips the index sync
-    for it in range(warmup + iters):
+    from tqdm import tqdm
+
+    for it in tqdm(range(warmup + iters), desc="calls (rank 0)", disable=rank != 0, leave=False):
         x, xs, idx, w = sets[it % len(sets)]
         marks = []
 
@@ -213,7 +218,31 @@ def run_e2e(args) -> int:
         print(f"{p:<16}" + "".join(f"{r[p]['median']:>12.1f}" for r in res))
     _write(args.json, {"config": str(cfg), "world": args.world, "node": args.node, "transport": args.transport,
                        "device": device, "per_rank": res})
+    if args.png:
+        _plot_e2e(res, args.png, f"{args.world} ranks ({args.node} per node), {args.transport}, {device}")
     return 0
+
+
+def _plot_e2e(res: list[dict], path: str, title: str) -> None:
+    """Per-phase median latency of every rank, with p10-p90 whiskers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = list(res[0])
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(res)
+    for r, per in enumerate(res):
+        xs = [i + (r - (len(res) - 1) / 2) * width for i in range(len(phases))]
+        med = [per[p]["median"] for p in phases]
+        err = [[m - per[p]["p10"] for p, m in zip(phases, med)], [per[p]["p90"] - m for p, m in zip(phases, med)]]
+        ax.bar(xs, med, width, yerr=err, capsize=2, label=f"rank {r}")
+    ax.set_xticks(range(len(phases)), [p.replace("_", " ") for p in phases])
+    ax.set_ylabel("µs (median, p10-p90)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # ---- timeline of one traced call ---------------------------------------------------------------------
@@ -317,7 +346,7 @@ def run_timeline(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -343,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
     e.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
     e.add_argument("--json", default=None, help="write results here")
+    e.add_argument("--png", default=None, help="write a per-phase bar chart here")
     tl = sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / wire lanes")
     tl.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     tl.add_argument("--node", type=int, default=2, help="ranks per node (default 2)")
@@ -352,10 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     tl.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
     tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default timeline.png)")
     tl.add_argument("--json", default=None, help="write the raw timestamps here")
+    n = sub.add_parser("nccl", help="all_to_all_single baseline (see python -m moe_a2a.bench_nccl --help)",
+                       add_help=False)
+    n.add_argument("rest", nargs=argparse.REMAINDER)
     t = sub.add_parser("transport", help="libfabric costs (see python -m moe_a2a.bench_transport --help)",
                        add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.what == "kernels":
         return run_kernels(args)
     if args.what == "flags":
@@ -364,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_e2e(args)
     if args.what == "timeline":
         return run_timeline(args)
+    if args.what == "nccl":
+        from .bench_nccl import main as nccl_main
+
+        return nccl_main(args.rest)
     from .bench_transport import main as transport_main
 
     return transport_main(args.rest) or 0

@@ -155,8 +155,12 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     routes = T * K
     recv_rows = statistics.mean(rows)
     res = {}
+    from tqdm import tqdm
+
+    bar = tqdm(total=6, desc=f"{preset} kernels", unit="kernel", leave=False)
 
     def row(name, fn, args, nbytes, torch_fn=None, torch_args=None):
+        bar.update()
         t = time_graph(fn, args)                  # GPU time (the kernels' own cost)
         entry = {"triton": t.__dict__, "triton_with_launch": time_cuda(fn, args, iters).__dict__,
                  "bytes": nbytes, "floor_us": nbytes / bw * 1e6 + launch,
@@ -190,6 +194,7 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     row("quantize_fp8", lambda xb: quant.quantize_fp8(xb, 128), [(xb,) for xb in xbf],
         T * H * 2 + T * H + T * cfg.num_scales * 4,
         lambda xb: _torch_quant(xb, 128), [(xb,) for xb in xbf])
+    bar.close()
     return {"preset": preset, "world": world, "node": node, "config": str(cfg), "copy_bw_GBps": bw / 1e9,
             "launch_us": launch, "recv_rows": recv_rows, "kernels": res}
 
