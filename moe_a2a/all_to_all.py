@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from . import plan
 from .config import TRACE_EVENTS, A2AConfig, Flag, Layout
 from .proxy import bootstrap
 from .proxy.engine import auto_provider

@@ -148,7 +148,7 @@ def _e2e_rank(a2a, rank, iters, warmup, seed):
     """Per-phase latency of dispatch/combine halves on one rank (events on GPU, wall clock on CPU)."""
     import torch
 
-    from .demo import make_inputs, toy_expert
+    from .demo import make_inputs
 
     cfg, dev = a2a.cfg, a2a.device
     num, ex, exs = a2a.empty_dispatch_outputs()
@@ -195,12 +195,13 @@ def _e2e_rank(a2a, rank, iters, warmup, seed):
     return {p: _stats(v) for p, v in times.items()}
 
 
-def run_e2e(args) -> int:
+def _cluster_setup(args):
+    """(device, config) of a LocalCluster benchmark: the preset's sizes on a GPU; small ones on CPU,
+    where the kernels run in the Triton interpreter."""
     import torch
 
     from .bench_kernels import PRESETS
     from .config import A2AConfig
-    from .local import LocalCluster
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
@@ -208,7 +209,13 @@ def run_e2e(args) -> int:
         sizes = dict(max_num_tokens=16, num_experts=8 * args.world, experts_per_token=4, hidden_dim=128)
     else:
         sizes = PRESETS[args.preset]
-    cfg = A2AConfig(**sizes, in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    return device, A2AConfig(**sizes, in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+
+
+def run_e2e(args) -> int:
+    from .local import LocalCluster
+
+    device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
                       timeout_s=args.timeout) as cl:
         res = cl.run(_e2e_rank, args.iters, args.warmup, 0)
@@ -319,19 +326,9 @@ def plot_timeline(traces: list[dict], path: str, title: str) -> None:
 
 
 def run_timeline(args) -> int:
-    import torch
-
-    from .bench_kernels import PRESETS
-    from .config import A2AConfig
     from .local import LocalCluster
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        sizes = dict(max_num_tokens=16, num_experts=8 * args.world, experts_per_token=4, hidden_dim=128)
-    else:
-        sizes = PRESETS[args.preset]
-    cfg = A2AConfig(**sizes, in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
                       timeout_s=args.timeout) as cl:
         traces = cl.run(_timeline_rank, 0)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import plan
 from .config import A2AConfig
 
 PRESETS = {
@@ -151,7 +150,6 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
 
     bw = copy_bandwidth(device)
     launch = empty_launch_us(device)
-    Sd, Sc = cfg.dispatch_stride_bytes, cfg.combine_stride_bytes
     routes = T * K
     recv_rows = statistics.mean(rows)
     res = {}

@@ -19,8 +19,11 @@ The worst case "every route of every rank lands on one rank" fits: W*T*K rows (d
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported lazily (see _dtypes)
+    import torch
 
 PAGE_BYTES = 4096
 ROW_ALIGN_BYTES = 16  # rows start on 16-byte boundaries so kernels can use 16-byte accesses
