@@ -343,6 +343,17 @@ def run_timeline(args) -> int:
     return 0
 
 
+def _cluster_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of the benchmarks that start a LocalCluster."""
+    p.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes on GPU")
+    p.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "auto"], help="provider")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="rank device")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,24 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--iters", type=int, default=2000, help="round trips per kernel (default 2000)")
     f.add_argument("--reps", type=int, default=20, help="kernels timed (default 20)")
     f.add_argument("--json", default=None, help="write results here")
-    e = sub.add_parser("e2e", help="dispatch/combine halves over a LocalCluster")
-    e.add_argument("--world", type=int, default=4, help="ranks (default 4)")
-    e.add_argument("--node", type=int, default=2, help="ranks per node (default 2)")
-    e.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes on GPU")
-    e.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "auto"], help="provider")
-    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="rank device")
+    e = _cluster_args(sub.add_parser("e2e", help="dispatch/combine halves over a LocalCluster"))
     e.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
     e.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
-    e.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
     e.add_argument("--json", default=None, help="write results here")
     e.add_argument("--png", default=None, help="write a per-phase bar chart here")
-    tl = sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / wire lanes")
-    tl.add_argument("--world", type=int, default=4, help="ranks (default 4)")
-    tl.add_argument("--node", type=int, default=2, help="ranks per node (default 2)")
-    tl.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes on GPU")
-    tl.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "auto"], help="provider")
-    tl.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="rank device")
-    tl.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
+    tl = _cluster_args(sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / "
+                                                       "wire lanes"))
     tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default timeline.png)")
     tl.add_argument("--json", default=None, help="write the raw timestamps here")
     n = sub.add_parser("nccl", help="all_to_all_single baseline (see python -m moe_a2a.bench_nccl --help)",
