@@ -63,7 +63,8 @@ class AllToAll:
         group: torch.distributed process group used only for bootstrap (default WORLD).
         node_group: ranks that share memory with this one: "auto"/None (same hostname), an int
             (node size; ranks `[k*n, (k+1)*n)` form node k) or a process group (its size).
-        transport: "auto" (efa if present, else shm), "efa", "shm", "tcp" ("verbs": not yet).
+        transport: "auto" (efa if present, else shm on one host, tcp across hosts), "efa", "shm",
+            "tcp" ("verbs": not yet).
         device: where the model's tensors live (default: current CUDA device, else CPU).
         timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
         gpu_wait: on a GPU, how the receive halves wait for the proxy: "kernel" (a spinning kernel on
@@ -98,10 +99,16 @@ class AllToAll:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        node_size = self._node_size(node_group)
+        hosts = bootstrap.exchange(self.group, socket.gethostname())
+        node_size = self._node_size(node_group, hosts)
         self.layout: Layout = cfg.layout(self.world_size, node_size)
         lay, r = self.layout, self.rank
-        self.transport = auto_provider() if transport == "auto" else transport
+        self.transport = transport
+        if transport == "auto":
+            # shm reaches only this host: between hosts without EFA, tcp is the provider that works.
+            self.transport = auto_provider()
+            if self.transport == "shm" and len(set(hosts)) > 1:
+                self.transport = "tcp"
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
         self._closed = True
@@ -129,14 +136,13 @@ class AllToAll:
             raise
 
     # ---- construction ---------------------------------------------------------------------------
-    def _node_size(self, node_group) -> int:
+    def _node_size(self, node_group, hosts: list[str]) -> int:
         import torch.distributed as dist
 
         W = self.world_size
         if isinstance(node_group, int) and not isinstance(node_group, bool):
             n = node_group
         elif node_group is None or node_group == "auto":
-            hosts = bootstrap.exchange(self.group, socket.gethostname())
             n = hosts.count(hosts[0])
             if any(hosts[i] != hosts[i // n * n] for i in range(W)) or W % n:
                 raise ValueError(f"node_group='auto': ranks must be grouped contiguously by host in equal "
