@@ -37,7 +37,15 @@ def _stats(samples: list[float]) -> dict:
 
 # ---- kernels ------------------------------------------------------------------------------------------
 def run_kernels(args) -> int:
-    from .bench_kernels import bench_kernels, format_table
+    from .bench_kernels import bench_kernels, format_table, launcher_overhead
+
+    if args.launchers:
+        res = launcher_overhead()
+        print("Python cost per launcher call, kernel launch stubbed out (decode sizes, µs):")
+        for name, us in res.items():
+            print(f"  {name:<26}{us:>8.1f}")
+        _write(args.json, {"launcher_python_us": res})
+        return 0
 
     from tqdm import tqdm
 
@@ -366,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--iters", type=int, default=200, help="timed calls per kernel (default 200)")
     k.add_argument("--json", default=None, help="write results here")
     k.add_argument("--png", default=None, help="write a bar chart here")
+    k.add_argument("--launchers", action="store_true",
+                   help="instead: the Python cost of each launcher with the kernel launch stubbed (any machine)")
     f = sub.add_parser("flags", help="GPU -> proxy process -> GPU flag round trip (GPU)")
     f.add_argument("--iters", type=int, default=2000, help="round trips per kernel (default 2000)")
     f.add_argument("--reps", type=int, default=20, help="kernels timed (default 20)")

@@ -268,3 +268,50 @@ def format_table(result: dict) -> str:
         lines.append(f"{name:<26}{t:>11.1f}{tt:>11.1f}{e['floor_us']:>10.1f}{100 * e['bw_fraction']:>8.0f}%"
                      f"{tt / t:>9.1f}")
     return "\n".join(lines)
+
+
+def launcher_overhead(iters: int = 3000) -> dict[str, float]:
+    """Python cost of each launcher per call with the kernel launch itself stubbed out: validation,
+    block-size choice and argument preparation (µs). Runs anywhere (CPU tensors); restores the kernels."""
+    import time
+
+    from .triton_kernels import combine as ck
+    from .triton_kernels import dispatch as dk
+    from .triton_kernels import routing as rk
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    saved = {(m, n): getattr(m, n) for m in (dk, ck, rk) for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
+    cfg = A2AConfig(**PRESETS["decode"], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    lay = cfg.layout(64, 8)
+    T, K, H, E, L = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim, cfg.num_experts, lay.num_local_experts
+    x, xs = torch.zeros(T, H, dtype=cfg.in_dtype), torch.zeros(T, cfg.num_scales)
+    idx, slot = torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K, dtype=torch.int32)
+    base, counts = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(64, E, dtype=torch.int32)
+    peer = torch.full((64,), -1, dtype=torch.int64)
+    num, ex = torch.zeros(L, dtype=torch.int32), torch.zeros(1024, H, dtype=cfg.in_dtype)
+    exs, ey = torch.zeros(1024, cfg.num_scales), torch.zeros(1024, H, dtype=torch.bfloat16)
+    out, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K)
+    calls = {
+        "route_tokens": lambda: rk.route_tokens(idx, E, out_route_slot=slot),
+        "pack_tokens_by_expert": lambda: dk.pack_tokens_by_expert(x, xs, slot, base, 0, cfg),
+        "unpack_tokens_by_expert": lambda: dk.unpack_tokens_by_expert(num, ex, exs, counts, 0, base, peer, 0, cfg, lay),
+        "pack_combine_by_source": lambda: ck.pack_combine_by_source(ey, counts, 0, base, peer, 0, cfg, lay),
+        "reduce_combined_tokens": lambda: ck.reduce_combined_tokens(out, slot, w, base, 0, cfg),
+    }
+    result = {}
+    try:
+        for (m, n) in saved:
+            setattr(m, n, _NoLaunch())
+        for name, fn in calls.items():
+            fn()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            result[name] = (time.perf_counter() - start) / iters * 1e6
+    finally:
+        for (m, n), k in saved.items():
+            setattr(m, n, k)
+    return result

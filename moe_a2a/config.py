@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported lazily (see _dtypes)
@@ -46,6 +47,12 @@ def round_up(value: int, multiple: int) -> int:
 
 def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1). Plain Python: launchers call it on every launch,
+    and triton.next_power_of_2 / triton.cdiv cost ~5 µs each as ConstexprFunctions (triton 3.9)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 class Flag(enum.IntEnum):
@@ -160,57 +167,57 @@ class A2AConfig:
             raise ValueError(f"A2AConfig.max_private_tokens must be None or an int >= 0, got {mpt!r}")
 
     # ---- per-token sizes -------------------------------------------------------------------
-    @property
+    @cached_property
     def block_size(self) -> int | None:
         """Elements per fp32 scale, or None when the payload carries no scales."""
         return self._scale_block
 
-    @property
+    @cached_property
     def has_scales(self) -> bool:
         return self._scale_block is not None
 
-    @property
+    @cached_property
     def num_scales(self) -> int:
         """Scale columns per token: ceil(H / scale_block), 0 without scales."""
         return ceil_div(self.hidden_dim, self._scale_block) if self._scale_block else 0
 
-    @property
+    @cached_property
     def in_itemsize(self) -> int:
         return self.in_dtype.itemsize
 
-    @property
+    @cached_property
     def out_itemsize(self) -> int:
         return self.out_dtype.itemsize
 
-    @property
+    @cached_property
     def x_bytes(self) -> int:
         """Payload bytes of one dispatched token."""
         return self.hidden_dim * self.in_itemsize
 
-    @property
+    @cached_property
     def scale_bytes(self) -> int:
         return self.num_scales * 4
 
-    @property
+    @cached_property
     def dispatch_scale_offset_bytes(self) -> int:
         """Where a slot's fp32 scales start: right after the payload, 16-byte aligned."""
         return round_up(self.x_bytes, ROW_ALIGN_BYTES)
 
-    @property
+    @cached_property
     def dispatch_stride_bytes(self) -> int:
         """Bytes per dispatch slot: payload, then scales, each padded to 16 bytes."""
         return self.dispatch_scale_offset_bytes + round_up(self.scale_bytes, ROW_ALIGN_BYTES)
 
-    @property
+    @cached_property
     def y_bytes(self) -> int:
         """Payload bytes of one combined (expert output) row."""
         return self.hidden_dim * self.out_itemsize
 
-    @property
+    @cached_property
     def combine_stride_bytes(self) -> int:
         return round_up(self.y_bytes, ROW_ALIGN_BYTES)
 
-    @property
+    @cached_property
     def max_routes(self) -> int:
         """T*K: routes (token, slot) one rank sends at most."""
         return self.max_num_tokens * self.experts_per_token
@@ -258,79 +265,79 @@ class Layout:
         return cls(W, ns, E, cfg.max_num_tokens, cfg.experts_per_token, cfg.expert_padding, private,
                    cfg.dispatch_stride_bytes, cfg.combine_stride_bytes)
 
-    @property
+    @cached_property
     def num_local_experts(self) -> int:
         return self.num_experts // self.world_size
 
-    @property
+    @cached_property
     def max_routes(self) -> int:
         return self.max_num_tokens * self.experts_per_token
 
-    @property
+    @cached_property
     def max_recv_routes(self) -> int:
         """Rows one rank may receive in one dispatch: every route of every rank (duplicates too)."""
         return self.world_size * self.max_routes
 
-    @property
+    @cached_property
     def max_dispatch_rows(self) -> int:
         """Rows of `out_expert_x`: all received routes plus padding of every local expert."""
         return self.max_recv_routes + self.num_local_experts * (self.expert_padding - 1)
 
     # ---- regions of the send and recv buffers (bytes, relative to each buffer) ---------------
-    @property
+    @cached_property
     def private_offset_bytes(self) -> int:
         return 0
 
-    @property
+    @cached_property
     def remainder_offset_bytes(self) -> int:
         return self.world_size * self.private_rows * self.dispatch_stride_bytes
 
-    @property
+    @cached_property
     def combine_stage_offset_bytes(self) -> int:
         """Where the expert side stages combine rows for remote sources, in its send buffer."""
         return 0
 
-    @property
+    @cached_property
     def send_bytes(self) -> int:
         dispatch = self.max_routes * self.dispatch_stride_bytes
         combine = self.max_recv_routes * self.combine_stride_bytes
         return round_up(max(dispatch, combine), PAGE_BYTES)
 
-    @property
+    @cached_property
     def recv_bytes(self) -> int:
         dispatch = self.remainder_offset_bytes + self.max_recv_routes * self.dispatch_stride_bytes
         combine = self.max_routes * self.combine_stride_bytes
         return round_up(max(dispatch, combine), PAGE_BYTES)
 
     # ---- the shared host segment of one rank (flags, error, routing, host-staged buffers) ----
-    @property
+    @cached_property
     def flags_offset_bytes(self) -> int:
         return 0
 
-    @property
+    @cached_property
     def error_offset_bytes(self) -> int:
         return round_up(int(Flag.NUM_FLAGS) * FLAG_SLOT_BYTES, 64)
 
-    @property
+    @cached_property
     def trace_offset_bytes(self) -> int:
         """int64 [len(TRACE_EVENTS), 2]: (epoch, CLOCK_MONOTONIC ns) per proxy event."""
         return self.error_offset_bytes + ERROR_MESSAGE_BYTES
 
-    @property
+    @cached_property
     def routing_offset_bytes(self) -> int:
         """int32 [W, E]: row s holds source s's per-expert counts (written by s over the wire)."""
         return round_up(self.trace_offset_bytes + len(TRACE_EVENTS) * 16, PAGE_BYTES)
 
-    @property
+    @cached_property
     def routing_bytes(self) -> int:
         return self.world_size * self.num_experts * 4
 
-    @property
+    @cached_property
     def send_offset_bytes(self) -> int:
         """Send buffer in the segment (host-staged mode)."""
         return round_up(self.routing_offset_bytes + self.routing_bytes, PAGE_BYTES)
 
-    @property
+    @cached_property
     def recv_offset_bytes(self) -> int:
         return self.send_offset_bytes + self.send_bytes
 

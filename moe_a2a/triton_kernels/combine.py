@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import A2AConfig, Layout
+from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
 from .dispatch import (
     CPU_TOKENS_PER_PROGRAM,
     _align_words,
@@ -219,10 +219,10 @@ def pack_combine_by_source(
     _pack_combine_by_source_kernel[grid](
         y_words, counts, base, peer_recv_bytes, stage_bytes, rank, R,
         counts.stride(0), y_words.stride(0) if R else row_words,
-        W=W, L=L, W_PAD=triton.next_power_of_2(W), L_PAD=triton.next_power_of_2(L),
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, Y_WORDS=row_words, SC_BYTES=cfg.combine_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
-        BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(triton.next_power_of_2(E), 256),
+        BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         num_warps=_num_warps(block_r * block_w, word_bytes),
     )
 
@@ -278,11 +278,11 @@ def reduce_combined_tokens(
 
     align = _align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
                          recv_offset_bytes)
-    block_h = min(triton.next_power_of_2(H), MAX_REDUCE_BLOCK_H)
+    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H)
     # GPU: one token per program (decode T=128 x 7 chunks of 1024 = 896 programs). Interpreter: it pays
     # per operation, not per element, so all tokens in one program.
-    block_t = 1 if device.type == "cuda" else min(triton.next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    block_t = 1 if device.type == "cuda" else min(next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
+    grid = (ceil_div(T, block_t), ceil_div(H, block_h))
     _reduce_combined_tokens_kernel[grid](
         out_tokens, route_slot, weights, recv_base, bound_m if bound_m is not None else route_slot,
         recv_offset_bytes, T,

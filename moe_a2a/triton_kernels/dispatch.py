@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import A2AConfig, Layout
+from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
 
 # Persistent programs per SM of the unpack / combine-pack kernels. Measured on H200 (W=64 layout,
 # decode T=128 and prefill T=4096): 1 beats 2 and 4 (decode unpack 8.3 vs 10.2 / 13.0 us).
@@ -359,7 +359,7 @@ def _as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _chunk_words(row_words: int, word_bytes: int) -> int:
-    return min(triton.next_power_of_2(max(row_words, 1)), MAX_CHUNK_BYTES // word_bytes)
+    return min(next_power_of_2(max(row_words, 1)), MAX_CHUNK_BYTES // word_bytes)
 
 
 def _num_warps(block_elems: int, elem_bytes: int) -> int:
@@ -382,7 +382,7 @@ def _persistent_grid(device: torch.device, layout: Layout) -> tuple[tuple[int], 
         rows_per_tile = ROWS_PER_TILE_LARGE if layout.max_routes > LARGE_ROUTES else ROWS_PER_TILE
     else:
         programs, rows_per_tile = CPU_PROGRAMS, CPU_ROWS_PER_TILE
-    return (max(1, min(programs, triton.cdiv(max_rows, rows_per_tile))),), rows_per_tile
+    return (max(1, min(programs, ceil_div(max_rows, rows_per_tile))),), rows_per_tile
 
 
 def _check_layout(layout, cfg: A2AConfig) -> None:
@@ -464,16 +464,16 @@ def pack_tokens_by_expert(
     block_w = _chunk_words(row_words, word_bytes)
     # GPU: one token per program (decode T=128 x 4 chunks = 512 programs fill 132 SMs). Interpreter:
     # it pays per operation, not per element, so all tokens in one program.
-    block_t = 1 if device.type == "cuda" else min(triton.next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
+    block_t = 1 if device.type == "cuda" else min(next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
     S = cfg.num_scales
     scale_i32 = x_scale.view(torch.int32) if cfg.has_scales else x_words  # dummy pointer without scales
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(row_words, block_w))
+    grid = (ceil_div(T, block_t), ceil_div(row_words, block_w))
     _pack_tokens_by_expert_kernel[grid](
         x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,
         x_words.stride(0), stride_scale[0], stride_scale[1], route_slot.stride(0), route_slot.stride(1),
-        K=K, MAX_SLOTS=cfg.max_routes, X_WORDS=row_words, S=S, S_PAD=triton.next_power_of_2(max(S, 1)),
+        K=K, MAX_SLOTS=cfg.max_routes, X_WORDS=row_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_T=block_t, BLOCK_W=block_w,
         HAS_SCALES=cfg.has_scales, HAS_BOUND_M=bound_m is not None,
@@ -550,12 +550,12 @@ def unpack_tokens_by_expert(
     _unpack_tokens_by_expert_kernel[grid](
         out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
         counts.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
-        W=W, L=L, W_PAD=triton.next_power_of_2(W), L_PAD=triton.next_power_of_2(L),
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, P=layout.private_rows, PRIVATE_OFFSET_BYTES=layout.private_offset_bytes,
-        X_WORDS=row_words, S=S, S_PAD=triton.next_power_of_2(max(S, 1)),
+        X_WORDS=row_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
-        BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(triton.next_power_of_2(E), 256),
+        BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         HAS_SCALES=cfg.has_scales,
         num_warps=_num_warps(block_r * block_w, word_bytes),
     )

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import ceil_div, next_power_of_2
+
 FP8_E4M3_MAX = 448.0
 _MIN_NORMAL_FP32 = 2.0**-126
 
@@ -121,7 +123,7 @@ def quantize_fp8(
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block: expected a positive int, got {block!r}")
     T, H = x.shape
-    S = triton.cdiv(H, block)
+    S = ceil_div(H, block)
     device = x.device
     if out is None:
         out = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=device)
@@ -141,10 +143,10 @@ def quantize_fp8(
         return out, out_scale
 
     via_bits = device.type != "cuda" if _fp8_via_bits is None else bool(_fp8_via_bits)
-    block_c = triton.next_power_of_2(block)
+    block_c = next_power_of_2(block)
     # ~4096 elements per program: 32 rows x 128 at the usual block, 8 KB of bf16 in flight.
-    block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_c))
-    grid = (triton.cdiv(T, block_t), S)
+    block_t = max(1, min(next_power_of_2(T), 4096 // block_c))
+    grid = (ceil_div(T, block_t), S)
     _quantize_fp8_kernel[grid](
         x, out.view(torch.uint8) if via_bits else out, out_scale,
         bound_m if bound_m is not None else out_scale,  # never read without HAS_BOUND_M
@@ -160,7 +162,7 @@ def dequantize_fp8(
 ) -> torch.Tensor:
     """Plain-torch inverse for tests and debugging: `x_fp8 * scale` per block, cast to out_dtype."""
     if x_fp8.dim() != 2 or scale.dim() != 2 or scale.shape[0] != x_fp8.shape[0] \
-            or scale.shape[1] != triton.cdiv(x_fp8.shape[1], block):
+            or scale.shape[1] != ceil_div(x_fp8.shape[1], block):
         raise ValueError(f"scale: expected [{x_fp8.shape[0]}, ceil({x_fp8.shape[1]} / {block})] for x_fp8 "
                          f"{tuple(x_fp8.shape)}, got {tuple(scale.shape)}")
     H = x_fp8.shape[1]

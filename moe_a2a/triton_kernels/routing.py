@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import ceil_div, next_power_of_2
+
 # Measured on an H200 (triton 3.6, E=256, CUDA-graph replay, both kernels): one program sorting
 # 1024 keys takes 14.6 µs and 4096 keys 92 µs (tl.sort is a bitonic network, ~log2(N)^2/2 layout
 # shuffles), while two launches with small blocks take 8.2 µs (T*K=1024, 64-route blocks), 9.5 µs
@@ -37,7 +39,7 @@ SINGLE_PROGRAM_MAX_ROUTES = 128
 def _block_routes_for(num_routes: int) -> int:
     """Routes per program on the two-launch path: ~16 blocks, within [64, 512] (fits the sweep above:
     1024 -> 64, 2048 -> 128, 4096 -> 256, >= 8192 -> 512; E=256 histogram re-read from L2 <= 64 KB)."""
-    return min(512, max(64, triton.next_power_of_2(max(1, num_routes // 16))))
+    return min(512, max(64, next_power_of_2(max(1, num_routes // 16))))
 
 
 # num_tokens is not specialised: T=1 would make it a constexpr int (no .to()) and every T a recompile.
@@ -212,10 +214,10 @@ def route_tokens(
                          f"{tuple(bound_m.shape)} {bound_m.dtype} on {bound_m.device}")
 
     num_routes = T * K
-    e_bins = triton.next_power_of_2(num_experts + 1)
+    e_bins = next_power_of_2(num_experts + 1)
     bound_arg = bound_m if bound_m is not None else out_counts  # never read without HAS_BOUND_M
     if num_routes <= _single_max_routes:
-        block_r = max(16, triton.next_power_of_2(num_routes))
+        block_r = max(16, next_power_of_2(num_routes))
         if (num_experts + 1) * block_r >= 2**31:
             raise ValueError(f"num_experts: {num_experts} too large for int32 sort keys")
         _route_block_kernel[(1,)](
@@ -231,7 +233,7 @@ def route_tokens(
         raise ValueError(f"_block_routes: expected a power of two >= 16, got {block_r}")
     if (num_experts + 1) * block_r >= 2**31:
         raise ValueError(f"num_experts: {num_experts} too large for int32 sort keys")
-    num_blocks = triton.cdiv(num_routes, block_r)
+    num_blocks = ceil_div(num_routes, block_r)
     hist = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=device)
     _route_block_kernel[(num_blocks,)](
         indices, bound_arg, out_route_slot, out_counts, hist,
@@ -239,7 +241,7 @@ def route_tokens(
         K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=False,
         num_warps=4,
     )
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_power_of_2(num_experts)
     _route_fixup_kernel[(num_blocks,)](
         indices, out_route_slot, out_counts, hist,
         T, num_experts, num_blocks, out_counts.stride(0),
