@@ -66,15 +66,20 @@ def _receiver(conn, provider: str, num_engines: int, nbytes: int) -> None:
     conn.send("closed")
 
 
-def _pong(conn, provider: str, count: int) -> None:
-    """Answer each PING write with a PONG write (8 bytes + immediate), ``count`` times."""
+def _one_peer(conn, provider: str):
+    """An engine with one registered buffer, connected to the benchmark's other process over `conn`."""
     eng = TransferEngine(provider)
     buf = ctypes.create_string_buffer(BW_BYTES)
     region = eng.register(ctypes.addressof(buf), BW_BYTES)
     conn.send((eng.address, region.descriptor()))
     addr, desc = conn.recv()
     [peer] = eng.connect([addr])
-    grp = eng.peer_group([peer], [desc])
+    return eng, buf, region, eng.peer_group([peer], [desc])
+
+
+def _pong(conn, provider: str, count: int) -> None:
+    """Answer each PING write with a PONG write (8 bytes + immediate), ``count`` times."""
+    eng, buf, region, grp = _one_peer(conn, provider)
     target = [(0, 0, 8, 0)]
     ping = {PING: 1}
     for _ in range(count):
@@ -88,13 +93,7 @@ def _pong(conn, provider: str, count: int) -> None:
 
 def _sink(conn, provider: str, count: int) -> None:
     """Receive ``count`` DATA writes, then acknowledge with DONE."""
-    eng = TransferEngine(provider)
-    buf = ctypes.create_string_buffer(BW_BYTES)
-    region = eng.register(ctypes.addressof(buf), BW_BYTES)
-    conn.send((eng.address, region.descriptor()))
-    addr, desc = conn.recv()
-    [peer] = eng.connect([addr])
-    grp = eng.peer_group([peer], [desc])
+    eng, buf, region, grp = _one_peer(conn, provider)
     eng.wait_imms({DATA: count}, 120, "bandwidth stream")
     eng.barrier(grp, DONE)
     eng.wait_writes(30)
