@@ -66,15 +66,26 @@ def _receiver(conn, provider: str, num_engines: int, nbytes: int) -> None:
     conn.send("closed")
 
 
-def _one_peer(conn, provider: str):
-    """An engine with one registered buffer, connected to the benchmark's other process over `conn`."""
-    eng = TransferEngine(provider)
+def _connect_one(eng: TransferEngine, conn, spawned: bool):
+    """Register one buffer and connect to the benchmark's other process over `conn` (the spawned
+    side sends its address first). Returns (buffer, region, group); keep the buffer alive."""
     buf = ctypes.create_string_buffer(BW_BYTES)
     region = eng.register(ctypes.addressof(buf), BW_BYTES)
-    conn.send((eng.address, region.descriptor()))
-    addr, desc = conn.recv()
+    mine = (eng.address, region.descriptor())
+    if spawned:
+        conn.send(mine)
+        addr, desc = conn.recv()
+    else:
+        addr, desc = conn.recv()
+        conn.send(mine)
     [peer] = eng.connect([addr])
-    return eng, buf, region, eng.peer_group([peer], [desc])
+    return buf, region, eng.peer_group([peer], [desc])
+
+
+def _one_peer(conn, provider: str):
+    """The spawned side: an engine connected to the benchmark's main process."""
+    eng = TransferEngine(provider)
+    return (eng, *_connect_one(eng, conn, spawned=True))
 
 
 def _pong(conn, provider: str, count: int) -> None:
@@ -198,12 +209,7 @@ def bench_rtt(provider: str, iters: int) -> dict:
     p, conn = _spawn(_pong, provider, iters + warm)
     eng = TransferEngine(provider)
     try:
-        buf = ctypes.create_string_buffer(BW_BYTES)
-        region = eng.register(ctypes.addressof(buf), BW_BYTES)
-        addr, desc = conn.recv()
-        conn.send((eng.address, region.descriptor()))
-        [peer] = eng.connect([addr])
-        grp = eng.peer_group([peer], [desc])
+        buf, region, grp = _connect_one(eng, conn, spawned=False)
         target = [(0, 0, 8, 0)]
         pong = {PONG: 1}
         rtts = []
@@ -227,12 +233,7 @@ def bench_bandwidth(provider: str, count: int) -> dict:
     p, conn = _spawn(_sink, provider, count)
     eng = TransferEngine(provider)
     try:
-        buf = ctypes.create_string_buffer(BW_BYTES)
-        region = eng.register(ctypes.addressof(buf), BW_BYTES)
-        addr, desc = conn.recv()
-        conn.send((eng.address, region.descriptor()))
-        [peer] = eng.connect([addr])
-        grp = eng.peer_group([peer], [desc])
+        buf, region, grp = _connect_one(eng, conn, spawned=False)
         target = [(0, 0, BW_BYTES, 0)]
         t0 = time.perf_counter()
         for _ in range(count):
