@@ -208,14 +208,15 @@ class Proxy:
         self.wait_peers(e, "dispatch: tokens", self._imms(Imm.DISPATCH, e, self.remote,
                                                            plan.expected_dispatch_imms(counts, r, lay)),
                         F.SEND_READY)
-        self.flags[F.DISPATCH_RECV_READY] = e
+        # Stamp before publishing: the model reads the trace as soon as it sees the flag.
         mark(6)  # dispatch_received
+        self.flags[F.DISPATCH_RECV_READY] = e
 
         self.wait_local(F.DISPATCH_RECV_DONE, e)
         mark(7)  # dispatch_recv_done_seen
         self.barrier(Imm.DISPATCH_BARRIER, e, "dispatch: barrier")
-        self.flags[F.DISPATCH_BARRIER] = e
         mark(8)  # dispatch_barrier
+        self.flags[F.DISPATCH_BARRIER] = e
 
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(9)  # combine_send_seen
@@ -223,14 +224,14 @@ class Proxy:
         mark(10)  # combine_posted
         self.wait_peers(e, "combine: expert outputs", self._imms(Imm.COMBINE, e, self.remote),
                         F.COMBINE_SEND_READY)
-        self.flags[F.COMBINE_RECV_READY] = e
         mark(11)  # combine_received
+        self.flags[F.COMBINE_RECV_READY] = e
 
         self.wait_local(F.COMBINE_RECV_DONE, e)
         mark(12)  # combine_recv_done_seen
         self.barrier(Imm.COMBINE_BARRIER, e, "combine: barrier")
-        self.flags[F.COMBINE_BARRIER] = e
         mark(13)  # combine_barrier
+        self.flags[F.COMBINE_BARRIER] = e
 
     def run(self) -> None:
         epoch = 1
