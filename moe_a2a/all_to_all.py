@@ -26,7 +26,8 @@ import torch
 from .config import TRACE_EVENTS, A2AConfig, Flag, Layout
 from .proxy import bootstrap
 from .proxy.engine import auto_provider
-from .proxy.memory import DeviceBuffer, SharedSegment, device_view, open_ipc_handle, close_ipc_handle, unique_name
+from .proxy.memory import (CuMemBuffer, DeviceBuffer, SharedSegment, close_ipc_handle, device_view,
+                           fd_from_process, open_ipc_handle, unique_name)
 from .proxy.worker import ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
@@ -71,13 +72,19 @@ class AllToAll:
             the stream: asynchronous, CUDA-graph safe), "host" (the CPU polls, then launches: for
             ranks that share one GPU, where a spinning kernel would block its time-sliced peers),
             or "auto" (host when another rank of this node uses the same GPU, else kernel).
+        buffers: where the send/recv buffers live. "host": host-staged (pinned shared memory the
+            kernels reach over PCIe; the proxy's NIC reads and writes it). "gpu": GPU memory — CUDA
+            IPC when every peer is on this node, else cuMem allocations exported as POSIX FDs that
+            the proxy maps and registers with the NIC (FI_HMEM_CUDA: EFA) and same-node peers map;
+            raises if that is impossible. "auto" (default): "gpu" where it works, else "host" with
+            one log line saying why.
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
     """
 
     def __init__(self, cfg: A2AConfig, group=None, node_group="auto", transport: str = "auto",
-                 device=None, timeout_s: float = 30.0, gpu_wait: str = "auto") -> None:
+                 device=None, timeout_s: float = 30.0, gpu_wait: str = "auto", buffers: str = "auto") -> None:
         import torch.distributed as dist
 
         if not isinstance(cfg, A2AConfig):
@@ -88,6 +95,8 @@ class AllToAll:
             raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp' or 'verbs', got {transport!r}")
         if gpu_wait not in ("auto", "kernel", "host"):
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
+        if buffers not in ("auto", "host", "gpu"):
+            raise ValueError(f"buffers must be 'auto', 'host' or 'gpu', got {buffers!r}")
         self._gpu_wait = gpu_wait
         if transport == "verbs":
             raise ValueError("transport 'verbs' (ConnectX-7 RC) is not implemented yet; use 'efa', 'shm' or 'tcp'")
@@ -99,6 +108,8 @@ class AllToAll:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        if buffers == "gpu" and self.device.type != "cuda":
+            raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
         hosts = bootstrap.exchange(self.group, socket.gethostname())
         node_size = self._node_size(node_group, hosts)
         self.layout: Layout = cfg.layout(self.world_size, node_size)
@@ -117,23 +128,36 @@ class AllToAll:
         self.host_waits = False
         self._tracing, self._spans = False, {}
         self._ipc_ptrs: list[int] = []
+        self._gpu_mem: list = []  # CuMemBuffers: own send/recv, then same-node peers' imports
+        self._send_buf = self._recv_buf = None
         self.proxy = None
+        self.placement_reason: str | None = None  # why GPU buffers were given up for host-staged ones
 
-        # Host-staged unless every peer shares this node's memory and the tensors are on a GPU:
-        # then no token crosses the wire, and the buffers live in GPU memory mapped by CUDA IPC.
-        # (Registering GPU memory with the NIC, DMA-BUF + FI_HMEM_CUDA, is for EFA hosts.)
+        # Placement of the send/recv buffers (the same on every rank: it depends only on the
+        # arguments, the device type and the layout). "ipc": GPU memory, every peer on this node, no
+        # token on the wire. "nic": GPU memory registered with the NIC, tried and, unless forced,
+        # given up for "host" when any rank cannot (tcp has no FI_HMEM; shm as built on our GPU host
+        # fails registration with -FI_ENOSYS). "host": buffers in the shared segment.
         on_gpu = self.device.type == "cuda"
-        self.host_staged = not (on_gpu and not lay.remote_peers(r))
-        if on_gpu and self.host_staged:
-            log.info("moe_a2a rank %d: remote peers over %s: send/recv buffers are host-staged "
-                     "(pinned shared memory reached over PCIe)", r, self.transport)
-        self.segment = SharedSegment(unique_name(), lay.segment_bytes(self.host_staged), create=True)
+        if not on_gpu or buffers == "host":
+            self.placement = "host"
+        else:
+            self.placement = "nic" if lay.remote_peers(r) else "ipc"
         self._closed = False
         try:
+            if self.placement == "nic":
+                self._try_nic(strict=buffers == "gpu")
+            else:
+                self._launch()
             self._start(on_gpu)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def host_staged(self) -> bool:
+        """True when the send/recv buffers live in host memory (the shared segment)."""
+        return self.placement == "host"
 
     # ---- construction ---------------------------------------------------------------------------
     def _node_size(self, node_group, hosts: list[str]) -> int:
@@ -153,24 +177,68 @@ class AllToAll:
             raise ValueError(f"node_group: node size {n} must divide world size {W}")
         return n
 
-    def _start(self, on_gpu: bool) -> None:
-        lay, r, seg = self.layout, self.rank, self.segment
+    def _launch(self) -> None:
+        """This rank's part for `self.placement`: the segment, GPU buffers, the proxy up to its address."""
+        lay, r = self.layout, self.rank
+        self.segment = SharedSegment(unique_name(), lay.segment_bytes(self.host_staged), create=True)
+        gpu_buffers, fds = None, ()
+        if self.placement == "ipc":
+            self._send_buf = DeviceBuffer(lay.send_bytes, self.device)
+            self._recv_buf = DeviceBuffer(lay.recv_bytes, self.device)
+        elif self.placement == "nic":
+            ordinal = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._gpu_mem = [CuMemBuffer(lay.send_bytes, ordinal), CuMemBuffer(lay.recv_bytes, ordinal)]
+            gpu_buffers = (ordinal, self._gpu_mem[0].size, self._gpu_mem[1].size)
+            fds = (self._gpu_mem[0].fd, self._gpu_mem[1].fd)
         # The proxy gives up a little before the model does, so the model reports the proxy's
         # message (which names the missing peers) rather than a bare timeout of its own.
         # With fewer cores than busy processes (CI: 2 cores, 2 processes per rank) spinning
         # starves the peers that must make progress: yield instead (measured 16 ms -> 0.3 ms).
-        spec = ProxySpec(lay, r, seg.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
-                         parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * 2)
-        self.proxy = ProxyHandle(spec)
-        address, region = self.proxy.address(self.timeout_s)
+        spec = ProxySpec(lay, r, self.segment.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
+                         parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * 2,
+                         gpu_buffers=gpu_buffers)
+        self.proxy = ProxyHandle(spec, fds)
+        self._proxy_address = self.proxy.address(self.timeout_s)
+
+    def _try_nic(self, strict: bool) -> None:
+        """Launch with GPU buffers registered with the NIC; if any rank cannot, every rank falls back
+        to host-staged buffers (collective: one exchange, whatever happened locally)."""
+        reason = None
+        try:
+            self._launch()
+        except Exception as exc:  # cuMem, FD passing, FI_HMEM missing, registration refused
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            self._release()
+        reasons = bootstrap.exchange(self.group, reason)
+        failed = {i: m for i, m in enumerate(reasons) if m}
+        if not failed:
+            return
+        if reason is None:
+            self._release()
+        first = min(failed)
+        why = (f"GPU send/recv buffers cannot be registered with the NIC over {self.transport!r} "
+               f"(rank {first}: {failed[first]}; {len(failed)} of {self.world_size} ranks failed)")
+        if strict:
+            raise RuntimeError(f"buffers='gpu': {why}")
+        log.warning("moe_a2a rank %d: %s: send/recv buffers are host-staged (pinned shared memory "
+                    "reached over PCIe)", self.rank, why)
+        self.placement, self.placement_reason = "host", why
+        self._launch()
+
+    def _start(self, on_gpu: bool) -> None:
+        lay, r, seg = self.layout, self.rank, self.segment
+        address, region, gpu_region = self._proxy_address
         if on_gpu:
             seg.register_cuda()
-            if not self.host_staged:
-                self._send_buf = DeviceBuffer(lay.send_bytes, self.device)
-                self._recv_buf = DeviceBuffer(lay.recv_bytes, self.device)
-        ipc = (self._send_buf.ipc_handle(), self._recv_buf.ipc_handle()) if not self.host_staged else None
+        if self.placement == "ipc":
+            share = (self._send_buf.ipc_handle(), self._recv_buf.ipc_handle())
+        elif self.placement == "nic":
+            share = (os.getpid(), self._gpu_mem[0].fd, self._gpu_mem[1].fd, self._gpu_mem[0].size,
+                     self._gpu_mem[1].size)
+        else:
+            share = None
         gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid)) if on_gpu else None
-        table = bootstrap.exchange(self.group, (address, region, seg.name, ipc, gpu))
+        table = bootstrap.exchange(self.group, (address, region, seg.name, share, gpu, gpu_region))
         # Ranks sharing one GPU (several processes on one device) are time-sliced, not concurrent: a
         # kernel spinning on a flag would hold the GPU while the peer it waits for cannot run
         # (measured: 9 ms per phase with 4 ranks on one H200). Such ranks wait on the host instead.
@@ -179,25 +247,35 @@ class AllToAll:
         # Kernel-side waits and signals read the epoch from the device, so a captured CUDA graph
         # publishes and awaits the epoch of each replay, not the one seen at capture.
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device) if on_gpu else None
-        self.proxy.finish([t[:3] for t in table], self.timeout_s)
+        self.proxy.finish([t[:3] + t[5:] for t in table], self.timeout_s)
 
         # Addresses of every buffer this rank's kernels touch: own and same-node peers' send/recv.
         W = lay.world_size
-        if self.host_staged:
+        if self.placement == "host":
             send_at = {r: seg.addr + lay.send_offset_bytes}
             recv_at = {r: seg.addr + lay.recv_offset_bytes}
-        else:
+        elif self.placement == "ipc":
             send_at, recv_at = {r: self._send_buf.addr}, {r: self._recv_buf.addr}
+        else:
+            send_at, recv_at = {r: self._gpu_mem[0].addr}, {r: self._gpu_mem[1].addr}
         for p in lay.node_peers(r):
             if p == r:
                 continue
-            if self.host_staged:
+            if self.placement == "host":
                 other = SharedSegment(table[p][2])
                 self._peer_segments.append(other)
                 if on_gpu:
                     other.register_cuda()
                 send_at[p] = other.addr + lay.send_offset_bytes
                 recv_at[p] = other.addr + lay.recv_offset_bytes
+            elif self.placement == "nic":
+                # Same-node peers' cuMem buffers: their FDs pulled with pidfd_getfd, mapped here.
+                pid, send_fd, recv_fd, send_size, recv_size = table[p][3]
+                ordinal = self._gpu_mem[0].ordinal
+                for fd, size, at in ((send_fd, send_size, send_at), (recv_fd, recv_size, recv_at)):
+                    mem = CuMemBuffer(size, ordinal, fd=fd_from_process(pid, fd))
+                    self._gpu_mem.append(mem)
+                    at[p] = mem.addr
             else:
                 send_at[p], _ = open_ipc_handle(table[p][3][0], lay.send_bytes, self.device)
                 recv_at[p], _ = open_ipc_handle(table[p][3][1], lay.recv_bytes, self.device)
@@ -349,16 +427,26 @@ class AllToAll:
         if self._closed:
             return
         self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        """Stop the proxy, unmap peers, free buffers and the segment (whatever exists so far)."""
         if self.proxy is not None:
-            self.proxy.stop(self.segment, self.layout)
+            self.proxy.stop(getattr(self, "segment", None), self.layout)
+            self.proxy = None
         for ptr in self._ipc_ptrs:
             close_ipc_handle(ptr)
+        self._ipc_ptrs = []
         for s in self._peer_segments:
             s.close()
-        for buf in (getattr(self, "_send_buf", None), getattr(self, "_recv_buf", None)):
+        self._peer_segments = []
+        for buf in [self._send_buf, self._recv_buf] + self._gpu_mem:
             if buf is not None:
                 buf.close()
-        self.segment.close()
+        self._send_buf = self._recv_buf = None
+        self._gpu_mem = []
+        if getattr(self, "segment", None) is not None:
+            self.segment.close()  # idempotent; the object stays for error messages after close
 
     def __enter__(self) -> "AllToAll":
         return self

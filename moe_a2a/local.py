@@ -38,7 +38,7 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _rank_main(rank: int, world_size: int, port: int, cfg: A2AConfig, node_size: int, transport: str,
-               device: str, timeout_s: float, gpu_wait: str, conn) -> None:
+               device: str, timeout_s: float, options: dict, conn) -> None:
     """Body of one rank process: bootstrap, build AllToAll, serve `run` requests until told to stop."""
     import cloudpickle
     import torch
@@ -56,7 +56,7 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: A2AConfig, node_size:
             dev = f"cuda:{rank % torch.cuda.device_count()}"
             torch.cuda.set_device(dev)
         a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s,
-                       gpu_wait=gpu_wait)
+                       **options)
         conn.send(("ready", None))
         while True:
             msg = conn.recv()
@@ -94,6 +94,7 @@ class LocalCluster:
         device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus).
         timeout_s: bound on start-up and on every `run`; a rank that dies or hangs ends in TimeoutError.
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
+        buffers: passed to every `AllToAll` ("auto", "host" or "gpu").
 
     Use as a context manager; `run(fn, *args)` calls `fn(a2a, rank, *args)` on every rank and returns
     the results in rank order (tensors moved to CPU).
@@ -101,15 +102,22 @@ class LocalCluster:
 
     def __init__(self, cfg: A2AConfig, world_size: int = 4, node_size: int | None = None,
                  transport: str = "auto", device: str = "cpu", timeout_s: float = 30.0,
-                 gpu_wait: str = "auto") -> None:
+                 gpu_wait: str = "auto", buffers: str = "auto") -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         node_size = world_size if node_size is None else node_size
         cfg.layout(world_size, node_size)  # validates divisibility before any process starts
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if gpu_wait not in ("auto", "kernel", "host"):
+            raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
+        if buffers not in ("auto", "host", "gpu"):
+            raise ValueError(f"buffers must be 'auto', 'host' or 'gpu', got {buffers!r}")
+        if buffers == "gpu" and device != "cuda":
+            raise ValueError(f"buffers='gpu' needs device='cuda', got device={device!r}")
         self.cfg, self.world_size, self.node_size = cfg, world_size, node_size
-        self.transport, self.device, self.timeout_s, self.gpu_wait = transport, device, timeout_s, gpu_wait
+        self.transport, self.device, self.timeout_s = transport, device, timeout_s
+        self.gpu_wait, self.buffers = gpu_wait, buffers
         self._procs: list = []
         self._conns: list = []
         self._broken: str | None = None
@@ -132,7 +140,8 @@ class LocalCluster:
                 ours, theirs = ctx.Pipe()
                 p = ctx.Process(target=_rank_main, daemon=True, name=f"moe_a2a-rank{rank}",
                                 args=(rank, self.world_size, port, self.cfg, self.node_size, self.transport,
-                                      self.device, self.timeout_s, self.gpu_wait, theirs))
+                                      self.device, self.timeout_s,
+                                      {"gpu_wait": self.gpu_wait, "buffers": self.buffers}, theirs))
                 p.start()
                 theirs.close()
                 self._procs.append(p)

@@ -45,3 +45,9 @@ def test_bad_cluster_arguments_are_refused_before_starting():
         LocalCluster(cfg, world_size=3)
     with pytest.raises(ValueError, match="device"):
         LocalCluster(cfg, world_size=2, device="tpu")
+    with pytest.raises(ValueError, match="buffers"):
+        LocalCluster(cfg, world_size=2, buffers="pinned")
+    with pytest.raises(ValueError, match="buffers='gpu' needs device='cuda'"):
+        LocalCluster(cfg, world_size=2, device="cpu", buffers="gpu")
+    with pytest.raises(ValueError, match="gpu_wait"):
+        LocalCluster(cfg, world_size=2, gpu_wait="spin")

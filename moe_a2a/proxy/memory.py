@@ -15,8 +15,12 @@ import mmap
 import os
 import secrets
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the proxy process imports this module and must not pay for torch (7 s on CI)
+    import torch
 
 _SHM_DIR = "/dev/shm"
 
@@ -56,8 +60,11 @@ class SharedSegment:
     def numpy(self, offset: int, count: int, dtype=np.uint8) -> np.ndarray:
         return np.frombuffer(self._mmap, dtype=dtype, count=count, offset=offset)
 
-    def tensor(self, offset: int, count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """CPU tensor view (shares memory; no copy)."""
+    def tensor(self, offset: int, count: int, dtype: "torch.dtype | None" = None) -> torch.Tensor:
+        """CPU tensor view (shares memory; no copy); uint8 by default."""
+        import torch
+
+        dtype = torch.uint8 if dtype is None else dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset % itemsize or offset + count * itemsize > self.nbytes:
             raise ValueError(f"view [{offset}, +{count}x{itemsize}) outside segment of {self.nbytes} B")
@@ -113,6 +120,8 @@ class _CudaArray:
 
 def device_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 CUDA tensor over `ptr` (registered host memory under UVA, or IPC-mapped GPU memory)."""
+    import torch
+
     with torch.cuda.device(device):
         return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
 
@@ -124,6 +133,7 @@ class DeviceBuffer:
     so the buffer must start exactly at one."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
+        import torch
         from cuda.bindings import runtime as rt
 
         with torch.cuda.device(device):
@@ -153,6 +163,7 @@ class DeviceBuffer:
 
 def open_ipc_handle(handle: bytes, nbytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
     """Map a peer's `DeviceBuffer` into this process: (address, uint8 tensor view)."""
+    import torch
     from cuda.bindings import runtime as rt
 
     h = rt.cudaIpcMemHandle_t()
@@ -168,3 +179,146 @@ def close_ipc_handle(ptr: int) -> None:
     from cuda.bindings import runtime as rt
 
     rt.cudaIpcCloseMemHandle(ptr)
+
+
+# ---- GPU memory the NIC can write: cuMem allocations shared as POSIX file descriptors ---------------
+# cudaMalloc memory can only be shared through CUDA IPC handles, which a NIC registration cannot use
+# from another process; a cuMem allocation exported as a POSIX FD can be imported and mapped by the
+# proxy process (which registers it with libfabric, FI_HMEM_CUDA) and by same-node peers alike.
+# Torch-free: the proxy process uses it.
+
+def _drv(result, what: str):
+    """Unpack a cuda.bindings driver result `(CUresult, *values)`; raise naming the call."""
+    from cuda.bindings import driver as cu
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else err}")
+    return values[0] if len(values) == 1 else (values or None)
+
+
+def cuda_primary_context(ordinal: int) -> None:
+    """Make device `ordinal`'s primary context current (the one torch uses), initialising the driver."""
+    from cuda.bindings import driver as cu
+
+    _drv(cu.cuInit(0), "cuInit")
+    dev = _drv(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    ctx = _drv(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _drv(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class CuMemBuffer:
+    """GPU memory from `cuMemCreate` (GPUDirect-RDMA capable), shareable as a POSIX file descriptor.
+
+    `CuMemBuffer(nbytes, ordinal)` allocates, maps it here and exports `fd`;
+    `CuMemBuffer(nbytes, ordinal, fd=fd)` imports another process's allocation (the fd is consumed:
+    closed with the buffer) and maps it here. `nbytes` is rounded up to the allocation granularity
+    (`size`); an importer passes the exporter's `size`. `addr` is valid on device `ordinal`.
+    """
+
+    def __init__(self, nbytes: int, ordinal: int, fd: int | None = None) -> None:
+        from cuda.bindings import driver as cu
+
+        if nbytes <= 0:
+            raise ValueError(f"CuMemBuffer: nbytes must be positive, got {nbytes}")
+        self.ordinal, self.addr, self.fd, self._handle = ordinal, 0, None, None
+        cuda_primary_context(ordinal)
+        posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        prop.requestedHandleTypes = posix_fd
+        prop.allocFlags.gpuDirectRDMACapable = 1
+        gran = int(_drv(cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            "cuMemGetAllocationGranularity"))
+        self.size = -(-nbytes // gran) * gran
+        try:
+            if fd is None:
+                self._handle = _drv(cu.cuMemCreate(self.size, prop, 0), f"cuMemCreate({self.size} B)")
+                self.fd = int(_drv(cu.cuMemExportToShareableHandle(self._handle, posix_fd, 0),
+                                   "cuMemExportToShareableHandle(POSIX_FD)"))
+            else:
+                self.fd = fd
+                self._handle = _drv(cu.cuMemImportFromShareableHandle(fd, posix_fd),
+                                    "cuMemImportFromShareableHandle(POSIX_FD)")
+            self.addr = int(_drv(cu.cuMemAddressReserve(self.size, gran, 0, 0), "cuMemAddressReserve"))
+            _drv(cu.cuMemMap(self.addr, self.size, 0, self._handle, 0), "cuMemMap")
+            access = cu.CUmemAccessDesc()
+            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = ordinal
+            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            _drv(cu.cuMemSetAccess(self.addr, self.size, [access], 1), "cuMemSetAccess")
+            if fd is None:
+                _drv(cu.cuMemsetD8(self.addr, 0, self.size), "cuMemsetD8")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Unmap and release (idempotent). The memory itself lives until every process released it."""
+        from cuda.bindings import driver as cu
+
+        if self.addr:
+            cu.cuMemUnmap(self.addr, self.size)
+            cu.cuMemAddressFree(self.addr, self.size)
+            self.addr = 0
+        if self._handle is not None:
+            cu.cuMemRelease(self._handle)
+            self._handle = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---- passing file descriptors between processes -------------------------------------------------
+
+def send_fds(sock, fds: list[int]) -> None:
+    """Send open file descriptors over a Unix socket (SCM_RIGHTS); the receiver gets duplicates."""
+    import socket
+
+    socket.send_fds(sock, [len(fds).to_bytes(4, "little")], fds)
+
+
+def recv_fds(sock, count: int, timeout_s: float) -> list[int]:
+    """Receive exactly `count` file descriptors sent by `send_fds` (TimeoutError after `timeout_s`)."""
+    import socket
+
+    sock.settimeout(timeout_s)
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, 4, count)
+    except socket.timeout:
+        raise TimeoutError(f"no file descriptors arrived within {timeout_s:g}s") from None
+    finally:
+        sock.settimeout(None)
+    if len(fds) != count or int.from_bytes(msg, "little") != count:
+        for fd in fds:
+            os.close(fd)
+        raise RuntimeError(f"expected {count} file descriptors, got {len(fds)} (header {msg!r})")
+    return list(fds)
+
+
+_SYS_PIDFD_GETFD = 438  # same number on x86_64 and aarch64 (added after the syscall tables merged)
+
+
+def fd_from_process(pid: int, fd: int) -> int:
+    """A duplicate of another process's open file descriptor `fd` (Linux >= 5.6 `pidfd_getfd`; needs
+    ptrace access to `pid`: same user, and Yama's ptrace_scope 0 for non-descendants)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        new = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if new < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"pidfd_getfd(pid {pid}, fd {fd}): {os.strerror(err)}")
+        return new
+    finally:
+        os.close(pidfd)

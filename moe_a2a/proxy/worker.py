@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ import numpy as np
 from .. import plan
 from ..config import ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, TRACE_EVENTS, Flag, Imm, Layout
 from .engine import PeerTimeout, TransferEngine
-from .memory import SharedSegment
+from .memory import CuMemBuffer, SharedSegment, recv_fds, send_fds
 
 ERROR_TIMEOUT = 1  # values of Flag.ERROR
 ERROR_FAILED = 2
@@ -52,12 +53,15 @@ class ProxySpec:
     layout: Layout
     rank: int
     segment: str
-    host_staged: bool      # send/recv buffers live in the segment (else: GPU memory, no data on the wire)
+    host_staged: bool      # send/recv buffers live in the segment (else: GPU memory)
     provider: str
     timeout_s: float
     parent_pid: int
     spin_s: float = 1e-3   # busy-poll this long before backing off to short sleeps
     idle_yield: bool = False  # sched_yield in the engine's waits (more busy processes than cores)
+    # (device ordinal, send size, recv size) of the model's cuMem send/recv buffers, whose POSIX FDs
+    # follow the spec on the socket: the proxy maps them and registers them with the NIC (FI_HMEM_CUDA).
+    gpu_buffers: tuple[int, int, int] | None = None
 
 
 class Flags:
@@ -94,25 +98,46 @@ class _Stop(Exception):
 class Proxy:
     """The state machine of one rank's proxy (see the module docstring)."""
 
-    def __init__(self, spec: ProxySpec, conn: Connection) -> None:
+    def __init__(self, spec: ProxySpec, conn: Connection, sock) -> None:
         self.spec, self.lay, self.rank = spec, spec.layout, spec.rank
         lay, r = self.lay, self.rank
         self.seg = SharedSegment(spec.segment)
         self.flags = Flags(self.seg, lay)
         self.routing = self.seg.numpy(lay.routing_offset_bytes, lay.world_size * lay.num_experts,
                                       np.int32).reshape(lay.world_size, lay.num_experts)
-        self.engine = TransferEngine(spec.provider, timeout_s=spec.timeout_s, idle_yield=spec.idle_yield)
+        gpu = spec.gpu_buffers
+        self.engine = TransferEngine(spec.provider, timeout_s=spec.timeout_s, idle_yield=spec.idle_yield,
+                                     hmem=gpu is not None)
         self.region = self.engine.register(self.seg.addr, self.seg.nbytes)
-        # Bootstrap: the owner gathers every rank's (address, region, segment name) for us.
-        conn.send((self.engine.address, self.region.descriptor()))
+        self._gpu_mem: list[CuMemBuffer] = []
+        if gpu is not None:
+            ordinal, send_size, recv_size = gpu
+            fds = recv_fds(sock, 2, spec.timeout_s)
+            for fd, size in zip(fds, (send_size, recv_size)):
+                self._gpu_mem.append(CuMemBuffer(size, ordinal, fd=fd))
+            send_mem, recv_mem = self._gpu_mem
+            self.send_region = self.engine.register(send_mem.addr, send_mem.size, cuda_device=ordinal)
+            self.recv_region = self.engine.register(recv_mem.addr, recv_mem.size, cuda_device=ordinal)
+        # Bootstrap: the owner gathers every rank's (address, segment region, segment name, GPU recv
+        # region or None) for us.
+        conn.send((self.engine.address, self.region.descriptor(),
+                   self.recv_region.descriptor() if gpu is not None else None))
         table = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
         self.pos = {p: i for i, p in enumerate(self.peers)}
         self.remote = lay.remote_peers(r)
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
+        self.send_base, self.recv_base = lay.send_offset_bytes, lay.recv_offset_bytes
         if self.peers:
             handles = self.engine.connect([table[p][0] for p in self.peers])
             self.group = self.engine.peer_group(handles, [table[p][1] for p in self.peers])
+            # Tokens go from our send buffer to the peers' recv buffers: in the segments when
+            # host-staged, else GPU memory on both ends (every rank agreed on one placement).
+            if gpu is not None:
+                self.data_group = self.engine.peer_group(handles, [table[p][3] for p in self.peers])
+                self.data_src, self.send_base, self.recv_base = self.send_region, 0, 0
+            else:
+                self.data_group, self.data_src = self.group, self.region
         # Same-node peers' flags (they raise SEND_READY / COMBINE_SEND_READY after writing to us).
         self.peer_flags = {p: Flags(SharedSegment(table[p][2]), lay) for p in self.node_peers}
         self.trace = self.seg.numpy(lay.trace_offset_bytes, 2 * len(TRACE_EVENTS), np.int64).reshape(-1, 2)
@@ -170,7 +195,7 @@ class Proxy:
     def scatter(self, writes, src_base: int, dst_base: int, kind: Imm, epoch: int) -> None:
         if writes:
             imm = plan.make_imm(kind, self.rank, epoch)
-            self.engine.scatter(self.group, self.region,
+            self.engine.scatter(self.data_group, self.data_src,
                                 [(self.pos[d], src_base + s, n, dst_base + o) for d, s, n, o in writes], imm)
 
     def barrier(self, kind: Imm, epoch: int, what: str) -> None:
@@ -185,7 +210,7 @@ class Proxy:
     def run_epoch(self, e: int) -> None:
         lay, r, F, mark = self.lay, self.rank, Flag, self.mark
         row_bytes = lay.num_experts * 4
-        send, recv = lay.send_offset_bytes, lay.recv_offset_bytes
+        send, recv = self.send_base, self.recv_base
 
         self.wait_local(F.ROUTE_READY, e)
         self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
@@ -246,6 +271,8 @@ class Proxy:
 
     def close(self) -> None:
         self.engine.close()
+        for mem in self._gpu_mem:
+            mem.close()
 
 
 def _die_with_parent() -> None:
@@ -260,12 +287,13 @@ def _die_with_parent() -> None:
 def main(fd: int) -> None:
     _die_with_parent()
     conn = Connection(fd)
+    sock = socket.socket(fileno=os.dup(fd))  # the same socket, for file descriptors (SCM_RIGHTS)
     spec: ProxySpec = conn.recv()
     if os.getppid() != spec.parent_pid:
         return
     proxy = None
     try:
-        proxy = Proxy(spec, conn)
+        proxy = Proxy(spec, conn, sock)
         conn.send("ready")
         proxy.run()
     except _Stop:
@@ -289,9 +317,7 @@ def main(fd: int) -> None:
 class ProxyHandle:
     """The owner's side: starts the proxy process and finishes its bootstrap."""
 
-    def __init__(self, spec: ProxySpec) -> None:
-        import socket
-
+    def __init__(self, spec: ProxySpec, fds: tuple[int, ...] = ()) -> None:
         self.spec = spec
         ours, theirs = socket.socketpair()
         self._sock = ours
@@ -300,6 +326,8 @@ class ProxyHandle:
                                      pass_fds=[theirs.fileno()], close_fds=True)
         theirs.close()
         self.conn.send(spec)
+        if fds:
+            send_fds(ours, list(fds))
 
     def _recv(self, what: str, timeout_s: float):
         if not self.conn.poll(timeout_s):
@@ -310,11 +338,13 @@ class ProxyHandle:
         return msg
 
     def address(self, timeout_s: float):
-        """(engine address, region descriptor) of the proxy, for the bootstrap exchange."""
+        """(engine address, segment region descriptor, GPU recv region descriptor or None) of the
+        proxy, for the bootstrap exchange."""
         return self._recv("address", timeout_s)
 
     def finish(self, table, timeout_s: float) -> None:
-        """Give the proxy every rank's (address, descriptor, segment name); wait until ready."""
+        """Give the proxy every rank's (address, descriptor, segment name, GPU recv descriptor or None);
+        wait until ready."""
         self.conn.send(table)
         self._recv("ready", timeout_s)
 
