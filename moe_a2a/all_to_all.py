@@ -26,7 +26,7 @@ import torch
 from .config import TRACE_EVENTS, A2AConfig, Flag, Layout
 from .proxy import bootstrap
 from .proxy.engine import auto_provider
-from .proxy.memory import (CuMemBuffer, DeviceBuffer, SharedSegment, close_ipc_handle, device_view,
+from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, close_ipc_handle, device_view,
                            fd_from_process, open_ipc_handle, unique_name)
 from .proxy.worker import ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error
 from .triton_kernels import combine as combine_kernels
@@ -77,7 +77,8 @@ class AllToAll:
             IPC when every peer is on this node, else cuMem allocations exported as POSIX FDs that
             the proxy maps and registers with the NIC (FI_HMEM_CUDA: EFA) and same-node peers map;
             raises if that is impossible. "auto" (default): "gpu" where it works, else "host" with
-            one log line saying why.
+            one log line saying why. "memfd": host memory of its own (memfd) shared and registered
+            exactly as "gpu" buffers with remote peers are: that path without a GPU (CI runs it).
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
@@ -95,8 +96,8 @@ class AllToAll:
             raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp' or 'verbs', got {transport!r}")
         if gpu_wait not in ("auto", "kernel", "host"):
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
-        if buffers not in ("auto", "host", "gpu"):
-            raise ValueError(f"buffers must be 'auto', 'host' or 'gpu', got {buffers!r}")
+        if buffers not in ("auto", "host", "gpu", "memfd"):
+            raise ValueError(f"buffers must be 'auto', 'host', 'gpu' or 'memfd', got {buffers!r}")
         self._gpu_wait = gpu_wait
         if transport == "verbs":
             raise ValueError("transport 'verbs' (ConnectX-7 RC) is not implemented yet; use 'efa', 'shm' or 'tcp'")
@@ -110,6 +111,8 @@ class AllToAll:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         if buffers == "gpu" and self.device.type != "cuda":
             raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
+        if buffers == "memfd" and self.device.type != "cpu":
+            raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
         hosts = bootstrap.exchange(self.group, socket.gethostname())
         node_size = self._node_size(node_group, hosts)
         self.layout: Layout = cfg.layout(self.world_size, node_size)
@@ -128,7 +131,7 @@ class AllToAll:
         self.host_waits = False
         self._tracing, self._spans = False, {}
         self._ipc_ptrs: list[int] = []
-        self._gpu_mem: list = []  # CuMemBuffers: own send/recv, then same-node peers' imports
+        self._fd_mem: list = []  # FD-shared send/recv ("nic"): own two, then same-node peers' imports
         self._send_buf = self._recv_buf = None
         self.proxy = None
         self.placement_reason: str | None = None  # why GPU buffers were given up for host-staged ones
@@ -139,14 +142,16 @@ class AllToAll:
         # given up for "host" when any rank cannot (tcp has no FI_HMEM; shm as built on our GPU host
         # fails registration with -FI_ENOSYS). "host": buffers in the shared segment.
         on_gpu = self.device.type == "cuda"
-        if not on_gpu or buffers == "host":
+        if buffers == "memfd":
+            self.placement = "nic"
+        elif not on_gpu or buffers == "host":
             self.placement = "host"
         else:
             self.placement = "nic" if lay.remote_peers(r) else "ipc"
         self._closed = False
         try:
             if self.placement == "nic":
-                self._try_nic(strict=buffers == "gpu")
+                self._try_nic(strict=buffers != "auto")
             else:
                 self._launch()
             self._start(on_gpu)
@@ -181,22 +186,24 @@ class AllToAll:
         """This rank's part for `self.placement`: the segment, GPU buffers, the proxy up to its address."""
         lay, r = self.layout, self.rank
         self.segment = SharedSegment(unique_name(), lay.segment_bytes(self.host_staged), create=True)
-        gpu_buffers, fds = None, ()
+        fd_buffers, fds = None, ()
         if self.placement == "ipc":
             self._send_buf = DeviceBuffer(lay.send_bytes, self.device)
             self._recv_buf = DeviceBuffer(lay.recv_bytes, self.device)
         elif self.placement == "nic":
-            ordinal = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            self._gpu_mem = [CuMemBuffer(lay.send_bytes, ordinal), CuMemBuffer(lay.recv_bytes, ordinal)]
-            gpu_buffers = (ordinal, self._gpu_mem[0].size, self._gpu_mem[1].size)
-            fds = (self._gpu_mem[0].fd, self._gpu_mem[1].fd)
+            kind = self.device.type if self.device.type == "cuda" else "host"
+            ordinal = 0 if kind == "host" else (
+                self.device.index if self.device.index is not None else torch.cuda.current_device())
+            self._fd_mem = [SHAREABLE_BUFFERS[kind](n, ordinal) for n in (lay.send_bytes, lay.recv_bytes)]
+            fd_buffers = (kind, ordinal, self._fd_mem[0].size, self._fd_mem[1].size)
+            fds = (self._fd_mem[0].fd, self._fd_mem[1].fd)
         # The proxy gives up a little before the model does, so the model reports the proxy's
         # message (which names the missing peers) rather than a bare timeout of its own.
         # With fewer cores than busy processes (CI: 2 cores, 2 processes per rank) spinning
         # starves the peers that must make progress: yield instead (measured 16 ms -> 0.3 ms).
         spec = ProxySpec(lay, r, self.segment.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
                          parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * 2,
-                         gpu_buffers=gpu_buffers)
+                         fd_buffers=fd_buffers)
         self.proxy = ProxyHandle(spec, fds)
         self._proxy_address = self.proxy.address(self.timeout_s)
 
@@ -216,10 +223,11 @@ class AllToAll:
         if reason is None:
             self._release()
         first = min(failed)
-        why = (f"GPU send/recv buffers cannot be registered with the NIC over {self.transport!r} "
+        what = "GPU send/recv buffers" if self.device.type == "cuda" else "send/recv buffers"
+        why = (f"{what} cannot be registered with the NIC over {self.transport!r} "
                f"(rank {first}: {failed[first]}; {len(failed)} of {self.world_size} ranks failed)")
         if strict:
-            raise RuntimeError(f"buffers='gpu': {why}")
+            raise RuntimeError(f"buffers={'gpu' if self.device.type == 'cuda' else 'memfd'!r}: {why}")
         log.warning("moe_a2a rank %d: %s: send/recv buffers are host-staged (pinned shared memory "
                     "reached over PCIe)", self.rank, why)
         self.placement, self.placement_reason = "host", why
@@ -233,8 +241,8 @@ class AllToAll:
         if self.placement == "ipc":
             share = (self._send_buf.ipc_handle(), self._recv_buf.ipc_handle())
         elif self.placement == "nic":
-            share = (os.getpid(), self._gpu_mem[0].fd, self._gpu_mem[1].fd, self._gpu_mem[0].size,
-                     self._gpu_mem[1].size)
+            share = (os.getpid(), self._fd_mem[0].fd, self._fd_mem[1].fd, self._fd_mem[0].size,
+                     self._fd_mem[1].size)
         else:
             share = None
         gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid)) if on_gpu else None
@@ -257,7 +265,7 @@ class AllToAll:
         elif self.placement == "ipc":
             send_at, recv_at = {r: self._send_buf.addr}, {r: self._recv_buf.addr}
         else:
-            send_at, recv_at = {r: self._gpu_mem[0].addr}, {r: self._gpu_mem[1].addr}
+            send_at, recv_at = {r: self._fd_mem[0].addr}, {r: self._fd_mem[1].addr}
         for p in lay.node_peers(r):
             if p == r:
                 continue
@@ -269,12 +277,12 @@ class AllToAll:
                 send_at[p] = other.addr + lay.send_offset_bytes
                 recv_at[p] = other.addr + lay.recv_offset_bytes
             elif self.placement == "nic":
-                # Same-node peers' cuMem buffers: their FDs pulled with pidfd_getfd, mapped here.
+                # Same-node peers' buffers: their FDs pulled with pidfd_getfd, mapped here.
                 pid, send_fd, recv_fd, send_size, recv_size = table[p][3]
-                ordinal = self._gpu_mem[0].ordinal
+                own = self._fd_mem[0]
                 for fd, size, at in ((send_fd, send_size, send_at), (recv_fd, recv_size, recv_at)):
-                    mem = CuMemBuffer(size, ordinal, fd=fd_from_process(pid, fd))
-                    self._gpu_mem.append(mem)
+                    mem = type(own)(size, own.ordinal, fd=fd_from_process(pid, fd))
+                    self._fd_mem.append(mem)
                     at[p] = mem.addr
             else:
                 send_at[p], _ = open_ipc_handle(table[p][3][0], lay.send_bytes, self.device)
@@ -440,11 +448,11 @@ class AllToAll:
         for s in self._peer_segments:
             s.close()
         self._peer_segments = []
-        for buf in [self._send_buf, self._recv_buf] + self._gpu_mem:
+        for buf in [self._send_buf, self._recv_buf] + self._fd_mem:
             if buf is not None:
                 buf.close()
         self._send_buf = self._recv_buf = None
-        self._gpu_mem = []
+        self._fd_mem = []
         if getattr(self, "segment", None) is not None:
             self.segment.close()  # idempotent; the object stays for error messages after close
 

@@ -94,7 +94,7 @@ class LocalCluster:
         device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus).
         timeout_s: bound on start-up and on every `run`; a rank that dies or hangs ends in TimeoutError.
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
-        buffers: passed to every `AllToAll` ("auto", "host" or "gpu").
+        buffers: passed to every `AllToAll` ("auto", "host", "gpu" or "memfd").
 
     Use as a context manager; `run(fn, *args)` calls `fn(a2a, rank, *args)` on every rank and returns
     the results in rank order (tensors moved to CPU).
@@ -111,10 +111,12 @@ class LocalCluster:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if gpu_wait not in ("auto", "kernel", "host"):
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
-        if buffers not in ("auto", "host", "gpu"):
-            raise ValueError(f"buffers must be 'auto', 'host' or 'gpu', got {buffers!r}")
+        if buffers not in ("auto", "host", "gpu", "memfd"):
+            raise ValueError(f"buffers must be 'auto', 'host', 'gpu' or 'memfd', got {buffers!r}")
         if buffers == "gpu" and device != "cuda":
             raise ValueError(f"buffers='gpu' needs device='cuda', got device={device!r}")
+        if buffers == "memfd" and device != "cpu":
+            raise ValueError(f"buffers='memfd' is for device='cpu', got device={device!r}")
         self.cfg, self.world_size, self.node_size = cfg, world_size, node_size
         self.transport, self.device, self.timeout_s = transport, device, timeout_s
         self.gpu_wait, self.buffers = gpu_wait, buffers

@@ -28,6 +28,7 @@ class Case:
     padding: int = 1
     hidden: int = 40
     tokens: int = 6
+    buffers: str = "auto"
 
 
 CASES = [
@@ -39,6 +40,9 @@ CASES = [
     pytest.param(Case(4, 4, "shm", torch.float32, private=1000), id="W4-N4-SHM-FP32-PBIG"),
     # every rank its own node, odd world size, over tcp
     pytest.param(Case(3, 1, "tcp", torch.bfloat16, padding=3), id="W3-N1-TCP-BF16-PAD3"),
+    # send/recv buffers of their own, shared by FD and registered on their own: the path GPU buffers
+    # take to the NIC (proxy maps them from SCM_RIGHTS FDs, same-node peers through pidfd_getfd)
+    pytest.param(Case(4, 2, "tcp", torch.bfloat16, private=2, buffers="memfd"), id="W4-N2-TCP-BF16-MEMFD"),
 ]
 
 
@@ -52,9 +56,31 @@ def _cfg(c: Case) -> A2AConfig:
 def cluster(request):
     c: Case = request.param
     cfg = _cfg(c)
+    if c.buffers == "memfd" and TEST_DEVICE != "cpu":
+        pytest.skip("buffers='memfd' is the CPU stand-in of GPU buffers (test_gpu_buffers_* covers the GPU)")
     with LocalCluster(cfg, world_size=c.world, node_size=c.node, transport=c.transport, device=TEST_DEVICE,
-                      timeout_s=60.0) as cl:
+                      timeout_s=60.0, buffers=c.buffers) as cl:
         yield cfg, c, cl
+
+
+def _placement(a2a, rank):
+    return a2a.placement, a2a.placement_reason
+
+
+@pytest.mark.timeout(600)
+def test_send_and_recv_buffers_live_where_asked(cluster):
+    cfg, c, cl = cluster
+    placements = cl.run(_placement)
+    assert len(set(placements)) == 1, placements  # every rank agreed
+    placement, reason = placements[0]
+    if c.buffers == "memfd":
+        assert placement == "nic" and reason is None  # registered on their own, not in the segment
+    elif TEST_DEVICE == "cpu":
+        assert placement == "host"
+    elif c.node == c.world:
+        assert placement == "ipc"  # every peer on this node: GPU memory, nothing on the wire
+    else:
+        assert placement in ("nic", "host") and (reason is None) == (placement == "nic")
 
 
 @pytest.mark.timeout(600)
@@ -201,8 +227,6 @@ def test_tracing_records_every_step_in_order(cluster):
         assert times == sorted(times)
 
 
-def _placement(a2a, rank):
-    return a2a.placement, a2a.placement_reason
 
 
 @pytest.mark.timeout(600)

@@ -279,6 +279,39 @@ class CuMemBuffer:
             pass
 
 
+class MemfdBuffer:
+    """Host memory from `memfd_create`, shared as a POSIX FD exactly like `CuMemBuffer` (same
+    constructor): the registered-buffer path without a GPU, so CI runs the FD hand-over, the proxy's
+    registration of separate buffers and the same-node imports for real. `ordinal` is ignored."""
+
+    def __init__(self, nbytes: int, ordinal: int = 0, fd: int | None = None) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"MemfdBuffer: nbytes must be positive, got {nbytes}")
+        self.ordinal, self.size = ordinal, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.fd = os.memfd_create("moe_a2a-buffer", os.MFD_CLOEXEC) if fd is None else fd
+        if fd is None:
+            os.ftruncate(self.fd, self.size)
+        self._mmap = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._keepalive = ctypes.c_char.from_buffer(self._mmap)
+        self.addr = ctypes.addressof(self._keepalive)
+
+    def close(self) -> None:
+        if self.addr:
+            del self._keepalive
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # views still alive: the mapping goes away with them
+            self.addr = 0
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# Registered send/recv buffers by memory kind: both are (nbytes, ordinal, fd=None) -> .addr .size .fd
+SHAREABLE_BUFFERS = {"cuda": CuMemBuffer, "host": MemfdBuffer}
+
+
 # ---- passing file descriptors between processes -------------------------------------------------
 
 def send_fds(sock, fds: list[int]) -> None:

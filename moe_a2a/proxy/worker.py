@@ -39,7 +39,7 @@ import numpy as np
 from .. import plan
 from ..config import ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, TRACE_EVENTS, Flag, Imm, Layout
 from .engine import PeerTimeout, TransferEngine
-from .memory import CuMemBuffer, SharedSegment, recv_fds, send_fds
+from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, send_fds
 
 ERROR_TIMEOUT = 1  # values of Flag.ERROR
 ERROR_FAILED = 2
@@ -59,9 +59,10 @@ class ProxySpec:
     parent_pid: int
     spin_s: float = 1e-3   # busy-poll this long before backing off to short sleeps
     idle_yield: bool = False  # sched_yield in the engine's waits (more busy processes than cores)
-    # (device ordinal, send size, recv size) of the model's cuMem send/recv buffers, whose POSIX FDs
-    # follow the spec on the socket: the proxy maps them and registers them with the NIC (FI_HMEM_CUDA).
-    gpu_buffers: tuple[int, int, int] | None = None
+    # (memory kind, device ordinal, send size, recv size) of the model's send/recv buffers when they
+    # are not in the segment: "cuda" (cuMem) or "host" (memfd). Their POSIX FDs follow the spec on
+    # the socket; the proxy maps them and registers them with the NIC ("cuda": FI_HMEM_CUDA).
+    fd_buffers: tuple[str, int, int, int] | None = None
 
 
 class Flags:
@@ -105,23 +106,24 @@ class Proxy:
         self.flags = Flags(self.seg, lay)
         self.routing = self.seg.numpy(lay.routing_offset_bytes, lay.world_size * lay.num_experts,
                                       np.int32).reshape(lay.world_size, lay.num_experts)
-        gpu = spec.gpu_buffers
+        own = spec.fd_buffers
+        on_gpu = own is not None and own[0] == "cuda"
         self.engine = TransferEngine(spec.provider, timeout_s=spec.timeout_s, idle_yield=spec.idle_yield,
-                                     hmem=gpu is not None)
+                                     hmem=on_gpu)
         self.region = self.engine.register(self.seg.addr, self.seg.nbytes)
-        self._gpu_mem: list[CuMemBuffer] = []
-        if gpu is not None:
-            ordinal, send_size, recv_size = gpu
+        self._mapped: list = []
+        if own is not None:
+            kind, ordinal, send_size, recv_size = own
             fds = recv_fds(sock, 2, spec.timeout_s)
             for fd, size in zip(fds, (send_size, recv_size)):
-                self._gpu_mem.append(CuMemBuffer(size, ordinal, fd=fd))
-            send_mem, recv_mem = self._gpu_mem
-            self.send_region = self.engine.register(send_mem.addr, send_mem.size, cuda_device=ordinal)
-            self.recv_region = self.engine.register(recv_mem.addr, recv_mem.size, cuda_device=ordinal)
-        # Bootstrap: the owner gathers every rank's (address, segment region, segment name, GPU recv
-        # region or None) for us.
+                self._mapped.append(SHAREABLE_BUFFERS[kind](size, ordinal, fd=fd))
+            cuda = ordinal if on_gpu else None
+            self.send_region, self.recv_region = (self.engine.register(m.addr, m.size, cuda_device=cuda)
+                                                  for m in self._mapped)
+        # Bootstrap: the owner gathers every rank's (address, segment region, segment name, recv
+        # buffer region or None) for us.
         conn.send((self.engine.address, self.region.descriptor(),
-                   self.recv_region.descriptor() if gpu is not None else None))
+                   self.recv_region.descriptor() if own is not None else None))
         table = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
         self.pos = {p: i for i, p in enumerate(self.peers)}
@@ -132,8 +134,8 @@ class Proxy:
             handles = self.engine.connect([table[p][0] for p in self.peers])
             self.group = self.engine.peer_group(handles, [table[p][1] for p in self.peers])
             # Tokens go from our send buffer to the peers' recv buffers: in the segments when
-            # host-staged, else GPU memory on both ends (every rank agreed on one placement).
-            if gpu is not None:
+            # host-staged, else buffers of their own on both ends (every rank agreed on one placement).
+            if own is not None:
                 self.data_group = self.engine.peer_group(handles, [table[p][3] for p in self.peers])
                 self.data_src, self.send_base, self.recv_base = self.send_region, 0, 0
             else:
@@ -271,7 +273,7 @@ class Proxy:
 
     def close(self) -> None:
         self.engine.close()
-        for mem in self._gpu_mem:
+        for mem in self._mapped:
             mem.close()
 
 
