@@ -27,10 +27,15 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
         experts = np.zeros(T * K, np.int64) if skew else rng.integers(-1, lay.num_experts, T * K)
         counts[s] = np.bincount(experts[experts >= 0], minlength=lay.num_experts)
     plan.validate_counts(counts, lay)
+    routes = plan.route_matrix(counts, lay)
+
+    def dispatch_writes(s):
+        return plan.private_writes(counts[s], s, lay).tolist() + plan.remainder_writes(routes, s, lay).tolist()
+
     for d in range(W):
         spans = []  # (start, end) byte spans written into d's recv buffer during dispatch
         for s in range(W):
-            for peer, src, n, dst in plan.private_writes(counts[s], s, lay) + plan.remainder_writes(counts, s, lay):
+            for peer, src, n, dst in dispatch_writes(s):
                 assert 0 <= src and src + n <= lay.max_routes * lay.dispatch_stride_bytes
                 if peer == d and n:
                     spans.append((dst, dst + n))
@@ -38,16 +43,62 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "dispatch writes overlap"
         assert all(e <= lay.recv_bytes for _, e in spans)
         # remote senders deliver exactly what the receiver expects to count
-        exp = plan.expected_dispatch_imms(counts, d, lay)
-        sent = {s: sum(1 for p, *_ in plan.private_writes(counts[s], s, lay) + plan.remainder_writes(counts, s, lay)
-                       if p == d) for s in lay.remote_peers(d)}
+        exp = plan.expected_dispatch_imms(routes, d, lay)
+        sent = {s: sum(1 for p, *_ in dispatch_writes(s) if p == d) for s in lay.remote_peers(d)}
         assert exp == sent
         # combine: d's writes land in each source's recv buffer inside [0, T*K) slots, disjoint per sender
     for s in range(W):
-        spans = sorted((dst, dst + n) for d in range(W) for p, _, n, dst in plan.combine_writes(counts, d, lay)
+        spans = sorted((dst, dst + n) for d in range(W) for p, _, n, dst in plan.combine_writes(routes, d, lay).tolist()
                        if p == s and n)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
         assert all(e <= lay.max_routes * lay.combine_stride_bytes for _, e in spans)
+
+
+# The writes spelled out one peer at a time from the per-rank definitions: the specification the
+# proxy's vectorised versions (all peers at once) must match exactly.
+def _private_by_peer(counts, r, lay):
+    n, off, P, S = plan.rank_counts(counts[r], lay), plan.send_offsets(counts[r], lay), lay.private_rows, \
+        lay.dispatch_stride_bytes
+    return [(d, off[d] * S, min(n[d], P) * S, lay.private_offset_bytes + r * P * S) for d in lay.remote_peers(r)]
+
+
+def _remainder_by_peer(counts, r, lay):
+    n, off, P, S = plan.rank_counts(counts[r], lay), plan.send_offsets(counts[r], lay), lay.private_rows, \
+        lay.dispatch_stride_bytes
+    return [(d, (off[d] + P) * S, (n[d] - P) * S, plan.remainder_offsets(plan.recv_counts(counts, d, lay), lay)[r] * S)
+            for d in lay.remote_peers(r) if n[d] > P]
+
+
+def _combine_by_peer(counts, r, lay):
+    n, S = plan.recv_counts(counts, r, lay), lay.combine_stride_bytes
+    stage = plan.combine_stage_offsets(n)
+    return [(s, lay.combine_stage_offset_bytes + stage[s] * S, n[s] * S, plan.send_offsets(counts[s], lay)[r] * S)
+            for s in lay.remote_peers(r)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(W=st.sampled_from([1, 2, 3, 4, 8, 16]), node=st.sampled_from([1, 2, 4]), L=st.sampled_from([1, 2, 3, 9]),
+       T=st.integers(1, 40), K=st.integers(1, 8), private=st.sampled_from([None, 0, 1, 7]), seed=st.integers(0, 999))
+def test_vectorised_writes_equal_the_per_peer_definitions(W, node, L, T, K, private, seed):
+    node = node if W % node == 0 else 1
+    cfg = A2AConfig(max_num_tokens=T, num_experts=L * W, experts_per_token=K, hidden_dim=8,
+                    in_dtype=torch.float32, max_private_tokens=private)
+    lay = cfg.layout(W, node)
+    rng = np.random.default_rng(seed)
+    hot = rng.integers(0, lay.num_experts)  # skewed: some peers beyond the private region, others not
+    experts = np.where(rng.random((W, T * K)) < 0.5, hot, rng.integers(-1, lay.num_experts, (W, T * K)))
+    counts = np.stack([np.bincount(e[e >= 0], minlength=lay.num_experts) for e in experts]).astype(np.int64)
+    routes = plan.route_matrix(counts, lay)
+    assert (routes == np.stack([plan.rank_counts(c, lay) for c in counts])).all()
+    for r in range(W):
+        for got, want in ((plan.private_writes(counts[r], r, lay), _private_by_peer(counts, r, lay)),
+                          (plan.remainder_writes(routes, r, lay), _remainder_by_peer(counts, r, lay)),
+                          (plan.combine_writes(routes, r, lay), _combine_by_peer(counts, r, lay))):
+            assert got.dtype == np.int64 and got.shape == (len(want), 4)
+            assert got.tolist() == [[int(v) for v in w] for w in want]
+        n = plan.recv_counts(counts, r, lay)
+        assert plan.expected_dispatch_imms(routes, r, lay) == {s: 1 + int(n[s] > lay.private_rows)
+                                                               for s in lay.remote_peers(r)}
 
 
 def test_validate_counts_refuses_overflowing_rows():

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
+import numpy as np
+
 from . import libfabric as lf
 
 # Python-side bound on the CQ entries read per fi_cq_read: large enough to drain a scatter's completions
@@ -152,6 +154,7 @@ class PeerGroup:
         self.writemsg = tuple(engine._eps[d].writemsg for d in self.domain_of)
         self.remote_base = tuple(r.base for r in regions)
         self.remote_nbytes = tuple(r.nbytes for r in regions)
+        self.remote_nbytes_array = np.array(self.remote_nbytes, dtype=np.int64)
         self.barrier_targets = tuple((i, 0, 0, 0) for i in range(n))
         self._src = None  # LocalRegion whose descs are in the templates
 
@@ -330,8 +333,8 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ posting
 
-    def scatter(self, grp: PeerGroup, src: LocalRegion, targets: Sequence[tuple[int, int, int, int]],
-                imm: int | Sequence[int]) -> None:
+    def scatter(self, grp: PeerGroup, src: LocalRegion,
+                targets: Sequence[tuple[int, int, int, int]] | np.ndarray, imm: int | Sequence[int]) -> None:
         """Post one RDMA write with immediate per target; returns once all are posted (not completed).
 
         Args:
@@ -339,7 +342,8 @@ class TransferEngine:
             src: the local source region.
             targets: ``(peer_index, src_offset, length, dst_offset)`` tuples, byte units; ``peer_index``
                 is the position in ``grp``, offsets are relative to ``src`` and to the peer's region.
-                ``length == 0`` is allowed: the write carries only the immediate.
+                ``length == 0`` is allowed: the write carries only the immediate. An int64 ``[n, 4]``
+                array is accepted too (validated at once: cheaper for many targets).
             imm: one 32-bit immediate for all targets, or one per target.
 
         Every target is validated before anything is posted (``ValueError``). ``-FI_EAGAIN`` (queue full,
@@ -357,7 +361,11 @@ class TransferEngine:
             for v in imms:
                 if not 0 <= v <= _IMM_MASK:
                     raise ValueError(f"scatter: imm {v} is not a 32-bit unsigned value")
-        self._validate(grp, src, targets)
+        if isinstance(targets, np.ndarray):
+            self._validate_array(grp, src, targets)
+            targets = targets.tolist()
+        else:
+            self._validate(grp, src, targets)
         if grp._src is not src:
             grp._set_source(src)
         # Hot loop. Measured on the 2-core CI VM (interleaved minimum, null C function in place of
@@ -410,6 +418,22 @@ class TransferEngine:
             # the posting cost).
             if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + length > rsize[p]:
                 raise ValueError(self._bad_target(grp, src, t))
+
+    def _validate_array(self, grp: PeerGroup, src: LocalRegion, t: np.ndarray) -> None:
+        if not isinstance(grp, PeerGroup):
+            raise ValueError(f"expected a PeerGroup, got {type(grp).__name__}")
+        if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
+            raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
+        if t.ndim != 2 or t.shape[1] != 4 or t.dtype.kind not in "iu":
+            raise ValueError(f"scatter targets: expected an integer [n, 4] array, got {t.dtype} {t.shape}")
+        if not len(t):
+            return
+        p, so, length, do = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+        bad = (t < 0).any(1) | (p >= len(grp.peers))
+        if not bad.any():  # peer indices are valid now: index the remote sizes with them
+            bad = (so + length > src.nbytes) | (do + length > grp.remote_nbytes_array[p])
+        if bad.any():
+            raise ValueError(self._bad_target(grp, src, tuple(t[int(np.argmax(bad))].tolist())))
 
     @staticmethod
     def _bad_target(grp: PeerGroup, src: LocalRegion, t) -> str:

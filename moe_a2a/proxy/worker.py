@@ -126,7 +126,9 @@ class Proxy:
                    self.recv_region.descriptor() if own is not None else None))
         table = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
-        self.pos = {p: i for i, p in enumerate(self.peers)}
+        # Our count row, to the same place in every peer's routing matrix.
+        row_off = lay.routing_offset_bytes + r * lay.num_experts * 4
+        self._route_targets = [(i, row_off, lay.num_experts * 4, row_off) for i in range(len(self.peers))]
         self.remote = lay.remote_peers(r)
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
         self.send_base, self.recv_base = lay.send_offset_bytes, lay.recv_offset_bytes
@@ -194,11 +196,15 @@ class Proxy:
         return {plan.make_imm(kind, p, epoch): count for p in peers}
 
     # ---- posting ------------------------------------------------------------------------------
-    def scatter(self, writes, src_base: int, dst_base: int, kind: Imm, epoch: int) -> None:
-        if writes:
-            imm = plan.make_imm(kind, self.rank, epoch)
-            self.engine.scatter(self.data_group, self.data_src,
-                                [(self.pos[d], src_base + s, n, dst_base + o) for d, s, n, o in writes], imm)
+    def scatter(self, writes: np.ndarray, src_base: int, dst_base: int, kind: Imm, epoch: int) -> None:
+        """Post `plan` write rows (rank, src, length, dst): ranks become group positions (every rank
+        but this one, in order) and offsets become offsets in the registered regions."""
+        if len(writes):
+            t = writes.copy()
+            t[:, 0] -= t[:, 0] > self.rank
+            t[:, 1] += src_base
+            t[:, 3] += dst_base
+            self.engine.scatter(self.data_group, self.data_src, t, plan.make_imm(kind, self.rank, epoch))
 
     def barrier(self, kind: Imm, epoch: int, what: str) -> None:
         if self.peers:
@@ -211,16 +217,13 @@ class Proxy:
     # ---- one call -------------------------------------------------------------------------------
     def run_epoch(self, e: int) -> None:
         lay, r, F, mark = self.lay, self.rank, Flag, self.mark
-        row_bytes = lay.num_experts * 4
         send, recv = self.send_base, self.recv_base
 
         self.wait_local(F.ROUTE_READY, e)
         self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
         mark(0)  # route_ready_seen
         if self.peers:
-            off = lay.routing_offset_bytes + r * row_bytes
-            self.engine.scatter(self.group, self.region, [(i, off, row_bytes, off) for i in range(len(self.peers))],
-                                plan.make_imm(Imm.ROUTE, r, e))
+            self.engine.scatter(self.group, self.region, self._route_targets, plan.make_imm(Imm.ROUTE, r, e))
         mark(1)  # route_posted
         self.wait_local(F.SEND_READY, e)
         mark(2)  # send_ready_seen
@@ -230,10 +233,11 @@ class Proxy:
         mark(4)  # routes_received
         counts = self.routing.astype(np.int64)
         plan.validate_counts(counts, lay)
-        self.scatter(plan.remainder_writes(counts, r, lay), send, recv, Imm.DISPATCH, e)
+        routes = plan.route_matrix(counts, lay)
+        self.scatter(plan.remainder_writes(routes, r, lay), send, recv, Imm.DISPATCH, e)
         mark(5)  # remainder_posted
         self.wait_peers(e, "dispatch: tokens", self._imms(Imm.DISPATCH, e, self.remote,
-                                                           plan.expected_dispatch_imms(counts, r, lay)),
+                                                           plan.expected_dispatch_imms(routes, r, lay)),
                         F.SEND_READY)
         # Stamp before publishing: the model reads the trace as soon as it sees the flag.
         mark(6)  # dispatch_received
@@ -247,7 +251,7 @@ class Proxy:
 
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(9)  # combine_send_seen
-        self.scatter(plan.combine_writes(counts, r, lay), send, recv, Imm.COMBINE, e)
+        self.scatter(plan.combine_writes(routes, r, lay), send, recv, Imm.COMBINE, e)
         mark(10)  # combine_posted
         self.wait_peers(e, "combine: expert outputs", self._imms(Imm.COMBINE, e, self.remote),
                         F.COMBINE_SEND_READY)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 from moe_a2a.proxy import libfabric as lf
@@ -57,8 +58,8 @@ def test_self_write_lands_with_immediate(loop_engine):
     # mr_mode decides the remote address: virtual address (shm) or offset into the MR (tcp).
     desc = dst.descriptor()
     assert desc.base == (dst.addr if eng.info.virt_addr else 0)
-    # Second target has length 0: it must still deliver its immediate.
-    eng.scatter(grp, src, [(0, 5, 1000, 77), (0, 0, 0, 0)], [0xABCD0001, 0xABCD0002])
+    # Second target has length 0: it must still deliver its immediate. Targets as an array.
+    eng.scatter(grp, src, np.array([(0, 5, 1000, 77), (0, 0, 0, 0)]), [0xABCD0001, 0xABCD0002])
     eng.wait_imms({0xABCD0001: 1, 0xABCD0002: 1}, 10, "self write")
     eng.wait_writes(10)
     assert dst_buf.raw[77:1077] == src_buf.raw[5:1005]
@@ -88,10 +89,14 @@ def test_bad_descriptors_raise_value_error_before_posting(loop_engine):
         "negative peer index": [(-1, 0, 1, 0)],
     }
     for why, targets in bad_targets.items():
-        # The good first target must not be posted either: validation precedes posting.
-        with pytest.raises(ValueError):
-            eng.scatter(grp, src, [(0, 0, 8, 0)] + targets, 1)
-        assert eng.writes_posted == 0, why
+        # The good first target must not be posted either: validation precedes posting. Targets as
+        # tuples and as an int64 [n, 4] array (the proxy's form) are refused alike.
+        for form in (list, lambda t: np.array(t, dtype=np.int64)):
+            with pytest.raises(ValueError, match="scatter target"):
+                eng.scatter(grp, src, form([(0, 0, 8, 0)] + targets), 1)
+            assert eng.writes_posted == 0, why
+    with pytest.raises(ValueError, match=r"integer \[n, 4\] array"):
+        eng.scatter(grp, src, np.zeros((2, 3), np.int64), 1)
     with pytest.raises(ValueError, match="32-bit"):
         eng.scatter(grp, src, [(0, 0, 8, 0)], 1 << 32)
     with pytest.raises(ValueError, match="imms for"):

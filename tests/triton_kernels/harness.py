@@ -132,7 +132,8 @@ def run_dispatch(world: SimWorld, xs, x_scales, indices, bound_ms=None) -> Dispa
 
     # The proxy's part: remote peers only (same-node peers are pulled by unpack).
     for r in range(W):
-        for w in plan.private_writes(counts_np[r], r, lay) + plan.remainder_writes(counts_np, r, lay):
+        routes = plan.route_matrix(counts_np, lay)
+        for w in plan.private_writes(counts_np[r], r, lay).tolist() + plan.remainder_writes(routes, r, lay).tolist():
             world.copy(world.send_bytes[r], world.recv_bytes[w[0]], w)
 
     R = lay.max_dispatch_rows
@@ -168,7 +169,7 @@ def run_combine(world: SimWorld, dispatched: DispatchResult, weights, expert_ys,
                                world.peer_table(me, world.recv_bytes),
                                world.send_bytes[me] + lay.combine_stage_offset_bytes, cfg, lay)
     for me in range(W):
-        for w in plan.combine_writes(counts_np, me, lay):
+        for w in plan.combine_writes(plan.route_matrix(counts_np, lay), me, lay).tolist():
             world.copy(world.send_bytes[me], world.recv_bytes[w[0]], w)  # src includes the stage offset
     outs = []
     for r in range(W):
