@@ -11,7 +11,9 @@ Measures, per provider, between real processes on this machine:
 - **write+imm round trip**: ping-pong of an 8-byte write with immediate between 2 processes (median);
 - **256 KiB write bandwidth**: a stream of 256 KiB writes, timed until the receiver acknowledged the
   last immediate;
-- next to C ``fi_pingpong`` (libfabric-bin; two-sided send/recv, RDM) when installed.
+- next to C ``fi_pingpong`` (libfabric-bin; two-sided send/recv, RDM) when installed;
+- **the proxy's arithmetic per call** (``--plan-worlds``): validating the count matrix and planning the
+  dispatch and combine writes of one rank (``plan``) at the decode configuration for 8, 64, 256 ranks.
 
 Results are medians over ``--iters`` after warm-up (rxm connects lazily on the first writes).
 """
@@ -277,6 +279,45 @@ def bench_fi_pingpong(provider: str, size: int, iters: int) -> dict | None:
 # ------------------------------------------------------------------------------------------ main
 
 
+def bench_proxy_plan(world_size: int, iters: int) -> dict:
+    """Python time the proxy spends per call on arithmetic (no waiting, no posting): everything
+    `Proxy.run_epoch` computes from the count matrix, at DeepSeek-V3 decode sizes (T=128, K=8,
+    E=max(256, W), 8 ranks per node), uniform random routing."""
+    import numpy as np
+    import torch
+
+    from . import plan
+    from .config import A2AConfig
+
+    W, r = world_size, min(3, world_size - 1)
+    cfg = A2AConfig(max_num_tokens=128, num_experts=max(256, W), experts_per_token=8, hidden_dim=7168,
+                    in_dtype=torch.float8_e4m3fn)
+    lay = cfg.layout(W, min(8, W))
+    rng = np.random.default_rng(0)
+    routing = np.stack([np.bincount(rng.integers(0, lay.num_experts, 128 * 8), minlength=lay.num_experts)
+                        for _ in range(W)]).astype(np.int32)
+    send, recv = lay.send_offset_bytes, lay.recv_offset_bytes
+
+    def one_call():
+        private = plan.group_targets(plan.private_writes(routing[r].astype(np.int64), r, lay), r, send, recv)
+        counts = routing.astype(np.int64)
+        plan.validate_counts(counts, lay)
+        routes = plan.route_matrix(counts, lay)
+        remainder = plan.group_targets(plan.remainder_writes(routes, r, lay), r, send, recv)
+        plan.expected_dispatch_imms(routes, r, lay)
+        combine = plan.group_targets(plan.combine_writes(routes, r, lay), r, send, recv)
+        return len(private) + len(remainder) + len(combine)
+
+    writes = one_call()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        one_call()
+        times.append(time.perf_counter() - t0)
+    return {"world_size": W, "writes_planned": writes, "plan_us_median": statistics.median(times) * 1e6,
+            "plan_us_min": min(times) * 1e6}
+
+
 def run(provider: str, iters: int, peer_counts: list[int]) -> dict:
     res: dict = {"provider": provider}
     res["python_post"] = [bench_python_post_cost(provider, n, iters) for n in peer_counts]
@@ -288,8 +329,11 @@ def run(provider: str, iters: int, peer_counts: list[int]) -> dict:
     return res
 
 
-def format_table(results: list[dict]) -> str:
+def format_table(results: list[dict], plans: list[dict] = ()) -> str:
     rows = [("provider", "metric", "value")]
+    for c in plans:
+        rows.append(("-", f"proxy arithmetic per call, {c['world_size']:>3} ranks (median / min)",
+                     f"{c['plan_us_median']:.1f} / {c['plan_us_min']:.1f} us"))
     for r in results:
         p = r["provider"]
         for c in r["python_post"]:
@@ -321,17 +365,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--provider", default="tcp,shm", help="comma-separated: tcp, shm, efa (default tcp,shm)")
     ap.add_argument("--iters", type=int, default=2000, help="measured iterations per benchmark (default 2000)")
     ap.add_argument("--peers", default="1,7,63", help="scatter peer counts (default 1,7,63)")
+    ap.add_argument("--plan-worlds", default="8,64,256",
+                    help="world sizes for the proxy-arithmetic benchmark, '' to skip (default 8,64,256)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
     peer_counts = [int(x) for x in args.peers.split(",")]
-    results = [run(p.strip(), args.iters, peer_counts) for p in args.provider.split(",")]
+    plans = [bench_proxy_plan(int(w), args.iters) for w in args.plan_worlds.split(",") if w.strip()]
+    results = [run(p.strip(), args.iters, peer_counts) for p in args.provider.split(",") if p.strip()]
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "iters": args.iters}
     print(f"# {meta}")
-    print(format_table(results))
+    print(format_table(results, plans))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+            json.dump({"meta": meta, "results": results, "proxy_plan": plans}, f, indent=2)
 
 
 if __name__ == "__main__":

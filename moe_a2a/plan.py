@@ -46,6 +46,8 @@ def validate_counts(counts: np.ndarray, lay: Layout) -> None:
     W, E, T, K = lay.world_size, lay.num_experts, lay.max_num_tokens, lay.experts_per_token
     if counts.shape != (W, E):
         raise ValueError(f"count matrix: expected shape {(W, E)}, got {counts.shape}")
+    if counts.min() >= 0 and counts.sum(1).max() <= T * K:
+        return
     bad = np.nonzero((counts < 0).any(1) | (counts.sum(1) > T * K))[0]
     if len(bad):
         raise ValueError(f"count rows of ranks {bad.tolist()} are negative or exceed T*K={T * K}")
@@ -112,6 +114,10 @@ def expert_segments(counts: np.ndarray, rank: int, lay: Layout) -> tuple[np.ndar
 
 
 # ---- writes ------------------------------------------------------------------------------------
+_NO_WRITES = np.empty((0, 4), dtype=np.int64)
+_NO_WRITES.flags.writeable = False
+
+
 def _writes(peer, src, length, dst) -> np.ndarray:
     """Columns (broadcast) -> int64 `[n, 4]` write rows."""
     out = np.empty((len(peer), 4), dtype=np.int64)
@@ -124,6 +130,8 @@ def private_writes(row: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     private slot. Zero-length writes are kept: each carries the immediate the peer counts."""
     P, stride = lay.private_rows, lay.dispatch_stride_bytes
     d = remote_peer_array(lay, rank)
+    if not len(d):  # one node: nothing crosses the wire
+        return _NO_WRITES
     n = rank_counts(row, lay)
     off = np.cumsum(n) - n  # send_offsets
     return _writes(d, off[d] * stride, np.minimum(n[d], P) * stride, lay.private_offset_bytes + rank * P * stride)
@@ -134,6 +142,8 @@ def remainder_writes(routes: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     write per remote peer that gets more than P routes from this rank (no write, and no immediate,
     otherwise)."""
     W, P, stride = lay.world_size, lay.private_rows, lay.dispatch_stride_bytes
+    if not len(remote_peer_array(lay, rank)):
+        return _NO_WRITES
     n = routes[rank]
     off = np.cumsum(n) - n  # send_offsets(counts[rank])
     d = remote_peer_array(lay, rank)
@@ -154,8 +164,20 @@ def combine_writes(routes: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     slots its dispatch send buffer used, in its recv buffer (`routes = route_matrix(counts)`).
     Zero-length writes kept."""
     stride = lay.combine_stride_bytes
+    if not len(remote_peer_array(lay, rank)):
+        return _NO_WRITES
     n = routes[:, rank]
     stage = combine_stage_offsets(n)
     first = routes[:, :rank].sum(1)  # send_offsets(counts[s])[rank] for every source s
     s = remote_peer_array(lay, rank)
     return _writes(s, lay.combine_stage_offset_bytes + stage[s] * stride, n[s] * stride, first[s] * stride)
+
+
+def group_targets(writes: np.ndarray, rank: int, src_base: int, dst_base: int) -> np.ndarray:
+    """Write rows -> `TransferEngine.scatter` targets of a peer group holding every rank but `rank`
+    in order: rank d becomes position d - (d > rank), offsets move by the regions' bases."""
+    t = writes.copy()
+    t[:, 0] -= t[:, 0] > rank
+    t[:, 1] += src_base
+    t[:, 3] += dst_base
+    return t

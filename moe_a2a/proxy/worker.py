@@ -200,11 +200,8 @@ class Proxy:
         """Post `plan` write rows (rank, src, length, dst): ranks become group positions (every rank
         but this one, in order) and offsets become offsets in the registered regions."""
         if len(writes):
-            t = writes.copy()
-            t[:, 0] -= t[:, 0] > self.rank
-            t[:, 1] += src_base
-            t[:, 3] += dst_base
-            self.engine.scatter(self.data_group, self.data_src, t, plan.make_imm(kind, self.rank, epoch))
+            self.engine.scatter(self.data_group, self.data_src, plan.group_targets(writes, self.rank, src_base, dst_base),
+                                plan.make_imm(kind, self.rank, epoch))
 
     def barrier(self, kind: Imm, epoch: int, what: str) -> None:
         if self.peers:
