@@ -51,9 +51,6 @@ _IMM_MASK = 0xFFFFFFFF
 _NEG_EAGAIN = -lf.FI_EAGAIN
 _NEG_EAVAIL = -lf.FI_EAVAIL
 _sched_yield = os.sched_yield
-# Scatters of at least this many targets (given as an array, one per peer) are posted by
-# `_post_batch`: its fixed cost of ~10 numpy operations is repaid from ~16 writes on (measured).
-_BATCH_MIN = 16
 
 
 def _u64_view(ctypes_array) -> memoryview:
@@ -157,15 +154,6 @@ class PeerGroup:
         self.writemsg = tuple(engine._eps[d].writemsg for d in self.domain_of)
         self.remote_base = tuple(r.base for r in regions)
         self.remote_nbytes = tuple(r.nbytes for r in regions)
-        self.remote_nbytes_array = np.array(self.remote_nbytes, dtype=np.int64)
-        # The batched path (see TransferEngine._post_batch): templates as a [n, 14] array, and what
-        # it gathers per target. Only for single-domain groups (one endpoint, one writemsg).
-        self._template_rows = np.frombuffer(self._templates, dtype=np.uint64).reshape(n, _T_WORDS)
-        self.remote_base_array = np.array(self.remote_base, dtype=np.uint64)
-        self.peer_objects = np.empty(n, dtype=object)
-        self.peer_objects[:] = self.peers
-        self.msg_base = base_addr
-        self.single_domain = len(set(self.domain_of)) == 1
         self.barrier_targets = tuple((i, 0, 0, 0) for i in range(n))
         self._src = None  # LocalRegion whose descs are in the templates
 
@@ -254,9 +242,7 @@ class TransferEngine:
         self._ctx_pool = (ctypes.c_uint64 * (_CTX_WORDS * max_inflight))()
         self._ctx_base = ctypes.addressof(self._ctx_pool)
         self._free_slots = list(range(max_inflight))
-        # For error messages: which peer a write went to (an object array: the batched path stores
-        # a whole scatter's peers with one fancy assignment).
-        self._slot_peer = np.full(max_inflight, None, dtype=object)
+        self._slot_peer: list = [None] * max_inflight  # for error messages: which peer a write went to
         self._cq_buf = (lf.fi_cq_data_entry * CQ_BATCH)()
         self._cq_buf_addr = ctypes.addressof(self._cq_buf)
         self._cq_mv = _u64_view(self._cq_buf)
@@ -355,8 +341,8 @@ class TransferEngine:
             src: the local source region.
             targets: ``(peer_index, src_offset, length, dst_offset)`` tuples, byte units; ``peer_index``
                 is the position in ``grp``, offsets are relative to ``src`` and to the peer's region.
-                ``length == 0`` is allowed: the write carries only the immediate. An int64 ``[n, 4]``
-                array is accepted too (validated at once: cheaper for many targets).
+                ``length == 0`` is allowed: the write carries only the immediate. An integer ``[n, 4]``
+                array (what ``plan`` produces) is accepted too.
             imm: one 32-bit immediate for all targets, or one per target.
 
         Every target is validated before anything is posted (``ValueError``). ``-FI_EAGAIN`` (queue full,
@@ -375,14 +361,13 @@ class TransferEngine:
                 if not 0 <= v <= _IMM_MASK:
                     raise ValueError(f"scatter: imm {v} is not a 32-bit unsigned value")
         if isinstance(targets, np.ndarray):
-            self._validate_array(grp, src, targets)
-            if (n_targets >= _BATCH_MIN and imms is None and grp.single_domain
-                    and len(self._free_slots) >= n_targets and (np.diff(targets[:, 0]) > 0).all()):
-                self._post_batch(grp, src, targets, imm)
-                return
+            if targets.ndim != 2 or targets.shape[1] != 4 or targets.dtype.kind not in "iu":
+                raise ValueError(f"scatter targets: expected an integer [n, 4] array, got {targets.dtype} "
+                                 f"{targets.shape}")
+            # One by one from here: posting with numpy (patching every template in ~20 array operations,
+            # then the calls through map) was measured no faster up to 255 targets (docs/perf-notes.md).
             targets = targets.tolist()
-        else:
-            self._validate(grp, src, targets)
+        self._validate(grp, src, targets)
         if grp._src is not src:
             grp._set_source(src)
         # Hot loop. Measured on the 2-core CI VM (interleaved minimum, null C function in place of
@@ -417,39 +402,6 @@ class TransferEngine:
                 self._post_failed(rc, grp, p, slot, v)
         self.writes_posted += n_targets
 
-    def _post_batch(self, grp: PeerGroup, src: LocalRegion, t: np.ndarray, imm: int) -> None:
-        """Post a scatter of at most one write per peer (peer indices strictly increasing) with numpy:
-        the six changing words of every target's template are patched by a handful of array
-        operations, then the writemsg calls run from C (`map`), so per write only the ctypes call
-        remains. Measured on the CI VM with a null C function (bench_transport): see docs/transport.md."""
-        n = len(t)
-        if grp._src is not src:
-            grp._set_source(src)
-        free = self._free_slots
-        slots = free[-n:]
-        del free[-n:]
-        p = t[:, 0]
-        self._slot_peer[slots] = grp.peer_objects[p]
-        rows = grp._template_rows
-        length = t[:, 2].astype(np.uint64)
-        # context, data, iov_base, iov_len, rma addr, rma len (words _T_CONTEXT.._T_RMA_LEN)
-        patch = np.empty((n, 6), dtype=np.uint64)
-        patch[:, 0] = np.array(slots, dtype=np.uint64) * np.uint64(8 * _CTX_WORDS) + np.uint64(self._ctx_base)
-        patch[:, 1] = imm
-        patch[:, 2] = t[:, 1].astype(np.uint64) + np.uint64(src.addr)
-        patch[:, 3] = length
-        patch[:, 4] = grp.remote_base_array[p] + t[:, 3].astype(np.uint64)
-        patch[:, 5] = length
-        rows[p, _T_CONTEXT:_T_RMA_LEN + 1] = patch
-        msgs = (p * (8 * _T_WORDS) + grp.msg_base).tolist()
-        rcs = list(map(grp.writemsg[0], repeat(grp.ep_ptr[0], n), msgs, repeat(_WRITE_FLAGS, n)))
-        self.writes_posted += n
-        if any(rcs):
-            # Each failed write's template is intact (one write per peer): retry or raise as usual.
-            for i, rc in enumerate(rcs):
-                if rc:
-                    self._post_failed(rc, grp, int(p[i]), slots[i], imm)
-
     def barrier(self, grp: PeerGroup, imm: int) -> None:
         """Post a zero-length write carrying ``imm`` to every peer of ``grp`` (the receivers count it)."""
         self.scatter(grp, self._scratch_region, grp.barrier_targets, imm)
@@ -468,22 +420,6 @@ class TransferEngine:
             # the posting cost).
             if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + length > rsize[p]:
                 raise ValueError(self._bad_target(grp, src, t))
-
-    def _validate_array(self, grp: PeerGroup, src: LocalRegion, t: np.ndarray) -> None:
-        if not isinstance(grp, PeerGroup):
-            raise ValueError(f"expected a PeerGroup, got {type(grp).__name__}")
-        if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
-            raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
-        if t.ndim != 2 or t.shape[1] != 4 or t.dtype.kind not in "iu":
-            raise ValueError(f"scatter targets: expected an integer [n, 4] array, got {t.dtype} {t.shape}")
-        if not len(t):
-            return
-        p, so, length, do = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
-        bad = (t < 0).any(1) | (p >= len(grp.peers))
-        if not bad.any():  # peer indices are valid now: index the remote sizes with them
-            bad = (so + length > src.nbytes) | (do + length > grp.remote_nbytes_array[p])
-        if bad.any():
-            raise ValueError(self._bad_target(grp, src, tuple(t[int(np.argmax(bad))].tolist())))
 
     @staticmethod
     def _bad_target(grp: PeerGroup, src: LocalRegion, t) -> str:
