@@ -135,9 +135,9 @@ def _pct(xs: list[float], q: float) -> float:
 def bench_python_post_cost(provider: str, num_peers: int, iters: int) -> dict:
     """Python cost of ``scatter`` per write with the C call made free: the group's ``fi_writemsg``
     pointers are swapped for libc ``strlen`` on an empty string (same ctypes prototype, returns 0,
-    ~ns of C), so what remains is the engine's Python (validation, template patching, slot
+    ~ns of C), so what remains is the engine's Python (validation, template patching, context
     bookkeeping) plus the ctypes call overhead itself. Measurement harness only: it reaches into the
-    group's dispatch tuples and recycles the engine's context slots, since no completion will come."""
+    group's per-peer tuples and recycles the engine's contexts, since no completion will come."""
     import ctypes.util
 
     from .proxy.libfabric import WRITEMSG_PROTO
@@ -151,17 +151,16 @@ def bench_python_post_cost(provider: str, num_peers: int, iters: int) -> dict:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         null_call = WRITEMSG_PROTO(ctypes.cast(libc.strlen, ctypes.c_void_p).value)
         empty = ctypes.create_string_buffer(1)
-        grp.writemsg = (null_call,) * num_peers
-        grp.ep_ptr = (ctypes.addressof(empty),) * num_peers
+        grp.post_info = tuple((null_call, ctypes.addressof(empty)) + info[2:] for info in grp.post_info)
         targets = [(i, i * SCATTER_BYTES, SCATTER_BYTES, 0) for i in range(num_peers)]
-        free = eng._free_slots
+        free, all_ctx = eng._free_ctx, list(eng._free_ctx)
         times = []
         perf = time.perf_counter
         for _ in range(iters):
             t0 = perf()
             eng.scatter(grp, region, targets, DATA)
             times.append(perf() - t0)
-            free.extend(range(len(free), eng.max_inflight))  # slots are popped from the end
+            free[:] = all_ctx  # no completion will come: hand every context back
     finally:
         eng.close()
     return {"peers": num_peers, "python_us_per_write_median": statistics.median(times) * 1e6 / num_peers,

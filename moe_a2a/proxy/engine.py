@@ -147,12 +147,13 @@ class PeerGroup:
             mv[b + _T_RMA_IOV] = addr0 + 8 * _T_RMA_ADDR
             mv[b + _T_RMA_IOV_COUNT] = 1
             mv[b + _T_RMA_KEY] = region.keys[d % len(region.keys)]
-        # Parallel tuples read by the posting loop (tuple indexing is the cheapest lookup in CPython).
         self.msg_addr = tuple(base_addr + 8 * _T_WORDS * i for i in range(n))
-        self.patch_off = tuple(8 * (_T_WORDS * i + _T_CONTEXT) for i in range(n))  # byte offsets
-        self.ep_ptr = tuple(engine._eps[d].ptr for d in self.domain_of)
-        self.writemsg = tuple(engine._eps[d].writemsg for d in self.domain_of)
         self.remote_base = tuple(r.base for r in regions)
+        # What the posting loop needs of peer i, in one tuple (one index and an unpack per write):
+        # writemsg, endpoint, message address, byte offset of the words to patch, remote base, peer.
+        self.post_info = tuple(
+            (engine._eps[d].writemsg, engine._eps[d].ptr, self.msg_addr[i], 8 * (_T_WORDS * i + _T_CONTEXT),
+             self.remote_base[i], peers[i]) for i, d in enumerate(self.domain_of))
         self.remote_nbytes = tuple(r.nbytes for r in regions)
         self.barrier_targets = tuple((i, 0, 0, 0) for i in range(n))
         self._src = None  # LocalRegion whose descs are in the templates
@@ -241,8 +242,10 @@ class TransferEngine:
         self.max_inflight = max_inflight
         self._ctx_pool = (ctypes.c_uint64 * (_CTX_WORDS * max_inflight))()
         self._ctx_base = ctypes.addressof(self._ctx_pool)
-        self._free_slots = list(range(max_inflight))
-        self._slot_peer: list = [None] * max_inflight  # for error messages: which peer a write went to
+        # Free fi_context addresses (what a completion's op_context returns, so retiring a write is one
+        # append), and the peer each posted context went to (for error messages).
+        self._free_ctx = [self._ctx_base + 8 * _CTX_WORDS * i for i in range(max_inflight)]
+        self._ctx_peer: dict[int, Peer] = {}
         self._cq_buf = (lf.fi_cq_data_entry * CQ_BATCH)()
         self._cq_buf_addr = ctypes.addressof(self._cq_buf)
         self._cq_mv = _u64_view(self._cq_buf)
@@ -371,35 +374,28 @@ class TransferEngine:
         if grp._src is not src:
             grp._set_source(src)
         # Hot loop. Measured on the 2-core CI VM (interleaved minimum, null C function in place of
-        # fi_writemsg): 0.41 µs for the bare ctypes call, 0.76 µs per write for this loop (0.86 µs when
-        # the six words are stored one by one through a memoryview, 1.05 µs calling fi_writedata with
-        # nine arguments instead). Hence: locals only, tuple indexing, one struct.pack_into for the six
-        # contiguous words of the peer's template that change per write.
+        # fi_writemsg): 0.41 µs for the bare ctypes call; the whole loop per write is in
+        # docs/transport.md. Hence: locals only, one tuple per peer, one struct.pack_into for the six
+        # contiguous words of the peer's template that change per write, free contexts as addresses.
         pack = _PATCH.pack_into
         templates = grp._templates
-        patch_off = grp.patch_off
-        msg_addr = grp.msg_addr
-        ep_ptr = grp.ep_ptr
-        writemsg = grp.writemsg
-        remote_base = grp.remote_base
-        peers = grp.peers
-        free = self._free_slots
-        pop = free.pop
-        slot_peer = self._slot_peer
-        ctx_base = self._ctx_base
+        info = grp.post_info
+        pop = self._free_ctx.pop
+        ctx_peer = self._ctx_peer
         src_addr = src.addr
         flags = _WRITE_FLAGS
         for (p, so, length, do), v in zip(targets, repeat(imm) if imms is None else imms):
-            if not free:
-                self._wait_slot()
-            slot = pop()
-            slot_peer[slot] = peers[p]
+            writemsg, ep, msg, off, rbase, peer = info[p]
+            try:
+                ctx = pop()
+            except IndexError:  # max_inflight writes in flight: progress until one completes
+                ctx = self._wait_ctx()
+            ctx_peer[ctx] = peer
             # context (this op's fi_context), data (the immediate), iov_base, iov_len, rma addr, rma len
-            pack(templates, patch_off[p], ctx_base + (slot << 5), v, src_addr + so, length,
-                 remote_base[p] + do, length)
-            rc = writemsg[p](ep_ptr[p], msg_addr[p], flags)
+            pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
+            rc = writemsg(ep, msg, flags)
             if rc:
-                self._post_failed(rc, grp, p, slot, v)
+                self._post_failed(rc, grp, p, ctx, v)
         self.writes_posted += n_targets
 
     def barrier(self, grp: PeerGroup, imm: int) -> None:
@@ -430,10 +426,10 @@ class TransferEngine:
                 f"[{so}, {so + length}) of {src.nbytes} B, destination range [{do}, {do + length}) of "
                 f"{grp.remote_nbytes[p]} B at {grp.peers[p]}: out of bounds or negative")
 
-    def _post_failed(self, rc: int, grp: PeerGroup, p: int, slot: int, imm: int) -> None:
+    def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, imm: int) -> None:
         """Slow path of a post: retry ``-FI_EAGAIN`` while progressing; raise anything else."""
         deadline = time.monotonic() + self.timeout_s
-        writemsg, ep, msg = grp.writemsg[p], grp.ep_ptr[p], grp.msg_addr[p]
+        writemsg, ep, msg = grp.post_info[p][:3]
         while rc == _NEG_EAGAIN:
             self.eagain_retries += 1
             self._idle_progress()
@@ -441,21 +437,22 @@ class TransferEngine:
                 break
             rc = writemsg(ep, msg, _WRITE_FLAGS)
         if rc:
-            self._free_slots.append(slot)
-            self._slot_peer[slot] = None
+            self._free_ctx.append(ctx)
             if rc == _NEG_EAGAIN:
                 raise PeerTimeout(f"fi_writemsg to {grp.peers[p]} returned -FI_EAGAIN for {self.timeout_s}s "
                                   f"(peer not progressing or not reachable) [imm {imm:#x}]", position=p)
             raise lf.FabricError("fi_writemsg", rc, peer=grp.peers[p], context=f"imm {imm:#x}")
 
-    def _wait_slot(self) -> None:
+    def _wait_ctx(self) -> int:
+        """Progress until a write completes; return its (now free) fi_context address."""
         self.slot_waits += 1
         deadline = time.monotonic() + self.timeout_s
-        while not self._free_slots:
+        while not self._free_ctx:
             self._idle_progress()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.max_inflight} writes in flight and none completed within "
                                    f"{self.timeout_s}s (peers not progressing?)")
+        return self._free_ctx.pop()
 
     # ------------------------------------------------------------------ completions
 
@@ -486,8 +483,7 @@ class TransferEngine:
     def _consume(self, n: int) -> None:
         mv = self._cq_mv
         counts = self._imm_counts
-        free = self._free_slots
-        ctx_base = self._ctx_base
+        free = self._free_ctx
         remote_flag = lf.FI_REMOTE_WRITE
         n_local = 0
         for i in range(0, n * _ENTRY_U64, _ENTRY_U64):
@@ -496,7 +492,7 @@ class TransferEngine:
                 v = mv[i + 4] & _IMM_MASK
                 counts[v] = counts.get(v, 0) + 1
             else:
-                free.append((mv[i] - ctx_base) >> 5)
+                free.append(mv[i])  # op_context: the write's fi_context address
                 n_local += 1
         self.writes_completed += n_local
         self.imms_received += n - n_local
@@ -506,10 +502,8 @@ class TransferEngine:
         peer, what = None, "remote write" if entry.flags & lf.FI_REMOTE_WRITE else "write"
         ctx = entry.op_context or 0
         if ctx and 0 <= ctx - self._ctx_base < 8 * _CTX_WORDS * self.max_inflight:
-            slot = (ctx - self._ctx_base) >> 5
-            peer = self._slot_peer[slot]
-            self._slot_peer[slot] = None
-            self._free_slots.append(slot)
+            peer = self._ctx_peer.get(ctx)
+            self._free_ctx.append(ctx)
             self.writes_completed += 1
         raise lf.FabricError("fi_cq_read", -entry.err, msg, peer=peer,
                              context=f"{what}, {entry.len} B, imm {entry.data & _IMM_MASK:#x}")
@@ -517,7 +511,7 @@ class TransferEngine:
     @property
     def writes_pending(self) -> int:
         """Writes posted and not yet completed locally."""
-        return self.max_inflight - len(self._free_slots)
+        return self.max_inflight - len(self._free_ctx)
 
     def imm_count(self, imm: int) -> int:
         """Immediates ``imm`` received and not yet consumed (no progress is made)."""
@@ -571,7 +565,7 @@ class TransferEngine:
         """Progress until every posted write completed locally (its source buffer may be reused)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        free = self._free_slots
+        free = self._free_ctx
         while len(free) < self.max_inflight:
             self._idle_progress()
             if time.monotonic() > deadline:
