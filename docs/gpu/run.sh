@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What was run by hand on the GPU machine (device tool, nvidia-h200), from the repository root:
-#   bash docs/gpu/run.sh bench   # kernel/flag/end-to-end benchmarks + GPU demo
-#   bash docs/gpu/run.sh tests   # the property and end-to-end tests with compiled kernels
+#   bash docs/gpu/run.sh all|final|last   # benchmarks and tests with compiled kernels (2026-11-29 runs)
+#   bash docs/gpu/run.sh x2               # two GPUs (nvidia-h200-x2)
+#   bash docs/gpu/run.sh demo             # the README's main job at DeepSeek sizes
+#   bash docs/gpu/run.sh next             # not run yet: what the next GPU session checks first
 # Results land in $OUT (JSON, PNG, logs); docs/benchmarks.md quotes them.
 set -u
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -45,5 +47,15 @@ x2)  # kind nvidia-h200-x2: one rank per GPU, same-node peers through CUDA IPC o
   ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
+  ;;
+next)  # written after the device time of 2026-11-29 was spent
+  # cuMem send/recv buffers exported as POSIX FDs, imported by the proxy, registered or fallen back
+  step 150 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/proxy/test_memory.py \
+       tests/test_all_to_all.py -k "cumem or gpu_buffers or live_where"
+  # eager latency after the launcher work (384 -> 134 µs of launcher Python on the CPU machine)
+  step 60  python3 -m moe_a2a.bench kernels --launchers --json "$OUT/launchers.json"
+  step 50  python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
+  step 50  python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
+  step 45  python3 -m moe_a2a.bench_transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
   ;;
 esac
