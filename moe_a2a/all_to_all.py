@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .config import TRACE_EVENTS, A2AConfig, Flag, Layout
+from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout
 from .proxy import bootstrap
 from .proxy.engine import auto_provider
 from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, close_ipc_handle, device_view,
@@ -129,7 +129,7 @@ class AllToAll:
         self._peer_segments: list[SharedSegment] = []
         self._waits: dict[Flag, str] = {}  # status slot -> what its last wait was for
         self.host_waits = False
-        self._tracing, self._spans = False, {}
+        self._tracing, self._clock_offset_ns = False, None
         self._ipc_ptrs: list[int] = []
         self._fd_mem: list = []  # FD-shared send/recv ("nic"): own two, then same-node peers' imports
         self._send_buf = self._recv_buf = None
@@ -306,6 +306,9 @@ class AllToAll:
         nflags = int(Flag.NUM_FLAGS) * _WORDS_PER_FLAG
         self.flags = self._view(seg.addr + lay.flags_offset_bytes, nflags * 8).view(torch.int64)
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
+        ntrace = (len(MODEL_TRACE_EVENTS) * 2 + 1) * 2
+        self._model_trace = self._view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
+        self._model_trace_host = seg.numpy(lay.model_trace_offset_bytes, ntrace, "int64")
         self.counts = self._view(seg.addr + lay.routing_offset_bytes, lay.routing_bytes).view(
             torch.int32).view(W, lay.num_experts)
         self.route_slot = torch.full((self.cfg.max_num_tokens, self.cfg.experts_per_token), -1,
@@ -403,14 +406,23 @@ class AllToAll:
     def set_tracing(self, on: bool = True) -> None:
         """Record timestamps of every call (model halves and proxy steps) for `trace()`.
 
-        Off by default and free when off. On a GPU each traced half ends with a device sync, so the
-        spans are the GPU's work; do not trace while timing."""
+        Off by default and free when off. When on, each half of a call is stamped at its start and end
+        on the stream (GPU: a one-program kernel reading %globaltimer, no synchronisation; CPU: the
+        host clock), and the proxy stamps each of its steps."""
         self._tracing = bool(on)
+        if self._tracing and self.device.type == "cuda" and self._clock_offset_ns is None:
+            torch.cuda.synchronize(self.device)
+            n = len(MODEL_TRACE_EVENTS) * 4
+            self._clock_offset_ns = sync.gpu_clock_offset_ns(self._model_trace, self._model_trace_host, n)
         self.flags_host[int(Flag.TRACE) * _WORDS_PER_FLAG] = int(on)
 
     def trace(self) -> dict:
         """The last traced call: `{"rank", "epoch", "model": {half: (t0_ns, t1_ns)}, "proxy": {event: t_ns}}`,
-        CLOCK_MONOTONIC nanoseconds (one clock for every process of this machine)."""
+        CLOCK_MONOTONIC nanoseconds (one clock for every process of this machine). On a GPU the model's
+        spans are when the stream reached the start and the end of each half (mapped from %globaltimer,
+        within ~1 µs)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the end stamps are written by the stream
         # The proxy's last steps (the combine barrier) finish after combine returns: let them land.
         deadline = time.monotonic() + self.timeout_s
         while (self._state == _IDLE and self.epoch and time.monotonic() < deadline
@@ -418,17 +430,27 @@ class AllToAll:
             time.sleep(1e-4)
         raw = self.segment.numpy(self.layout.trace_offset_bytes, 2 * len(TRACE_EVENTS), "int64").reshape(-1, 2)
         proxy = {name: int(t) for name, (e, t) in zip(TRACE_EVENTS, raw) if e == self.epoch}
-        return {"rank": self.rank, "epoch": self.epoch, "model": dict(self._spans), "proxy": proxy}
+        stamps = self._model_trace_host[: len(MODEL_TRACE_EVENTS) * 4].reshape(-1, 2, 2).tolist()
+        offset = self._clock_offset_ns or 0
+        model = {name: (t0 + offset, t1 + offset) for name, ((e0, t0), (e1, t1)) in zip(MODEL_TRACE_EVENTS, stamps)
+                 if e0 == e1 == self.epoch}
+        return {"rank": self.rank, "epoch": self.epoch, "model": model, "proxy": proxy}
 
     def _traced(self, name: str, fn, *args) -> None:
         if not self._tracing:
             fn(*args)
             return
-        t0 = time.monotonic_ns()
+        index = 4 * MODEL_TRACE_EVENTS.index(name)
+        # dispatch_send advances the call's epoch itself: its start stamp names the coming one.
+        self._stamp(index, 1 if name == "dispatch_send" else 0)
         fn(*args)
+        self._stamp(index + 2, 0)
+
+    def _stamp(self, index: int, ahead: int) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._spans[name] = (t0, time.monotonic_ns())
+            sync.stamp_time(self._model_trace, index, ahead, epoch=self.epoch_dev)
+        else:
+            sync.stamp_time(self._model_trace, index, self.epoch + ahead)
 
     def close(self) -> None:
         """Stop the proxy, release shared memory. Idempotent; also `with AllToAll(...) as a2a:`."""
@@ -471,7 +493,6 @@ class AllToAll:
     # ---- the four halves --------------------------------------------------------------------------
     def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
         self.epoch += 1
-        self._spans = {}
         if self.epoch_dev is not None:
             sync.advance_epoch(self.epoch_dev)
         r = self.rank

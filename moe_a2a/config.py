@@ -101,6 +101,11 @@ TRACE_EVENTS = (
     "combine_send_seen", "combine_posted", "combine_received", "combine_recv_done_seen", "combine_barrier",
 )
 
+# The model's four halves, stamped at start and end while tracing: on a GPU by a one-program kernel on
+# the stream (%globaltimer, mapped to CLOCK_MONOTONIC by a calibration), on CPU from the host. Per half
+# two (epoch, t_ns) int64 pairs after the proxy's, then one pair for the calibration.
+MODEL_TRACE_EVENTS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
 IMM_KIND_BITS = 4
 IMM_RANK_BITS = 12   # up to 4096 ranks
 IMM_EPOCH_BITS = 32 - IMM_KIND_BITS - IMM_RANK_BITS
@@ -324,9 +329,15 @@ class Layout:
         return self.error_offset_bytes + ERROR_MESSAGE_BYTES
 
     @cached_property
+    def model_trace_offset_bytes(self) -> int:
+        """int64 [len(MODEL_TRACE_EVENTS) * 2 + 1, 2]: (epoch, ns) at the start and end of each half of
+        the model's call, then the clock-calibration pair."""
+        return self.trace_offset_bytes + len(TRACE_EVENTS) * 16
+
+    @cached_property
     def routing_offset_bytes(self) -> int:
         """int32 [W, E]: row s holds source s's per-expert counts (written by s over the wire)."""
-        return round_up(self.trace_offset_bytes + len(TRACE_EVENTS) * 16, PAGE_BYTES)
+        return round_up(self.model_trace_offset_bytes + (len(MODEL_TRACE_EVENTS) * 2 + 1) * 16, PAGE_BYTES)
 
     @cached_property
     def routing_bytes(self) -> int:

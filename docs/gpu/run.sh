@@ -22,6 +22,10 @@ all)
   step 150 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_all_to_all.py
   step 120 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels
   step 45  python3 -m moe_a2a.bench_transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
+  # kernel-side trace stamps (%globaltimer) and their clock calibration
+  step 60  env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_sync.py \
+       tests/test_all_to_all.py -k "stamps or tracing"
+  step 70  python3 -m moe_a2a.bench timeline --world 4 --node 2 --device cuda --png "$OUT/timeline.png" --json "$OUT/timeline.json"
   ;;
 final)
   step 120 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graph.py
@@ -57,5 +61,9 @@ next)  # written after the device time of 2026-11-29 was spent
   step 50  python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
   step 50  python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
   step 45  python3 -m moe_a2a.bench_transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
+  # kernel-side trace stamps (%globaltimer) and their clock calibration
+  step 60  env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_sync.py \
+       tests/test_all_to_all.py -k "stamps or tracing"
+  step 70  python3 -m moe_a2a.bench timeline --world 4 --node 2 --device cuda --png "$OUT/timeline.png" --json "$OUT/timeline.json"
   ;;
 esac

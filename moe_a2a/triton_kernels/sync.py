@@ -156,6 +156,60 @@ def _run_device(flags: torch.Tensor, device) -> torch.device:
     return run_on
 
 
+@triton.jit(do_not_specialize=["index", "value"])
+def _stamp_time_kernel(words_ptr, index, value, epoch_ptr, HAS_EPOCH: tl.constexpr):
+    """Grid: (1,). words[index], words[index + 1] = (tag, %globaltimer ns) when the stream gets here."""
+    tag = value
+    if HAS_EPOCH:
+        tag = tl.load(epoch_ptr) + value
+    tl.store(words_ptr + index + 1, _globaltimer_ns())
+    tl.store(words_ptr + index, tag)
+
+
+def stamp_time(words: torch.Tensor, index: int, value: int, *, device=None, epoch=None) -> None:
+    """Record `(tag, time_ns)` at int64 words `index`, `index + 1` of `words` (e.g. a trace area).
+
+    On a GPU one program runs on the current stream when everything before it has finished and reads
+    `%globaltimer` (the GPU's nanosecond clock: `gpu_clock_offset_ns` maps it to CLOCK_MONOTONIC);
+    the tag is `value`, plus `epoch[0]` when a `[1]` int64 device tensor is given (CUDA-graph safe, as
+    `signal_flag`). On CPU the host writes `(value, time.monotonic_ns())` at once (the interpreter runs
+    kernels synchronously, so that is when the stream gets here)."""
+    words = _flag_words(words, "words")
+    index = _flag_index(words, index + 1, "index") - 1
+    run_on = _run_device(words, device)
+    if run_on.type == "cuda":
+        _check_epoch(epoch, run_on)
+        with torch.cuda.device(run_on):
+            _stamp_time_kernel[(1,)](words, index, int(value), epoch if epoch is not None else words,
+                                     HAS_EPOCH=epoch is not None, num_warps=1)
+    else:
+        w = words.numpy()
+        w[index + 1] = time.monotonic_ns()
+        w[index] = int(value)
+
+
+def gpu_clock_offset_ns(words: torch.Tensor, host_words, index: int, *, device=None, reps: int = 20,
+                        timeout_s: float = 5.0) -> int:
+    """CLOCK_MONOTONIC minus %globaltimer, in ns, for the GPU that runs `stamp_time(words, ..., device=)`
+    (`words`: pinned host memory, `host_words`: a numpy int64 view of the same memory).
+
+    Each rep stamps `words[index:index+2]` from the GPU while the host polls it: the stamp is read
+    within ~1 µs of its write (PCIe), so `monotonic_at_sight - stamp` over-estimates the offset by that
+    latency; the smallest of `reps` is kept."""
+    best = None
+    for _ in range(reps):
+        host_words[index + 1] = 0
+        stamp_time(words, index, 0, device=device)
+        deadline = time.monotonic() + timeout_s
+        while host_words[index + 1] == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gpu_clock_offset_ns: no GPU time stamp within {timeout_s:g}s")
+        seen = time.monotonic_ns()
+        offset = seen - int(host_words[index + 1])
+        best = offset if best is None else min(best, offset)
+    return best
+
+
 @triton.jit
 def _advance_epoch_kernel(epoch_ptr):
     """Grid: (1,). epoch += 1, on the stream: a CUDA graph replay advances it too."""

@@ -174,6 +174,18 @@ def test_check_status():
         sync.check_status(torch.tensor([2]), "x")
 
 
+@pytest.mark.timeout(30)
+def test_stamp_time_on_cpu_uses_the_host_clock():
+    words = torch.zeros(8, dtype=torch.int64)
+    t0 = time.monotonic_ns()
+    sync.stamp_time(words, 2, 7)
+    t1 = time.monotonic_ns()
+    assert int(words[2]) == 7 and t0 <= int(words[3]) <= t1
+    assert int(words.count_nonzero()) == 2
+    with pytest.raises(ValueError, match="outside"):
+        sync.stamp_time(words, 7, 1)  # the pair would end past the area
+
+
 # ---- GPU: the PTX path on pinned host memory reached through UVA ----
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="needs a CUDA GPU: tests st.release.sys / ld.acquire.sys / %globaltimer")
@@ -203,3 +215,16 @@ def test_gpu_signal_and_wait_on_pinned_host_flags():
     status = wait_flag(flags, word(Flag.COMBINE_RECV_READY), 1, timeout_s=10.0, device="cuda")
     with pytest.raises(PeerError):
         sync.check_status(status, "COMBINE_RECV_READY")
+
+
+@needs_gpu
+@pytest.mark.timeout(60)
+def test_gpu_stamps_map_onto_the_host_clock():
+    words = torch.zeros(8, dtype=torch.int64).pin_memory()
+    offset = sync.gpu_clock_offset_ns(words, words.numpy(), 6, device="cuda")
+    t0 = time.monotonic_ns()
+    sync.stamp_time(words, 0, 5, device="cuda")
+    torch.cuda.synchronize()
+    t1 = time.monotonic_ns()
+    assert int(words[0]) == 5
+    assert t0 - 20_000 <= int(words[1]) + offset <= t1 + 20_000  # within the calibration's error
