@@ -132,6 +132,14 @@ def _live_rows(cfg: A2AConfig, num: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
 
 
+_PLACEMENTS = {"host": "host-staged (the shared host segment)", "ipc": "GPU memory, same-node peers through CUDA IPC",
+               "nic": "GPU memory registered with the NIC (cuMem POSIX FDs)"}
+
+
+def _placement(a2a, rank):
+    return a2a.placement, a2a.placement_reason
+
+
 def run_demo(world_size: int = 4, node_size: int = 2, transport: str = "auto", device: str = "auto",
              iters: int | None = None, timeout_s: float = 60.0) -> int:
     from .local import LocalCluster
@@ -153,6 +161,8 @@ def run_demo(world_size: int = 4, node_size: int = 2, transport: str = "auto", d
                       timeout_s=timeout_s) as cluster:
         t1 = time.perf_counter()
         print(f"  cluster up in {t1 - t0:.1f} s")
+        placement, reason = cluster.run(_placement)[0]
+        print(f"  send/recv buffers: {_PLACEMENTS[placement]}" + (f"\n    ({reason})" if reason else ""))
         results = cluster.run(rank_roundtrip, cfg.max_num_tokens, 0, iters)
     problems = check_against_reference(cfg, results)
     unit, scale = ("µs", 1.0) if device == "cuda" else ("ms", 1e-3)  # the interpreter takes milliseconds
