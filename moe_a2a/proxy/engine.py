@@ -183,7 +183,10 @@ class TransferEngine:
     Args:
         provider: ``"tcp"`` (tcp;ofi_rxm), ``"shm"``, ``"efa"`` or ``"auto"`` (efa if present, else shm,
             else tcp).
-        num_domains: domains (NICs) to open; peers of a group are sharded over them.
+        num_domains: domains to open; peers of a group are sharded over them. Without ``domains``
+            these are ``num_domains`` instances of the provider's first domain.
+        domains: names of the domains (NICs: EFA gives several per GPU) to open, one each, from
+            ``libfabric.list_domains(provider)``; overrides ``num_domains``.
         tx_size: transmit queue depth to ask for (None: provider default). Small values make the
             provider return ``-FI_EAGAIN``, which the engine absorbs by progressing and retrying.
         cq_size: entries per CQ.
@@ -196,9 +199,14 @@ class TransferEngine:
         timeout_s: bound on any internal wait (posting against ``-FI_EAGAIN``, waiting for a slot).
     """
 
-    def __init__(self, provider: str = "auto", num_domains: int = 1, *, tx_size: int | None = None,
+    def __init__(self, provider: str = "auto", num_domains: int = 1, *, domains: Sequence[str] | None = None,
+                 tx_size: int | None = None,
                  cq_size: int = 4096, max_inflight: int | None = None, hmem: bool = False,
                  idle_yield: bool = False, timeout_s: float = 30.0):
+        if domains is not None:
+            if isinstance(domains, str) or not domains or not all(isinstance(d, str) for d in domains):
+                raise ValueError(f"domains must be a non-empty sequence of domain names, got {domains!r}")
+            num_domains = len(domains)
         if num_domains < 1:
             raise ValueError(f"num_domains must be >= 1, got {num_domains}")
         if provider == "auto":
@@ -214,13 +222,24 @@ class TransferEngine:
         self._cqs: list = []
         self._avs: list = []
         self._eps: list = []
-        self.info = lf.getinfo(provider, hmem=hmem, tx_size=tx_size)
+        self._fabrics: list = []
+        # One fi_info (and fabric) per named domain; unnamed: the first domain, opened num_domains times.
+        self._infos: list = []
+        try:
+            for name in domains if domains is not None else [None]:
+                self._infos.append(lf.getinfo(provider, hmem=hmem, tx_size=tx_size, domain=name))
+        except BaseException:
+            for info in self._infos:
+                info.close()
+            raise
+        self.info = self._infos[0]
         self.provider_name = self.info.prov_name
         self._next_key = 1  # requested keys when the provider does not pick them (tcp)
         try:
-            self._fabric = lf.Fabric(self.info)
-            for _ in range(num_domains):
-                dom = self._fabric.domain()
+            for info in self._infos:
+                self._fabrics.append(lf.Fabric(info))
+            for d in range(num_domains):
+                dom = self._fabrics[d % len(self._fabrics)].domain()
                 self._domains.append(dom)
                 cq = dom.cq_open(cq_size)
                 self._cqs.append(cq)
@@ -233,6 +252,7 @@ class TransferEngine:
                 ep.bind(av.ptr, 0, "av")
                 ep.enable()
             self.address = EngineAddress(self.provider_name, tuple(ep.getname() for ep in self._eps))
+            self.domain_names = tuple(self._infos[d % len(self._infos)].domain_name for d in range(num_domains))
         except BaseException:
             self.close()
             raise
@@ -587,9 +607,10 @@ class TransferEngine:
             r.close()
         for obj in self._domains:
             obj.close()
-        if getattr(self, "_fabric", None) is not None:
-            self._fabric.close()
-        self.info.close()
+        for fabric in self._fabrics:
+            fabric.close()
+        for info in self._infos:
+            info.close()
 
     def _check_open(self) -> None:
         if self._closed:

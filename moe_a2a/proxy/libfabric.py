@@ -556,25 +556,53 @@ def _getinfo_raw(prov_name: str | None, *, hmem: bool, tx_size: int | None):
     return out
 
 
-def getinfo(provider: str, *, hmem: bool = False, tx_size: int | None = None) -> Info:
-    """``fi_getinfo`` for an RDM endpoint with RMA writes and remote CQ data on ``provider``
-    (``"tcp"`` means ``tcp;ofi_rxm``; ``"shm"``, ``"efa"``, or a full provider name).
-
-    ``tx_size`` asks for a transmit queue depth (small values provoke ``-FI_EAGAIN``, for tests).
-    In 1.17 remote CQ data is not a capability bit, so ``domain_attr.cq_data_size >= 4`` is checked.
-    """
+def _usable(provider: str, *, hmem: bool, tx_size: int | None):
+    """(head of the fi_getinfo list, [the usable fi_info nodes]): RDM + RMA + >= 4 B of remote CQ data
+    on ``provider`` (in 1.17 remote CQ data is not a capability bit: ``cq_data_size`` is checked)."""
     prov_name = PROVIDER_NAMES.get(provider, provider)
     head = _getinfo_raw(prov_name, hmem=hmem, tx_size=tx_size)
-    node = head
+    nodes, node = [], head
     while node:
         info = node.contents
         name = ctypes.string_at(info.fabric_attr.contents.prov_name).decode()
         if name == prov_name and info.domain_attr.contents.cq_data_size >= 4:
-            return Info(head, info)
+            nodes.append(info)
         node = info.next
+    return head, nodes
+
+
+def getinfo(provider: str, *, hmem: bool = False, tx_size: int | None = None, domain: str | None = None) -> Info:
+    """``fi_getinfo`` for an RDM endpoint with RMA writes and remote CQ data on ``provider``
+    (``"tcp"`` means ``tcp;ofi_rxm``; ``"shm"``, ``"efa"``, or a full provider name): the first such
+    entry, or the first on the domain (NIC) named ``domain`` (see :func:`list_domains`).
+
+    ``tx_size`` asks for a transmit queue depth (small values provoke ``-FI_EAGAIN``, for tests).
+    """
+    head, nodes = _usable(provider, hmem=hmem, tx_size=tx_size)
+    for info in nodes:
+        if domain is None or info.domain_attr.contents.name.decode() == domain:
+            return Info(head, info)
+    names = sorted({i.domain_attr.contents.name.decode() for i in nodes})
     library().fi_freeinfo(head)
+    prov_name = PROVIDER_NAMES.get(provider, provider)
+    if domain is not None and names:
+        raise FabricError("fi_getinfo", -FI_ENODATA, f"provider {prov_name!r} has no domain {domain!r} "
+                          f"(it has {names})")
     raise FabricError("fi_getinfo", -FI_ENODATA,
                       f"provider {prov_name!r} offers no RDM endpoint with >= 4 bytes of remote CQ data")
+
+
+def list_domains(provider: str, *, hmem: bool = False) -> list[str]:
+    """Distinct domain names (one per NIC on EFA; one per interface on tcp) of ``provider``, in the
+    order ``fi_getinfo`` lists them."""
+    head, nodes = _usable(provider, hmem=hmem, tx_size=None)
+    names = []
+    for info in nodes:
+        name = info.domain_attr.contents.name.decode()
+        if name not in names:
+            names.append(name)
+    library().fi_freeinfo(head)
+    return names
 
 
 class Fabric:

@@ -126,7 +126,8 @@ def all_to_all(comm, provider: str, iters: int, num_domains: int = 1, max_len: i
         return {"leftover_imms": eng.imm_counts(), "pending": eng.writes_pending,
                 "posted": eng.writes_posted, "completed": eng.writes_completed,
                 "received": eng.imms_received, "eagain_retries": eng.eagain_retries,
-                "domains": sorted(set(grp.domain_of)), "seconds": elapsed}
+                "domains": sorted(set(grp.domain_of)), "domain_names": list(eng.domain_names),
+                "seconds": elapsed}
     finally:
         eng.close()
 

@@ -147,6 +147,26 @@ def test_scatter_all_to_all_with_barrier(provider, size, num_domains):
         assert r["domains"] == list(range(num_domains))
 
 
+@pytest.mark.timeout(90)
+def test_scatter_over_named_domains_on_distinct_interfaces(provider):
+    """domains=[...] opens one fabric + domain per name (EFA: one per NIC; here tcp's two interfaces),
+    and a group's peers are sharded over them: every write and immediate still arrives."""
+    if provider != "tcp":
+        pytest.skip("shm has a single domain; tcp has one per interface")
+    names = lf.list_domains("tcp")
+    if len(names) < 2:
+        pytest.skip(f"tcp offers one domain here ({names}); this needs two interfaces")
+    names = names[:2]
+    results = run_peers(4, w.all_to_all, "tcp", 10, 1, 256, {"domains": names}, timeout_s=60)
+    for r in results:
+        assert r["domain_names"] == names and r["domains"] == [0, 1]
+        assert r["posted"] == r["completed"] == r["received"] == 10 * 3 * 2 and r["leftover_imms"] == {}
+    with pytest.raises(lf.FabricError, match="has no domain 'no-such-nic'"):
+        TransferEngine("tcp", domains=["no-such-nic"])
+    with pytest.raises(ValueError, match="domains must be"):
+        TransferEngine("tcp", domains="eth0")
+
+
 @pytest.mark.timeout(60)
 def test_thousand_iterations_no_drift(provider):
     [a, b] = run_peers(2, w.all_to_all, provider, 1000, 1, 64)
