@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout
-from .proxy import bootstrap
+from .proxy import bootstrap, topology
+from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
 from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, close_ipc_handle, device_view,
                            fd_from_process, open_ipc_handle, unique_name)
@@ -79,13 +80,18 @@ class AllToAll:
             raises if that is impossible. "auto" (default): "gpu" where it works, else "host" with
             one log line saying why. "memfd": host memory of its own (memfd) shared and registered
             exactly as "gpu" buffers with remote peers are: that path without a GPU (CI runs it).
+        nics: the NICs (libfabric domains, `moe_a2a.proxy.libfabric.list_domains(provider)`) this
+            rank's proxy drives; peers are sharded over them. "auto": on EFA this rank's equal share of
+            the node's NICs (`proxy.topology.nics_for_rank`), elsewhere the provider's first domain.
+            A list of names: exactly those.
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
     """
 
     def __init__(self, cfg: A2AConfig, group=None, node_group="auto", transport: str = "auto",
-                 device=None, timeout_s: float = 30.0, gpu_wait: str = "auto", buffers: str = "auto") -> None:
+                 device=None, timeout_s: float = 30.0, gpu_wait: str = "auto", buffers: str = "auto",
+                 nics="auto") -> None:
         import torch.distributed as dist
 
         if not isinstance(cfg, A2AConfig):
@@ -98,6 +104,9 @@ class AllToAll:
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
         if buffers not in ("auto", "host", "gpu", "memfd"):
             raise ValueError(f"buffers must be 'auto', 'host', 'gpu' or 'memfd', got {buffers!r}")
+        if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
+                               or not all(isinstance(n, str) and n for n in nics)):
+            raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
         self._gpu_wait = gpu_wait
         if transport == "verbs":
             raise ValueError("transport 'verbs' (ConnectX-7 RC) is not implemented yet; use 'efa', 'shm' or 'tcp'")
@@ -123,6 +132,7 @@ class AllToAll:
             self.transport = auto_provider()
             if self.transport == "shm" and len(set(hosts)) > 1:
                 self.transport = "tcp"
+        self.nics = self._choose_nics(nics)
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
         self._closed = True
@@ -182,6 +192,15 @@ class AllToAll:
             raise ValueError(f"node_group: node size {n} must divide world size {W}")
         return n
 
+    def _choose_nics(self, nics) -> tuple[str, ...] | None:
+        """The domains this rank's proxy opens (None: the provider's first)."""
+        if nics != "auto":
+            return tuple(nics)
+        if self.transport != "efa":
+            return None
+        lay = self.layout
+        return tuple(topology.nics_for_rank(lf.list_domains("efa"), self.rank % lay.node_size, lay.node_size))
+
     def _launch(self) -> None:
         """This rank's part for `self.placement`: the segment, GPU buffers, the proxy up to its address."""
         lay, r = self.layout, self.rank
@@ -203,7 +222,7 @@ class AllToAll:
         # starves the peers that must make progress: yield instead (measured 16 ms -> 0.3 ms).
         spec = ProxySpec(lay, r, self.segment.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
                          parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * 2,
-                         fd_buffers=fd_buffers)
+                         fd_buffers=fd_buffers, domains=self.nics)
         self.proxy = ProxyHandle(spec, fds)
         self._proxy_address = self.proxy.address(self.timeout_s)
 

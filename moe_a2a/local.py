@@ -95,6 +95,7 @@ class LocalCluster:
         timeout_s: bound on start-up and on every `run`; a rank that dies or hangs ends in TimeoutError.
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
         buffers: passed to every `AllToAll` ("auto", "host", "gpu" or "memfd").
+        nics: passed to every `AllToAll` ("auto" or a list of libfabric domain names).
 
     Use as a context manager; `run(fn, *args)` calls `fn(a2a, rank, *args)` on every rank and returns
     the results in rank order (tensors moved to CPU).
@@ -102,7 +103,7 @@ class LocalCluster:
 
     def __init__(self, cfg: A2AConfig, world_size: int = 4, node_size: int | None = None,
                  transport: str = "auto", device: str = "cpu", timeout_s: float = 30.0,
-                 gpu_wait: str = "auto", buffers: str = "auto") -> None:
+                 gpu_wait: str = "auto", buffers: str = "auto", nics="auto") -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         node_size = world_size if node_size is None else node_size
@@ -113,13 +114,15 @@ class LocalCluster:
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
         if buffers not in ("auto", "host", "gpu", "memfd"):
             raise ValueError(f"buffers must be 'auto', 'host', 'gpu' or 'memfd', got {buffers!r}")
+        if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics):
+            raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
         if buffers == "gpu" and device != "cuda":
             raise ValueError(f"buffers='gpu' needs device='cuda', got device={device!r}")
         if buffers == "memfd" and device != "cpu":
             raise ValueError(f"buffers='memfd' is for device='cpu', got device={device!r}")
         self.cfg, self.world_size, self.node_size = cfg, world_size, node_size
         self.transport, self.device, self.timeout_s = transport, device, timeout_s
-        self.gpu_wait, self.buffers = gpu_wait, buffers
+        self.gpu_wait, self.buffers, self.nics = gpu_wait, buffers, nics
         self._procs: list = []
         self._conns: list = []
         self._broken: str | None = None
@@ -143,7 +146,8 @@ class LocalCluster:
                 p = ctx.Process(target=_rank_main, daemon=True, name=f"moe_a2a-rank{rank}",
                                 args=(rank, self.world_size, port, self.cfg, self.node_size, self.transport,
                                       self.device, self.timeout_s,
-                                      {"gpu_wait": self.gpu_wait, "buffers": self.buffers}, theirs))
+                                      {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics},
+                                      theirs))
                 p.start()
                 theirs.close()
                 self._procs.append(p)

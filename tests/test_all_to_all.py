@@ -251,3 +251,25 @@ def test_gpu_buffers_are_registered_with_the_nic_or_fall_back_to_host_staged(tra
             with LocalCluster(cfg, world_size=4, node_size=2, transport=transport, device="cuda",
                               timeout_s=60.0, buffers="gpu"):
                 pass
+
+
+def _nics(a2a, rank):
+    return a2a.nics
+
+
+@pytest.mark.timeout(600)
+def test_proxies_drive_several_nics_with_peers_sharded_over_them():
+    """nics=[two domains]: every proxy opens both (tcp: two interfaces standing in for EFA's NICs per
+    GPU) and shards its peers over them; results still match the reference."""
+    from moe_a2a.proxy import libfabric as lf
+
+    names = lf.list_domains("tcp")[:2]
+    if len(names) < 2:
+        pytest.skip(f"tcp offers one domain here ({names}); this needs two interfaces")
+    cfg = _cfg(Case(4, 1, "tcp", torch.bfloat16, private=1))
+    with LocalCluster(cfg, world_size=4, node_size=1, transport="tcp", device=TEST_DEVICE, timeout_s=60.0,
+                      nics=names) as cl:
+        assert cl.run(_nics) == [tuple(names)] * 4
+        assert check_against_reference(cfg, cl.run(rank_roundtrip, cfg.max_num_tokens, 5, 2, "random")) == []
+    with pytest.raises(ValueError, match="nics must be"):
+        LocalCluster(cfg, world_size=2, nics="eth0")

@@ -63,6 +63,7 @@ class ProxySpec:
     # are not in the segment: "cuda" (cuMem) or "host" (memfd). Their POSIX FDs follow the spec on
     # the socket; the proxy maps them and registers them with the NIC ("cuda": FI_HMEM_CUDA).
     fd_buffers: tuple[str, int, int, int] | None = None
+    domains: tuple[str, ...] | None = None  # the NICs (libfabric domains) to open; None: the first
 
 
 class Flags:
@@ -108,8 +109,8 @@ class Proxy:
                                       np.int32).reshape(lay.world_size, lay.num_experts)
         own = spec.fd_buffers
         on_gpu = own is not None and own[0] == "cuda"
-        self.engine = TransferEngine(spec.provider, timeout_s=spec.timeout_s, idle_yield=spec.idle_yield,
-                                     hmem=on_gpu)
+        self.engine = TransferEngine(spec.provider, domains=spec.domains, timeout_s=spec.timeout_s,
+                                     idle_yield=spec.idle_yield, hmem=on_gpu)
         self.region = self.engine.register(self.seg.addr, self.seg.nbytes)
         self._mapped: list = []
         if own is not None:
