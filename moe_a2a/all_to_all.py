@@ -66,7 +66,7 @@ class AllToAll:
         node_group: ranks that share memory with this one: "auto"/None (same hostname), an int
             (node size; ranks `[k*n, (k+1)*n)` form node k) or a process group (its size).
         transport: "auto" (efa if present, else shm on one host, tcp across hosts), "efa", "shm",
-            "tcp" ("verbs": not yet).
+            "tcp" or "verbs" (libfabric's verbs;ofi_rxm: ConnectX; untested, no RDMA device here).
         device: where the model's tensors live (default: current CUDA device, else CPU).
         timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
         gpu_wait: on a GPU, how the receive halves wait for the proxy: "kernel" (a spinning kernel on
@@ -108,8 +108,12 @@ class AllToAll:
                                or not all(isinstance(n, str) and n for n in nics)):
             raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
         self._gpu_wait = gpu_wait
-        if transport == "verbs":
-            raise ValueError("transport 'verbs' (ConnectX-7 RC) is not implemented yet; use 'efa', 'shm' or 'tcp'")
+        if transport != "auto":  # before anything collective: every rank refuses alike
+            name, available = lf.PROVIDER_NAMES[transport], lf.list_providers()
+            if name not in available:
+                raise ValueError(f"transport {transport!r} needs libfabric's {name!r} provider, which is not "
+                                 f"available here (available: {available}; efa and verbs need their "
+                                 f"devices, MOE_A2A_LIBFABRIC may point at another libfabric.so)")
         if group is None:
             if not dist.is_initialized():
                 raise ValueError("AllToAll needs torch.distributed initialised (or pass group=)")

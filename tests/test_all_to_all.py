@@ -273,3 +273,16 @@ def test_proxies_drive_several_nics_with_peers_sharded_over_them():
         assert check_against_reference(cfg, cl.run(rank_roundtrip, cfg.max_num_tokens, 5, 2, "random")) == []
     with pytest.raises(ValueError, match="nics must be"):
         LocalCluster(cfg, world_size=2, nics="eth0")
+
+
+def test_an_unavailable_transport_is_refused_before_anything_starts():
+    from moe_a2a import AllToAll
+    from moe_a2a.proxy import libfabric as lf
+
+    if "verbs;ofi_rxm" in lf.list_providers():
+        pytest.skip("this machine has a verbs device")
+    cfg = A2AConfig(max_num_tokens=2, num_experts=4, experts_per_token=1, hidden_dim=8, in_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"transport 'verbs' needs libfabric's 'verbs;ofi_rxm' provider"):
+        AllToAll(cfg, transport="verbs")  # no process group needed: refused first
+    with pytest.raises(ValueError, match="transport must be"):
+        AllToAll(cfg, transport="ib")

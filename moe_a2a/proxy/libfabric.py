@@ -468,7 +468,7 @@ def _close_fid(fid_addr: int, what: str) -> None:
 # Objects
 # --------------------------------------------------------------------------------------------------
 
-PROVIDER_NAMES = {"tcp": "tcp;ofi_rxm", "shm": "shm", "efa": "efa"}
+PROVIDER_NAMES = {"tcp": "tcp;ofi_rxm", "shm": "shm", "efa": "efa", "verbs": "verbs;ofi_rxm"}
 
 
 class Info:
