@@ -203,17 +203,20 @@ class Proxy:
         return {plan.make_imm(kind, p, epoch): count for p in peers}
 
     # ---- posting ------------------------------------------------------------------------------
-    def scatter(self, writes: np.ndarray, src_base: int, dst_base: int, kind: Imm, epoch: int) -> None:
-        """Post `plan` write rows (rank, src, length, dst): ranks become group positions (every rank
-        but this one, in order) and offsets become offsets in the registered regions."""
-        if len(writes):
-            self.engine.scatter(self.data_group, self.data_src, plan.group_targets(writes, self.rank, src_base, dst_base),
-                                plan.make_imm(kind, self.rank, epoch))
+    def _targets(self, writes: np.ndarray) -> np.ndarray:
+        """`plan` write rows (rank, src, length, dst) -> engine targets of the data group: ranks become
+        group positions (every rank but this one, in order), offsets move into the registered regions."""
+        return plan.group_targets(writes, self.rank, self.send_base, self.recv_base)
 
-    def barrier(self, kind: Imm, epoch: int, what: str) -> None:
+    def _post(self, targets: np.ndarray, kind: Imm, epoch: int) -> None:
+        if len(targets):
+            self.engine.scatter(self.data_group, self.data_src, targets, plan.make_imm(kind, self.rank, epoch))
+
+    def barrier(self, kind: Imm, epoch: int, what: str, imms: dict[int, int]) -> None:
+        """Send `kind` to every peer and wait for theirs (`imms`: one per peer)."""
         if self.peers:
             self.engine.barrier(self.group, plan.make_imm(kind, self.rank, epoch))
-        self.wait_peers(epoch, what, self._imms(kind, epoch, self.peers))
+        self.wait_peers(epoch, what, imms)
         # Our own writes are complete once every peer has passed the barrier; drain the CQ so the
         # send buffer can be reused without a stale completion in flight.
         self.engine.wait_writes()
@@ -221,7 +224,11 @@ class Proxy:
     # ---- one call -------------------------------------------------------------------------------
     def run_epoch(self, e: int) -> None:
         lay, r, F, mark = self.lay, self.rank, Flag, self.mark
-        send, recv = self.send_base, self.recv_base
+        # What depends only on the epoch is ready before the model's routing is: the immediates to
+        # count. What depends on counts is computed while waiting for the next step, never after it.
+        route_imms = self._imms(Imm.ROUTE, e, self.peers)
+        combine_imms = self._imms(Imm.COMBINE, e, self.remote)
+        barrier_imms = (self._imms(Imm.DISPATCH_BARRIER, e, self.peers), self._imms(Imm.COMBINE_BARRIER, e, self.peers))
 
         self.wait_local(F.ROUTE_READY, e)
         self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
@@ -229,42 +236,43 @@ class Proxy:
         if self.peers:
             self.engine.scatter(self.group, self.region, self._route_targets, plan.make_imm(Imm.ROUTE, r, e))
         mark(1)  # route_posted
+        # Our count row is final at ROUTE_READY: plan the private writes while the model packs.
+        private = self._targets(plan.private_writes(self.routing[r].astype(np.int64), r, lay))
         self.wait_local(F.SEND_READY, e)
         mark(2)  # send_ready_seen
-        self.scatter(plan.private_writes(self.routing[r].astype(np.int64), r, lay), send, recv, Imm.DISPATCH, e)
+        self._post(private, Imm.DISPATCH, e)
         mark(3)  # private_posted
-        self.wait_peers(e, "dispatch: routing exchange", self._imms(Imm.ROUTE, e, self.peers))
+        self.wait_peers(e, "dispatch: routing exchange", route_imms)
         mark(4)  # routes_received
         counts = self.routing.astype(np.int64)
         plan.validate_counts(counts, lay)
         routes = plan.route_matrix(counts, lay)
-        self.scatter(plan.remainder_writes(routes, r, lay), send, recv, Imm.DISPATCH, e)
+        self._post(self._targets(plan.remainder_writes(routes, r, lay)), Imm.DISPATCH, e)
         mark(5)  # remainder_posted
-        self.wait_peers(e, "dispatch: tokens", self._imms(Imm.DISPATCH, e, self.remote,
-                                                           plan.expected_dispatch_imms(routes, r, lay)),
-                        F.SEND_READY)
+        dispatch_imms = self._imms(Imm.DISPATCH, e, self.remote, plan.expected_dispatch_imms(routes, r, lay))
+        combine = self._targets(plan.combine_writes(routes, r, lay))  # off the combine's critical path
+        self.wait_peers(e, "dispatch: tokens", dispatch_imms, F.SEND_READY)
         # Stamp before publishing: the model reads the trace as soon as it sees the flag.
         mark(6)  # dispatch_received
         self.flags[F.DISPATCH_RECV_READY] = e
 
         self.wait_local(F.DISPATCH_RECV_DONE, e)
         mark(7)  # dispatch_recv_done_seen
-        self.barrier(Imm.DISPATCH_BARRIER, e, "dispatch: barrier")
+        self.barrier(Imm.DISPATCH_BARRIER, e, "dispatch: barrier", barrier_imms[0])
         mark(8)  # dispatch_barrier
         self.flags[F.DISPATCH_BARRIER] = e
 
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(9)  # combine_send_seen
-        self.scatter(plan.combine_writes(routes, r, lay), send, recv, Imm.COMBINE, e)
+        self._post(combine, Imm.COMBINE, e)
         mark(10)  # combine_posted
-        self.wait_peers(e, "combine: expert outputs", self._imms(Imm.COMBINE, e, self.remote),
-                        F.COMBINE_SEND_READY)
+        self.wait_peers(e, "combine: expert outputs", combine_imms, F.COMBINE_SEND_READY)
         mark(11)  # combine_received
         self.flags[F.COMBINE_RECV_READY] = e
 
         self.wait_local(F.COMBINE_RECV_DONE, e)
         mark(12)  # combine_recv_done_seen
-        self.barrier(Imm.COMBINE_BARRIER, e, "combine: barrier")
+        self.barrier(Imm.COMBINE_BARRIER, e, "combine: barrier", barrier_imms[1])
         mark(13)  # combine_barrier
         self.flags[F.COMBINE_BARRIER] = e
 
