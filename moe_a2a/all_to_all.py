@@ -77,8 +77,9 @@ class AllToAll:
             kernels reach over PCIe; the proxy's NIC reads and writes it). "gpu": GPU memory — CUDA
             IPC when every peer is on this node, else cuMem allocations exported as POSIX FDs that
             the proxy maps and registers with the NIC (FI_HMEM_CUDA: EFA) and same-node peers map;
-            raises if that is impossible. "auto" (default): "gpu" where it works, else "host" with
-            one log line saying why. "memfd": host memory of its own (memfd) shared and registered
+            raises if that is impossible. "auto" (default): with remote peers over efa or verbs,
+            "gpu" where it works, else "host" with one log line saying why; over tcp and shm "host"
+            (they stage through host memory; "gpu" tries anyway). "memfd": host memory of its own (memfd) shared and registered
             exactly as "gpu" buffers with remote peers are: that path without a GPU (CI runs it).
         nics: the NICs (libfabric domains, `moe_a2a.proxy.libfabric.list_domains(provider)`) this
             rank's proxy drives; peers are sharded over them. "auto": on EFA this rank's equal share of
@@ -160,8 +161,14 @@ class AllToAll:
             self.placement = "nic"
         elif not on_gpu or buffers == "host":
             self.placement = "host"
-        else:
-            self.placement = "nic" if lay.remote_peers(r) else "ipc"
+        elif not lay.remote_peers(r):
+            self.placement = "ipc"
+        elif buffers == "gpu" or self.transport in ("efa", "verbs"):
+            self.placement = "nic"
+        else:  # the software providers copy through host memory anyway
+            self.placement = "host"
+            self.placement_reason = (f"transport {self.transport!r} stages GPU data through host memory "
+                                     f"(buffers='gpu' tries GPU memory anyway)")
         self._closed = False
         try:
             if self.placement == "nic":

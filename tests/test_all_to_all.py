@@ -232,25 +232,23 @@ def test_tracing_records_every_step_in_order(cluster):
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="GPU send/recv buffers need a CUDA GPU (MOE_A2A_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_gpu_buffers_are_registered_with_the_nic_or_fall_back_to_host_staged(transport):
-    """buffers='auto' with remote peers: cuMem buffers exported as POSIX FDs, imported by the proxy and
-    registered with FI_HMEM_CUDA where the provider can (EFA); elsewhere (tcp: no FI_HMEM; shm built
-    without CUDA: -FI_ENOSYS) every rank falls back to host-staged and says why. Results match either way."""
+def test_gpu_buffers_are_registered_with_the_nic_or_refused_naming_why(transport):
+    """With remote peers over a software provider, buffers='auto' stages through host memory and says
+    so; buffers='gpu' exports cuMem buffers as POSIX FDs, the proxy imports and registers them with
+    FI_HMEM_CUDA where the provider can (a CUDA-enabled shm), and otherwise construction fails naming
+    the cause (tcp: no FI_HMEM; shm as built on our GPU host: -FI_ENOSYS). Results match either way."""
     cfg = _cfg(Case(4, 2, transport, torch.bfloat16))
     with LocalCluster(cfg, world_size=4, node_size=2, transport=transport, device="cuda", timeout_s=60.0) as cl:
         placements = cl.run(_placement)
-        assert len({p for p, _ in placements}) == 1, placements  # one placement on every rank
-        placement, reason = placements[0]
-        assert placement in ("nic", "host")
-        assert (reason is None) == (placement == "nic")
-        if reason:
-            assert "cannot be registered with the NIC" in reason and transport in reason
-        assert check_against_reference(cfg, cl.run(rank_roundtrip, cfg.max_num_tokens, 1, 2, "random")) == []
-    if placement == "host":  # forcing GPU buffers then fails at construction, naming the cause
-        with pytest.raises(RuntimeError, match="buffers='gpu': GPU send/recv buffers cannot be registered"):
-            with LocalCluster(cfg, world_size=4, node_size=2, transport=transport, device="cuda",
-                              timeout_s=60.0, buffers="gpu"):
-                pass
+        assert len(set(placements)) == 1 and placements[0][0] == "host"
+        assert f"transport {transport!r} stages GPU data through host memory" in placements[0][1]
+    try:
+        with LocalCluster(cfg, world_size=4, node_size=2, transport=transport, device="cuda", timeout_s=60.0,
+                          buffers="gpu") as cl:
+            assert set(cl.run(_placement)) == {("nic", None)}
+            assert check_against_reference(cfg, cl.run(rank_roundtrip, cfg.max_num_tokens, 1, 2, "random")) == []
+    except RuntimeError as exc:
+        assert "buffers='gpu': GPU send/recv buffers cannot be registered with the NIC" in str(exc)
 
 
 def _nics(a2a, rank):
