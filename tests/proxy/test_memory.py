@@ -122,16 +122,16 @@ def test_cumem_buffer_is_mapped_by_another_process_through_its_fd():
     ours, theirs = socket.socketpair()
     # The importer is torch-free, as the proxy is: the driver API only.
     child = _python(f"""
-        import socket
+        import ctypes, socket
         from cuda.bindings import driver as cu
         from moe_a2a.proxy.memory import CuMemBuffer, recv_fds
         (fd,) = recv_fds(socket.socket(fileno={theirs.fileno()}), 1, 20.0)
         mem = CuMemBuffer({buf.size}, {torch.cuda.current_device()}, fd=fd)
-        out = bytearray(5)
-        assert cu.cuMemcpyDtoH(out, mem.addr, 5)[0] == cu.CUresult.CUDA_SUCCESS
+        out = ctypes.create_string_buffer(5)
+        assert cu.cuMemcpyDtoH(ctypes.addressof(out), mem.addr, 5)[0] == cu.CUresult.CUDA_SUCCESS
         assert cu.cuMemsetD8(mem.addr + 5, 33, 1)[0] == cu.CUresult.CUDA_SUCCESS
         cu.cuCtxSynchronize()
-        print(out.decode(), flush=True)
+        print(out.raw.decode(), flush=True)
         mem.close()
     """, pass_fds=[theirs.fileno()])
     theirs.close()
