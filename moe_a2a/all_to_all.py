@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout
+from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, WORDS_PER_FLAG, A2AConfig, Flag, Layout
 from .proxy import bootstrap, topology
 from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
@@ -36,7 +36,6 @@ from .triton_kernels import routing, sync
 
 log = logging.getLogger("moe_a2a")
 
-_WORDS_PER_FLAG = 8  # int64 words per 64-byte flag slot
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
                 "dispatch received (next: combine send)", "combine sent (next: combine recv)")
@@ -333,10 +332,10 @@ class AllToAll:
         self.peer_send_bytes = peer_send.to(self.device)
         self.peer_recv_bytes = peer_recv.to(self.device)
 
-        nflags = int(Flag.NUM_FLAGS) * _WORDS_PER_FLAG
+        nflags = int(Flag.NUM_FLAGS) * WORDS_PER_FLAG
         self.flags = self._view(seg.addr + lay.flags_offset_bytes, nflags * 8).view(torch.int64)
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
-        ntrace = (len(MODEL_TRACE_EVENTS) * 2 + 1) * 2
+        ntrace = lay.model_trace_words
         self._model_trace = self._view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
         self._model_trace_host = seg.numpy(lay.model_trace_offset_bytes, ntrace, "int64")
         self.counts = self._view(seg.addr + lay.routing_offset_bytes, lay.routing_bytes).view(
@@ -442,9 +441,9 @@ class AllToAll:
         self._tracing = bool(on)
         if self._tracing and self.device.type == "cuda" and self._clock_offset_ns is None:
             torch.cuda.synchronize(self.device)
-            n = len(MODEL_TRACE_EVENTS) * 4
-            self._clock_offset_ns = sync.gpu_clock_offset_ns(self._model_trace, self._model_trace_host, n)
-        self.flags_host[int(Flag.TRACE) * _WORDS_PER_FLAG] = int(on)
+            self._clock_offset_ns = sync.gpu_clock_offset_ns(self._model_trace, self._model_trace_host,
+                                                             self.layout.clock_calibration_word)
+        self.flags_host[int(Flag.TRACE) * WORDS_PER_FLAG] = int(on)
 
     def trace(self) -> dict:
         """The last traced call: `{"rank", "epoch", "model": {half: (t0_ns, t1_ns)}, "proxy": {event: t_ns}}`,
@@ -456,11 +455,11 @@ class AllToAll:
         # The proxy's last steps (the combine barrier) finish after combine returns: let them land.
         deadline = time.monotonic() + self.timeout_s
         while (self._state == _IDLE and self.epoch and time.monotonic() < deadline
-               and int(self.flags_host[int(Flag.COMBINE_BARRIER) * _WORDS_PER_FLAG]) < self.epoch):
+               and int(self.flags_host[int(Flag.COMBINE_BARRIER) * WORDS_PER_FLAG]) < self.epoch):
             time.sleep(1e-4)
         raw = self.segment.numpy(self.layout.trace_offset_bytes, 2 * len(TRACE_EVENTS), "int64").reshape(-1, 2)
         proxy = {name: int(t) for name, (e, t) in zip(TRACE_EVENTS, raw) if e == self.epoch}
-        stamps = self._model_trace_host[: len(MODEL_TRACE_EVENTS) * 4].reshape(-1, 2, 2).tolist()
+        stamps = self._model_trace_host[: self.layout.clock_calibration_word].reshape(-1, 2, 2).tolist()
         offset = self._clock_offset_ns or 0
         model = {name: (t0 + offset, t1 + offset) for name, ((e0, t0), (e1, t1)) in zip(MODEL_TRACE_EVENTS, stamps)
                  if e0 == e1 == self.epoch}
@@ -566,9 +565,9 @@ class AllToAll:
     def _signal(self, flag: Flag) -> None:
         """Publish this call's epoch in `flag` once the stream gets here."""
         if self.epoch_dev is not None:
-            sync.signal_flag(self.flags, int(flag) * _WORDS_PER_FLAG, 0, epoch=self.epoch_dev)
+            sync.signal_flag(self.flags, int(flag) * WORDS_PER_FLAG, 0, epoch=self.epoch_dev)
         else:
-            sync.signal_flag(self.flags, int(flag) * _WORDS_PER_FLAG, self.epoch)
+            sync.signal_flag(self.flags, int(flag) * WORDS_PER_FLAG, self.epoch)
 
     def _wait(self, flag: Flag, what: str, status: Flag, delta: int = 0) -> None:
         """Wait until `flag` >= this call's epoch + delta. CPU and host waits: here, raising here.
@@ -578,13 +577,13 @@ class AllToAll:
         if on_host and self.epoch + delta <= 0:
             return  # (a kernel wait is never skipped: a CUDA graph captured at call 1 replays it)
         self._waits[status] = what
-        word = int(status) * _WORDS_PER_FLAG
+        word = int(status) * WORDS_PER_FLAG
         try:
             if on_host:
-                sync.wait_flag(self.flags_host, int(flag) * _WORDS_PER_FLAG, self.epoch + delta,
-                               int(Flag.ERROR) * _WORDS_PER_FLAG, self.timeout_s, what=what)
+                sync.wait_flag(self.flags_host, int(flag) * WORDS_PER_FLAG, self.epoch + delta,
+                               int(Flag.ERROR) * WORDS_PER_FLAG, self.timeout_s, what=what)
             else:
-                sync.wait_flag(self.flags, int(flag) * _WORDS_PER_FLAG, delta, int(Flag.ERROR) * _WORDS_PER_FLAG,
+                sync.wait_flag(self.flags, int(flag) * WORDS_PER_FLAG, delta, int(Flag.ERROR) * WORDS_PER_FLAG,
                                self.timeout_s, status=self.flags[word: word + 1], what=what, epoch=self.epoch_dev)
         except (TimeoutError, sync.PeerError):
             self._raise_proxy_error()
@@ -595,10 +594,10 @@ class AllToAll:
 
     def _raise_proxy_error(self) -> None:
         for status, what in self._waits.items():
-            code = int(self.flags_host[int(status) * _WORDS_PER_FLAG])
-            if code == 1 and not int(self.flags_host[int(Flag.ERROR) * _WORDS_PER_FLAG]):
+            code = int(self.flags_host[int(status) * WORDS_PER_FLAG])
+            if code == 1 and not int(self.flags_host[int(Flag.ERROR) * WORDS_PER_FLAG]):
                 raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s")
-        code = int(self.flags_host[int(Flag.ERROR) * _WORDS_PER_FLAG])
+        code = int(self.flags_host[int(Flag.ERROR) * WORDS_PER_FLAG])
         if code:
             msg = read_error(self.segment, self.layout)
             raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)

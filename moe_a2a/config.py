@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch is imported lazily (see _dtypes)
 PAGE_BYTES = 4096
 ROW_ALIGN_BYTES = 16  # rows start on 16-byte boundaries so kernels can use 16-byte accesses
 FLAG_SLOT_BYTES = 64  # one cache line per flag: writers on different sides never share a line
+WORDS_PER_FLAG = FLAG_SLOT_BYTES // 8  # flag f is int64 word f * WORDS_PER_FLAG of the flags area
 
 
 
@@ -330,18 +331,31 @@ class Layout:
 
     @cached_property
     def model_trace_offset_bytes(self) -> int:
-        """int64 [len(MODEL_TRACE_EVENTS) * 2 + 1, 2]: (epoch, ns) at the start and end of each half of
-        the model's call, then the clock-calibration pair."""
+        """int64 [model_trace_words]: (epoch, ns) pairs at the start and end of each half of the model's
+        call (pair 2h and 2h+1 for MODEL_TRACE_EVENTS[h]), then the clock-calibration pair."""
         return self.trace_offset_bytes + len(TRACE_EVENTS) * 16
+
+    @cached_property
+    def model_trace_words(self) -> int:
+        return (len(MODEL_TRACE_EVENTS) * 2 + 1) * 2
+
+    @cached_property
+    def clock_calibration_word(self) -> int:
+        """Word index, in the model's trace area, of the clock-calibration pair (after the halves')."""
+        return len(MODEL_TRACE_EVENTS) * 4
 
     @cached_property
     def routing_offset_bytes(self) -> int:
         """int32 [W, E]: row s holds source s's per-expert counts (written by s over the wire)."""
-        return round_up(self.model_trace_offset_bytes + (len(MODEL_TRACE_EVENTS) * 2 + 1) * 16, PAGE_BYTES)
+        return round_up(self.model_trace_offset_bytes + self.model_trace_words * 8, PAGE_BYTES)
+
+    @cached_property
+    def routing_row_bytes(self) -> int:
+        return self.num_experts * 4
 
     @cached_property
     def routing_bytes(self) -> int:
-        return self.world_size * self.num_experts * 4
+        return self.world_size * self.routing_row_bytes
 
     @cached_property
     def send_offset_bytes(self) -> int:

@@ -37,13 +37,12 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from .. import plan
-from ..config import ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, TRACE_EVENTS, Flag, Imm, Layout
+from ..config import ERROR_MESSAGE_BYTES, TRACE_EVENTS, WORDS_PER_FLAG, Flag, Imm, Layout
 from .engine import PeerTimeout, TransferEngine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, send_fds
 
 ERROR_TIMEOUT = 1  # values of Flag.ERROR
 ERROR_FAILED = 2
-_WORDS_PER_FLAG = FLAG_SLOT_BYTES // 8
 
 
 @dataclass(frozen=True)
@@ -70,14 +69,14 @@ class Flags:
     """int64 epoch flags of one segment, one cache line apart."""
 
     def __init__(self, seg: SharedSegment, lay: Layout) -> None:
-        n = int(Flag.NUM_FLAGS) * _WORDS_PER_FLAG
+        n = int(Flag.NUM_FLAGS) * WORDS_PER_FLAG
         self._words = seg.numpy(lay.flags_offset_bytes, n, np.int64)
 
     def __getitem__(self, flag: Flag) -> int:
-        return int(self._words[int(flag) * _WORDS_PER_FLAG])
+        return int(self._words[int(flag) * WORDS_PER_FLAG])
 
     def __setitem__(self, flag: Flag, value: int) -> None:
-        self._words[int(flag) * _WORDS_PER_FLAG] = value
+        self._words[int(flag) * WORDS_PER_FLAG] = value
 
 
 def write_error(seg: SharedSegment, lay: Layout, code: int, message: str) -> None:
@@ -128,8 +127,8 @@ class Proxy:
         table = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
         # Our count row, to the same place in every peer's routing matrix.
-        row_off = lay.routing_offset_bytes + r * lay.num_experts * 4
-        self._route_targets = [(i, row_off, lay.num_experts * 4, row_off) for i in range(len(self.peers))]
+        row_off = lay.routing_offset_bytes + r * lay.routing_row_bytes
+        self._route_targets = [(i, row_off, lay.routing_row_bytes, row_off) for i in range(len(self.peers))]
         self.remote = lay.remote_peers(r)
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
         self.send_base, self.recv_base = lay.send_offset_bytes, lay.recv_offset_bytes

@@ -31,9 +31,11 @@ from .dispatch import (
     _fail,
     _num_warps,
     _persistent_grid,
+    _copy_row_words,
+    _live_token_block,
     _recv_pair_tables,
     _tile_rows,
-    _send_offsets_of,
+    _node_peer_tables,
     _word_bytes,
 )
 
@@ -81,10 +83,8 @@ def _pack_combine_by_source_kernel(
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
 
-    s_idx = tl.arange(0, W_PAD)
-    peer_recv = tl.load(peer_recv_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
-    is_push = (peer_recv >= 0) & (s_idx < W)
-    send_off = _send_offsets_of(counts_ptr, stride_counts_w, rank, is_push, L, W_PAD, BLOCK_E)
+    peer_recv, is_push, send_off = _node_peer_tables(peer_recv_bytes_ptr, counts_ptr, stride_counts_w, rank,
+                                                     W, L, W_PAD, BLOCK_E)
     stage_row = tl.cumsum(n_src, axis=0) - n_src
     first_bytes = tl.where(is_push[None, :],
                            peer_recv[None, :] + (send_off[None, :] + block_start) * SC_BYTES,
@@ -105,11 +105,7 @@ def _pack_combine_by_source_kernel(
         is_row = is_row & (y_row < num_y_rows)
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
         src_words = y_row * stride_y_r
-        for c0 in range(0, Y_WORDS, BLOCK_W):
-            cols = c0 + tl.arange(0, BLOCK_W)
-            mask = is_row[:, None] & (cols < Y_WORDS)[None, :]
-            v = tl.load(expert_y_ptr + src_words[:, None] + cols[None, :], mask=mask)
-            tl.store(base_words + dst_words[:, None] + cols[None, :], v, mask=mask)
+        _copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
 
 
 @triton.jit
@@ -138,12 +134,8 @@ def _reduce_combined_tokens_kernel(
 
     Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs) and writes one.
     Tokens t >= bound_m are not touched; masked routes (slot -1) are skipped, their weight unread."""
-    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
-    num_live = num_tokens
-    if HAS_BOUND_M:
-        num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)
-    is_live = tokens < num_live                                           # [BLOCK_T]
 
     y_ty: tl.constexpr = out_tokens_ptr.dtype.element_ty
     base_y = base_ptr.to(tl.pointer_type(y_ty))

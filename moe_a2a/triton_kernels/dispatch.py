@@ -17,8 +17,8 @@ one UVA space, and under `TRITON_INTERPRET=1` raw host addresses work the same w
   nothing computed on the host per call, so it can be captured in a CUDA graph.
 
 The per-(source, local expert) tables are built by the `@triton.jit` helpers `_recv_pair_tables`,
-`_send_offsets_of` and `_tile_rows` below; `combine.pack_combine_by_source` reuses them, so both directions
-agree on every row by construction.
+`_node_peer_tables` and `_tile_rows` below, and rows move through `_copy_row_words`;
+`combine.pack_combine_by_source` reuses them, so both directions agree on every row by construction.
 """
 from __future__ import annotations
 
@@ -122,6 +122,38 @@ def _send_offsets_of(
 
 
 @triton.jit
+def _node_peer_tables(peer_bytes_ptr, counts_ptr, stride_counts_w, rank,
+                      W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    """([W_PAD] peer buffer - base in bytes or -1, [W_PAD] same-node flag, [W_PAD] `_send_offsets_of`)
+    from a (W,) int64 peer table: the sources (dispatch) or homes (combine) reached in memory."""
+    s_idx = tl.arange(0, W_PAD)
+    peer = tl.load(peer_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
+    is_peer = (peer >= 0) & (s_idx < W)
+    return peer, is_peer, _send_offsets_of(counts_ptr, stride_counts_w, rank, is_peer, L, W_PAD, BLOCK_E)
+
+
+@triton.jit
+def _live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M: tl.constexpr):
+    """(this program's BLOCK_T token ids along grid axis 0, which of them are < min(T, bound_m))."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    num_live = num_tokens
+    if HAS_BOUND_M:
+        num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)
+    return tokens, tokens < num_live
+
+
+@triton.jit
+def _copy_row_words(src_ptr, src_words, dst_ptr, dst_words, is_row, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Copy WORDS words of every row i with is_row[i] from src_ptr + src_words[i] to dst_ptr + dst_words[i],
+    BLOCK_W words at a time (the data movement of unpack and of combine pack, in opposite directions)."""
+    for c0 in range(0, WORDS, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)
+        mask = is_row[:, None] & (cols < WORDS)[None, :]
+        v = tl.load(src_ptr + src_words[:, None] + cols[None, :], mask=mask)
+        tl.store(dst_ptr + dst_words[:, None] + cols[None, :], v, mask=mask)
+
+
+@triton.jit
 def _tile_rows(
     tile,                # int32: tile number; rows tile*BLOCK_R .. +BLOCK_R of the dense numbering
     num_rows,            # int64: received rows in total
@@ -181,12 +213,8 @@ def _pack_tokens_by_expert_kernel(
 
     Reads the chunk once and writes it to the K slots of each token: T*x_bytes read, up to K*T*x_bytes
     written. The chunk-0 programs also copy the tokens' S scales (4*S bytes per slot)."""
-    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
-    num_live = num_tokens
-    if HAS_BOUND_M:
-        num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)
-    is_live = tokens < num_live                                          # [BLOCK_T]
 
     word_ty: tl.constexpr = x_ptr.dtype.element_ty
     base_words = base_ptr.to(tl.pointer_type(word_ty))
@@ -250,10 +278,8 @@ def _unpack_tokens_by_expert_kernel(
 
     # Where the pair's rows are: a same-node source is pulled from its send buffer (rows contiguous);
     # a remote one sits in this rank's private slot (rows < P of its block) then in its remainder run.
-    s_idx = tl.arange(0, W_PAD)
-    peer_send = tl.load(peer_send_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
-    is_pull = (peer_send >= 0) & (s_idx < W)
-    send_off = _send_offsets_of(counts_ptr, stride_counts_w, rank, is_pull, L, W_PAD, BLOCK_E)
+    peer_send, is_pull, send_off = _node_peer_tables(peer_send_bytes_ptr, counts_ptr, stride_counts_w, rank,
+                                                     W, L, W_PAD, BLOCK_E)
     rest = tl.maximum(n_src - P, 0)
     remainder_row = W * P + tl.cumsum(rest, axis=0) - rest     # plan.remainder_offsets
     s_row = tl.arange(0, W_PAD)[None, :].to(tl.int64)
@@ -285,11 +311,7 @@ def _unpack_tokens_by_expert_kernel(
         is_row = is_row & (out_row < num_out_rows)
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
-        for c0 in range(0, X_WORDS, BLOCK_W):
-            cols = c0 + tl.arange(0, BLOCK_W)
-            mask = is_row[:, None] & (cols < X_WORDS)[None, :]
-            v = tl.load(base_words + src_words[:, None] + cols[None, :], mask=mask)
-            tl.store(out_x_ptr + dst_words[:, None] + cols[None, :], v, mask=mask)
+        _copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
         if HAS_SCALES:
             s_cols = tl.arange(0, S_PAD)
             mask = is_row[:, None] & (s_cols < S)[None, :]

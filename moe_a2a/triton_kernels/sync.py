@@ -29,12 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import FLAG_SLOT_BYTES, Flag
+from ..config import WORDS_PER_FLAG, Flag
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
 STATUS_PEER_ERROR = 2
-_WORDS_PER_SLOT = FLAG_SLOT_BYTES // 8
 
 
 class PeerError(RuntimeError):
@@ -138,7 +137,7 @@ def _flag_words(flags: torch.Tensor, name: str = "flags") -> torch.Tensor:
 
 def flag_word(flag: Flag | int) -> int:
     """Word index (into the int64 flags area) of a `Flag`: one FLAG_SLOT_BYTES line per flag."""
-    return int(flag) * _WORDS_PER_SLOT
+    return int(flag) * WORDS_PER_FLAG
 
 
 def _flag_index(flags: torch.Tensor, slot: int, name: str) -> int:
@@ -335,8 +334,8 @@ def wait_flag(
     if not timeout_s > 0:
         raise ValueError(f"timeout_s: expected > 0, got {timeout_s!r}")
     if what is None:
-        is_flag = slot % _WORDS_PER_SLOT == 0 and slot // _WORDS_PER_SLOT in Flag._value2member_map_
-        what = Flag(slot // _WORDS_PER_SLOT).name if is_flag else f"flags[{slot}]"
+        is_flag = slot % WORDS_PER_FLAG == 0 and slot // WORDS_PER_FLAG in Flag._value2member_map_
+        what = Flag(slot // WORDS_PER_FLAG).name if is_flag else f"flags[{slot}]"
     run_on = _run_device(words, device)
     if run_on.type != "cuda":
         _host_wait(words, index, error_index, int(target), float(timeout_s), what)
