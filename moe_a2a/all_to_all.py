@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, WORDS_PER_FLAG, A2AConfig, Flag, Layout
+from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout, flag_word
 from .proxy import bootstrap, topology
 from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
@@ -332,7 +332,7 @@ class AllToAll:
         self.peer_send_bytes = peer_send.to(self.device)
         self.peer_recv_bytes = peer_recv.to(self.device)
 
-        nflags = int(Flag.NUM_FLAGS) * WORDS_PER_FLAG
+        nflags = flag_word(Flag.NUM_FLAGS)
         self.flags = self._view(seg.addr + lay.flags_offset_bytes, nflags * 8).view(torch.int64)
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
         ntrace = lay.model_trace_words
@@ -443,7 +443,7 @@ class AllToAll:
             torch.cuda.synchronize(self.device)
             self._clock_offset_ns = sync.gpu_clock_offset_ns(self._model_trace, self._model_trace_host,
                                                              self.layout.clock_calibration_word)
-        self.flags_host[int(Flag.TRACE) * WORDS_PER_FLAG] = int(on)
+        self.flags_host[flag_word(Flag.TRACE)] = int(on)
 
     def trace(self) -> dict:
         """The last traced call: `{"rank", "epoch", "model": {half: (t0_ns, t1_ns)}, "proxy": {event: t_ns}}`,
@@ -455,7 +455,7 @@ class AllToAll:
         # The proxy's last steps (the combine barrier) finish after combine returns: let them land.
         deadline = time.monotonic() + self.timeout_s
         while (self._state == _IDLE and self.epoch and time.monotonic() < deadline
-               and int(self.flags_host[int(Flag.COMBINE_BARRIER) * WORDS_PER_FLAG]) < self.epoch):
+               and int(self.flags_host[flag_word(Flag.COMBINE_BARRIER)]) < self.epoch):
             time.sleep(1e-4)
         raw = self.segment.numpy(self.layout.trace_offset_bytes, 2 * len(TRACE_EVENTS), "int64").reshape(-1, 2)
         proxy = {name: int(t) for name, (e, t) in zip(TRACE_EVENTS, raw) if e == self.epoch}
@@ -565,9 +565,9 @@ class AllToAll:
     def _signal(self, flag: Flag) -> None:
         """Publish this call's epoch in `flag` once the stream gets here."""
         if self.epoch_dev is not None:
-            sync.signal_flag(self.flags, int(flag) * WORDS_PER_FLAG, 0, epoch=self.epoch_dev)
+            sync.signal_flag(self.flags, flag_word(flag), 0, epoch=self.epoch_dev)
         else:
-            sync.signal_flag(self.flags, int(flag) * WORDS_PER_FLAG, self.epoch)
+            sync.signal_flag(self.flags, flag_word(flag), self.epoch)
 
     def _wait(self, flag: Flag, what: str, status: Flag, delta: int = 0) -> None:
         """Wait until `flag` >= this call's epoch + delta. CPU and host waits: here, raising here.
@@ -577,13 +577,13 @@ class AllToAll:
         if on_host and self.epoch + delta <= 0:
             return  # (a kernel wait is never skipped: a CUDA graph captured at call 1 replays it)
         self._waits[status] = what
-        word = int(status) * WORDS_PER_FLAG
+        word = flag_word(status)
         try:
             if on_host:
-                sync.wait_flag(self.flags_host, int(flag) * WORDS_PER_FLAG, self.epoch + delta,
-                               int(Flag.ERROR) * WORDS_PER_FLAG, self.timeout_s, what=what)
+                sync.wait_flag(self.flags_host, flag_word(flag), self.epoch + delta,
+                               flag_word(Flag.ERROR), self.timeout_s, what=what)
             else:
-                sync.wait_flag(self.flags, int(flag) * WORDS_PER_FLAG, delta, int(Flag.ERROR) * WORDS_PER_FLAG,
+                sync.wait_flag(self.flags, flag_word(flag), delta, flag_word(Flag.ERROR),
                                self.timeout_s, status=self.flags[word: word + 1], what=what, epoch=self.epoch_dev)
         except (TimeoutError, sync.PeerError):
             self._raise_proxy_error()
@@ -594,10 +594,10 @@ class AllToAll:
 
     def _raise_proxy_error(self) -> None:
         for status, what in self._waits.items():
-            code = int(self.flags_host[int(status) * WORDS_PER_FLAG])
-            if code == 1 and not int(self.flags_host[int(Flag.ERROR) * WORDS_PER_FLAG]):
+            code = int(self.flags_host[flag_word(status)])
+            if code == 1 and not int(self.flags_host[flag_word(Flag.ERROR)]):
                 raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s")
-        code = int(self.flags_host[int(Flag.ERROR) * WORDS_PER_FLAG])
+        code = int(self.flags_host[flag_word(Flag.ERROR)])
         if code:
             msg = read_error(self.segment, self.layout)
             raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)

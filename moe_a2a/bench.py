@@ -95,27 +95,32 @@ def run_flags(args) -> int:
     import triton.language as tl
 
     from .proxy.memory import SharedSegment, device_view, unique_name
-    from .triton_kernels.sync import _load_acquire_sys
+    from .triton_kernels.sync import _globaltimer_ns, _load_acquire_sys
+
+    timeout_ns = 30 * 10**9  # the whole kernel: a dead echo process ends it instead of hanging the GPU
 
     @triton.jit
-    def ping_kernel(flags_ptr, n_iters):
+    def ping_kernel(flags_ptr, n_iters, timeout_ns):
         # One program: raise PING = i, spin until the other process answers PONG = i. Measures the
-        # round trip alone, without launch costs in between.
+        # round trip alone, without launch costs in between. Past the deadline every wait gives up at
+        # once (the host then finds PONG short of n_iters).
+        deadline = _globaltimer_ns() + timeout_ns
         for i in range(1, n_iters + 1):
             v = i.to(tl.int64)
             tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
                                       [flags_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
             seen = _load_acquire_sys(flags_ptr + 1, True)
-            while seen < v:
+            while (seen < v) & (_globaltimer_ns() < deadline):
                 seen = _load_acquire_sys(flags_ptr + 1, True)
 
     seg = SharedSegment(unique_name("moe_a2a-bench"), 4096, create=True)
+    echo = None
     try:
         seg.register_cuda()
         flags = device_view(seg.addr, 4096, torch.device("cuda")).view(torch.int64)
         echo = subprocess.Popen([sys.executable, "-c", _ECHO, seg.name, str(args.iters + 100)])
         time.sleep(0.5)
-        ping_kernel[(1,)](flags, 100)  # warm-up (compiles) with the echo process running
+        ping_kernel[(1,)](flags, 100, timeout_ns)  # warm-up (compiles) with the echo process running
         torch.cuda.synchronize()
         seg.numpy(0, 2, "int64")[:] = 0
         time.sleep(0.05)
@@ -125,12 +130,16 @@ def run_flags(args) -> int:
             seg.numpy(0, 2, "int64")[:] = 0
             time.sleep(0.01)
             start.record()
-            ping_kernel[(1,)](flags, args.iters)
+            ping_kernel[(1,)](flags, args.iters, timeout_ns)
             end.record()
             end.synchronize()
+            if int(seg.numpy(8, 1, "int64")[0]) != args.iters:
+                raise TimeoutError(f"bench flags: the echo process answered {int(seg.numpy(8, 1, 'int64')[0])} "
+                                   f"of {args.iters} pings within {timeout_ns / 1e9:g}s")
             samples.append(start.elapsed_time(end) * 1e3 / args.iters)
-        echo.kill()
     finally:
+        if echo is not None:
+            echo.kill()
         seg.close()
     st = _stats(samples)
     print(f"GPU -> proxy process -> GPU flag round trip: median {st['median']:.2f} µs "
@@ -141,13 +150,17 @@ def run_flags(args) -> int:
 
 # The echo process: plain Python + numpy on the shared page, as the proxy reads its flags.
 _ECHO = """
-import sys, numpy as np
+import os, sys, numpy as np
 from moe_a2a.proxy.memory import SharedSegment
 seg = SharedSegment(sys.argv[1]); f = seg.numpy(0, 2, np.int64)
+parent, n = os.getppid(), 0
 while True:
     v = f[0]
     if v != f[1]:
         f[1] = v
+    n += 1
+    if n % 65536 == 0 and os.getppid() != parent:
+        break  # the benchmark is gone
 """
 
 

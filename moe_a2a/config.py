@@ -83,6 +83,11 @@ class Flag(enum.IntEnum):
     NUM_FLAGS = 18
 
 
+def flag_word(flag: "Flag | int") -> int:
+    """Index, in the int64 flags area, of a `Flag`'s word (one FLAG_SLOT_BYTES line per flag)."""
+    return int(flag) * WORDS_PER_FLAG
+
+
 class Imm(enum.IntEnum):
     """Kinds of 32-bit RDMA immediates. The immediate also carries the sender and the epoch, so a
     receiver counts exactly which peer delivered what for which call (see `plan.make_imm`)."""

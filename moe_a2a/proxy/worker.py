@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from .. import plan
-from ..config import ERROR_MESSAGE_BYTES, TRACE_EVENTS, WORDS_PER_FLAG, Flag, Imm, Layout
+from ..config import ERROR_MESSAGE_BYTES, TRACE_EVENTS, Flag, Imm, Layout, flag_word
 from .engine import PeerTimeout, TransferEngine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, send_fds
 
@@ -69,14 +69,14 @@ class Flags:
     """int64 epoch flags of one segment, one cache line apart."""
 
     def __init__(self, seg: SharedSegment, lay: Layout) -> None:
-        n = int(Flag.NUM_FLAGS) * WORDS_PER_FLAG
+        n = flag_word(Flag.NUM_FLAGS)
         self._words = seg.numpy(lay.flags_offset_bytes, n, np.int64)
 
     def __getitem__(self, flag: Flag) -> int:
-        return int(self._words[int(flag) * WORDS_PER_FLAG])
+        return int(self._words[flag_word(flag)])
 
     def __setitem__(self, flag: Flag, value: int) -> None:
-        self._words[int(flag) * WORDS_PER_FLAG] = value
+        self._words[flag_word(flag)] = value
 
 
 def write_error(seg: SharedSegment, lay: Layout, code: int, message: str) -> None:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import WORDS_PER_FLAG, Flag
+from ..config import WORDS_PER_FLAG, Flag, flag_word
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
@@ -133,11 +133,6 @@ def _flag_words(flags: torch.Tensor, name: str = "flags") -> torch.Tensor:
                              f"{flags.numel()} bytes at address % 8 = {flags.data_ptr() % 8}")
         flags = flags.view(torch.int64)
     return flags
-
-
-def flag_word(flag: Flag | int) -> int:
-    """Word index (into the int64 flags area) of a `Flag`: one FLAG_SLOT_BYTES line per flag."""
-    return int(flag) * WORDS_PER_FLAG
 
 
 def _flag_index(flags: torch.Tensor, slot: int, name: str) -> int:
