@@ -52,11 +52,15 @@ x2)  # kind nvidia-h200-x2: one rank per GPU, same-node peers through CUDA IPC o
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
-next)  # written after the device time of 2026-11-29 was spent; ~10 min of limits: split over two calls if needed
+next)  # written after the device time of 2026-11-29 was spent; ~16 min of limits: split over two or three calls
   # cuMem send/recv buffers exported as POSIX FDs, imported by the proxy, registered or fallen back
   # and the whole end-to-end file again: the proxy and plan changes of that day ran on CPU only
   step 240 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/proxy/test_memory.py \
        tests/test_all_to_all.py tests/test_cuda_graph.py
+  # the kernels after their shared helpers were factored out (same code inlined: timings should not move)
+  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels
+  step 100 python3 -m moe_a2a.bench kernels --preset both --json "$OUT/kernels.json" --png "$OUT/kernels.png"
+  step 45  python3 -m moe_a2a.bench flags --iters 2000 --reps 10 --json "$OUT/flags.json"
   # eager latency after the launcher work (384 -> 134 µs of launcher Python on the CPU machine)
   step 60  python3 -m moe_a2a.bench kernels --launchers --json "$OUT/launchers.json"
   step 50  python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
