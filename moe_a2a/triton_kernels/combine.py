@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
-from .dispatch import (
+from .rows import (
     CPU_TOKENS_PER_PROGRAM,
     _align_words,
     _as_words,
