@@ -1,6 +1,6 @@
 """moe_a2a: expert-parallel dispatch and combine for Mixture-of-Experts inference.
 
-Public face (DESIGN section 4): `A2AConfig`, `AllToAll`, `LocalCluster` and the executable
+Public face (docs/design.md, API): `A2AConfig`, `AllToAll`, `LocalCluster` and the executable
 specification `reference.dispatch` / `reference.combine`.
 
 Attributes are imported on first use, so `import moe_a2a` stays cheap and the proxy process

@@ -33,6 +33,7 @@ from .proxy.worker import ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, sync
+from .triton_kernels.node_sync import NodeSync, failed_ranks
 
 log = logging.getLogger("moe_a2a")
 
@@ -57,7 +58,7 @@ def _check(name: str, t: Any, shape: tuple | None, dtype, device: torch.device, 
 
 
 class AllToAll:
-    """Expert-parallel dispatch and combine over this rank's group (DESIGN section 4).
+    """Expert-parallel dispatch and combine over this rank's group (docs/design.md, API).
 
     Args:
         cfg: the sizes.
@@ -275,19 +276,29 @@ class AllToAll:
         else:
             share = None
         gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid)) if on_gpu else None
-        table = bootstrap.exchange(self.group, (address, region, seg.name, share, gpu, gpu_region))
+        table = bootstrap.exchange(self.group, (address, region, seg.name, share, gpu, gpu_region,
+                                                self._gpu_wait))
+
         # Ranks sharing one GPU (several processes on one device) are time-sliced, not concurrent: a
         # kernel spinning on a flag would hold the GPU while the peer it waits for cannot run
         # (measured: 9 ms per phase with 4 ranks on one H200). Such ranks wait on the host instead.
-        shared_gpu = on_gpu and any(t[4] == gpu for i, t in enumerate(table) if i != r)
-        self.host_waits = on_gpu and (self._gpu_wait == "host" or (self._gpu_wait == "auto" and shared_gpu))
+        def waits_on_host(i: int) -> bool:
+            gpu_i, wait_i = table[i][4], table[i][6]
+            shared = gpu_i is not None and any(t[4] == gpu_i for j, t in enumerate(table) if j != i)
+            return gpu_i is not None and (wait_i == "host" or (wait_i == "auto" and shared))
+
+        self.host_waits = waits_on_host(r)
+        # Every rank decides alike (from the table): when all ranks share memory and every GPU rank
+        # waits in kernels, the kernels synchronise through the peers' mapped recv buffers and the
+        # proxy stays off every call (triton_kernels/node_sync.py, docs/protocol.md).
+        W = lay.world_size
+        self.node_local = lay.node_size == W and not any(map(waits_on_host, range(W)))
         # Kernel-side waits and signals read the epoch from the device, so a captured CUDA graph
         # publishes and awaits the epoch of each replay, not the one seen at capture.
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device) if on_gpu else None
-        self.proxy.finish([t[:3] + t[5:] for t in table], self.timeout_s)
+        self.proxy.finish([t[:3] + t[5:6] for t in table], self.timeout_s, self.node_local)
 
         # Addresses of every buffer this rank's kernels touch: own and same-node peers' send/recv.
-        W = lay.world_size
         if self.placement == "host":
             send_at = {r: seg.addr + lay.send_offset_bytes}
             recv_at = {r: seg.addr + lay.recv_offset_bytes}
@@ -338,8 +349,37 @@ class AllToAll:
         ntrace = lay.model_trace_words
         self._model_trace = self._view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
         self._model_trace_host = seg.numpy(lay.model_trace_offset_bytes, ntrace, "int64")
-        self.counts = self._view(seg.addr + lay.routing_offset_bytes, lay.routing_bytes).view(
-            torch.int32).view(W, lay.num_experts)
+        # The routing matrix: filled by the proxy (remote rows) in the segment, or by the same-node
+        # peers' kernels in this rank's recv buffer when the calls are node-local.
+        counts_at = (recv_at[r] + lay.node_counts_offset_bytes if self.node_local
+                     else seg.addr + lay.routing_offset_bytes)
+        self.counts = self._view(counts_at, lay.routing_bytes).view(torch.int32).view(W, lay.num_experts)
+        # Out-of-range expert indices, reported by the routing kernel (no host sync on a GPU).
+        self._bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
+        self._node = None
+        if self.node_local:
+            first = lay.node_of(r) * lay.node_size
+            word = {f: self.flags[flag_word(f): flag_word(f) + 1]
+                    for f in (Flag.STATUS_DISPATCH_RECV, Flag.STATUS_COMBINE_RECV)}
+            self._node = NodeSync(
+                epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
+                failed=torch.zeros(1, dtype=torch.int64, device=self.device),
+                counter=torch.zeros(1, dtype=torch.int32, device=self.device),
+                peer_recv_bytes=self.peer_recv_bytes,
+                dispatch_status=word[Flag.STATUS_DISPATCH_RECV], combine_status=word[Flag.STATUS_COMBINE_RECV],
+                rank=r, node_first=first, node_size=lay.node_size,
+                dispatch_ready_bytes=lay.dispatch_ready_offset_bytes,
+                combine_ready_bytes=lay.combine_ready_offset_bytes,
+                counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts,
+                timeout_s=self.timeout_s)
+            # CPU: the host waits on this rank's ready words (the interpreter runs kernels to the end
+            # before returning, so a kernel cannot wait for a peer that is still being launched).
+            if not on_gpu:
+                self._ready_words = {
+                    name: torch.frombuffer((ctypes.c_int64 * W).from_address(recv_at[r] + off),
+                                           dtype=torch.int64).numpy()
+                    for name, off in (("dispatch", lay.dispatch_ready_offset_bytes),
+                                      ("combine", lay.combine_ready_offset_bytes))}
         self.route_slot = torch.full((self.cfg.max_num_tokens, self.cfg.experts_per_token), -1,
                                      dtype=torch.int32, device=self.device)
 
@@ -446,7 +486,8 @@ class AllToAll:
         self.flags_host[flag_word(Flag.TRACE)] = int(on)
 
     def trace(self) -> dict:
-        """The last traced call: `{"rank", "epoch", "model": {half: (t0_ns, t1_ns)}, "proxy": {event: t_ns}}`,
+        """The last traced call: `{"rank", "epoch", "node_local", "model": {half: (t0_ns, t1_ns)}, "proxy":
+        {event: t_ns}}` (no proxy events when the calls are node-local: the proxy takes no part),
         CLOCK_MONOTONIC nanoseconds (one clock for every process of this machine). On a GPU the model's
         spans are when the stream reached the start and the end of each half (mapped from %globaltimer,
         within ~1 µs)."""
@@ -454,7 +495,7 @@ class AllToAll:
             torch.cuda.synchronize(self.device)  # the end stamps are written by the stream
         # The proxy's last steps (the combine barrier) finish after combine returns: let them land.
         deadline = time.monotonic() + self.timeout_s
-        while (self._state == _IDLE and self.epoch and time.monotonic() < deadline
+        while (not self.node_local and self._state == _IDLE and self.epoch and time.monotonic() < deadline
                and int(self.flags_host[flag_word(Flag.COMBINE_BARRIER)]) < self.epoch):
             time.sleep(1e-4)
         raw = self.segment.numpy(self.layout.trace_offset_bytes, 2 * len(TRACE_EVENTS), "int64").reshape(-1, 2)
@@ -463,7 +504,7 @@ class AllToAll:
         offset = self._clock_offset_ns or 0
         model = {name: (t0 + offset, t1 + offset) for name, ((e0, t0), (e1, t1)) in zip(MODEL_TRACE_EVENTS, stamps)
                  if e0 == e1 == self.epoch}
-        return {"rank": self.rank, "epoch": self.epoch, "model": model, "proxy": proxy}
+        return {"rank": self.rank, "epoch": self.epoch, "node_local": self.node_local, "model": model, "proxy": proxy}
 
     def _traced(self, name: str, fn, *args) -> None:
         if not self._tracing:
@@ -519,8 +560,69 @@ class AllToAll:
         except Exception:
             pass
 
-    # ---- the four halves --------------------------------------------------------------------------
+    # ---- the four halves, node-local: the kernels synchronise through mapped memory -----------------
+    # dispatch send  route_tokens (epoch += 1 on the stream) -> pack; its last program copies the count
+    #                row to every node peer and publishes dispatch_ready[me] = epoch there
+    # dispatch recv  unpack, whose programs first wait for dispatch_ready[s] >= epoch of every node peer
+    # combine send   pack by source (push into the homes' recv buffers); last program: combine_ready
+    # combine recv   reduce, whose programs first wait for combine_ready[s] >= epoch of every node peer
+    def _dispatch_send_node(self, x, x_scale, indices, bound_m) -> None:
+        self.epoch += 1
+        self._T, self._bound_m = x.shape[0], bound_m
+        slot = self.route_slot[: x.shape[0]]
+        routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[self.rank], out_route_slot=slot,
+                             bound_m=bound_m, epoch=self._node.epoch,
+                             bad_index=self._bad_index if self.device.type == "cuda" else None)
+        dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
+                                               bound_m=bound_m, node=self._node)
+        self._state = _DISPATCH_SENT
+
+    def _dispatch_recv_node(self, out_num, out_x, out_x_scale) -> None:
+        what = "dispatch: count rows and tokens from same-node peers"
+        self._waits[Flag.STATUS_DISPATCH_RECV] = what
+        if self.device.type != "cuda":
+            self._host_wait_node("dispatch", what)
+        dispatch_kernels.unpack_tokens_by_expert(
+            out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
+            self.recv_offset_bytes, self.cfg, self.layout, node=self._node)
+        self._state = _DISPATCH_DONE
+
+    def _combine_send_node(self, expert_y) -> None:
+        combine_kernels.pack_combine_by_source(
+            expert_y, self.counts, self.rank, self.base, self.peer_recv_bytes,
+            self.send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout, node=self._node)
+        self._state = _COMBINE_SENT
+
+    def _combine_recv_node(self, out_tokens, weights, accumulate, bound_m) -> None:
+        what = "combine: expert outputs from same-node peers"
+        self._waits[Flag.STATUS_COMBINE_RECV] = what
+        if self.device.type != "cuda":
+            self._host_wait_node("combine", what)
+        combine_kernels.reduce_combined_tokens(
+            out_tokens, self.route_slot[: self._T], weights, self.base, self.recv_offset_bytes, self.cfg,
+            accumulate=accumulate, bound_m=bound_m if bound_m is not None else self._bound_m, node=self._node)
+        self._state = _IDLE
+
+    def _host_wait_node(self, phase: str, what: str) -> None:
+        """CPU: wait until every node peer's `phase` ready word reaches this call's epoch."""
+        words, node = self._ready_words[phase], self._node
+        peers = range(node.node_first, node.node_first + node.node_size)
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while True:
+            missing = [p for p in peers if int(words[p]) < self.epoch]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: {what}: timed out after {self.timeout_s:g}s "
+                                   f"(epoch {self.epoch}); missing peers {missing}")
+            spins += 1
+            time.sleep(0 if spins < 100 else 1e-4)  # yield: the peers need the cores (2 on CI)
+
+    # ---- the four halves, through the proxy (remote peers, or ranks that wait on the host) ----------
     def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
+        if self.node_local:
+            return self._dispatch_send_node(x, x_scale, indices, bound_m)
         self.epoch += 1
         if self.epoch_dev is not None:
             sync.advance_epoch(self.epoch_dev)
@@ -528,7 +630,7 @@ class AllToAll:
         self._T, self._bound_m = x.shape[0], bound_m
         slot = self.route_slot[: x.shape[0]]
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[r], out_route_slot=slot,
-                             bound_m=bound_m)
+                             bound_m=bound_m, bad_index=self._bad_index if self.device.type == "cuda" else None)
         self._signal(Flag.ROUTE_READY)
         self._wait(Flag.COMBINE_BARRIER, "combine barrier of the previous call", Flag.STATUS_COMBINE_BARRIER, -1)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
@@ -537,6 +639,8 @@ class AllToAll:
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale) -> None:
+        if self.node_local:
+            return self._dispatch_recv_node(out_num, out_x, out_x_scale)
         self._wait(Flag.DISPATCH_RECV_READY, "dispatch: count rows and tokens from peers", Flag.STATUS_DISPATCH_RECV)
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
@@ -545,6 +649,8 @@ class AllToAll:
         self._state = _DISPATCH_DONE
 
     def _combine_send(self, expert_y) -> None:
+        if self.node_local:
+            return self._combine_send_node(expert_y)
         self._wait(Flag.DISPATCH_BARRIER, "dispatch barrier (peers still reading their buffers)",
                    Flag.STATUS_DISPATCH_BARRIER)
         combine_kernels.pack_combine_by_source(
@@ -554,6 +660,8 @@ class AllToAll:
         self._state = _COMBINE_SENT
 
     def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
+        if self.node_local:
+            return self._combine_recv_node(out_tokens, weights, accumulate, bound_m)
         self._wait(Flag.COMBINE_RECV_READY, "combine: expert outputs from peers", Flag.STATUS_COMBINE_RECV)
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, self.base, self.recv_offset_bytes, self.cfg,
@@ -593,6 +701,18 @@ class AllToAll:
             self._raise_proxy_error()
 
     def _raise_proxy_error(self) -> None:
+        bad = int(self.flags_host[flag_word(Flag.BAD_INDEX)])
+        if bad:
+            K = self.cfg.experts_per_token
+            raise ValueError(f"indices[{(bad - 1) // K}, {(bad - 1) % K}] of an earlier dispatch (epoch <= "
+                             f"{self.epoch}): expected -1 (not routed) or a value in [0, {self.cfg.num_experts}) "
+                             f"(checked on the GPU without a host sync; that route was not sent)")
+        if self.node_local:
+            for status, what in self._waits.items():
+                code = int(self.flags_host[flag_word(status)])
+                if code:
+                    raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s; "
+                                       f"missing peers {failed_ranks(code, self._node.node_first)}")
         for status, what in self._waits.items():
             code = int(self.flags_host[flag_word(status)])
             if code == 1 and not int(self.flags_host[flag_word(Flag.ERROR)]):
@@ -646,8 +766,10 @@ class AllToAll:
             raise ValueError("indices: must be contiguous")
         if bound_m is not None:
             _check("bound_m", bound_m, (1,), torch.int32, self.device)
-        else:
-            routing.validate_indices(indices, cfg.num_experts)
+        if self.device.type != "cuda":
+            # CPU: the check costs no device sync, so bad input is refused before anything is sent.
+            # GPU: the routing kernel checks on the device and the next call raises (no host sync).
+            routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
 
     def _validate_dispatch_out(self, num, x, xs) -> None:
         cfg, lay = self.cfg, self.layout

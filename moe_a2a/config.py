@@ -1,6 +1,6 @@
 """Every size and offset of moe_a2a, in one place.
 
-`A2AConfig` is what a user writes (DESIGN section 4); `A2AConfig.layout(world_size)` gives a
+`A2AConfig` is what a user writes (docs/design.md, API); `A2AConfig.layout(world_size)` gives a
 `Layout`, the derived sizes that depend on the number of ranks: local experts, private region,
 worst-case receive rows and the byte offsets of everything in a rank's shared segment.
 
@@ -80,7 +80,10 @@ class Flag(enum.IntEnum):
     STATUS_DISPATCH_BARRIER = 15
     STATUS_COMBINE_RECV = 16
     TRACE = 17               # model -> proxy: nonzero = record TRACE_EVENTS times for each call
-    NUM_FLAGS = 18
+    # GPU -> model: 1 + the first route (t*K + k) whose expert index was out of range, written by the
+    # routing kernel (sticky); the host raises a ValueError naming `indices` at its next call.
+    BAD_INDEX = 18
+    NUM_FLAGS = 19
 
 
 def flag_word(flag: "Flag | int") -> int:
@@ -120,7 +123,7 @@ ERROR_MESSAGE_BYTES = 4096
 
 @dataclass(frozen=True)
 class A2AConfig:
-    """Sizes of one expert-parallel all-to-all (DESIGN section 4).
+    """Sizes of one expert-parallel all-to-all (docs/design.md, API).
 
     Args:
         max_num_tokens: upper bound on tokens per rank per call (T).
@@ -316,9 +319,39 @@ class Layout:
 
     @cached_property
     def recv_bytes(self) -> int:
+        return round_up(self.node_sync_offset_bytes + self.node_sync_bytes, PAGE_BYTES)
+
+    # ---- same-node synchronisation area, at the end of every recv buffer ---------------------
+    # Written by the kernels of same-node peers through mapped memory (CUDA IPC on a GPU, shared
+    # memory on CPU), read by this rank's kernels; no proxy involved. Epoch words are int64, one per
+    # source rank; a source writes only its own word and its own count row, so no two writers share
+    # a word. Cost: 2 * round_up(8W, 64) + 4*W*E bytes (W=64, E=256: 66 KB).
+    @cached_property
+    def node_sync_offset_bytes(self) -> int:
         dispatch = self.remainder_offset_bytes + self.max_recv_routes * self.dispatch_stride_bytes
         combine = self.max_routes * self.combine_stride_bytes
-        return round_up(max(dispatch, combine), PAGE_BYTES)
+        return round_up(max(dispatch, combine), FLAG_SLOT_BYTES)
+
+    @cached_property
+    def dispatch_ready_offset_bytes(self) -> int:
+        """int64 [W] in the recv buffer: word s = last epoch whose count row and send buffer source s
+        published to this rank."""
+        return self.node_sync_offset_bytes
+
+    @cached_property
+    def combine_ready_offset_bytes(self) -> int:
+        """int64 [W] in the recv buffer: word s = last epoch whose expert outputs rank s pushed into this
+        rank's recv buffer (which also says s finished reading this rank's send buffer and count row)."""
+        return self.dispatch_ready_offset_bytes + round_up(8 * self.world_size, FLAG_SLOT_BYTES)
+
+    @cached_property
+    def node_counts_offset_bytes(self) -> int:
+        """int32 [W, E] in the recv buffer: row s = source s's per-expert counts (same-node sources)."""
+        return self.combine_ready_offset_bytes + round_up(8 * self.world_size, FLAG_SLOT_BYTES)
+
+    @cached_property
+    def node_sync_bytes(self) -> int:
+        return self.node_counts_offset_bytes - self.node_sync_offset_bytes + self.routing_bytes
 
     # ---- the shared host segment of one rank (flags, error, routing, host-staged buffers) ----
     @cached_property

@@ -2,7 +2,7 @@
 
 `counts` is the `[W, E]` matrix every rank holds after the routing exchange: row s = how many
 routes source rank s sends to each expert. From it every rank derives, without further messages,
-who writes what where (DESIGN section 6). The proxy uses these functions to post writes; the
+who writes what where (docs/design.md, Protocol). The proxy uses these functions to post writes; the
 Triton kernels compute the same offsets on the device, and tests check that both agree.
 
 A *write* is `(peer, src_offset_bytes, length_bytes, dst_offset_bytes)`, offsets relative to the

@@ -1,4 +1,4 @@
-"""The executable specification of dispatch and combine (DESIGN section 5), in plain torch.
+"""The executable specification of dispatch and combine (docs/design.md, Semantics), in plain torch.
 
 No transport, no kernels, any world size, CPU or GPU. Every other implementation in this package is
 tested against these two functions: data movement must match bitwise, the weighted sum to fp32

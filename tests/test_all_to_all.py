@@ -11,7 +11,7 @@ import torch
 
 from moe_a2a import LocalCluster
 from moe_a2a.config import A2AConfig
-from moe_a2a.demo import check_against_reference, make_inputs, rank_roundtrip
+from moe_a2a.bench.demo import check_against_reference, make_inputs, rank_roundtrip
 
 from .conftest import TEST_DEVICE
 
@@ -112,7 +112,7 @@ def _split_with_work_between(a2a, rank, seed):
     busy = sum(torch.randn(64, 64, device=dev).sum().item() for _ in range(20))  # "shared experts"
     time.sleep(0.05 * rank)  # ranks arrive at the receive half at different times
     a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
-    from moe_a2a.demo import toy_expert
+    from moe_a2a.bench.demo import toy_expert
     y = toy_expert(ex, exs, cfg)
     out = torch.ones(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
     a2a.combine(out, idx, w, y, do_recv=False)
@@ -147,11 +147,12 @@ def _bad_inputs(a2a, rank):
         else:
             errors.append(f"no ValueError for {needle}")
 
-    bad_idx = idx.clone()
-    bad_idx[0, 0] = cfg.num_experts
-    expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
-    bad_idx[0, 0] = -2
-    expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
+    if dev.type != "cuda":  # a GPU checks index values on the device, reported at the next call
+        bad_idx = idx.clone()
+        bad_idx[0, 0] = cfg.num_experts
+        expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
+        bad_idx[0, 0] = -2
+        expect(lambda: a2a.dispatch(num, ex, exs, x, xs, bad_idx), "indices")
     too_many = torch.zeros(cfg.max_num_tokens + 1, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev)
     expect(lambda: a2a.dispatch(num, ex, exs, too_many, xs, idx), "max_num_tokens")
     expect(lambda: a2a.dispatch(num, ex, exs, x.float() if x.dtype != torch.float32 else x.half(), xs, idx), "x")
@@ -189,11 +190,14 @@ def _die_or_dispatch(a2a, rank, victim):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport):
+@pytest.mark.parametrize("transport,node_size", [("shm", 1), ("tcp", 1), ("shm", 3)],
+                         ids=["shm-remote", "tcp-remote", "shm-node-local"])
+def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport, node_size):
+    """Remote peers: the survivors' proxies name the dead rank. One node: the survivors' kernels (host
+    waits on CPU) name it from the same-node ready words."""
     cfg = A2AConfig(max_num_tokens=4, num_experts=6, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
     timeout_s = 8.0
-    with LocalCluster(cfg, world_size=3, node_size=1, transport=transport, device=TEST_DEVICE,
+    with LocalCluster(cfg, world_size=3, node_size=node_size, transport=transport, device=TEST_DEVICE,
                       timeout_s=timeout_s) as cl:
         proxies = cl.run(_proxy_pid)
         start = time.monotonic()
@@ -202,7 +206,7 @@ def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport):
         elapsed = time.monotonic() - start
     msg = str(info.value)
     assert "rank(s) [2] died" in msg
-    assert "missing peers [2]" in msg, msg  # the survivors' proxies name the dead rank
+    assert "missing peers [2]" in msg, msg  # the survivors name the dead rank
     assert elapsed < timeout_s + 15
     time.sleep(0.5)
     for pid in proxies:  # every proxy process is gone with its owner
@@ -210,7 +214,7 @@ def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport):
 
 
 def _traced_call(a2a, rank):
-    from moe_a2a.bench import _timeline_rank
+    from moe_a2a.bench.main import _timeline_rank
     return _timeline_rank(a2a, rank, 11)
 
 
@@ -222,7 +226,8 @@ def test_tracing_records_every_step_in_order(cluster):
         assert list(t["model"]) == ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
         spans = list(t["model"].values())
         assert all(a <= b for a, b in spans) and all(s[1] <= n[0] for s, n in zip(spans, spans[1:]))
-        assert list(t["proxy"]) == list(TRACE_EVENTS)  # every proxy step of the traced call
+        # every proxy step of the traced call; none when the kernels synchronise without the proxy
+        assert list(t["proxy"]) == ([] if t["node_local"] else list(TRACE_EVENTS))
         times = list(t["proxy"].values())
         assert times == sorted(times)
 
@@ -284,3 +289,29 @@ def test_an_unavailable_transport_is_refused_before_anything_starts():
         AllToAll(cfg, transport="verbs")  # no process group needed: refused first
     with pytest.raises(ValueError, match="transport must be"):
         AllToAll(cfg, transport="ib")
+
+
+def _bad_index_then_next_call(a2a, rank):
+    cfg, dev = a2a.cfg, a2a.device
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, 3, 1))
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    bad = idx.clone()
+    bad[1, 0] = cfg.num_experts + 5
+    a2a.dispatch(num, ex, exs, x, xs, bad)  # no host sync: the kernel drops the route and reports it
+    out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    a2a.combine(out, bad, w, torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev))
+    torch.cuda.synchronize()
+    try:
+        a2a.dispatch(num, ex, exs, x, xs, idx)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the device-side index check runs on a GPU (MOE_A2A_TEST_DEVICE=cuda)")
+def test_bad_index_on_gpu_is_dropped_and_reported_at_the_next_call():
+    cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=64, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg, world_size=2, node_size=2, device="cuda", timeout_s=20.0) as cl:
+        for msg in cl.run(_bad_index_then_next_call):
+            assert msg is not None and "indices[1, 0]" in msg, msg

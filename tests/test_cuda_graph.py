@@ -5,7 +5,7 @@ import torch
 
 from moe_a2a import LocalCluster
 from moe_a2a.config import A2AConfig
-from moe_a2a.demo import check_against_reference, make_inputs, toy_expert
+from moe_a2a.bench.demo import check_against_reference, make_inputs, toy_expert
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="CUDA graphs need a GPU; run on the GPU machine (docs/gpu/run.sh)")

@@ -21,7 +21,7 @@ all)
   step 50  python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
   step 150 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_all_to_all.py
   step 120 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels
-  step 45  python3 -m moe_a2a.bench_transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
+  step 45  python3 -m moe_a2a.bench.transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
   # kernel-side trace stamps (%globaltimer) and their clock calibration
   step 60  env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_sync.py \
        tests/test_all_to_all.py -k "stamps or tracing"
@@ -46,7 +46,7 @@ last)
 x2)  # kind nvidia-h200-x2: one rank per GPU, same-node peers through CUDA IPC over NVLink
   nvidia-smi topo -m | head -4
   step 45 python3 -m moe_a2a.bench e2e --world 2 --node 2 --device cuda --iters 100 --warmup 10 --json "$OUT/e2e_x2.json"
-  step 45 python3 -m moe_a2a.bench_nccl --world 2 --iters 200 --json "$OUT/nccl_x2.json"
+  step 45 python3 -m moe_a2a.bench.nccl --world 2 --iters 200 --json "$OUT/nccl_x2.json"
   step 60 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graph.py
   ;;
 demo)
@@ -65,7 +65,7 @@ next)  # written after the device time of 2026-11-29 was spent; ~16 min of limit
   step 60  python3 -m moe_a2a.bench kernels --launchers --json "$OUT/launchers.json"
   step 50  python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
   step 50  python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
-  step 45  python3 -m moe_a2a.bench_transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
+  step 45  python3 -m moe_a2a.bench.transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
   # kernel-side trace stamps (%globaltimer) and their clock calibration
   step 60  env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_sync.py \
        tests/test_all_to_all.py -k "stamps or tracing"

@@ -1,7 +1,7 @@
 """The proxy process: one per rank, it drives the NIC for that rank's GPU.
 
 Why a process and not a thread: a busy-polling Python thread in the model's process makes every
-Triton launch wait for the GIL (5 ms per launch measured on the GPU host, DESIGN section 2).
+Triton launch wait for the GIL (5 ms per launch measured on the GPU host, docs/design.md, Measured facts).
 
 The model process and the proxy talk only through flags in the rank's shared segment (epoch
 numbers, never reset); the proxy knows buffers, offsets, peers and immediates, never tokens. It
@@ -124,7 +124,9 @@ class Proxy:
         # buffer region or None) for us.
         conn.send((self.engine.address, self.region.descriptor(),
                    self.recv_region.descriptor() if own is not None else None))
-        table = conn.recv()
+        # node_local: every peer shares memory with us and the kernels synchronise through it, so no
+        # call needs the proxy (it only keeps the heartbeat and waits to be stopped).
+        table, self.node_local = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
         # Our count row, to the same place in every peer's routing matrix.
         row_off = lay.routing_offset_bytes + r * lay.routing_row_bytes
@@ -276,6 +278,9 @@ class Proxy:
         self.flags[F.COMBINE_BARRIER] = e
 
     def run(self) -> None:
+        if self.node_local:
+            while True:
+                self._idle(0.0)
         epoch = 1
         while True:
             try:
@@ -359,10 +364,10 @@ class ProxyHandle:
         proxy, for the bootstrap exchange."""
         return self._recv("address", timeout_s)
 
-    def finish(self, table, timeout_s: float) -> None:
-        """Give the proxy every rank's (address, descriptor, segment name, GPU recv descriptor or None);
-        wait until ready."""
-        self.conn.send(table)
+    def finish(self, table, timeout_s: float, node_local: bool = False) -> None:
+        """Give the proxy every rank's (address, descriptor, segment name, GPU recv descriptor or None)
+        and whether the calls bypass it (`node_local`); wait until ready."""
+        self.conn.send((table, bool(node_local)))
         self._recv("ready", timeout_s)
 
     def stop(self, seg: SharedSegment | None, layout: Layout, timeout_s: float = 5.0) -> None:

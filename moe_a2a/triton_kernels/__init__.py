@@ -1,1 +1,1 @@
-"""Triton kernels of moe_a2a, one job per file (DESIGN section 3)."""
+"""Triton kernels of moe_a2a, one job per file: routing, dispatch, combine, quant, sync."""

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
+from .node_sync import NodeSync, node_arrive, node_publish, node_wait
 from .rows import (
     CPU_TOKENS_PER_PROGRAM,
     _align_words,
@@ -70,6 +71,10 @@ def _pack_combine_by_source_kernel(
     SC_BYTES: tl.constexpr,         # combine slot stride (multiple of 16)
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
+    # Same-node synchronisation (node_sync.py), only with NODE_SYNC: publish the epoch at the end.
+    failed_ptr=None, counter_ptr=None, epoch_ptr=None, node_first=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1,
+    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
 ):
     """Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
 
@@ -77,11 +82,14 @@ def _pack_combine_by_source_kernel(
     source s's block and goes to
       same-node s: peer_recv[s] + (send_offsets_s[rank] + b) * Sc   (the slot of its dispatch send)
       remote s:    stage + (psum_excl(n)[s] + b) * Sc               (plan.combine_stage_offsets)
-    Moves y_bytes in and out per received row."""
+    Moves y_bytes in and out per received row. With NODE_SYNC the last program to finish tells every
+    same-node home that its rows of this epoch are in place (after a failed wait: nothing moves)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
+    if NODE_SYNC:
+        num_rows = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_rows, 0)
 
     peer_recv, is_push, send_off = _node_peer_tables(peer_recv_bytes_ptr, counts_ptr, stride_counts_w, rank,
                                                      W, L, W_PAD, BLOCK_E)
@@ -106,6 +114,11 @@ def _pack_combine_by_source_kernel(
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
         src_words = y_row * stride_y_r
         _copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
+    if NODE_SYNC:
+        if node_arrive(counter_ptr, USE_PTX):
+            if tl.load(failed_ptr, volatile=True) == 0:
+                node_publish(base_ptr, peer_recv_bytes_ptr, READY_BYTES, epoch_ptr, rank, node_first, NODE,
+                             USE_PTX)
 
 
 @triton.jit
@@ -128,12 +141,20 @@ def _reduce_combined_tokens_kernel(
     BLOCK_H: tl.constexpr,
     HAS_BOUND_M: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    # Same-node synchronisation (node_sync.py), only with NODE_SYNC: wait for the experts' epochs first.
+    failed_ptr=None, epoch_ptr=None, status_ptr=None, node_first=0, timeout_ns=0, max_spins=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
+    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
     elements.
 
     Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs) and writes one.
     Tokens t >= bound_m are not touched; masked routes (slot -1) are skipped, their weight unread."""
+    if NODE_SYNC:
+        ok = node_wait(base_ptr, recv_bytes + READY_BYTES, epoch_ptr, failed_ptr, status_ptr, node_first,
+                       timeout_ns, max_spins, NODE, NODE_PAD, USE_PTX)
+        num_tokens = tl.where(ok, num_tokens, 0)  # (a scalar folded into the bound, not into a mask)
     tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
 
@@ -169,6 +190,7 @@ def pack_combine_by_source(
     stage_bytes: int,
     cfg: A2AConfig,
     layout: Layout,
+    node: NodeSync | None = None,
 ) -> None:
     """Send every expert output row this rank computed back towards its home rank.
 
@@ -184,6 +206,8 @@ def pack_combine_by_source(
         stage_bytes: offset from base of this rank's combine staging area (its send buffer +
             `layout.combine_stage_offset_bytes`); rows for remote home s are staged contiguously at
             row `plan.combine_stage_offsets(n)[s]`, ready for `plan.combine_writes`.
+        node: same-node synchronisation (`node_sync.NodeSync`): when given, the last program tells
+            every same-node home (combine_ready = epoch) that its rows are in place.
 
     No host sync; CUDA-graph safe.
     """
@@ -208,6 +232,10 @@ def pack_combine_by_source(
     row_words = cfg.y_bytes // word_bytes
     block_w = _chunk_words(row_words, word_bytes)
     grid, block_r = _persistent_grid(device, layout)
+    sync_args = {} if node is None else dict(
+        failed_ptr=node.failed, counter_ptr=node.counter, epoch_ptr=node.epoch, node_first=node.node_first,
+        READY_BYTES=node.combine_ready_bytes, NODE=node.node_size, NODE_SYNC=True,
+        USE_PTX=device.type == "cuda")
     _pack_combine_by_source_kernel[grid](
         y_words, counts, base, peer_recv_bytes, stage_bytes, rank, R,
         counts.stride(0), y_words.stride(0) if R else row_words,
@@ -215,7 +243,7 @@ def pack_combine_by_source(
         PAD=cfg.expert_padding, Y_WORDS=row_words, SC_BYTES=cfg.combine_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
-        num_warps=_num_warps(block_r * block_w, word_bytes),
+        num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
     )
 
 
@@ -228,6 +256,7 @@ def reduce_combined_tokens(
     cfg: A2AConfig,
     accumulate: bool = False,
     bound_m: torch.Tensor | None = None,
+    node: NodeSync | None = None,
 ) -> None:
     """out_tokens[t] = sum_k weights[t, k] * y(route_slot[t, k]) for t < bound_m, in place.
 
@@ -240,6 +269,9 @@ def reduce_combined_tokens(
         recv_offset_bytes: offset of this rank's recv buffer from recv_base.
         accumulate: add to the old out_tokens[t] (first, then k = 0..K-1) instead of overwriting.
         bound_m: optional `[1]` int32 on out_tokens' device: tokens t >= bound_m[0] are not touched.
+        node: same-node synchronisation (`node_sync.NodeSync`): when given, every program first waits
+            until each same-node expert rank pushed this epoch's rows (combine_ready); it then launches
+            even for T = 0.
 
     Accumulates in fp32 in k order and casts once (round to nearest even). No host sync; CUDA-graph
     safe.
@@ -265,7 +297,7 @@ def reduce_combined_tokens(
         _fail("recv_offset_bytes", f"a multiple of out itemsize {item}", str(recv_offset_bytes))
     if recv_base.data_ptr() % item:
         _fail("recv_base", f"data_ptr aligned to {item} bytes", hex(recv_base.data_ptr()))
-    if T == 0:
+    if T == 0 and node is None:
         return
 
     align = _align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
@@ -274,14 +306,19 @@ def reduce_combined_tokens(
     # GPU: one token per program (decode T=128 x 7 chunks of 1024 = 896 programs). Interpreter: it pays
     # per operation, not per element, so all tokens in one program.
     block_t = 1 if device.type == "cuda" else min(next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
-    grid = (ceil_div(T, block_t), ceil_div(H, block_h))
+    grid = (max(1, ceil_div(T, block_t)), ceil_div(H, block_h))
+    sync_args = {} if node is None else dict(
+        failed_ptr=node.failed, epoch_ptr=node.epoch, status_ptr=node.combine_status,
+        node_first=node.node_first, READY_BYTES=node.combine_ready_bytes, NODE=node.node_size,
+        NODE_PAD=next_power_of_2(node.node_size), NODE_SYNC=True, USE_PTX=device.type == "cuda",
+        **node.wait_args(device))
     _reduce_combined_tokens_kernel[grid](
         out_tokens, route_slot, weights, recv_base, bound_m if bound_m is not None else route_slot,
         recv_offset_bytes, T,
         out_tokens.stride(0), route_slot.stride(0), route_slot.stride(1), weights.stride(0), weights.stride(1),
         K=K, MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes, ITEM_BYTES=item,
         ALIGN_ELEMS=align, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
-        num_warps=_num_warps(block_t * block_h, item),
+        num_warps=_num_warps(block_t * block_h, item), **sync_args,
     )
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
+from .node_sync import NodeSync, node_arrive, node_copy_count_row, node_publish, node_wait
 from .rows import (CPU_TOKENS_PER_PROGRAM, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
                    _check_layout, _check_peer_table, _check_tensor, _chunk_words, _copy_row_words, _fail,
                    _live_token_block, _node_peer_tables, _num_warps, _persistent_grid, _recv_pair_tables,
@@ -57,12 +58,25 @@ def _pack_tokens_by_expert_kernel(
     BLOCK_W: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_BOUND_M: tl.constexpr,
+    # Same-node synchronisation (node_sync.py), only with NODE_SYNC:
+    failed_ptr=None,      # (1,) int64 sticky failure word: nonzero = move nothing, publish nothing
+    counter_ptr=None,     # (1,) int32 arrival counter of the epilogue
+    epoch_ptr=None,       # (1,) int64 this call's epoch
+    peer_recv_bytes_ptr=None,  # (W,) int64 same-node ranks' recv buffers - base
+    rank=0, node_first=0,
+    READY_BYTES: tl.constexpr = 0, COUNTS_BYTES: tl.constexpr = 0,
+    E: tl.constexpr = 1, E_PAD: tl.constexpr = 1, NODE: tl.constexpr = 1,
+    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
     chunk of their payload.
 
     Reads the chunk once and writes it to the K slots of each token: T*x_bytes read, up to K*T*x_bytes
-    written. The chunk-0 programs also copy the tokens' S scales (4*S bytes per slot)."""
+    written. The chunk-0 programs also copy the tokens' S scales (4*S bytes per slot).
+    With NODE_SYNC the last program to finish publishes this rank's count row and epoch to every
+    same-node peer (they then pull the packed rows from this send buffer)."""
+    if NODE_SYNC:  # folded into the bound: the interpreter mishandles a scalar broadcast into a mask
+        num_tokens = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_tokens, 0)
     tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
 
@@ -91,6 +105,12 @@ def _pack_tokens_by_expert_kernel(
         if HAS_SCALES:
             dst_scale = (dst_bytes + SCALE_OFFSET_BYTES) // 4
             tl.store(base_i32 + dst_scale[:, None] + s_cols[None, :], scales, mask=s_mask & has_slot[:, None])
+    if NODE_SYNC:
+        if node_arrive(counter_ptr, USE_PTX):
+            if tl.load(failed_ptr, volatile=True) == 0:
+                node_copy_count_row(base_ptr, peer_recv_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD, NODE)
+                node_publish(base_ptr, peer_recv_bytes_ptr, READY_BYTES, epoch_ptr, rank, node_first, NODE,
+                             USE_PTX)
 
 
 @triton.jit
@@ -114,15 +134,25 @@ def _unpack_tokens_by_expert_kernel(
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    # Same-node synchronisation (node_sync.py), only with NODE_SYNC: wait for the peers' epochs first.
+    failed_ptr=None, epoch_ptr=None, status_ptr=None, node_first=0, timeout_ns=0, max_spins=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
+    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
 ):
     """Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
     rows (BLOCK_R rows x BLOCK_W-word chunks). Tiles ignore (source, expert) boundaries, so a skewed
     routing (every token to one expert) spreads over all programs like a uniform one.
 
     Each program first builds the per-pair tables from counts (W*L int32 + the node peers' row
-    prefixes), then moves (x_bytes + 4*S) bytes per received row in and out."""
+    prefixes), then moves (x_bytes + 4*S) bytes per received row in and out. With NODE_SYNC every
+    program first waits until each same-node source published this epoch (its count row and its
+    packed send buffer); after a failed wait nothing is written."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    ok = pid >= 0
+    if NODE_SYNC:
+        ok = node_wait(base_ptr, recv_bytes + READY_BYTES, epoch_ptr, failed_ptr, status_ptr, node_first,
+                       timeout_ns, max_spins, NODE, NODE_PAD, USE_PTX)
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
 
@@ -149,7 +179,8 @@ def _unpack_tokens_by_expert_kernel(
     split = tl.reshape(split, (NPAIR,))
 
     l_idx = tl.arange(0, L_PAD)
-    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where(pid == 0, L, 0))
+    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where((pid == 0) & ok, L, 0))
+    num_rows = tl.where(ok, num_rows, 0)
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty
     base_words = base_ptr.to(tl.pointer_type(word_ty))
@@ -182,6 +213,7 @@ def pack_tokens_by_expert(
     send_offset_bytes: int,
     cfg: A2AConfig,
     bound_m: torch.Tensor | None = None,
+    node: NodeSync | None = None,
 ) -> None:
     """Copy every live route's token into its expert-major slot of this rank's dispatch send buffer.
 
@@ -193,6 +225,9 @@ def pack_tokens_by_expert(
         send_base: 1-D uint8 tensor, the base of the byte address space.
         send_offset_bytes: the send buffer's offset from `send_base.data_ptr()` (a multiple of 16).
         bound_m: optional `[1]` int32 on x's device: tokens t >= bound_m[0] are not read.
+        node: same-node synchronisation (`node_sync.NodeSync`): when given, the kernel's last program
+            publishes this rank's count row (already in its recv buffer's counts area) and the epoch to
+            every same-node peer. It then launches even for T = 0 (peers wait for the epoch).
 
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
@@ -214,7 +249,7 @@ def pack_tokens_by_expert(
     _check_tensor("send_base", send_base, dtypes=(torch.uint8,), shape=(None,), device=device)
     _check_int("send_offset_bytes", send_offset_bytes)
     _check_bound_m(bound_m, device)
-    if T == 0:
+    if T == 0 and node is None:
         return
 
     x_row_bytes = x.stride(0) * x.element_size()
@@ -231,7 +266,13 @@ def pack_tokens_by_expert(
     S = cfg.num_scales
     scale_i32 = x_scale.view(torch.int32) if cfg.has_scales else x_words  # dummy pointer without scales
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
-    grid = (ceil_div(T, block_t), ceil_div(row_words, block_w))
+    grid = (max(1, ceil_div(T, block_t)), ceil_div(row_words, block_w))
+    sync_args = {} if node is None else dict(
+        failed_ptr=node.failed, counter_ptr=node.counter, epoch_ptr=node.epoch,
+        peer_recv_bytes_ptr=node.peer_recv_bytes, rank=node.rank, node_first=node.node_first,
+        READY_BYTES=node.dispatch_ready_bytes, COUNTS_BYTES=node.counts_bytes, E=node.num_experts,
+        E_PAD=next_power_of_2(node.num_experts), NODE=node.node_size, NODE_SYNC=True,
+        USE_PTX=device.type == "cuda")
     _pack_tokens_by_expert_kernel[grid](
         x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,
@@ -240,7 +281,7 @@ def pack_tokens_by_expert(
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_T=block_t, BLOCK_W=block_w,
         HAS_SCALES=cfg.has_scales, HAS_BOUND_M=bound_m is not None,
-        num_warps=_num_warps(block_t * block_w, word_bytes),
+        num_warps=_num_warps(block_t * block_w, word_bytes), **sync_args,
     )
 
 
@@ -255,6 +296,7 @@ def unpack_tokens_by_expert(
     recv_bytes: int,
     cfg: A2AConfig,
     layout: Layout,
+    node: NodeSync | None = None,
 ) -> None:
     """Copy every row sent to this rank into the expert-major dispatch output (`reference.dispatch`).
 
@@ -273,6 +315,9 @@ def unpack_tokens_by_expert(
             send buffer from base; `-1` for a remote source. Offsets are multiples of 16.
         recv_bytes: offset of this rank's recv buffer from base (remote sources' rows are there, at
             the private region then the remainder region of `plan`).
+        node: same-node synchronisation (`node_sync.NodeSync`): when given, every program first waits
+            until each same-node source published this call's epoch (then `counts` must be the counts
+            area of this rank's recv buffer, where those sources copied their rows).
 
     Every offset is computed on the device from `counts`: no host sync, CUDA-graph safe.
     """
@@ -310,6 +355,11 @@ def unpack_tokens_by_expert(
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
     stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
     grid, block_r = _persistent_grid(device, layout)
+    sync_args = {} if node is None else dict(
+        failed_ptr=node.failed, epoch_ptr=node.epoch, status_ptr=node.dispatch_status,
+        node_first=node.node_first, READY_BYTES=node.dispatch_ready_bytes, NODE=node.node_size,
+        NODE_PAD=next_power_of_2(node.node_size), NODE_SYNC=True, USE_PTX=device.type == "cuda",
+        **node.wait_args(device))
     _unpack_tokens_by_expert_kernel[grid](
         out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
         counts.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
@@ -320,7 +370,7 @@ def unpack_tokens_by_expert(
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         HAS_SCALES=cfg.has_scales,
-        num_warps=_num_warps(block_r * block_w, word_bytes),
+        num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
     )
 
 

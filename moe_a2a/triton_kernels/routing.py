@@ -58,9 +58,17 @@ def _route_block_kernel(
     E_BINS: tl.constexpr,        # next_pow2(E + 1): bin E collects dead routes
     HAS_BOUND_M: tl.constexpr,
     SINGLE: tl.constexpr,        # one program covers every route: write final slots and counts
+    epoch_ptr=None,              # (1,) int64: incremented once (program 0) when HAS_EPOCH
+    bad_index_ptr=None,          # (1,) int64: 1 + a route with an out-of-range expert, when CHECK
+    HAS_EPOCH: tl.constexpr = False,
+    CHECK: tl.constexpr = False,
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE)."""
     pid = tl.program_id(0)
+    if HAS_EPOCH:
+        # The call's epoch advances on the stream, so a CUDA graph replay advances it too.
+        if pid == 0:
+            tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
     # int64 before the multiply: T*K*... stays small today, but route offsets feed pointer math.
     local = tl.arange(0, BLOCK_R)
     route = pid.to(tl.int64) * BLOCK_R + local
@@ -69,10 +77,16 @@ def _route_block_kernel(
     if HAS_BOUND_M:
         num_live_tokens = tl.minimum(tl.load(bound_m_ptr), num_tokens)
     in_range = route < num_routes
-    expert = tl.load(indices_ptr + route, mask=in_range, other=-1).to(tl.int32)
-    # Out-of-range experts are refused on the host (validate_indices); treating them as dead here
-    # keeps a bad index from corrupting memory through the histogram.
-    is_live = in_range & (route // K < num_live_tokens) & (expert >= 0) & (expert < num_experts)
+    raw = tl.load(indices_ptr + route, mask=in_range, other=-1)
+    # Out-of-range experts are refused on the host (validate_indices) or reported through
+    # bad_index_ptr (CHECK); either way they are dead here, so a bad index never reaches memory.
+    # Compared before the int32 cast: an int64 index past 2**31 must not wrap into range.
+    is_live = in_range & (route // K < num_live_tokens) & (raw >= 0) & (raw < num_experts)
+    if CHECK:
+        is_bad = in_range & (route // K < num_live_tokens) & ((raw < -1) | (raw >= num_experts))
+        first_bad = tl.min(tl.where(is_bad, route, num_routes), axis=0)
+        tl.store(bad_index_ptr, first_bad + 1, mask=first_bad < num_routes)
+    expert = raw.to(tl.int32)
     expert = tl.where(is_live, expert, num_experts)
 
     # Unique keys: the sort order is fully determined, dead routes go last.
@@ -157,6 +171,8 @@ def route_tokens(
     out_route_slot: torch.Tensor | None = None,
     bound_m: torch.Tensor | None = None,
     *,
+    epoch: torch.Tensor | None = None,
+    bad_index: torch.Tensor | None = None,
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
     _block_routes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +187,11 @@ def route_tokens(
             matrix in the shared segment, or a column of a transposed view).
         out_route_slot: optional `[num_tokens, num_topk]` int32, contiguous.
         bound_m: optional `[1]` int32 device tensor; tokens >= min(bound_m, T) are dead.
+        epoch: optional `[1]` int64 tensor on the device, incremented once on the stream (the call's
+            epoch, for the same-node synchronisation of the kernels that follow; CUDA-graph safe).
+        bad_index: optional `[1]` int64 tensor (device or pinned host memory): when a live route has an
+            expert outside [-1, num_experts), `1 + t*K + k` of one such route is stored there (the
+            device-side replacement of `validate_indices`, which syncs); the route is treated as -1.
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -213,6 +234,13 @@ def route_tokens(
         raise ValueError(f"bound_m: expected a 1-element int32 tensor on {device}, got "
                          f"{tuple(bound_m.shape)} {bound_m.dtype} on {bound_m.device}")
 
+    for name, t in (("epoch", epoch), ("bad_index", bad_index)):
+        if t is not None and (t.numel() != 1 or t.dtype != torch.int64 or not (
+                t.device == device or (device.type == "cuda" and t.is_pinned()))):
+            raise ValueError(f"{name}: expected a 1-element int64 tensor on {device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, HAS_EPOCH=epoch is not None,
+                 CHECK=bad_index is not None)
     num_routes = T * K
     e_bins = next_power_of_2(num_experts + 1)
     bound_arg = bound_m if bound_m is not None else out_counts  # never read without HAS_BOUND_M
@@ -224,7 +252,7 @@ def route_tokens(
             indices, bound_arg, out_route_slot, out_counts, out_counts,
             T, num_experts, out_counts.stride(0),
             K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=True,
-            num_warps=4 if block_r <= 1024 else 8,
+            num_warps=4 if block_r <= 1024 else 8, **extra,
         )
         return out_counts, out_route_slot
 
@@ -239,7 +267,7 @@ def route_tokens(
         indices, bound_arg, out_route_slot, out_counts, hist,
         T, num_experts, out_counts.stride(0),
         K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=False,
-        num_warps=4,
+        num_warps=4, **extra,
     )
     e_pad = next_power_of_2(num_experts)
     _route_fixup_kernel[(num_blocks,)](

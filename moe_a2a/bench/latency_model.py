@@ -10,7 +10,7 @@ with 8 GPUs per node, for two fabrics:
 
 same-node peers over NVLink (mapped memory) in both cases.
 
-How: a small critical-path timeline of the protocol of DESIGN.md section 6 (GPU kernel -> flag to the
+How: a small critical-path timeline of the protocol (docs/design.md, "Protocol": GPU kernel -> flag to the
 proxy -> proxy posts writes one by one -> NIC serialises them -> last byte lands -> flag to the GPU ->
 receive kernel -> barrier). Each event carries the breakdown of the path that leads to it; ``max`` keeps
 the breakdown of the later input. So the per-term numbers returned by :func:`predict` are the
@@ -18,7 +18,7 @@ the breakdown of the later input. So the per-term numbers returned by :func:`pre
 pushes while RDMA is in flight) costs nothing unless it becomes the longer branch.
 
 Pure Python + numpy (matplotlib only for the plot). Every input is a named constant below with its
-source. Run ``python -m moe_a2a.latency_model --png docs/latency-model.png --json /tmp/m.json``.
+source. Run ``python -m moe_a2a.bench.latency_model --png latency-model.png --json /tmp/m.json``.
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# ---- decode configuration (DESIGN.md section 8; the numbers our H200 kernels were measured at) ------
+from ._util import fraction, nonneg_float
+
+# ---- decode configuration (docs/design.md, "Benchmarks"; the sizes our H200 kernels were measured at)
 TOKENS = 128                      # T, tokens per rank
 TOPK = 8                          # K, distinct experts per token
 NUM_EXPERTS = 256                 # E
@@ -47,9 +49,9 @@ K_UNPACK_TOKENS = 8.3             # unpack_tokens_by_expert (dispatch recv), sca
 K_PACK_COMBINE = 7.6              # pack_combine_by_source (combine send), scales with received rows
 K_REDUCE_COMBINE = 4.0            # reduce_combined_tokens (combine recv), scales with T*K (own rows)
 LAUNCH_GPU_US = 1.4               # one (empty) Triton launch in a graph: already inside the times above
-HOST_LAUNCH_US = 11.0             # host cost of an eager Triton launch (DESIGN.md section 2); graphs hide it
+HOST_LAUNCH_US = 11.0             # host cost of an eager Triton launch (docs/design.md, "Measured facts"); graphs hide it
 FLAG_RTT_US = 6.1                 # GPU -> proxy process -> GPU flag round trip, median (our H200 measurement;
-                                  # DESIGN.md section 2 has 4.2 µs with a thread echo)
+                                  # docs/design.md, "Measured facts", has 4.2 µs with a thread echo)
 HBM_COPY_GBPS = 4240.0            # H200 copy bandwidth measured (4.24 TB/s), for the HBM floor only
 
 # ---- proxy (Python + ctypes libfabric shim; docs/transport.md) --------------------------------------
@@ -408,14 +410,14 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_a2a.latency_model",
+    ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench.latency_model",
                                  description="moe_a2a scale-out latency MODEL (not measured)")
     ap.add_argument("--png", help="write the plot here")
     ap.add_argument("--json", help="write predictions, assumptions and published points here")
-    ap.add_argument("--post-us", type=float, default=POST_US, help="proxy cost per posted write (µs)")
+    ap.add_argument("--post-us", type=nonneg_float, default=POST_US, help="proxy cost per posted write (µs)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: add host launch cost per kernel")
     ap.add_argument("--no-barrier", action="store_true", help="leave out the per-phase imm barrier")
-    ap.add_argument("--efa-efficiency", type=float, default=None,
+    ap.add_argument("--efa-efficiency", type=fraction, default=None,
                     help=f"EFA effective/line-rate bandwidth (default {EFA_BW_EFFICIENCY})")
     args = ap.parse_args(argv)
     kw = dict(post_us=args.post_us, graphs=not args.eager, barrier=not args.no_barrier,

@@ -6,7 +6,7 @@ bytes (fp8 payload + fp32 scales as one byte row) and the expert ids, sort the r
 expert; combine sends expert outputs back with the reversed splits and forms the weighted sum with
 `index_add_`. Timed with CUDA events per rank (`--backend gloo` runs the same code on CPU, for tests).
 
-    python -m moe_a2a.bench_nccl --world 2 --preset decode --iters 200
+    moe-a2a bench nccl --world 2 --preset decode --iters 200     (or python -m moe_a2a.bench.nccl ...)
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import os
 import statistics
 import sys
 import time
+
+from ._util import nonneg_int, positive_int, refuse_without_cuda
 
 
 def _stats(v):
@@ -100,7 +102,7 @@ def run(world: int = 2, preset: str = "decode", backend: str = "nccl", iters: in
     import multiprocessing as mp
     import socket
 
-    from .bench_kernels import PRESETS
+    from .kernels import PRESETS
 
     sizes = sizes or PRESETS[preset]
     with socket.socket() as s:
@@ -117,16 +119,20 @@ def run(world: int = 2, preset: str = "decode", backend: str = "nccl", iters: in
     return [results[r] for r in range(world)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench_nccl", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=2, help="ranks, one per GPU (default 2)")
-    ap.add_argument("--preset", default="decode", choices=["decode", "prefill"])
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options (shared by `moe-a2a bench nccl` and `python -m moe_a2a.bench.nccl`)."""
+    ap.add_argument("--world", type=positive_int, default=2, help="ranks, one per GPU (default 2)")
+    ap.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes (default decode)")
     ap.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU, for tests")
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    ap.add_argument("--iters", type=positive_int, default=200, help="timed calls (default 200)")
+    ap.add_argument("--warmup", type=nonneg_int, default=20, help="untimed calls first (default 20)")
+    ap.add_argument("--json", default=None, help="write results here")
+    return ap
+
+
+def run_args(args) -> int:
+    if args.backend == "nccl" and (rc := refuse_without_cuda("moe-a2a bench nccl")):
+        return rc
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared machines)
     res = run(args.world, args.preset, args.backend, args.iters, args.warmup)
     print(f"all_to_all_single baseline ({args.backend}), {args.world} ranks, {args.preset}: median µs per rank")
@@ -137,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"command": " ".join(sys.argv), "world": args.world, "preset": args.preset,
                        "backend": args.backend, "per_rank": res}, f, indent=1)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench.nccl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run_args(add_arguments(ap).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Transport micro-benchmarks: ``python -m moe_a2a.bench_transport [--provider tcp,shm] [--iters N] [--json PATH]``.
+"""Transport micro-benchmarks: ``moe-a2a bench transport [--provider tcp,shm] [--iters N] [--json PATH]``
+(or ``python -m moe_a2a.bench.transport ...``).
 
 Measures, per provider, between real processes on this machine:
 
@@ -29,9 +30,11 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 
-from .proxy.engine import TransferEngine
+from ..proxy.engine import TransferEngine
+from ._util import choice_list, int_list, positive_int
 
 PING, PONG, DATA, DONE = 0x1001, 0x1002, 0x1003, 0x1004
 SCATTER_BYTES = 1024  # per peer per scatter: the size of a decode-step private write (a few tokens)
@@ -140,7 +143,7 @@ def bench_python_post_cost(provider: str, num_peers: int, iters: int) -> dict:
     group's per-peer tuples and recycles the engine's contexts, since no completion will come."""
     import ctypes.util
 
-    from .proxy.libfabric import WRITEMSG_PROTO
+    from ..proxy.libfabric import WRITEMSG_PROTO
 
     eng = TransferEngine(provider)
     try:
@@ -285,8 +288,8 @@ def bench_proxy_plan(world_size: int, iters: int) -> dict:
     import numpy as np
     import torch
 
-    from . import plan
-    from .config import A2AConfig
+    from .. import plan
+    from ..config import A2AConfig
 
     W, r = world_size, min(3, world_size - 1)
     cfg = A2AConfig(max_num_tokens=128, num_experts=max(256, W), experts_per_token=8, hidden_dim=7168,
@@ -359,18 +362,29 @@ def format_table(results: list[dict], plans: list[dict] = ()) -> str:
     return "\n".join(f"{a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench_transport", description=__doc__.splitlines()[0])
-    ap.add_argument("--provider", default="tcp,shm", help="comma-separated: tcp, shm, efa (default tcp,shm)")
-    ap.add_argument("--iters", type=int, default=2000, help="measured iterations per benchmark (default 2000)")
-    ap.add_argument("--peers", default="1,7,63", help="scatter peer counts (default 1,7,63)")
-    ap.add_argument("--plan-worlds", default="8,64,256",
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options (shared by `moe-a2a bench transport` and `python -m moe_a2a.bench.transport`)."""
+    ap.add_argument("--provider", default="tcp,shm", type=choice_list(("tcp", "shm", "efa", "verbs"), allow_empty=True),
+                    help="comma-separated: tcp, shm, efa, verbs; '' for none (default tcp,shm)")
+    ap.add_argument("--iters", type=positive_int, default=2000, help="measured iterations per benchmark (default 2000)")
+    ap.add_argument("--peers", default="1,7,63", type=int_list(1), help="scatter peer counts (default 1,7,63)")
+    ap.add_argument("--plan-worlds", default="8,64,256", type=int_list(1, allow_empty=True),
                     help="world sizes for the proxy-arithmetic benchmark, '' to skip (default 8,64,256)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    args = ap.parse_args(argv)
-    peer_counts = [int(x) for x in args.peers.split(",")]
-    plans = [bench_proxy_plan(int(w), args.iters) for w in args.plan_worlds.split(",") if w.strip()]
-    results = [run(p.strip(), args.iters, peer_counts) for p in args.provider.split(",") if p.strip()]
+    return ap
+
+
+def run_args(args) -> int:
+    from ..proxy import libfabric as lf
+
+    if args.provider:  # before anything is spawned: a missing provider is the user's mistake, not a crash
+        available = lf.list_providers()
+        missing = [p for p in args.provider if lf.PROVIDER_NAMES[p] not in available]
+        if missing:
+            raise ValueError(f"--provider {','.join(missing)}: not offered by libfabric here "
+                             f"(available: {available}; efa and verbs need their devices)")
+    plans = [bench_proxy_plan(w, args.iters) for w in args.plan_worlds]
+    results = [run(p, args.iters, args.peers) for p in args.provider]
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "iters": args.iters}
     print(f"# {meta}")
@@ -378,7 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results, "proxy_plan": plans}, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench.transport", description=__doc__.splitlines()[0])
+    return run_args(add_arguments(ap).parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

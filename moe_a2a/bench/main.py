@@ -1,13 +1,14 @@
-"""`moe-a2a bench`: benchmarks that write JSON and PNG and print a table (DESIGN section 8).
+"""`moe-a2a bench`: benchmarks that write JSON and PNG and print a table (docs/design.md, "Benchmarks").
 
     moe-a2a bench kernels   --preset decode|prefill|both --world 64 --node 8     (GPU)
     moe-a2a bench flags     GPU -> proxy process -> GPU flag round trip           (GPU)
     moe-a2a bench e2e       --world 4 --node 2 --preset decode --transport shm    (LocalCluster)
     moe-a2a bench timeline  one traced call drawn as a Gantt chart (GPU / proxy / wire lanes)
-    moe-a2a bench nccl      the torch.distributed all_to_all_single baseline (delegates to moe_a2a.bench_nccl)
-    moe-a2a bench transport libfabric costs (delegates to moe_a2a.bench_transport)
+    moe-a2a bench nccl      the torch.distributed all_to_all_single baseline (moe_a2a.bench.nccl)
+    moe-a2a bench transport libfabric costs (moe_a2a.bench.transport)
 
 Every timing is a median over many calls after warm-up; JSON files keep p10/p90/min/max too.
+Nothing is written unless asked (--json, --png), except `timeline`'s chart (default ./timeline.png).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import os
 import statistics
 import sys
 import time
+
+from ._util import nonneg_int, positive_float, positive_int, progress, refuse_without_cuda
 
 
 def _write(path: str | None, result: dict) -> None:
@@ -37,8 +40,10 @@ def _stats(samples: list[float]) -> dict:
 
 # ---- kernels ------------------------------------------------------------------------------------------
 def run_kernels(args) -> int:
-    from .bench_kernels import bench_kernels, format_table, launcher_overhead
+    from .kernels import bench_kernels, format_table, launcher_overhead
 
+    if not args.launchers and (rc := refuse_without_cuda("moe-a2a bench kernels")):
+        return rc
     if args.launchers:
         res = launcher_overhead()
         print("Python cost per launcher call, kernel launch stubbed out (decode sizes, µs):")
@@ -47,11 +52,9 @@ def run_kernels(args) -> int:
         _write(args.json, {"launcher_python_us": res})
         return 0
 
-    from tqdm import tqdm
-
     presets = ["decode", "prefill"] if args.preset == "both" else [args.preset]
     results = []
-    for p in tqdm(presets, desc="presets", unit="preset", disable=len(presets) < 2):
+    for p in presets:  # bench_kernels shows the (one) progress bar
         res = bench_kernels(p, world=args.world, node=args.node, iters=args.iters)
         print(format_table(res), flush=True)
         results.append(res)
@@ -90,12 +93,15 @@ def _plot_kernels(results: list[dict], path: str) -> None:
 def run_flags(args) -> int:
     import subprocess
 
+    if rc := refuse_without_cuda("moe-a2a bench flags"):
+        return rc
+
     import torch
     import triton
     import triton.language as tl
 
-    from .proxy.memory import SharedSegment, device_view, unique_name
-    from .triton_kernels.sync import _globaltimer_ns, _load_acquire_sys
+    from ..proxy.memory import SharedSegment, device_view, unique_name
+    from ..triton_kernels.sync import _globaltimer_ns, _load_acquire_sys
 
     timeout_ns = 30 * 10**9  # the whole kernel: a dead echo process ends it instead of hanging the GPU
 
@@ -181,9 +187,8 @@ def _e2e_rank(a2a, rank, iters, warmup, seed):
     times = {p: [] for p in phases + ("total",)}
     cuda = dev.type == "cuda"
     bound = torch.tensor([cfg.max_num_tokens], dtype=torch.int32, device=dev)  # skips the index sync
-    from tqdm import tqdm
-
-    for it in tqdm(range(warmup + iters), desc="calls (rank 0)", disable=rank != 0, leave=False):
+    # one bar, rank 0's only, gone when done (and off when stderr is not a terminal)
+    for it in progress(range(warmup + iters), desc="calls (rank 0)", disable=True if rank != 0 else None):
         x, xs, idx, w = sets[it % len(sets)]
         marks = []
 
@@ -221,8 +226,8 @@ def _cluster_setup(args):
     where the kernels run in the Triton interpreter."""
     import torch
 
-    from .bench_kernels import PRESETS
-    from .config import A2AConfig
+    from .kernels import PRESETS
+    from ..config import A2AConfig
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
@@ -234,8 +239,10 @@ def _cluster_setup(args):
 
 
 def run_e2e(args) -> int:
-    from .local import LocalCluster
+    from ..local import LocalCluster
 
+    if args.device == "cuda" and (rc := refuse_without_cuda("moe-a2a bench e2e --device cuda")):
+        return rc
     device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
                       timeout_s=args.timeout) as cl:
@@ -347,8 +354,10 @@ def plot_timeline(traces: list[dict], path: str, title: str) -> None:
 
 
 def run_timeline(args) -> int:
-    from .local import LocalCluster
+    from ..local import LocalCluster
 
+    if args.device == "cuda" and (rc := refuse_without_cuda("moe-a2a bench timeline --device cuda")):
+        return rc
     device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
                       timeout_s=args.timeout) as cl:
@@ -366,68 +375,86 @@ def run_timeline(args) -> int:
 
 def _cluster_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of the benchmarks that start a LocalCluster."""
-    p.add_argument("--world", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--world", type=positive_int, default=4, help="ranks (default 4)")
+    p.add_argument("--node", type=positive_int, default=2, help="ranks per node, divides --world (default 2)")
     p.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes on GPU")
     p.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "auto"], help="provider")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="rank device")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before any wait gives up")
+    p.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before any wait gives up")
+    p.set_defaults(check=_check_cluster_args)
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="what", required=True)
+def _check_cluster_args(args) -> str | None:
+    """The cross-flag check argparse cannot do alone: an error message, or None."""
+    if args.world % args.node:
+        return f"--node {args.node} must divide --world {args.world}"
+    return None
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The `bench` sub-commands, added to `parser` (the `moe-a2a bench` sub-parser of moe_a2a.cli), or to
+    a new stand-alone parser. Each sub-parser sets `run` (the function that takes the parsed args)."""
+    from . import nccl, transport
+
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
     k = sub.add_parser("kernels", help="each Triton kernel vs plain torch vs the floor (GPU)")
     k.add_argument("--preset", default="both", choices=["decode", "prefill", "both"],
                    help="decode: T=128, prefill: T=4096 (H=7168 fp8 + 56 scales, K=8, E=256)")
-    k.add_argument("--world", type=int, default=64, help="world size of the simulated layout (default 64)")
-    k.add_argument("--node", type=int, default=8, help="ranks per node in the layout (default 8)")
-    k.add_argument("--iters", type=int, default=200, help="timed calls per kernel (default 200)")
+    k.add_argument("--world", type=positive_int, default=64, help="world size of the simulated layout (default 64)")
+    k.add_argument("--node", type=positive_int, default=8, help="ranks per node in the layout (default 8)")
+    k.add_argument("--iters", type=positive_int, default=200, help="timed calls per kernel (default 200)")
     k.add_argument("--json", default=None, help="write results here")
     k.add_argument("--png", default=None, help="write a bar chart here")
     k.add_argument("--launchers", action="store_true",
                    help="instead: the Python cost of each launcher with the kernel launch stubbed (any machine)")
+    k.set_defaults(run=run_kernels, check=_check_cluster_args)
     f = sub.add_parser("flags", help="GPU -> proxy process -> GPU flag round trip (GPU)")
-    f.add_argument("--iters", type=int, default=2000, help="round trips per kernel (default 2000)")
-    f.add_argument("--reps", type=int, default=20, help="kernels timed (default 20)")
+    f.add_argument("--iters", type=positive_int, default=2000, help="round trips per kernel (default 2000)")
+    f.add_argument("--reps", type=positive_int, default=20, help="kernels timed (default 20)")
     f.add_argument("--json", default=None, help="write results here")
+    f.set_defaults(run=run_flags)
     e = _cluster_args(sub.add_parser("e2e", help="dispatch/combine halves over a LocalCluster"))
-    e.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
-    e.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
+    e.add_argument("--iters", type=positive_int, default=100, help="timed calls (default 100)")
+    e.add_argument("--warmup", type=nonneg_int, default=10, help="untimed calls first (default 10)")
     e.add_argument("--json", default=None, help="write results here")
     e.add_argument("--png", default=None, help="write a per-phase bar chart here")
+    e.set_defaults(run=run_e2e)
     tl = _cluster_args(sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / "
                                                        "wire lanes"))
-    tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default timeline.png)")
+    tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default ./timeline.png)")
     tl.add_argument("--json", default=None, help="write the raw timestamps here")
-    n = sub.add_parser("nccl", help="all_to_all_single baseline (see python -m moe_a2a.bench_nccl --help)",
-                       add_help=False)
-    n.add_argument("rest", nargs=argparse.REMAINDER)
-    t = sub.add_parser("transport", help="libfabric costs (see python -m moe_a2a.bench_transport --help)",
-                       add_help=False)
-    t.add_argument("rest", nargs=argparse.REMAINDER)
+    tl.set_defaults(run=run_timeline)
+    n = sub.add_parser("nccl", help="torch.distributed all_to_all_single baseline (GPU; gloo on CPU)",
+                       description=nccl.__doc__, formatter_class=raw)
+    nccl.add_arguments(n)
+    n.set_defaults(run=nccl.run_args)
+    t = sub.add_parser("transport", help="libfabric costs: post, scatter, round trip, bandwidth",
+                       description=transport.__doc__, formatter_class=raw)
+    transport.add_arguments(t)
+    t.set_defaults(run=transport.run_args)
+    for p in sub.choices.values():
+        p.set_defaults(error=p.error)  # cross-flag problems are reported by the sub-command's parser
     return parser
 
 
+def run_args(args) -> int:
+    """Run the benchmark of `args` parsed by a build_parser parser; a cross-flag problem is a one-line
+    argparse error of the sub-command (exit 2)."""
+    check = getattr(args, "check", None)
+    problem = check(args) if check else None
+    if problem:
+        args.error(problem)
+    return args.run(args) or 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.what == "kernels":
-        return run_kernels(args)
-    if args.what == "flags":
-        return run_flags(args)
-    if args.what == "e2e":
-        return run_e2e(args)
-    if args.what == "timeline":
-        return run_timeline(args)
-    if args.what == "nccl":
-        from .bench_nccl import main as nccl_main
-
-        return nccl_main(args.rest)
-    from .bench_transport import main as transport_main
-
-    return transport_main(args.rest) or 0
+    """`moe-a2a bench ...` without the `moe-a2a` part (tests call this; the command is moe_a2a.cli)."""
+    return run_args(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

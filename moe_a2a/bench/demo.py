@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from . import reference
-from .config import A2AConfig
+from .. import reference
+from ..config import A2AConfig
 
 
 def make_inputs(cfg: A2AConfig, rank: int, num_tokens: int, seed: int, routing: str = "random"):
@@ -136,13 +136,14 @@ _PLACEMENTS = {"host": "host-staged (the shared host segment)", "ipc": "GPU memo
                "nic": "GPU memory registered with the NIC (cuMem POSIX FDs)"}
 
 
-def _placement(a2a, rank):
-    return a2a.placement, a2a.placement_reason
+def _resolved(a2a, rank):
+    """What `transport="auto"` and `buffers="auto"` resolved to on this rank."""
+    return a2a.transport, a2a.placement, a2a.placement_reason
 
 
 def run_demo(world_size: int = 4, node_size: int = 2, transport: str = "auto", device: str = "auto",
              iters: int | None = None, timeout_s: float = 60.0) -> int:
-    from .local import LocalCluster
+    from ..local import LocalCluster
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,8 +162,10 @@ def run_demo(world_size: int = 4, node_size: int = 2, transport: str = "auto", d
                       timeout_s=timeout_s) as cluster:
         t1 = time.perf_counter()
         print(f"  cluster up in {t1 - t0:.1f} s")
-        placement, reason = cluster.run(_placement)[0]
-        print(f"  send/recv buffers: {_PLACEMENTS[placement]}" + (f"\n    ({reason})" if reason else ""))
+        resolved, placement, reason = cluster.run(_resolved)[0]  # rank 0's view (all ranks agree)
+        print(f"  transport: {resolved}" + (" (resolved from auto)" if transport == "auto" else ""))
+        print(f"  send/recv buffers: {placement}: {_PLACEMENTS.get(placement, placement)}"
+              + (f"\n    ({reason})" if reason else ""))
         results = cluster.run(rank_roundtrip, cfg.max_num_tokens, 0, iters)
     problems = check_against_reference(cfg, results)
     unit, scale = ("µs", 1.0) if device == "cuda" else ("ms", 1e-3)  # the interpreter takes milliseconds

@@ -1,10 +1,10 @@
-"""Fast checks of the scale-out latency MODEL (moe_a2a/latency_model.py); no GPU, no network."""
+"""Fast checks of the scale-out latency MODEL (moe_a2a/bench/latency_model.py); no GPU, no network."""
 import json
 import math
 
 import pytest
 
-from moe_a2a import latency_model as lm
+from moe_a2a.bench import latency_model as lm
 
 
 @pytest.mark.parametrize("fabric", lm.FABRICS)
@@ -72,3 +72,10 @@ def test_main_writes_json_and_png(tmp_path, capsys):
     assert doc["constants"]["FLAG_RTT_US"] == lm.FLAG_RTT_US
     assert any(p["source"] == "pplx-garden README" for p in doc["published"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv", [["--efa-efficiency", "2"], ["--post-us", "-1"], ["--post-us", "x"]])
+def test_main_rejects_bad_values(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        lm.main(argv)
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import A2AConfig
+from ..config import A2AConfig
 
 PRESETS = {
     # DeepSeek-V3 / Kimi-K2 sizes: fp8 payload with 56 fp32 scales per token, bf16 combine
@@ -87,7 +87,7 @@ def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
 
 def empty_launch_us(device) -> float:
     """GPU time of an empty-ish Triton launch (the per-kernel floor)."""
-    from .triton_kernels import sync
+    from ..triton_kernels import sync
 
     flags = torch.zeros(64, dtype=torch.int64, device=device)
     return time_graph(lambda: sync.signal_flag(flags, 0, 1), [()]).median_us
@@ -109,9 +109,9 @@ def _inputs(cfg: A2AConfig, world: int, seed: int, device):
 def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters: int = 200, rotate: int = 4,
                   device="cuda") -> dict:
     """Time each kernel of one rank (rank 0 of `world`, `node` per node) and its torch twin."""
-    from .triton_kernels import combine as ck
-    from .triton_kernels import dispatch as dk
-    from .triton_kernels import quant, routing
+    from ..triton_kernels import combine as ck
+    from ..triton_kernels import dispatch as dk
+    from ..triton_kernels import quant, routing
 
     device = torch.device(device)
     cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
@@ -153,9 +153,9 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     routes = T * K
     recv_rows = statistics.mean(rows)
     res = {}
-    from tqdm import tqdm
+    from ._util import progress
 
-    bar = tqdm(total=6, desc=f"{preset} kernels", unit="kernel", leave=False)
+    bar = progress(total=6, desc=f"{preset} kernels", unit="kernel")  # the only bar of `bench kernels`
 
     def row(name, fn, args, nbytes, torch_fn=None, torch_args=None):
         bar.update()
@@ -275,9 +275,9 @@ def launcher_overhead(iters: int = 3000) -> dict[str, float]:
     block-size choice and argument preparation (µs). Runs anywhere (CPU tensors); restores the kernels."""
     import time
 
-    from .triton_kernels import combine as ck
-    from .triton_kernels import dispatch as dk
-    from .triton_kernels import routing as rk
+    from ..triton_kernels import combine as ck
+    from ..triton_kernels import dispatch as dk
+    from ..triton_kernels import routing as rk
 
     class _NoLaunch:
         def __getitem__(self, grid):

@@ -1,0 +1,214 @@
+"""Same-node synchronisation inside the producing and consuming kernels (no proxy, no extra launch).
+
+Ranks of one node reach each other's recv buffers through mapped memory (CUDA IPC over NVLink on a
+GPU, shared memory on CPU). At the end of every recv buffer sits a small area (`Layout.node_sync_*`):
+
+    dispatch_ready [W] int64   word s: last epoch whose count row and send buffer source s published
+    combine_ready  [W] int64   word s: last epoch whose expert outputs rank s pushed here
+    counts         [W, E] int32  row s: source s's per-expert counts
+
+A producing kernel (dispatch pack, combine pack) ends with an *epilogue*: every program fences its
+writes at system scope and arrives on a counter; the last program to arrive (it then knows every
+program's writes are done) copies this rank's count row into each same-node peer (dispatch only) and
+stores the epoch into the peer's ready word with a system-scope release. A consuming kernel (dispatch
+unpack, combine reduce) starts with a *prologue*: every program spins with system-scope acquire loads
+until every same-node peer's ready word reaches the epoch, then synchronises its threads before it
+reads anything the peers wrote. Measured on 2 x H200: a GPU<->GPU flag round trip through peer memory
+takes 2.7 µs, against 5.6 µs for GPU -> proxy -> GPU.
+
+Why no barrier is needed between phases (every word is written by one rank, epochs only grow):
+- source s overwrites its send buffer and its count-row copies at dispatch e+1 only after its combine
+  receive of epoch e saw every peer's combine_ready >= e, and a peer raises that only after its
+  dispatch unpack (the last read of s's send buffer) and its combine pack (the last read of s's row);
+- rank s pushes expert outputs of epoch e+1 into home h's recv buffer only after its dispatch unpack
+  of e+1 saw h's dispatch_ready >= e+1, which h raises only after its combine reduce of epoch e.
+
+Failure: a wait that times out stores `1 + 2 * (bitmask of the missing node peers)` in a host-visible
+status word (the host raises a TimeoutError naming them at its next call) and sets a sticky device
+word; every later node-synchronised kernel sees it and does nothing (no data moved, no flag raised,
+so peers time out too instead of computing on stale data).
+
+Under `TRITON_INTERPRET=1` the loads and stores are plain (x86 keeps stores in order), the fence is
+skipped and the spin is capped by a count instead of `%globaltimer`; the host waits for the ready words
+before it launches a consuming kernel, so the kernel's own wait passes at its first poll.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .sync import _globaltimer_ns, _load_acquire_sys
+
+# Polls of a prologue spin under the interpreter (it has no clock; the host already waited).
+INTERPRETER_MAX_SPINS = 1 << 16
+
+
+@dataclass(frozen=True)
+class NodeSync:
+    """What the kernels of one rank need to synchronise with its same-node peers.
+
+    Attributes:
+        epoch: `[1]` int64 on the device, this call's epoch (advanced on the stream by `route_tokens`,
+            so a CUDA graph replay publishes and awaits the replay's epoch).
+        failed: `[1]` int64 on the device, sticky: nonzero after any failed wait of this rank.
+        counter: `[1]` int32 on the device, zero between launches: programs arrived in an epilogue.
+        peer_recv_bytes: `[W]` int64, each same-node rank's recv buffer as an offset from `base` (-1
+            for other ranks).
+        dispatch_status, combine_status: `[1]` int64, host-visible words for a failed wait's result.
+        rank, node_first, node_size: this rank and its node's ranks `[node_first, node_first + node_size)`.
+        dispatch_ready_bytes, combine_ready_bytes, counts_bytes: offsets of the area's parts in a recv buffer.
+        num_experts: E (length of a count row).
+        timeout_s: how long a prologue spins before giving up (GPU).
+        interpreter_spins: how many polls before giving up under the interpreter (no clock there).
+    """
+
+    epoch: torch.Tensor
+    failed: torch.Tensor
+    counter: torch.Tensor
+    peer_recv_bytes: torch.Tensor
+    dispatch_status: torch.Tensor
+    combine_status: torch.Tensor
+    rank: int
+    node_first: int
+    node_size: int
+    dispatch_ready_bytes: int
+    combine_ready_bytes: int
+    counts_bytes: int
+    num_experts: int
+    timeout_s: float
+    interpreter_spins: int = INTERPRETER_MAX_SPINS
+
+    def wait_args(self, device: torch.device) -> dict:
+        """Keyword arguments of a prologue, as the kernels take them."""
+        on_gpu = device.type == "cuda"
+        return dict(timeout_ns=int(self.timeout_s * 1e9) if on_gpu else 0,
+                    max_spins=0 if on_gpu else self.interpreter_spins)
+
+
+@triton.jit
+def _fence_sys(USE_PTX: tl.constexpr):
+    if USE_PTX:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_release_sys(ptr, value, USE_PTX: tl.constexpr):
+    if USE_PTX:
+        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                  [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def node_failed(failed_ptr):
+    """True when an earlier wait of this rank failed: the kernel must not move data or raise flags."""
+    return tl.load(failed_ptr, volatile=True) != 0
+
+
+@triton.jit
+def node_wait(
+    base_ptr,            # uint8: byte address space of this rank's recv buffer
+    ready_bytes,         # int64: this rank's ready words (recv buffer + dispatch/combine_ready) - base
+    epoch_ptr,           # (1,) int64: the epoch to wait for
+    failed_ptr,          # (1,) int64 sticky failure word (device)
+    status_ptr,          # (1,) int64 host-visible status word of this wait
+    node_first,          # first rank of this node
+    timeout_ns,          # int64, GPU: give up after this long
+    max_spins,           # int64, interpreter: give up after this many polls (0: no cap)
+    NODE: tl.constexpr, NODE_PAD: tl.constexpr, USE_PTX: tl.constexpr,
+):
+    """Prologue: spin until ready[s] >= epoch for every s of this node. Returns True when the caller
+    may proceed (False after an earlier failure or a timeout, which it records)."""
+    ok = tl.load(failed_ptr, volatile=True) == 0
+    if ok:
+        i = tl.arange(0, NODE_PAD)
+        words = base_ptr.to(tl.pointer_type(tl.int64)) + ready_bytes // 8 + node_first + tl.where(i < NODE, i, 0)
+        target = tl.load(epoch_ptr)
+        if USE_PTX:
+            start = _globaltimer_ns()
+        else:
+            start = tl.zeros([], dtype=tl.int64)
+        spins = tl.zeros([], dtype=tl.int64)
+        late = i < NODE
+        state = tl.full([], -1, dtype=tl.int32)
+        while state < 0:
+            seen = _load_acquire_sys(words, USE_PTX)
+            late = (seen < target) & (i < NODE)
+            spins += 1
+            if USE_PTX:
+                elapsed = _globaltimer_ns() - start
+            else:
+                elapsed = tl.zeros([], dtype=tl.int64)
+            timed_out = (elapsed > timeout_ns) | ((max_spins > 0) & (spins >= max_spins))
+            n_late = tl.sum(late.to(tl.int32), axis=0)
+            state = tl.where(n_late == 0, 0, tl.where(timed_out, 1, -1))
+        if state != 0:
+            missing = tl.sum(tl.where(late, tl.full([NODE_PAD], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
+            tl.store(status_ptr, 1 + 2 * missing)
+            tl.store(failed_ptr, 1)
+        ok = ok & (state == 0)
+        # Every thread reads what the peers wrote; the acquire was done per element (per thread).
+        tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def node_arrive(counter_ptr, USE_PTX: tl.constexpr):
+    """Epilogue, first half: fence this program's writes and arrive. True in the last program to arrive
+    (every program's writes are then done and visible system-wide); it resets the counter."""
+    _fence_sys(USE_PTX)
+    tl.debug_barrier()
+    num = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    last = arrived == num - 1
+    if last:
+        tl.store(counter_ptr, 0)  # the next launch on this stream starts after this one ends
+    return last
+
+
+@triton.jit
+def node_copy_count_row(
+    base_ptr, peer_recv_bytes_ptr, counts_bytes, rank, node_first,
+    E: tl.constexpr, E_PAD: tl.constexpr, NODE: tl.constexpr,
+):
+    """Epilogue of dispatch pack (last program only): this rank's count row, already in its own recv
+    buffer's counts area (route_tokens wrote it there), into the same row of every same-node peer."""
+    base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
+    e = tl.arange(0, E_PAD)
+    own = tl.load(peer_recv_bytes_ptr + rank)
+    row = tl.load(base_i32 + (own + counts_bytes) // 4 + rank * E + e, mask=e < E)
+    for j in range(NODE):
+        p = node_first + j
+        peer = tl.load(peer_recv_bytes_ptr + p)
+        tl.store(base_i32 + (peer + counts_bytes) // 4 + rank * E + e, row, mask=e < tl.where(p != rank, E, 0))
+
+
+@triton.jit
+def node_publish(
+    base_ptr, peer_recv_bytes_ptr, ready_bytes, epoch_ptr, rank, node_first,
+    NODE: tl.constexpr, USE_PTX: tl.constexpr,
+):
+    """Epilogue, second half (last program only): ready[rank] = epoch in every same-node rank (this one
+    too), each a system-scope release after everything this program wrote or saw arrive."""
+    _fence_sys(USE_PTX)
+    tl.debug_barrier()
+    epoch = tl.load(epoch_ptr)
+    base_i64 = base_ptr.to(tl.pointer_type(tl.int64))
+    for j in range(NODE):
+        peer = tl.load(peer_recv_bytes_ptr + node_first + j)
+        _store_release_sys(base_i64 + (peer + ready_bytes) // 8 + rank, epoch, USE_PTX)
+
+
+def failed_ranks(status: int, node_first: int) -> list[int]:
+    """The ranks a failed wait's status word (`1 + 2 * bitmask`) names."""
+    mask = (int(status) - 1) // 2
+    return [node_first + i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+__all__ = ["NodeSync", "node_wait", "node_arrive", "node_copy_count_row", "node_publish", "node_failed",
+           "failed_ranks"]

@@ -1,0 +1,100 @@
+"""`moe-a2a bench` (moe_a2a/bench/main.py) and the `moe-a2a` parser: every option documented, nested
+sub-commands take --help, bad values are one-line argparse errors, e2e writes JSON and PNG (CPU)."""
+import json
+
+import pytest
+
+from moe_a2a.bench import main as bench_main
+from moe_a2a.cli import main as cli_main
+
+
+def test_every_bench_option_is_documented():
+    import argparse
+
+    from moe_a2a.bench import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) >= {"kernels", "flags", "e2e", "timeline", "nccl", "transport"}
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"bench {name} {action.option_strings} has no help text"
+
+
+def test_every_cli_option_is_documented():
+    import argparse
+
+    from moe_a2a.cli import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, path + [name])
+            elif action.option_strings and action.dest != "help":
+                assert action.help, f"moe-a2a {' '.join(path)} {action.option_strings} has no help text"
+                yield path
+
+    paths = {tuple(p) for p in walk(build_parser(), [])}
+    assert ("demo",) in paths and ("bench", "transport") in paths and ("bench", "nccl") in paths
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "-h"], ["bench", "transport", "--help"],
+                                  ["bench", "nccl", "--help"], ["bench", "e2e", "-h"], ["demo", "--help"]])
+def test_nested_help_exits_0(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: moe-a2a")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["demo", "--world-size", "0"], "--world-size"),
+    (["demo", "--world-size", "3", "--node-size", "2", "--device", "cpu"], "--node-size"),
+    (["demo", "--iters", "-1"], "--iters"),
+    (["demo", "--timeout", "0"], "--timeout"),
+    (["bench", "e2e", "--world", "3", "--node", "2"], "--node"),
+    (["bench", "e2e", "--warmup", "-1"], "--warmup"),
+    (["bench", "kernels", "--iters", "zero"], "--iters"),
+    (["bench", "flags", "--reps", "0"], "--reps"),
+    (["bench", "nccl", "--world", "0"], "--world"),
+    (["bench", "transport", "--provider", "shm,foo"], "--provider"),
+    (["bench", "transport", "--peers", "1,0"], "--peers"),
+])
+def test_bad_values_are_one_line_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last and flag in last and "Traceback" not in err, err
+
+
+def test_missing_provider_is_an_error_line_not_a_traceback(capsys):
+    from moe_a2a.proxy import libfabric as lf
+
+    if "efa" in lf.list_providers():
+        pytest.skip("this machine has EFA")
+    assert cli_main(["bench", "transport", "--provider", "efa", "--plan-worlds", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-a2a: error: --provider efa") and len(err.strip().splitlines()) == 1
+
+
+def test_bench_main_alone_parses_like_the_cli():
+    with pytest.raises(SystemExit) as e:
+        bench_main(["e2e", "--world", "0"])
+    assert e.value.code == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_e2e_bench_writes_json_and_png(tmp_path):
+    out_json, out_png = tmp_path / "e2e.json", tmp_path / "e2e.png"
+    assert bench_main(["e2e", "--world", "2", "--node", "1", "--iters", "2", "--warmup", "1", "--device", "cpu",
+                       "--json", str(out_json), "--png", str(out_png)]) == 0
+    data = json.loads(out_json.read_text())
+    assert len(data["per_rank"]) == 2
+    for rank in data["per_rank"]:
+        assert set(rank) == {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "total"}
+        assert all(rank[p]["n"] == 2 and rank[p]["min"] > 0 for p in rank)
+    assert out_png.stat().st_size > 10_000
