@@ -485,12 +485,13 @@ class AllToAll:
                                                              self.layout.clock_calibration_word)
         self.flags_host[flag_word(Flag.TRACE)] = int(on)
 
-    def trace(self) -> dict:
+    def trace(self, latest: bool = False) -> dict:
         """The last traced call: `{"rank", "epoch", "node_local", "model": {half: (t0_ns, t1_ns)}, "proxy":
         {event: t_ns}}` (no proxy events when the calls are node-local: the proxy takes no part),
         CLOCK_MONOTONIC nanoseconds (one clock for every process of this machine). On a GPU the model's
         spans are when the stream reached the start and the end of each half (mapped from %globaltimer,
-        within ~1 µs)."""
+        within ~1 µs). `latest=True`: the last call the stream stamped, whatever the host's epoch (CUDA-graph
+        replays advance the epoch on the device only)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the end stamps are written by the stream
         # The proxy's last steps (the combine barrier) finish after combine returns: let them land.
@@ -498,13 +499,14 @@ class AllToAll:
         while (not self.node_local and self._state == _IDLE and self.epoch and time.monotonic() < deadline
                and int(self.flags_host[flag_word(Flag.COMBINE_BARRIER)]) < self.epoch):
             time.sleep(1e-4)
-        raw = self.segment.numpy(self.layout.trace_offset_bytes, 2 * len(TRACE_EVENTS), "int64").reshape(-1, 2)
-        proxy = {name: int(t) for name, (e, t) in zip(TRACE_EVENTS, raw) if e == self.epoch}
         stamps = self._model_trace_host[: self.layout.clock_calibration_word].reshape(-1, 2, 2).tolist()
+        epoch = max(e0 for (e0, _), _ in stamps) if latest else self.epoch
+        raw = self.segment.numpy(self.layout.trace_offset_bytes, 2 * len(TRACE_EVENTS), "int64").reshape(-1, 2)
+        proxy = {name: int(t) for name, (e, t) in zip(TRACE_EVENTS, raw) if e == epoch}
         offset = self._clock_offset_ns or 0
         model = {name: (t0 + offset, t1 + offset) for name, ((e0, t0), (e1, t1)) in zip(MODEL_TRACE_EVENTS, stamps)
-                 if e0 == e1 == self.epoch}
-        return {"rank": self.rank, "epoch": self.epoch, "node_local": self.node_local, "model": model, "proxy": proxy}
+                 if e0 == e1 == epoch}
+        return {"rank": self.rank, "epoch": epoch, "node_local": self.node_local, "model": model, "proxy": proxy}
 
     def _traced(self, name: str, fn, *args) -> None:
         if not self._tracing:

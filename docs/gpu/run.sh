@@ -2,6 +2,7 @@
 # What was run by hand on the GPU machine (device tool, nvidia-h200), from the repository root:
 #   bash docs/gpu/run.sh all|final|last   # benchmarks and tests with compiled kernels (2026-11-29 runs)
 #   bash docs/gpu/run.sh x2               # two GPUs (nvidia-h200-x2)
+#   bash docs/gpu/run.sh latency          # two GPUs: node-local protocol tests + e2e --graph (2026-11-30)
 #   bash docs/gpu/run.sh demo             # the README's main job at DeepSeek sizes
 #   bash docs/gpu/run.sh next             # not run yet: what the next GPU session checks first
 # Results land in $OUT (JSON, PNG, logs); docs/benchmarks.md quotes them.
@@ -48,6 +49,13 @@ x2)  # kind nvidia-h200-x2: one rank per GPU, same-node peers through CUDA IPC o
   step 45 python3 -m moe_a2a.bench e2e --world 2 --node 2 --device cuda --iters 100 --warmup 10 --json "$OUT/e2e_x2.json"
   step 45 python3 -m moe_a2a.bench.nccl --world 2 --iters 200 --json "$OUT/nccl_x2.json"
   step 60 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graph.py
+  ;;
+latency)  # 2026-11-30, kind nvidia-h200-x2: the node-local protocol (kernels synchronise through peer memory)
+  nvidia-smi topo -m | head -4
+  step 240 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/triton_kernels/test_node_sync.py \
+       tests/test_cuda_graph.py tests/test_all_to_all.py -k "node_sync or node_local or graph or bad_index or W4-N4"
+  step 300 python3 -m moe_a2a.bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
+       --json "$OUT/e2e_graph_x2.json" --png "$OUT/timeline_graph_x2.png"
   ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5

@@ -241,6 +241,20 @@ def _cluster_setup(args):
 def run_e2e(args) -> int:
     from ..local import LocalCluster
 
+    if args.graph:
+        from . import graph
+
+        if rc := refuse_without_cuda("moe-a2a bench e2e --graph"):
+            return rc
+        presets = ["decode", "prefill"] if args.preset is None else [args.preset]
+        res = graph.run(args.world, args.node, presets, args.iters, args.warmup, args.timeout, not args.no_nccl)
+        graph.print_table(res)
+        _write(args.json, res)
+        if args.png:
+            graph.plot_timeline(res, args.png)
+        return 0
+    args.preset = args.preset or "decode"
+
     if args.device == "cuda" and (rc := refuse_without_cuda("moe-a2a bench e2e --device cuda")):
         return rc
     device, cfg = _cluster_setup(args)
@@ -422,8 +436,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     e.add_argument("--iters", type=positive_int, default=100, help="timed calls (default 100)")
     e.add_argument("--warmup", type=nonneg_int, default=10, help="untimed calls first (default 10)")
     e.add_argument("--json", default=None, help="write results here")
-    e.add_argument("--png", default=None, help="write a per-phase bar chart here")
-    e.set_defaults(run=run_e2e)
+    e.add_argument("--png", default=None, help="write a per-phase bar chart here (with --graph: the timeline "
+                                               "of one traced graph-mode call)")
+    e.add_argument("--graph", action="store_true",
+                   help="GPU: CUDA-graph replay, eager, the NCCL baseline and the floor side by side, at decode "
+                        "and prefill (--preset picks one), one rank per GPU where there are several")
+    e.add_argument("--no-nccl", action="store_true", help="with --graph: skip the NCCL baseline")
+    e.set_defaults(run=run_e2e, preset=None)  # None: decode, or both presets with --graph
     tl = _cluster_args(sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / "
                                                        "wire lanes"))
     tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default ./timeline.png)")

@@ -1,4 +1,8 @@
-"""quantize_fp8 against the same formula in torch, bitwise on the fp8 bytes and the scales."""
+"""quantize_fp8 against the same formula in torch, bitwise on the fp8 bytes and the scales.
+
+Inputs are built on the CPU (seeded generators), moved to TEST_DEVICE for the kernel (tests/conftest.py:
+the interpreter on CPU in CI, compiled kernels on cuda), and the results come back to the CPU, where the
+reference formula runs."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +10,16 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from moe_a2a.triton_kernels.quant import dequantize_fp8, quantize_fp8
+
+from ..conftest import TEST_DEVICE, examples
+
+DEVICE = torch.device(TEST_DEVICE)
+
+
+def quantize_on_device(x: torch.Tensor, block: int = 128, **kwargs):
+    """quantize_fp8 of the CPU tensor `x` run on TEST_DEVICE; (x_fp8, scale) back on the CPU."""
+    q, scale = quantize_fp8(x.to(DEVICE), block, **kwargs)
+    return q.cpu(), scale.cpu()
 
 
 def torch_quantize(x: torch.Tensor, block: int):
@@ -26,7 +40,7 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor):
 
 
 @pytest.mark.timeout(120)
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=examples(25))
 @given(
     T=st.integers(0, 6),
     H=st.integers(1, 300),
@@ -39,7 +53,7 @@ def test_matches_torch_formula(T, H, block, dtype, log_range, seed):
     gen = torch.Generator().manual_seed(seed)
     magnitude = torch.exp2(torch.empty(T, H).uniform_(*log_range, generator=gen))
     x = (torch.randn(T, H, generator=gen).sign() * magnitude).to(dtype)
-    q, scale = quantize_fp8(x, block)
+    q, scale = quantize_on_device(x, block)
     want_q, want_scale = torch_quantize(x, block)
     assert q.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (T, -(-H // block))
     assert_same_bytes(q, want_q)
@@ -65,7 +79,7 @@ def test_encoding_every_code_tie_and_neighbour():
                         torch.nextafter(mids, torch.full_like(mids, -1e9)),
                         torch.tensor([-0.0, 2.0**-10, -(2.0**-10), 2.0**-11, 447.9, -447.9, 2.0**-9 * 1.5])])
     x = torch.cat([torch.full((1,), 448.0), values])[None, :]
-    q, scale = quantize_fp8(x, block=x.shape[1])
+    q, scale = quantize_on_device(x, block=x.shape[1])
     assert torch.equal(scale, torch.ones(1, 1))
     want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
     assert_same_bytes(q, want)
@@ -76,7 +90,7 @@ def test_zero_and_tiny_blocks_get_scale_one():
     x = torch.zeros(2, 20)
     x[1, :10] = 1e-38     # amax / 448 is below the smallest normal fp32: scale 1, bytes 0
     x[1, 10:] = 3.0
-    q, scale = quantize_fp8(x, block=10)
+    q, scale = quantize_on_device(x, block=10)
     assert torch.equal(scale, torch.tensor([[1.0, 1.0], [1.0, 3.0 / 448.0]]))
     assert not bool(q.view(torch.uint8)[:, :10].any())
     assert torch.equal(dequantize_fp8(q, scale, 10)[1, 10:], torch.full((10,), 3.0))
@@ -86,7 +100,7 @@ def test_zero_and_tiny_blocks_get_scale_one():
 def test_decode_row_width_bf16():
     """H = 7168 at block 128: 56 scales per token (the DeepSeek decode shape, fewer tokens)."""
     x = torch.randn(4, 7168, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    q, scale = quantize_fp8(x)
+    q, scale = quantize_on_device(x)
     want_q, want_scale = torch_quantize(x, 128)
     assert_same_bytes(q, want_q)
     assert torch.equal(scale, want_scale)
@@ -97,10 +111,12 @@ def test_caller_outputs_and_bound_m():
     """Caller-allocated outputs (scale as a transposed, strided view); rows >= bound_m untouched."""
     T, H, block = 6, 40, 16
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(6))
-    out = torch.full((T, H), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    scale_t = torch.full((3, T), -1.0)
-    q, scale = quantize_fp8(x, block, out=out, out_scale=scale_t.t(), bound_m=torch.tensor([4], dtype=torch.int32))
-    assert q.data_ptr() == out.data_ptr()
+    out_dev = torch.full((T, H), 0x11, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    scale_t_dev = torch.full((3, T), -1.0, device=DEVICE)
+    bound_m = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    q, scale = quantize_fp8(x.to(DEVICE), block, out=out_dev, out_scale=scale_t_dev.t(), bound_m=bound_m)
+    assert q.data_ptr() == out_dev.data_ptr() and scale.data_ptr() == scale_t_dev.data_ptr()
+    out, scale_t = out_dev.cpu(), scale_t_dev.cpu()
     want_q, want_scale = torch_quantize(x[:4], block)
     assert_same_bytes(out[:4], want_q)
     assert torch.equal(scale_t.t()[:4], want_scale)

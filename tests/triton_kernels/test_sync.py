@@ -13,7 +13,17 @@ from moe_a2a.config import FLAG_SLOT_BYTES, Flag
 from moe_a2a.triton_kernels import sync
 from moe_a2a.triton_kernels.sync import PeerError, signal_flag, wait_flag
 
+from ..conftest import TEST_DEVICE
+
 WORDS = FLAG_SLOT_BYTES // 8
+
+# The tests that launch the USE_PTX=False kernels directly are about the interpreter's path: compiled
+# (MOE_A2A_TEST_DEVICE=cuda, no TRITON_INTERPRET) they would get CPU pointers and are not the code a GPU
+# runs; the GPU's PTX path is tested below (test_gpu_*, test_device_epoch_offsets_signal_and_wait_targets).
+interpreter_only = pytest.mark.skipif(
+    TEST_DEVICE == "cuda",
+    reason="tests the interpreter path (USE_PTX=False kernels on CPU tensors under TRITON_INTERPRET=1); "
+           "with compiled kernels the PTX path is covered by the test_gpu_* tests")
 
 
 def new_flags() -> torch.Tensor:
@@ -120,6 +130,7 @@ def run_wait_kernel(flags, slot, target, max_spins=50):
     return int(status[0])
 
 
+@interpreter_only
 @pytest.mark.timeout(60)
 def test_wait_kernel_interpreted():
     flags = new_flags()
@@ -131,6 +142,7 @@ def test_wait_kernel_interpreted():
     assert run_wait_kernel(flags, Flag.ROUTE_READY, 4) == sync.STATUS_OK       # raised flag wins
 
 
+@interpreter_only
 @pytest.mark.timeout(60)
 def test_signal_kernel_interpreted():
     flags = new_flags()
@@ -143,7 +155,21 @@ def test_signal_kernel_interpreted():
 
 @pytest.mark.timeout(60)
 def test_device_epoch_offsets_signal_and_wait_targets():
-    """CUDA-graph mode: value and target are relative to an epoch counter read when the kernel runs."""
+    """CUDA-graph mode: value and target are relative to an epoch counter read when the kernel runs.
+
+    On CPU: the USE_PTX=False kernels under the interpreter (the CPU launchers wait on the host and take
+    no epoch). On cuda: the launchers (PTX kernels) on pinned host flags with a device epoch tensor."""
+    if TEST_DEVICE == "cuda":
+        flags = new_flags().pin_memory()   # registered host memory, as in production (reached via UVA)
+        epoch = torch.tensor([41], dtype=torch.int64, device=TEST_DEVICE)
+        signal_flag(flags, word(Flag.SEND_READY), 1, device=TEST_DEVICE, epoch=epoch)
+        torch.cuda.synchronize()
+        assert int(flags[word(Flag.SEND_READY)]) == 42
+        status = wait_flag(flags, word(Flag.SEND_READY), 1, timeout_s=10.0, device=TEST_DEVICE, epoch=epoch)
+        assert int(status.cpu()[0]) == sync.STATUS_OK
+        status = wait_flag(flags, word(Flag.SEND_READY), 2, timeout_s=0.05, device=TEST_DEVICE, epoch=epoch)
+        assert int(status.cpu()[0]) == sync.STATUS_TIMEOUT  # 43 never arrives: %globaltimer ends it
+        return
     flags = new_flags()
     epoch = torch.tensor([41], dtype=torch.int64)
     sync._signal_flag_kernel[(1,)](flags, word(Flag.SEND_READY), 1, epoch, USE_PTX=False, HAS_EPOCH=True)

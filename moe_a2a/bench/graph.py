@@ -1,0 +1,195 @@
+"""`moe-a2a bench e2e --graph`: one run that puts side by side, per half and at decode and prefill,
+
+- moe_a2a, CUDA-graph replay: one graph per half (dispatch, combine) per rotating input set, replayed
+  back to back without host syncs, as a model's decode step replays them; CUDA events per half;
+- moe_a2a, eager: each half called from Python, the GPU time between events around each half
+  (launch gaps included: that is what an eager caller pays);
+- the NCCL `all_to_all_single` baseline (`bench/nccl.py`), eager;
+- the floor: bytes moved / measured bandwidth, the slower of HBM (4.3 TB/s) and NVLink (358 GB/s for a
+  64 MiB copy on our 2 x H200), + one GPU<->GPU flag round trip (2.7 µs) per half.
+
+One rank per GPU where there are several (LocalCluster puts rank i on GPU i % num_gpus). Besides the
+medians, one graph-mode call is traced with the kernel-side stamps (%globaltimer at the start and end
+of each half) for the timeline plot.
+
+    moe-a2a bench e2e --graph --world 2 --node 2 --json e2e_graph.json --png timeline.png
+"""
+from __future__ import annotations
+
+import statistics
+
+HBM_GBPS = 4300.0          # H200 device copy, measured
+NVLINK_GBPS = 358.0        # GPU0 -> GPU1 copy_ of 64 MiB, measured (2 x H200, NV18)
+FLAG_RTT_US = 2.7          # GPU <-> GPU flag round trip through peer memory, measured
+
+
+def _stats(v: list[float]) -> dict:
+    s = sorted(v)
+    return {"median": statistics.median(s), "p10": s[len(s) // 10], "p90": s[min(len(s) - 1, 9 * len(s) // 10)],
+            "min": s[0], "n": len(s)}
+
+
+def floor_us(cfg, world: int) -> dict:
+    """Bytes-moved floor of each half for uniform routing, one rank per GPU, all on one node.
+
+    dispatch: pack reads T tokens and writes T*K rows; unpack reads T*K rows (a (W-1)/W share over
+    NVLink) and writes them. combine: pack reads and writes T*K rows (the remote share over NVLink);
+    reduce reads T*K rows and writes T. Each half also needs one flag hand-off."""
+    T, K = cfg.max_num_tokens, cfg.experts_per_token
+    row, y = cfg.dispatch_stride_bytes, cfg.combine_stride_bytes
+    remote = (world - 1) / world
+    hbm_d = T * row + 2 * T * K * row + T * K * row * (1 - remote)
+    nvl_d = T * K * row * remote
+    hbm_c = T * K * y + T * K * y * (1 - remote) + T * K * y + T * y
+    nvl_c = T * K * y * remote
+    # HBM and NVLink traffic overlap (different engines), so the slower of the two bounds each half.
+    us = lambda hbm, nvl: max(hbm / (HBM_GBPS * 1e3), nvl / (NVLINK_GBPS * 1e3)) + FLAG_RTT_US  # noqa: E731
+    return {"dispatch": us(hbm_d, nvl_d), "combine": us(hbm_c, nvl_c),
+            "bytes": {"dispatch_hbm": hbm_d, "dispatch_nvlink": nvl_d, "combine_hbm": hbm_c, "combine_nvlink": nvl_c}}
+
+
+def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
+    """Per-half latency of CUDA-graph replays, then one traced graph call (kernel-side stamps)."""
+    import torch
+
+    from .demo import make_inputs
+
+    cfg, dev = a2a.cfg, a2a.device
+    T = cfg.max_num_tokens
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    y = torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev)
+    bound = torch.tensor([T], dtype=torch.int32, device=dev)
+    inputs = [tuple(t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, seed + i)) for i in range(sets)]
+    outs = [torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev) for _ in range(sets)]
+
+    def dispatch(i):
+        x, xs, idx, _ = inputs[i]
+        a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound)
+
+    def combine(i):
+        _, _, idx, w = inputs[i]
+        a2a.combine(outs[i], idx, w, y, bound_m=bound)
+
+    for i in range(2):  # compile every kernel before capture
+        dispatch(i)
+        combine(i)
+    torch.cuda.synchronize()
+    graphs = []
+    for i in range(sets):
+        pair = (torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph())
+        with torch.cuda.graph(pair[0]):
+            dispatch(i)
+        with torch.cuda.graph(pair[1]):
+            combine(i)
+        graphs.append(pair)
+    torch.cuda.synchronize()
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + iters)]
+    for it, ev in enumerate(events):  # back to back, no host sync: the GPUs pace each other
+        gd, gc = graphs[it % sets]
+        ev[0].record()
+        gd.replay()
+        ev[1].record()
+        gc.replay()
+        ev[2].record()
+    torch.cuda.synchronize()
+    d = [ev[0].elapsed_time(ev[1]) * 1e3 for ev in events[warmup:]]
+    c = [ev[1].elapsed_time(ev[2]) * 1e3 for ev in events[warmup:]]
+    result = {"dispatch": _stats(d), "combine": _stats(c), "total": _stats([a + b for a, b in zip(d, c)]),
+              "node_local": a2a.node_local}
+
+    # One more call, traced: the model's halves stamped on the stream inside the graphs.
+    a2a.set_tracing(True)
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gd):
+        dispatch(0)
+    with torch.cuda.graph(gc):
+        combine(0)
+    for _ in range(3):  # the last of these is the one read back
+        gd.replay()
+        gc.replay()
+    torch.cuda.synchronize()
+    result["trace"] = a2a.trace(latest=True)
+    a2a.set_tracing(False)
+    return result
+
+
+def _eager_rank(a2a, rank, iters, warmup, seed):
+    from .main import _e2e_rank
+
+    return _e2e_rank(a2a, rank, iters, warmup, seed)
+
+
+def run(world: int, node: int, presets: list[str], iters: int, warmup: int, timeout: float,
+        nccl: bool = True) -> dict:
+    import torch
+
+    from ..config import A2AConfig
+    from ..local import LocalCluster
+    from .kernels import PRESETS
+
+    out = {"world": world, "node": node, "device": torch.cuda.get_device_name(0),
+           "torch": torch.__version__, "presets": {}}
+    for preset in presets:
+        cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+        n_iters = iters if preset == "decode" else max(20, iters // 5)
+        with LocalCluster(cfg, world_size=world, node_size=node, device="cuda", timeout_s=timeout) as cl:
+            graph = cl.run(_graph_rank, n_iters, warmup, 0)
+            eager = cl.run(_eager_rank, n_iters, warmup, 0)
+        row = {"config": str(cfg), "graph": graph, "eager": eager, "floor": floor_us(cfg, world)}
+        if nccl:
+            from .nccl import run as run_nccl
+
+            row["nccl"] = run_nccl(world=world, preset=preset, iters=n_iters, warmup=warmup)
+        out["presets"][preset] = row
+    return out
+
+
+def _median_over_ranks(rows: list[dict], key: str) -> float:
+    return max(r[key]["median"] for r in rows)  # the slowest rank is the call's latency
+
+
+def print_table(res: dict) -> None:
+    print(f"{res['world']} ranks ({res['node']} per node) on {res['device']}; µs, median per rank, slowest rank")
+    print(f"{'preset':<9}{'half':<10}{'graph':>10}{'eager':>10}{'nccl':>10}{'floor':>10}")
+    for preset, row in res["presets"].items():
+        for half in ("dispatch", "combine", "total"):
+            graph = _median_over_ranks(row["graph"], half)
+            if half == "total":
+                eager = max(r["total"]["median"] for r in row["eager"])
+                floor = row["floor"]["dispatch"] + row["floor"]["combine"]
+            else:
+                eager = max(r[f"{half}_send"]["median"] + r[f"{half}_recv"]["median"] for r in row["eager"])
+                floor = row["floor"][half]
+            nccl = "-"
+            if "nccl" in row:
+                key = {"dispatch": "dispatch", "combine": "combine", "total": "total"}[half]
+                vals = [r.get(key, {}).get("median") for r in row["nccl"]]
+                nccl = f"{max(vals):.1f}" if all(v is not None for v in vals) else "-"
+            print(f"{preset:<9}{half:<10}{graph:>10.1f}{eager:>10.1f}{nccl:>10}{floor:>10.1f}")
+
+
+def plot_timeline(res: dict, path: str) -> None:
+    """One graph-mode call per preset: each rank's halves on its lane (kernel-side stamps), legend outside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(res["presets"])
+    fig, axes = plt.subplots(len(presets), 1, figsize=(9, 1.2 + 1.1 * res["world"] * len(presets)), squeeze=False)
+    colors = {"dispatch_send": "#4c72b0", "dispatch_recv": "#55a868", "combine_send": "#c44e52",
+              "combine_recv": "#8172b2"}
+    for ax, preset in zip(axes[:, 0], presets):
+        traces = [g["trace"] for g in res["presets"][preset]["graph"]]
+        t0 = min(s[0] for t in traces for s in t["model"].values())
+        for lane, t in enumerate(traces):
+            for half, (a, b) in t["model"].items():
+                ax.barh(lane, (b - a) / 1e3, left=(a - t0) / 1e3, color=colors[half], label=half if lane == 0 else None)
+        ax.set_yticks(range(len(traces)), [f"rank {t['rank']}" for t in traces])
+        ax.set_xlabel("µs since the first rank started dispatch")
+        ax.set_title(f"{preset}: one CUDA-graph call, kernel-side stamps")
+        ax.invert_yaxis()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130, bbox_inches="tight")
