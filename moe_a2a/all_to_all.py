@@ -346,6 +346,12 @@ class AllToAll:
         nflags = flag_word(Flag.NUM_FLAGS)
         self.flags = self._view(seg.addr + lay.flags_offset_bytes, nflags * 8).view(torch.int64)
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
+        # What `_ready` looks at before every call, as one numpy gather (a torch index costs ~5 µs each).
+        self._flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
+        self._alarm_words = [flag_word(f) for f in (Flag.BAD_INDEX, Flag.ERROR, Flag.STATUS_COMBINE_BARRIER,
+                                                    Flag.STATUS_DISPATCH_RECV, Flag.STATUS_DISPATCH_BARRIER,
+                                                    Flag.STATUS_COMBINE_RECV)]
+        self._next_proxy_poll = 0.0
         ntrace = lay.model_trace_words
         self._model_trace = self._view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
         self._model_trace_host = seg.numpy(lay.model_trace_offset_bytes, ntrace, "int64")
@@ -696,14 +702,23 @@ class AllToAll:
                 sync.wait_flag(self.flags, flag_word(flag), delta, flag_word(Flag.ERROR),
                                self.timeout_s, status=self.flags[word: word + 1], what=what, epoch=self.epoch_dev)
         except (TimeoutError, sync.PeerError):
-            self._raise_proxy_error()
+            self._raise_proxy_error(force=True)
             raise TimeoutError(f"rank {self.rank}: {what}: timed out after {self.timeout_s:g}s "
                                f"(epoch {self.epoch + delta})") from None
         if on_host:
             self._raise_proxy_error()
 
-    def _raise_proxy_error(self) -> None:
-        bad = int(self.flags_host[flag_word(Flag.BAD_INDEX)])
+    def _raise_proxy_error(self, force: bool = False) -> None:
+        if not force and not self._flags_np[self._alarm_words].any():
+            # Nothing raised: only a dead proxy is left to find, and it matters only when calls use it
+            # (polled at most every 20 ms: waitpid is a system call).
+            if self.node_local or self.proxy is None or time.monotonic() < self._next_proxy_poll:
+                return
+            self._next_proxy_poll = time.monotonic() + 0.02
+            if self.proxy.proc.poll() is not None:
+                raise RuntimeError(f"rank {self.rank}: proxy process exited with code {self.proxy.proc.returncode}")
+            return
+        bad = int(self._flags_np[flag_word(Flag.BAD_INDEX)])
         if bad:
             K = self.cfg.experts_per_token
             raise ValueError(f"indices[{(bad - 1) // K}, {(bad - 1) % K}] of an earlier dispatch (epoch <= "

@@ -57,6 +57,19 @@ latency)  # 2026-11-30, kind nvidia-h200-x2: the node-local protocol (kernels sy
   step 300 python3 -m moe_a2a.bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
        --json "$OUT/e2e_graph_x2.json" --png "$OUT/timeline_graph_x2.png"
   ;;
+eager)  # 2026-11-30, nvidia-h200-x2: where eager calls spend host time
+  step 120 python3 docs/gpu/profile_eager.py 200
+  step 120 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_all_to_all.py -k bad_index
+  ;;
+eager2)  # 2026-11-30, nvidia-h200-x2: after remembered launches (LaunchCache) and the cheap per-call checks
+  step 120 python3 docs/gpu/profile_eager.py 200
+  step 300 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels \
+       tests/test_cuda_graph.py
+  step 150 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_all_to_all.py \
+       -k "node_local or W4-N4 or bad_index or three_calls"
+  step 200 python3 -m moe_a2a.bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
+       --json "$OUT/e2e_graph_x2.json" --png "$OUT/timeline_graph_x2.png"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;

@@ -2,8 +2,8 @@
 
 - moe_a2a, CUDA-graph replay: one graph per half (dispatch, combine) per rotating input set, replayed
   back to back without host syncs, as a model's decode step replays them; CUDA events per half;
-- moe_a2a, eager: each half called from Python, the GPU time between events around each half
-  (launch gaps included: that is what an eager caller pays);
+- moe_a2a, eager: the same calls made from Python back to back, events around each half (launch
+  gaps included: when the host is slower than the GPU, that is what an eager caller pays);
 - the NCCL `all_to_all_single` baseline (`bench/nccl.py`), eager;
 - the floor: bytes moved / measured bandwidth, the slower of HBM (4.3 TB/s) and NVLink (358 GB/s for a
   64 MiB copy on our 2 x H200), + one GPU<->GPU flag round trip (2.7 µs) per half.
@@ -70,10 +70,24 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
         _, _, idx, w = inputs[i]
         a2a.combine(outs[i], idx, w, y, bound_m=bound)
 
-    for i in range(2):  # compile every kernel before capture
+    def timed(run_dispatch, run_combine) -> dict:
+        events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + iters)]
+        for it, ev in enumerate(events):  # back to back, no host sync: the GPUs pace each other
+            ev[0].record()
+            run_dispatch(it % sets)
+            ev[1].record()
+            run_combine(it % sets)
+            ev[2].record()
+        torch.cuda.synchronize()
+        d = [ev[0].elapsed_time(ev[1]) * 1e3 for ev in events[warmup:]]
+        c = [ev[1].elapsed_time(ev[2]) * 1e3 for ev in events[warmup:]]
+        return {"dispatch": _stats(d), "combine": _stats(c), "total": _stats([a + b for a, b in zip(d, c)])}
+
+    for i in range(2):  # compile every kernel before timing and capture
         dispatch(i)
         combine(i)
     torch.cuda.synchronize()
+    eager = timed(dispatch, combine)
     graphs = []
     for i in range(sets):
         pair = (torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph())
@@ -83,19 +97,8 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
             combine(i)
         graphs.append(pair)
     torch.cuda.synchronize()
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + iters)]
-    for it, ev in enumerate(events):  # back to back, no host sync: the GPUs pace each other
-        gd, gc = graphs[it % sets]
-        ev[0].record()
-        gd.replay()
-        ev[1].record()
-        gc.replay()
-        ev[2].record()
-    torch.cuda.synchronize()
-    d = [ev[0].elapsed_time(ev[1]) * 1e3 for ev in events[warmup:]]
-    c = [ev[1].elapsed_time(ev[2]) * 1e3 for ev in events[warmup:]]
-    result = {"dispatch": _stats(d), "combine": _stats(c), "total": _stats([a + b for a, b in zip(d, c)]),
-              "node_local": a2a.node_local}
+    result = timed(lambda i: graphs[i][0].replay(), lambda i: graphs[i][1].replay())
+    result.update(eager=eager, node_local=a2a.node_local)
 
     # One more call, traced: the model's halves stamped on the stream inside the graphs.
     a2a.set_tracing(True)
@@ -113,12 +116,6 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
     return result
 
 
-def _eager_rank(a2a, rank, iters, warmup, seed):
-    from .main import _e2e_rank
-
-    return _e2e_rank(a2a, rank, iters, warmup, seed)
-
-
 def run(world: int, node: int, presets: list[str], iters: int, warmup: int, timeout: float,
         nccl: bool = True) -> dict:
     import torch
@@ -134,8 +131,8 @@ def run(world: int, node: int, presets: list[str], iters: int, warmup: int, time
         n_iters = iters if preset == "decode" else max(20, iters // 5)
         with LocalCluster(cfg, world_size=world, node_size=node, device="cuda", timeout_s=timeout) as cl:
             graph = cl.run(_graph_rank, n_iters, warmup, 0)
-            eager = cl.run(_eager_rank, n_iters, warmup, 0)
-        row = {"config": str(cfg), "graph": graph, "eager": eager, "floor": floor_us(cfg, world)}
+        row = {"config": str(cfg), "graph": graph, "eager": [g.pop("eager") for g in graph],
+               "floor": floor_us(cfg, world)}
         if nccl:
             from .nccl import run as run_nccl
 
@@ -154,12 +151,8 @@ def print_table(res: dict) -> None:
     for preset, row in res["presets"].items():
         for half in ("dispatch", "combine", "total"):
             graph = _median_over_ranks(row["graph"], half)
-            if half == "total":
-                eager = max(r["total"]["median"] for r in row["eager"])
-                floor = row["floor"]["dispatch"] + row["floor"]["combine"]
-            else:
-                eager = max(r[f"{half}_send"]["median"] + r[f"{half}_recv"]["median"] for r in row["eager"])
-                floor = row["floor"][half]
+            eager = _median_over_ranks(row["eager"], half)
+            floor = row["floor"]["dispatch"] + row["floor"]["combine"] if half == "total" else row["floor"][half]
             nccl = "-"
             if "nccl" in row:
                 key = {"dispatch": "dispatch", "combine": "combine", "total": "total"}[half]

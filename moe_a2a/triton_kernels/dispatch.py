@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
 from .node_sync import NodeSync, node_arrive, node_copy_count_row, node_publish, node_wait
-from .rows import (CPU_TOKENS_PER_PROGRAM, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
+from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
                    _check_layout, _check_peer_table, _check_tensor, _chunk_words, _copy_row_words, _fail,
                    _live_token_block, _node_peer_tables, _num_warps, _persistent_grid, _recv_pair_tables,
                    _tile_rows, _word_bytes)
@@ -232,6 +232,12 @@ def pack_tokens_by_expert(
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
     """
+    key = None
+    if isinstance(x, torch.Tensor) and x.is_cuda:
+        key = (tensor_key(x), tensor_key(x_scale), tensor_key(route_slot), tensor_key(send_base), send_offset_bytes,
+               cfg, tensor_key(bound_m), node)
+        if _PACK.hit(key):
+            return
     if not isinstance(cfg, A2AConfig):
         _fail("cfg", "an A2AConfig", type(cfg).__name__)
     _check_tensor("x", x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
@@ -273,8 +279,8 @@ def pack_tokens_by_expert(
         READY_BYTES=node.dispatch_ready_bytes, COUNTS_BYTES=node.counts_bytes, E=node.num_experts,
         E_PAD=next_power_of_2(node.num_experts), NODE=node.node_size, NODE_SYNC=True,
         USE_PTX=device.type == "cuda")
-    _pack_tokens_by_expert_kernel[grid](
-        x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
+    _PACK.launch(
+        key, grid, x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,
         x_words.stride(0), stride_scale[0], stride_scale[1], route_slot.stride(0), route_slot.stride(1),
         K=K, MAX_SLOTS=cfg.max_routes, X_WORDS=row_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
@@ -321,6 +327,12 @@ def unpack_tokens_by_expert(
 
     Every offset is computed on the device from `counts`: no host sync, CUDA-graph safe.
     """
+    key = None
+    if isinstance(out_expert_x, torch.Tensor) and out_expert_x.is_cuda:
+        key = (tensor_key(out_expert_num_tokens), tensor_key(out_expert_x), tensor_key(out_expert_x_scale),
+               tensor_key(counts), rank, tensor_key(base), tensor_key(peer_send_bytes), recv_bytes, cfg, layout, node)
+        if _UNPACK.hit(key):
+            return
     if not isinstance(cfg, A2AConfig):
         _fail("cfg", "an A2AConfig", type(cfg).__name__)
     _check_layout(layout, cfg)
@@ -360,8 +372,8 @@ def unpack_tokens_by_expert(
         node_first=node.node_first, READY_BYTES=node.dispatch_ready_bytes, NODE=node.node_size,
         NODE_PAD=next_power_of_2(node.node_size), NODE_SYNC=True, USE_PTX=device.type == "cuda",
         **node.wait_args(device))
-    _unpack_tokens_by_expert_kernel[grid](
-        out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
+    _UNPACK.launch(
+        key, grid, out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
         counts.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, P=layout.private_rows, PRIVATE_OFFSET_BYTES=layout.private_offset_bytes,
@@ -373,5 +385,8 @@ def unpack_tokens_by_expert(
         num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
     )
 
+
+_PACK = LaunchCache(_pack_tokens_by_expert_kernel)
+_UNPACK = LaunchCache(_unpack_tokens_by_expert_kernel)
 
 __all__ = ["pack_tokens_by_expert", "unpack_tokens_by_expert"]

@@ -46,7 +46,7 @@ from .sync import _globaltimer_ns, _load_acquire_sys
 INTERPRETER_MAX_SPINS = 1 << 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: it is a key of remembered launches, and holds tensors
 class NodeSync:
     """What the kernels of one rank need to synchronise with its same-node peers.
 
