@@ -1,0 +1,86 @@
+"""`rows.LaunchCache`: remembered launches, checked with a stand-in kernel (the real ones are exercised
+on the GPU by every kernel test: the launchers remember their launches there)."""
+from __future__ import annotations
+
+import torch
+
+from moe_a2a.triton_kernels import rows
+
+
+class _Compiled:
+    packed_metadata, function = "meta", "fn"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(args)
+
+
+class _Kernel:
+    """What LaunchCache needs of a JITFunction: `.fn` and `kernel[grid](*args, **kwargs)` -> compiled."""
+
+    def __init__(self, fail_on_run=False):
+        self.calls, self.runs = [], []
+        self.fail_on_run = fail_on_run
+
+        def fn(a_ptr, n, b_ptr=None, BLOCK=16, FLAG=False):
+            pass
+
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            compiled = _Compiled(self.runs)
+            if self.fail_on_run:
+                def boom(*a):
+                    raise TypeError("a launcher of another shape")
+                compiled.run = boom
+            return compiled
+        return launch
+
+
+def test_remembered_launch_replays_arguments_in_order_with_pointers_as_ints(monkeypatch):
+    monkeypatch.setattr(rows.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(rows, "_current_stream", lambda index: 1234)
+    kernel = _Kernel()
+    cache = rows.LaunchCache(kernel, size=2)
+    a = torch.zeros(8)
+    key = ("k", rows.tensor_key(a))
+    assert not cache.has(key) and not cache.hit(key)
+    cache.launch(key, (3,), a, 5, BLOCK=32, num_warps=4)
+    assert len(kernel.calls) == 1 and cache.has(key)
+    assert cache.hit(key) and len(kernel.calls) == 1  # no new Triton launch
+    grid_and_stream, args = kernel.runs[0][:4], kernel.runs[0][9:]
+    assert grid_and_stream == (3, 1, 1, 1234)
+    assert args == (a.data_ptr(), 5, None, 32, False)  # every parameter, defaults filled, num_warps not one
+    # the oldest key goes first when the cache is full
+    cache.launch("k2", (1,), a, 6)
+    cache.launch("k3", (1,), a, 7)
+    assert not cache.has(key) and cache.has("k2") and cache.has("k3")
+    # no key: launched, never remembered
+    cache.launch(None, (1,), a, 8)
+    assert not cache.has(None)
+
+
+def test_a_launcher_that_refuses_the_call_turns_the_cache_off(monkeypatch):
+    monkeypatch.setattr(rows.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(rows, "_current_stream", lambda index: 0)
+    kernel = _Kernel(fail_on_run=True)
+    cache = rows.LaunchCache(kernel)
+    cache.launch("k", (1,), torch.zeros(1), 1)
+    assert cache.has("k")
+    assert not cache.hit("k")           # the caller then launches through Triton
+    assert not cache.enabled and not cache.has("k")
+    cache.launch("k", (1,), torch.zeros(1), 1)
+    assert not cache.has("k")
+
+
+def test_interpreted_launches_are_not_remembered():
+    class Interpreted(_Kernel):
+        def __getitem__(self, grid):
+            return lambda *a, **k: None  # TRITON_INTERPRET=1 launches return nothing
+    cache = rows.LaunchCache(Interpreted())
+    cache.launch("k", (1,), torch.zeros(1), 1)
+    assert not cache.has("k")
