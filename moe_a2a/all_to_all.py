@@ -1,16 +1,13 @@
 """`AllToAll`: buffers, Triton kernels and the proxy process wired together.
 
-Data flows one way: model -> kernels -> (shared segment) -> proxy -> wire -> proxy -> kernels -> model.
-This module owns the order of operations of one call; the kernels know nothing of the network and
-the proxy knows nothing of tokens. The call sequence of epoch e (one dispatch + one combine):
+Data flows one way: model -> kernels -> (same node: peers' mapped memory; other nodes: proxy -> wire
+-> proxy) -> kernels -> model. This module owns the buffers and the order of operations of one call;
+the kernels know nothing of the network and the proxy knows nothing of tokens.
 
-    dispatch send  route_tokens -> ROUTE_READY; wait COMBINE_BARRIER >= e-1; pack -> SEND_READY
-    dispatch recv  wait DISPATCH_RECV_READY >= e; unpack -> DISPATCH_RECV_DONE
-    combine send   wait DISPATCH_BARRIER >= e; pack per source -> COMBINE_SEND_READY
-    combine recv   wait COMBINE_RECV_READY >= e; weighted sum -> COMBINE_RECV_DONE
-
-Same-node peers never go through the wire for tokens: dispatch_recv *pulls* their tokens from their
-send buffers and combine_send *pushes* expert outputs into their recv buffers (both mapped here).
+Same-node peers never go through the proxy: dispatch_recv *pulls* their tokens from their send
+buffers, combine_send *pushes* expert outputs into their recv buffers (both mapped here), and the
+kernels synchronise through epoch words they write into each other's sync areas. The proxy carries
+only what crosses nodes, and is idle when every rank is on one node. docs/protocol.md has the steps.
 """
 from __future__ import annotations
 
@@ -33,11 +30,23 @@ from .proxy.worker import ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, sync
-from .triton_kernels.node_sync import NodeSync, failed_ranks
+from .triton_kernels.node_sync import NodeSync, failed_ranks, proxy_missing
 
 log = logging.getLogger("moe_a2a")
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
+# What each half's wait is for (a failed kernel wait leaves its status word set), and what the host
+# polls for it with host waits: (proxy flag, epoch delta) besides the node peers' ready words.
+_WAIT_STATUS = {
+    Flag.STATUS_DISPATCH_SEND: "dispatch send: the proxy's writes of the previous call",
+    Flag.STATUS_DISPATCH_RECV: "dispatch: count rows and tokens from peers",
+    Flag.STATUS_COMBINE_SEND: "combine send: the proxy's writes of the previous call",
+    Flag.STATUS_COMBINE_RECV: "combine: expert outputs from peers",
+}
+_STATUS_OF = {"dispatch_send": Flag.STATUS_DISPATCH_SEND, "dispatch_recv": Flag.STATUS_DISPATCH_RECV,
+              "combine_send": Flag.STATUS_COMBINE_SEND, "combine_recv": Flag.STATUS_COMBINE_RECV}
+_HOST_WAITS = {"dispatch_send": (Flag.DISPATCH_WRITES_DONE, -1), "dispatch_recv": (Flag.DISPATCH_RECV_READY, 0),
+               "combine_send": (Flag.COMBINE_WRITES_DONE, -1), "combine_recv": (Flag.COMBINE_RECV_READY, 0)}
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
                 "dispatch received (next: combine send)", "combine sent (next: combine recv)")
 
@@ -142,7 +151,6 @@ class AllToAll:
         self._state, self.epoch = _IDLE, 0
         self._closed = True
         self._peer_segments: list[SharedSegment] = []
-        self._waits: dict[Flag, str] = {}  # status slot -> what its last wait was for
         self.host_waits = False
         self._tracing, self._clock_offset_ns = False, None
         self._ipc_ptrs: list[int] = []
@@ -288,17 +296,22 @@ class AllToAll:
             return gpu_i is not None and (wait_i == "host" or (wait_i == "auto" and shared))
 
         self.host_waits = waits_on_host(r)
-        # Every rank decides alike (from the table): when all ranks share memory and every GPU rank
-        # waits in kernels, the kernels synchronise through the peers' mapped recv buffers and the
-        # proxy stays off every call (triton_kernels/node_sync.py, docs/protocol.md).
+        # Every rank decides alike (from the table). Same-node peers always synchronise through mapped
+        # memory, in the kernels (triton_kernels/node_sync.py, docs/protocol.md); the proxy only ever
+        # carries what goes to or comes from other nodes, and takes no part without remote peers. The
+        # sync area is at the end of the recv buffers (device memory: fastest) when every rank is on
+        # one node and waits in kernels; else in the segments, where the host and the proxy see it too.
         W = lay.world_size
-        self.node_local = lay.node_size == W and not any(map(waits_on_host, range(W)))
+        self.with_proxy = lay.node_size < W
+        self.device_sync = not self.with_proxy and not any(map(waits_on_host, range(W)))
+        self.node_local = not self.with_proxy
         # Kernel-side waits and signals read the epoch from the device, so a captured CUDA graph
         # publishes and awaits the epoch of each replay, not the one seen at capture.
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device) if on_gpu else None
-        self.proxy.finish([t[:3] + t[5:6] for t in table], self.timeout_s, self.node_local)
+        self.proxy.finish([t[:3] + t[5:6] for t in table], self.timeout_s, not self.with_proxy)
 
-        # Addresses of every buffer this rank's kernels touch: own and same-node peers' send/recv.
+        # Addresses of every buffer this rank's kernels touch: own and same-node peers' send/recv,
+        # and the sync areas.
         if self.placement == "host":
             send_at = {r: seg.addr + lay.send_offset_bytes}
             recv_at = {r: seg.addr + lay.recv_offset_bytes}
@@ -306,16 +319,19 @@ class AllToAll:
             send_at, recv_at = {r: self._send_buf.addr}, {r: self._recv_buf.addr}
         else:
             send_at, recv_at = {r: self._fd_mem[0].addr}, {r: self._fd_mem[1].addr}
+        seg_at = {r: seg.addr}
         for p in lay.node_peers(r):
             if p == r:
                 continue
-            if self.placement == "host":
+            if self.placement == "host" or not self.device_sync:
                 other = SharedSegment(table[p][2])
                 self._peer_segments.append(other)
                 if on_gpu:
                     other.register_cuda()
-                send_at[p] = other.addr + lay.send_offset_bytes
-                recv_at[p] = other.addr + lay.recv_offset_bytes
+                seg_at[p] = other.addr
+            if self.placement == "host":
+                send_at[p] = seg_at[p] + lay.send_offset_bytes
+                recv_at[p] = seg_at[p] + lay.recv_offset_bytes
             elif self.placement == "nic":
                 # Same-node peers' buffers: their FDs pulled with pidfd_getfd, mapped here.
                 pid, send_fd, recv_fd, send_size, recv_size = table[p][3]
@@ -328,64 +344,59 @@ class AllToAll:
                 send_at[p], _ = open_ipc_handle(table[p][3][0], lay.send_bytes, self.device)
                 recv_at[p], _ = open_ipc_handle(table[p][3][1], lay.recv_bytes, self.device)
                 self._ipc_ptrs += [send_at[p], recv_at[p]]
+        sync_at = ({p: a + lay.recv_sync_offset_bytes for p, a in recv_at.items()} if self.device_sync
+                   else {p: a + lay.segment_sync_offset_bytes for p, a in seg_at.items()})
         # The kernels address all of them as byte offsets from one base at the lowest address, so
         # every offset is >= 0 (a negative offset means "remote peer" in the peer tables).
-        spans = [(seg.addr, seg.nbytes)] + [(a, lay.send_bytes) for a in send_at.values()] + \
+        spans = [(a, seg.nbytes) for a in seg_at.values()] + [(a, lay.send_bytes) for a in send_at.values()] + \
                 [(a, lay.recv_bytes) for a in recv_at.values()]
         lo = min(a for a, _ in spans)
         hi = max(a + n for a, n in spans)
         self.base = self._view(lo, hi - lo)
+        self._base_addr = lo
         self.send_offset_bytes, self.recv_offset_bytes = send_at[r] - lo, recv_at[r] - lo
-        peer_send = torch.full((W,), -1, dtype=torch.int64)
-        peer_recv = torch.full((W,), -1, dtype=torch.int64)
+        tables = {name: torch.full((W,), -1, dtype=torch.int64) for name in ("send", "recv", "sync")}
         for p in send_at:
-            peer_send[p], peer_recv[p] = send_at[p] - lo, recv_at[p] - lo
-        self.peer_send_bytes = peer_send.to(self.device)
-        self.peer_recv_bytes = peer_recv.to(self.device)
+            tables["send"][p], tables["recv"][p], tables["sync"][p] = send_at[p] - lo, recv_at[p] - lo, sync_at[p] - lo
+        self.peer_send_bytes = tables["send"].to(self.device)
+        self.peer_recv_bytes = tables["recv"].to(self.device)
 
         nflags = flag_word(Flag.NUM_FLAGS)
         self.flags = self._view(seg.addr + lay.flags_offset_bytes, nflags * 8).view(torch.int64)
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
         # What `_ready` looks at before every call, as one numpy gather (a torch index costs ~5 µs each).
         self._flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
-        self._alarm_words = [flag_word(f) for f in (Flag.BAD_INDEX, Flag.ERROR, Flag.STATUS_COMBINE_BARRIER,
-                                                    Flag.STATUS_DISPATCH_RECV, Flag.STATUS_DISPATCH_BARRIER,
-                                                    Flag.STATUS_COMBINE_RECV)]
+        self._alarm_words = [flag_word(f) for f in (Flag.BAD_INDEX, Flag.ERROR) + tuple(_WAIT_STATUS)]
         self._next_proxy_poll = 0.0
         ntrace = lay.model_trace_words
         self._model_trace = self._view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
         self._model_trace_host = seg.numpy(lay.model_trace_offset_bytes, ntrace, "int64")
-        # The routing matrix: filled by the proxy (remote rows) in the segment, or by the same-node
-        # peers' kernels in this rank's recv buffer when the calls are node-local.
-        counts_at = (recv_at[r] + lay.node_counts_offset_bytes if self.node_local
-                     else seg.addr + lay.routing_offset_bytes)
-        self.counts = self._view(counts_at, lay.routing_bytes).view(torch.int32).view(W, lay.num_experts)
+        # The routing matrix of the sync area: rows of same-node sources written by their kernels,
+        # rows of remote sources by the proxy (then it is the segment's routing area).
+        self.counts = self._view(sync_at[r] + lay.node_counts_offset_bytes, lay.routing_bytes).view(
+            torch.int32).view(W, lay.num_experts)
         # Out-of-range expert indices, reported by the routing kernel (no host sync on a GPU).
         self._bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
-        self._node = None
-        if self.node_local:
-            first = lay.node_of(r) * lay.node_size
-            word = {f: self.flags[flag_word(f): flag_word(f) + 1]
-                    for f in (Flag.STATUS_DISPATCH_RECV, Flag.STATUS_COMBINE_RECV)}
-            self._node = NodeSync(
-                epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
-                failed=torch.zeros(1, dtype=torch.int64, device=self.device),
-                counter=torch.zeros(1, dtype=torch.int32, device=self.device),
-                peer_recv_bytes=self.peer_recv_bytes,
-                dispatch_status=word[Flag.STATUS_DISPATCH_RECV], combine_status=word[Flag.STATUS_COMBINE_RECV],
-                rank=r, node_first=first, node_size=lay.node_size,
-                dispatch_ready_bytes=lay.dispatch_ready_offset_bytes,
-                combine_ready_bytes=lay.combine_ready_offset_bytes,
-                counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts,
-                timeout_s=self.timeout_s)
-            # CPU: the host waits on this rank's ready words (the interpreter runs kernels to the end
-            # before returning, so a kernel cannot wait for a peer that is still being launched).
-            if not on_gpu:
-                self._ready_words = {
-                    name: torch.frombuffer((ctypes.c_int64 * W).from_address(recv_at[r] + off),
-                                           dtype=torch.int64).numpy()
-                    for name, off in (("dispatch", lay.dispatch_ready_offset_bytes),
-                                      ("combine", lay.combine_ready_offset_bytes))}
+        self._route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]
+        first = lay.node_of(r) * lay.node_size
+        self._node = NodeSync(
+            epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
+            failed=torch.zeros(1, dtype=torch.int64, device=self.device),
+            counter=torch.zeros(1, dtype=torch.int32, device=self.device),
+            flags=self.flags, peer_sync_bytes=tables["sync"].to(self.device), sync_bytes=sync_at[r] - lo,
+            rank=r, node_first=first, node_size=lay.node_size,
+            dispatch_ready_bytes=lay.dispatch_ready_offset_bytes, combine_ready_bytes=lay.combine_ready_offset_bytes,
+            counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts, timeout_s=self.timeout_s,
+            with_proxy=self.with_proxy)
+        # Host waits (CPU, or ranks sharing a GPU): the host polls the same words before it launches a
+        # kernel, whose own wait then passes at its first poll (the interpreter runs a kernel to the
+        # end before returning, so a kernel cannot wait for a peer that is still being launched).
+        self._ready_words = None
+        if not on_gpu or self.host_waits:
+            self._ready_words = {
+                half: torch.frombuffer((ctypes.c_int64 * W).from_address(sync_at[r] + off), dtype=torch.int64).numpy()
+                for half, off in (("dispatch", lay.dispatch_ready_offset_bytes),
+                                  ("combine", lay.combine_ready_offset_bytes))}
         self.route_slot = torch.full((self.cfg.max_num_tokens, self.cfg.experts_per_token), -1,
                                      dtype=torch.int32, device=self.device)
 
@@ -393,6 +404,11 @@ class AllToAll:
         """uint8 tensor over [addr, addr+nbytes) on this rank's device (memory is not touched)."""
         if self.device.type == "cuda":
             return device_view(addr, nbytes, self.device)
+        base = getattr(self, "base", None)
+        if base is not None and self._base_addr <= addr and addr + nbytes <= self._base_addr + base.numel():
+            # One storage for every CPU view: the interpreter copies kernel arguments per storage, keyed by
+            # address, and two storages starting at one address (the segment and its flags) collide.
+            return base[addr - self._base_addr: addr - self._base_addr + nbytes]
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
 
     # ---- public API ---------------------------------------------------------------------------
@@ -500,10 +516,10 @@ class AllToAll:
         replays advance the epoch on the device only)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the end stamps are written by the stream
-        # The proxy's last steps (the combine barrier) finish after combine returns: let them land.
+        # The proxy's last step (its combine writes completing) may finish after combine returns.
         deadline = time.monotonic() + self.timeout_s
-        while (not self.node_local and self._state == _IDLE and self.epoch and time.monotonic() < deadline
-               and int(self.flags_host[flag_word(Flag.COMBINE_BARRIER)]) < self.epoch):
+        while (self.with_proxy and self._state == _IDLE and self.epoch and time.monotonic() < deadline
+               and int(self._flags_np[flag_word(Flag.COMBINE_WRITES_DONE)]) < self.epoch):
             time.sleep(1e-4)
         stamps = self._model_trace_host[: self.layout.clock_calibration_word].reshape(-1, 2, 2).tolist()
         epoch = max(e0 for (e0, _), _ in stamps) if latest else self.epoch
@@ -568,151 +584,82 @@ class AllToAll:
         except Exception:
             pass
 
-    # ---- the four halves, node-local: the kernels synchronise through mapped memory -----------------
-    # dispatch send  route_tokens (epoch += 1 on the stream) -> pack; its last program copies the count
-    #                row to every node peer and publishes dispatch_ready[me] = epoch there
-    # dispatch recv  unpack, whose programs first wait for dispatch_ready[s] >= epoch of every node peer
-    # combine send   pack by source (push into the homes' recv buffers); last program: combine_ready
-    # combine recv   reduce, whose programs first wait for combine_ready[s] >= epoch of every node peer
-    def _dispatch_send_node(self, x, x_scale, indices, bound_m) -> None:
+    # ---- the four halves ----------------------------------------------------------------------------
+    # Each half is its kernels; they wait in their prologue and signal in their epilogue (node_sync.py):
+    # dispatch send  route_tokens (epoch += 1 on the stream; with remote peers raises ROUTE_READY)
+    #                -> pack: waits DISPATCH_WRITES_DONE >= e-1 (remote), then publishes the count row
+    #                and dispatch_ready[me] = e to every node peer (and SEND_READY to the proxy)
+    # dispatch recv  unpack: waits dispatch_ready >= e of every node peer (and DISPATCH_RECV_READY)
+    # combine send   pack by source: waits COMBINE_WRITES_DONE >= e-1 (remote), pushes rows into node
+    #                homes' recv buffers, stages remote ones, publishes combine_ready[me] = e (and
+    #                COMBINE_SEND_READY)
+    # combine recv   reduce: waits combine_ready >= e of every node peer (and COMBINE_RECV_READY)
+    def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
         self.epoch += 1
         self._T, self._bound_m = x.shape[0], bound_m
+        self._host_wait("dispatch_send")
         slot = self.route_slot[: x.shape[0]]
+        on_gpu = self.device.type == "cuda"
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[self.rank], out_route_slot=slot,
-                             bound_m=bound_m, epoch=self._node.epoch,
-                             bad_index=self._bad_index if self.device.type == "cuda" else None)
+                             bound_m=bound_m, epoch=self._node.epoch, bad_index=self._bad_index if on_gpu else None,
+                             ready=self._route_ready if self.with_proxy else None)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=self._node)
         self._state = _DISPATCH_SENT
 
-    def _dispatch_recv_node(self, out_num, out_x, out_x_scale) -> None:
-        what = "dispatch: count rows and tokens from same-node peers"
-        self._waits[Flag.STATUS_DISPATCH_RECV] = what
-        if self.device.type != "cuda":
-            self._host_wait_node("dispatch", what)
+    def _dispatch_recv(self, out_num, out_x, out_x_scale) -> None:
+        self._host_wait("dispatch_recv")
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
             self.recv_offset_bytes, self.cfg, self.layout, node=self._node)
         self._state = _DISPATCH_DONE
 
-    def _combine_send_node(self, expert_y) -> None:
+    def _combine_send(self, expert_y) -> None:
+        self._host_wait("combine_send")
         combine_kernels.pack_combine_by_source(
             expert_y, self.counts, self.rank, self.base, self.peer_recv_bytes,
             self.send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout, node=self._node)
         self._state = _COMBINE_SENT
 
-    def _combine_recv_node(self, out_tokens, weights, accumulate, bound_m) -> None:
-        what = "combine: expert outputs from same-node peers"
-        self._waits[Flag.STATUS_COMBINE_RECV] = what
-        if self.device.type != "cuda":
-            self._host_wait_node("combine", what)
+    def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
+        self._host_wait("combine_recv")
         combine_kernels.reduce_combined_tokens(
-            out_tokens, self.route_slot[: self._T], weights, self.base, self.recv_offset_bytes, self.cfg,
-            accumulate=accumulate, bound_m=bound_m if bound_m is not None else self._bound_m, node=self._node)
+            out_tokens, self.route_slot[: self._T], weights, self.base,
+            self.recv_offset_bytes + self.layout.combine_recv_offset_bytes, self.cfg, accumulate=accumulate,
+            bound_m=bound_m if bound_m is not None else self._bound_m, node=self._node)
         self._state = _IDLE
 
-    def _host_wait_node(self, phase: str, what: str) -> None:
-        """CPU: wait until every node peer's `phase` ready word reaches this call's epoch."""
-        words, node = self._ready_words[phase], self._node
-        peers = range(node.node_first, node.node_first + node.node_size)
+    def _host_wait(self, half: str) -> None:
+        """Host waits only (CPU, ranks sharing a GPU): poll what the half's kernel would wait for."""
+        if self._ready_words is None:
+            return
+        flag, delta = _HOST_WAITS[half]
+        words = self._ready_words[half.split("_")[0]] if half.endswith("recv") else None
+        first, n = self._node.node_first, self._node.node_size
+        target = self.epoch
         deadline = time.monotonic() + self.timeout_s
         spins = 0
         while True:
-            missing = [p for p in peers if int(words[p]) < self.epoch]
-            if not missing:
+            missing = [p for p in range(first, first + n) if int(words[p]) < target] if words is not None else []
+            proxy_late = self.with_proxy and int(self._flags_np[flag_word(flag)]) < target + delta
+            if not missing and not proxy_late:
                 return
+            if self._flags_np[flag_word(Flag.ERROR)]:
+                self._raise_proxy_error(force=True)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: {what}: timed out after {self.timeout_s:g}s "
-                                   f"(epoch {self.epoch}); missing peers {missing}")
+                self._raise_proxy_error(force=True)
+                raise TimeoutError(f"rank {self.rank}: {_WAIT_STATUS[_STATUS_OF[half]]}: timed out after "
+                                   f"{self.timeout_s:g}s (epoch {target}); missing peers {missing}"
+                                   + (" and the proxy (remote peers)" if proxy_late else ""))
             spins += 1
-            time.sleep(0 if spins < 100 else 1e-4)  # yield: the peers need the cores (2 on CI)
+            time.sleep(0 if spins < 100 else 1e-4)  # yield: the peers and the proxy need the cores (2 on CI)
 
-    # ---- the four halves, through the proxy (remote peers, or ranks that wait on the host) ----------
-    def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
-        if self.node_local:
-            return self._dispatch_send_node(x, x_scale, indices, bound_m)
-        self.epoch += 1
-        if self.epoch_dev is not None:
-            sync.advance_epoch(self.epoch_dev)
-        r = self.rank
-        self._T, self._bound_m = x.shape[0], bound_m
-        slot = self.route_slot[: x.shape[0]]
-        routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[r], out_route_slot=slot,
-                             bound_m=bound_m, bad_index=self._bad_index if self.device.type == "cuda" else None)
-        self._signal(Flag.ROUTE_READY)
-        self._wait(Flag.COMBINE_BARRIER, "combine barrier of the previous call", Flag.STATUS_COMBINE_BARRIER, -1)
-        dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
-                                               bound_m=bound_m)
-        self._signal(Flag.SEND_READY)
-        self._state = _DISPATCH_SENT
-
-    def _dispatch_recv(self, out_num, out_x, out_x_scale) -> None:
-        if self.node_local:
-            return self._dispatch_recv_node(out_num, out_x, out_x_scale)
-        self._wait(Flag.DISPATCH_RECV_READY, "dispatch: count rows and tokens from peers", Flag.STATUS_DISPATCH_RECV)
-        dispatch_kernels.unpack_tokens_by_expert(
-            out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
-            self.recv_offset_bytes, self.cfg, self.layout)
-        self._signal(Flag.DISPATCH_RECV_DONE)
-        self._state = _DISPATCH_DONE
-
-    def _combine_send(self, expert_y) -> None:
-        if self.node_local:
-            return self._combine_send_node(expert_y)
-        self._wait(Flag.DISPATCH_BARRIER, "dispatch barrier (peers still reading their buffers)",
-                   Flag.STATUS_DISPATCH_BARRIER)
-        combine_kernels.pack_combine_by_source(
-            expert_y, self.counts, self.rank, self.base, self.peer_recv_bytes,
-            self.send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout)
-        self._signal(Flag.COMBINE_SEND_READY)
-        self._state = _COMBINE_SENT
-
-    def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
-        if self.node_local:
-            return self._combine_recv_node(out_tokens, weights, accumulate, bound_m)
-        self._wait(Flag.COMBINE_RECV_READY, "combine: expert outputs from peers", Flag.STATUS_COMBINE_RECV)
-        combine_kernels.reduce_combined_tokens(
-            out_tokens, self.route_slot[: self._T], weights, self.base, self.recv_offset_bytes, self.cfg,
-            accumulate=accumulate, bound_m=bound_m if bound_m is not None else self._bound_m)
-        self._signal(Flag.COMBINE_RECV_DONE)
-        self._state = _IDLE
-
-    # ---- flags, errors, validation -----------------------------------------------------------------
-    def _signal(self, flag: Flag) -> None:
-        """Publish this call's epoch in `flag` once the stream gets here."""
-        if self.epoch_dev is not None:
-            sync.signal_flag(self.flags, flag_word(flag), 0, epoch=self.epoch_dev)
-        else:
-            sync.signal_flag(self.flags, flag_word(flag), self.epoch)
-
-    def _wait(self, flag: Flag, what: str, status: Flag, delta: int = 0) -> None:
-        """Wait until `flag` >= this call's epoch + delta. CPU and host waits: here, raising here.
-        Kernel waits: a spinning kernel on the stream (no CPU sync) that records its outcome in
-        `status`, checked at the next call."""
-        on_host = self.device.type != "cuda" or self.host_waits
-        if on_host and self.epoch + delta <= 0:
-            return  # (a kernel wait is never skipped: a CUDA graph captured at call 1 replays it)
-        self._waits[status] = what
-        word = flag_word(status)
-        try:
-            if on_host:
-                sync.wait_flag(self.flags_host, flag_word(flag), self.epoch + delta,
-                               flag_word(Flag.ERROR), self.timeout_s, what=what)
-            else:
-                sync.wait_flag(self.flags, flag_word(flag), delta, flag_word(Flag.ERROR),
-                               self.timeout_s, status=self.flags[word: word + 1], what=what, epoch=self.epoch_dev)
-        except (TimeoutError, sync.PeerError):
-            self._raise_proxy_error(force=True)
-            raise TimeoutError(f"rank {self.rank}: {what}: timed out after {self.timeout_s:g}s "
-                               f"(epoch {self.epoch + delta})") from None
-        if on_host:
-            self._raise_proxy_error()
-
+    # ---- errors, validation ------------------------------------------------------------------------
     def _raise_proxy_error(self, force: bool = False) -> None:
         if not force and not self._flags_np[self._alarm_words].any():
             # Nothing raised: only a dead proxy is left to find, and it matters only when calls use it
             # (polled at most every 20 ms: waitpid is a system call).
-            if self.node_local or self.proxy is None or time.monotonic() < self._next_proxy_poll:
+            if not self.with_proxy or self.proxy is None or time.monotonic() < self._next_proxy_poll:
                 return
             self._next_proxy_poll = time.monotonic() + 0.02
             if self.proxy.proc.poll() is not None:
@@ -724,20 +671,16 @@ class AllToAll:
             raise ValueError(f"indices[{(bad - 1) // K}, {(bad - 1) % K}] of an earlier dispatch (epoch <= "
                              f"{self.epoch}): expected -1 (not routed) or a value in [0, {self.cfg.num_experts}) "
                              f"(checked on the GPU without a host sync; that route was not sent)")
-        if self.node_local:
-            for status, what in self._waits.items():
-                code = int(self.flags_host[flag_word(status)])
-                if code:
-                    raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s; "
-                                       f"missing peers {failed_ranks(code, self._node.node_first)}")
-        for status, what in self._waits.items():
-            code = int(self.flags_host[flag_word(status)])
-            if code == 1 and not int(self.flags_host[flag_word(Flag.ERROR)]):
-                raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s")
-        code = int(self.flags_host[flag_word(Flag.ERROR)])
-        if code:
+        code = int(self._flags_np[flag_word(Flag.ERROR)])
+        if code:  # the proxy's message names the remote peers it missed
             msg = read_error(self.segment, self.layout)
             raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)
+        for status, what in _WAIT_STATUS.items():
+            code = int(self._flags_np[flag_word(status)])
+            if code:
+                raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s; "
+                                   f"missing peers {failed_ranks(code, self._node.node_first)}"
+                                   + (" and the proxy (remote peers)" if proxy_missing(code) else ""))
         if self.proxy is not None and self.proxy.proc.poll() is not None:
             raise RuntimeError(f"rank {self.rank}: proxy process exited with code {self.proxy.proc.returncode}")
 

@@ -9,12 +9,15 @@ Units: names ending in `_bytes` are bytes; `*_rows` count token slots; everythin
 Buffers of one rank (slots are rows of `dispatch_stride_bytes` or `combine_stride_bytes`):
 
     send buffer  dispatch: [T*K rows]  this rank's routes, expert-major (so each peer's run is contiguous)
-                 combine:  [W*T*K rows] expert outputs staged per source rank, source-major
+                 combine:  [W*T*K rows] expert outputs staged per (remote) source rank, source-major
     recv buffer  dispatch: [W*P rows]  private region, slot s*P.. for source s
                            [W*T*K rows] remainder region, source s at W*P + sum_{s'<s} max(0, n_s' - P)
                  combine:  [T*K rows]  expert outputs of this rank's routes, at their dispatch send slot
+                 sync area (used when all ranks share one node and wait on the GPU; else in the segment)
 
-The worst case "every route of every rank lands on one rank" fits: W*T*K rows (duplicates included).
+The dispatch and combine regions never overlap, so no phase waits for every peer to finish the
+previous one (docs/protocol.md). The worst case "every route of every rank lands on one rank" fits:
+W*T*K rows (duplicates included).
 """
 from __future__ import annotations
 
@@ -58,32 +61,38 @@ def next_power_of_2(n: int) -> int:
 
 class Flag(enum.IntEnum):
     """int64 slots at the start of a rank's shared segment. Values are epochs (call numbers,
-    starting at 1, never reset), so a flag is "raised for epoch e" when it reads >= e: no ABA."""
+    starting at 1, never reset), so a flag is "raised for epoch e" when it reads >= e: no ABA.
 
-    ROUTE_READY = 0          # GPU -> proxy: this rank's count row is in the routing buffer
-    SEND_READY = 1           # GPU -> proxy: dispatch send buffer packed
-    DISPATCH_RECV_READY = 2  # proxy -> GPU: all count rows and all dispatch tokens have landed
-    DISPATCH_RECV_DONE = 3   # GPU -> proxy: dispatch_recv finished reading the recv buffer
-    DISPATCH_BARRIER = 4     # proxy -> GPU: every rank finished dispatch_recv (buffers reusable)
-    COMBINE_SEND_READY = 5   # GPU -> proxy: expert outputs staged / pushed
-    COMBINE_RECV_READY = 6   # proxy -> GPU: all expert outputs for this rank's tokens landed
-    COMBINE_RECV_DONE = 7    # GPU -> proxy: combine_recv finished
-    COMBINE_BARRIER = 8      # proxy -> GPU: every rank finished combine_recv
-    ERROR = 9                # proxy -> model: nonzero when the proxy failed; message in the error area
-    HEARTBEAT = 10           # proxy: incremented while alive
-    PROXY_READY = 11         # proxy: 1 once it is bootstrapped and registered
-    SHUTDOWN = 12            # model -> proxy: 1 asks the proxy to exit
-    # Results of the GPU's flag waits (0 ok, 1 timeout, 2 peer error), one slot per wait so a later
-    # success cannot hide an earlier failure; the host reads them at its next call without a sync.
-    STATUS_COMBINE_BARRIER = 13
-    STATUS_DISPATCH_RECV = 14
-    STATUS_DISPATCH_BARRIER = 15
-    STATUS_COMBINE_RECV = 16
-    TRACE = 17               # model -> proxy: nonzero = record TRACE_EVENTS times for each call
+    The proxy only ever deals with remote peers (docs/protocol.md): the kernels raise the GPU -> proxy
+    flags in their epilogues and wait for the proxy -> GPU ones in their prologues."""
+
+    ROUTE_READY = 0           # GPU -> proxy: this rank's count row is in the routing area
+    SEND_READY = 1            # GPU -> proxy: dispatch send buffer packed
+    DISPATCH_RECV_READY = 2   # proxy -> GPU: remote count rows and remote dispatch rows have landed
+    DISPATCH_WRITES_DONE = 3  # proxy -> GPU: its dispatch writes completed (the send region is reusable)
+    COMBINE_SEND_READY = 4    # GPU -> proxy: expert outputs for remote homes staged
+    COMBINE_RECV_READY = 5    # proxy -> GPU: remote expert outputs for this rank's tokens have landed
+    COMBINE_WRITES_DONE = 6   # proxy -> GPU: its combine writes completed (the staging is reusable)
+    ERROR = 7                 # proxy -> model: nonzero when the proxy failed; message in the error area
+    HEARTBEAT = 8             # proxy: incremented while alive
+    PROXY_READY = 9           # proxy: 1 once it is bootstrapped and registered
+    SHUTDOWN = 10             # model -> proxy: 1 asks the proxy to exit
+    # Results of the kernels' waits (0 ok, else 1 + 2 * bitmask of the missing same-node peers, with
+    # PROXY_MISSING set when the proxy's flag was missing), one slot per wait, written only on failure
+    # (sticky); the host reads them at its next call without a sync.
+    STATUS_DISPATCH_SEND = 11
+    STATUS_DISPATCH_RECV = 12
+    STATUS_COMBINE_SEND = 13
+    STATUS_COMBINE_RECV = 14
+    TRACE = 15                # model -> proxy: nonzero = record TRACE_EVENTS times for each call
     # GPU -> model: 1 + the first route (t*K + k) whose expert index was out of range, written by the
     # routing kernel (sticky); the host raises a ValueError naming `indices` at its next call.
-    BAD_INDEX = 18
-    NUM_FLAGS = 19
+    BAD_INDEX = 16
+    NUM_FLAGS = 17
+
+
+# Bit of a wait's status word meaning "the proxy's flag (remote peers) was missing".
+PROXY_MISSING = 1 << 40
 
 
 def flag_word(flag: "Flag | int") -> int:
@@ -97,17 +106,15 @@ class Imm(enum.IntEnum):
 
     ROUTE = 1
     DISPATCH = 2
-    DISPATCH_BARRIER = 3
-    COMBINE = 4
-    COMBINE_BARRIER = 5
+    COMBINE = 3
 
 
 # Moments the proxy timestamps (CLOCK_MONOTONIC ns) when Flag.TRACE is set: one (epoch, t_ns) pair of
 # int64 per event in the trace area, overwritten each call (the last call stays readable).
 TRACE_EVENTS = (
     "route_ready_seen", "route_posted", "send_ready_seen", "private_posted", "routes_received",
-    "remainder_posted", "dispatch_received", "dispatch_recv_done_seen", "dispatch_barrier",
-    "combine_send_seen", "combine_posted", "combine_received", "combine_recv_done_seen", "combine_barrier",
+    "remainder_posted", "dispatch_received", "dispatch_writes_done",
+    "combine_send_seen", "combine_posted", "combine_received", "combine_writes_done",
 )
 
 # The model's four halves, stamped at start and end while tracing: on a GPU by a one-program kernel on
@@ -308,50 +315,59 @@ class Layout:
 
     @cached_property
     def combine_stage_offset_bytes(self) -> int:
-        """Where the expert side stages combine rows for remote sources, in its send buffer."""
-        return 0
+        """Where the expert side stages combine rows for remote sources, in its send buffer: after the
+        dispatch rows, so staging never overwrites rows a same-node peer may still be pulling."""
+        return self.max_routes * self.dispatch_stride_bytes
 
     @cached_property
     def send_bytes(self) -> int:
-        dispatch = self.max_routes * self.dispatch_stride_bytes
-        combine = self.max_recv_routes * self.combine_stride_bytes
-        return round_up(max(dispatch, combine), PAGE_BYTES)
+        return round_up(self.combine_stage_offset_bytes + self.max_recv_routes * self.combine_stride_bytes,
+                        PAGE_BYTES)
+
+    @cached_property
+    def combine_recv_offset_bytes(self) -> int:
+        """Where expert outputs for this rank's routes land, in its recv buffer (slot = the route's
+        dispatch send slot): after the dispatch regions, so a fast peer's combine rows never overwrite
+        dispatch rows still being unpacked (no barrier between the phases)."""
+        return self.remainder_offset_bytes + self.max_recv_routes * self.dispatch_stride_bytes
 
     @cached_property
     def recv_bytes(self) -> int:
-        return round_up(self.node_sync_offset_bytes + self.node_sync_bytes, PAGE_BYTES)
+        return round_up(self.recv_sync_offset_bytes + self.sync_bytes, PAGE_BYTES)
 
-    # ---- same-node synchronisation area, at the end of every recv buffer ---------------------
-    # Written by the kernels of same-node peers through mapped memory (CUDA IPC on a GPU, shared
-    # memory on CPU), read by this rank's kernels; no proxy involved. Epoch words are int64, one per
-    # source rank; a source writes only its own word and its own count row, so no two writers share
-    # a word. Cost: 2 * round_up(8W, 64) + 4*W*E bytes (W=64, E=256: 66 KB).
-    @cached_property
-    def node_sync_offset_bytes(self) -> int:
-        dispatch = self.remainder_offset_bytes + self.max_recv_routes * self.dispatch_stride_bytes
-        combine = self.max_routes * self.combine_stride_bytes
-        return round_up(max(dispatch, combine), FLAG_SLOT_BYTES)
-
+    # ---- the same-node synchronisation area --------------------------------------------------
+    # Written by the kernels of same-node peers through mapped memory, read by this rank's kernels
+    # (and, with remote peers, by its proxy). It sits at the end of the recv buffer when the kernels
+    # wait on the GPU for same-node peers only (device memory: fastest), else in the shared segment
+    # (host memory: the host and the proxy can read it too), where its count rows are the routing
+    # area. Epoch words are int64, one per source rank; a source writes only its own word and its own
+    # count row, so no two writers share a word. Cost: 2 * round_up(8W, 64) + 4*W*E bytes (W=64,
+    # E=256: 66 KB). Offsets below are relative to the area's start.
     @cached_property
     def dispatch_ready_offset_bytes(self) -> int:
-        """int64 [W] in the recv buffer: word s = last epoch whose count row and send buffer source s
-        published to this rank."""
-        return self.node_sync_offset_bytes
+        """int64 [W]: word s = last epoch whose count row and send buffer source s published here."""
+        return 0
 
     @cached_property
     def combine_ready_offset_bytes(self) -> int:
-        """int64 [W] in the recv buffer: word s = last epoch whose expert outputs rank s pushed into this
-        rank's recv buffer (which also says s finished reading this rank's send buffer and count row)."""
-        return self.dispatch_ready_offset_bytes + round_up(8 * self.world_size, FLAG_SLOT_BYTES)
+        """int64 [W]: word s = last epoch whose expert outputs rank s pushed into this rank's recv buffer
+        (which also says s finished reading this rank's send buffer and count row)."""
+        return round_up(8 * self.world_size, FLAG_SLOT_BYTES)
 
     @cached_property
     def node_counts_offset_bytes(self) -> int:
-        """int32 [W, E] in the recv buffer: row s = source s's per-expert counts (same-node sources)."""
-        return self.combine_ready_offset_bytes + round_up(8 * self.world_size, FLAG_SLOT_BYTES)
+        """int32 [W, E]: row s = source s's per-expert counts."""
+        return 2 * round_up(8 * self.world_size, FLAG_SLOT_BYTES)
 
     @cached_property
-    def node_sync_bytes(self) -> int:
-        return self.node_counts_offset_bytes - self.node_sync_offset_bytes + self.routing_bytes
+    def sync_bytes(self) -> int:
+        return self.node_counts_offset_bytes + self.routing_bytes
+
+    @cached_property
+    def recv_sync_offset_bytes(self) -> int:
+        """The sync area in the recv buffer (used when every rank is on one node and waits on the GPU)."""
+        return round_up(self.combine_recv_offset_bytes + self.max_routes * self.combine_stride_bytes,
+                        FLAG_SLOT_BYTES)
 
     # ---- the shared host segment of one rank (flags, error, routing, host-staged buffers) ----
     @cached_property
@@ -383,9 +399,15 @@ class Layout:
         return len(MODEL_TRACE_EVENTS) * 4
 
     @cached_property
-    def routing_offset_bytes(self) -> int:
-        """int32 [W, E]: row s holds source s's per-expert counts (written by s over the wire)."""
+    def segment_sync_offset_bytes(self) -> int:
+        """The sync area in the segment (used with remote peers or host waits)."""
         return round_up(self.model_trace_offset_bytes + self.model_trace_words * 8, PAGE_BYTES)
+
+    @cached_property
+    def routing_offset_bytes(self) -> int:
+        """int32 [W, E]: row s holds source s's per-expert counts (from s's proxy over the wire, or from
+        a same-node s's kernels): the counts of the segment's sync area."""
+        return self.segment_sync_offset_bytes + self.node_counts_offset_bytes
 
     @cached_property
     def routing_row_bytes(self) -> int:
@@ -398,7 +420,7 @@ class Layout:
     @cached_property
     def send_offset_bytes(self) -> int:
         """Send buffer in the segment (host-staged mode)."""
-        return round_up(self.routing_offset_bytes + self.routing_bytes, PAGE_BYTES)
+        return round_up(self.segment_sync_offset_bytes + self.sync_bytes, PAGE_BYTES)
 
     @cached_property
     def recv_offset_bytes(self) -> int:

@@ -161,7 +161,8 @@ def expected_dispatch_imms(routes: np.ndarray, rank: int, lay: Layout) -> dict[i
 
 def combine_writes(routes: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     """Combine, expert side: to every remote source, its rows (staged contiguously) back to the
-    slots its dispatch send buffer used, in its recv buffer (`routes = route_matrix(counts)`).
+    slots its dispatch send buffer used, in the combine region of its recv buffer
+    (`routes = route_matrix(counts)`).
     Zero-length writes kept."""
     stride = lay.combine_stride_bytes
     if not len(remote_peer_array(lay, rank)):
@@ -170,7 +171,8 @@ def combine_writes(routes: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     stage = combine_stage_offsets(n)
     first = routes[:, :rank].sum(1)  # send_offsets(counts[s])[rank] for every source s
     s = remote_peer_array(lay, rank)
-    return _writes(s, lay.combine_stage_offset_bytes + stage[s] * stride, n[s] * stride, first[s] * stride)
+    return _writes(s, lay.combine_stage_offset_bytes + stage[s] * stride, n[s] * stride,
+                   lay.combine_recv_offset_bytes + first[s] * stride)
 
 
 def group_targets(writes: np.ndarray, rank: int, src_base: int, dst_base: int) -> np.ndarray:

@@ -41,7 +41,8 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
                     spans.append((dst, dst + n))
         spans.sort()
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "dispatch writes overlap"
-        assert all(e <= lay.recv_bytes for _, e in spans)
+        # the dispatch regions end where the combine region starts: no barrier is needed between phases
+        assert all(e <= lay.combine_recv_offset_bytes for _, e in spans)
         # remote senders deliver exactly what the receiver expects to count
         exp = plan.expected_dispatch_imms(routes, d, lay)
         sent = {s: sum(1 for p, *_ in dispatch_writes(s) if p == d) for s in lay.remote_peers(d)}
@@ -51,7 +52,13 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
         spans = sorted((dst, dst + n) for d in range(W) for p, _, n, dst in plan.combine_writes(routes, d, lay).tolist()
                        if p == s and n)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-        assert all(e <= lay.max_routes * lay.combine_stride_bytes for _, e in spans)
+        region = lay.combine_recv_offset_bytes
+        assert all(region <= a and e <= region + lay.max_routes * lay.combine_stride_bytes for a, e in spans)
+        # and their sources, staged after the dispatch rows of the expert's send buffer
+        for d in range(W):
+            for _, src, n, _ in plan.combine_writes(routes, d, lay).tolist():
+                assert lay.combine_stage_offset_bytes >= lay.max_routes * lay.dispatch_stride_bytes
+                assert src >= lay.combine_stage_offset_bytes and src + n <= lay.send_bytes
 
 
 # The writes spelled out one peer at a time from the per-rank definitions: the specification the
@@ -72,7 +79,8 @@ def _remainder_by_peer(counts, r, lay):
 def _combine_by_peer(counts, r, lay):
     n, S = plan.recv_counts(counts, r, lay), lay.combine_stride_bytes
     stage = plan.combine_stage_offsets(n)
-    return [(s, lay.combine_stage_offset_bytes + stage[s] * S, n[s] * S, plan.send_offsets(counts[s], lay)[r] * S)
+    return [(s, lay.combine_stage_offset_bytes + stage[s] * S, n[s] * S,
+             lay.combine_recv_offset_bytes + plan.send_offsets(counts[s], lay)[r] * S)
             for s in lay.remote_peers(r)]
 
 

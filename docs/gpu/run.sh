@@ -70,6 +70,15 @@ eager2)  # 2026-11-30, nvidia-h200-x2: after remembered launches (LaunchCache) a
   step 200 python3 -m moe_a2a.bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
        --json "$OUT/e2e_graph_x2.json" --png "$OUT/timeline_graph_x2.png"
   ;;
+protocol)  # 2026-11-30, nvidia-h200-x2: one protocol (kernels sync same-node peers, proxy only for remote, no barriers)
+  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_all_to_all.py \
+       tests/test_cuda_graph.py
+  step 150 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/triton_kernels/test_node_sync.py \
+       tests/triton_kernels/test_routing.py tests/triton_kernels/test_combine.py tests/triton_kernels/test_rows.py
+  step 100 python3 docs/gpu/profile_eager.py 200
+  step 100 python3 -m moe_a2a.bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
+       --json "$OUT/e2e_graph_x2.json" --png "$OUT/timeline_graph_x2.png"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;

@@ -7,16 +7,22 @@ The model process and the proxy talk only through flags in the rank's shared seg
 numbers, never reset); the proxy knows buffers, offsets, peers and immediates, never tokens. It
 reads the count rows the routing exchange delivers and turns them into writes with `plan`.
 
-One call (epoch e) of dispatch + combine, as seen by the proxy of rank r:
+The proxy carries only what crosses nodes: same-node peers synchronise in the kernels through
+mapped memory (triton_kernels/node_sync.py), and without remote peers the proxy only idles. One call
+(epoch e) of dispatch + combine, as seen by the proxy of rank r (docs/protocol.md):
 
-    ROUTE_READY        -> scatter my count row to every peer (imm ROUTE)
-    SEND_READY         -> scatter to every remote peer its first min(n, P) routes (imm DISPATCH)
-    all ROUTE imms     -> validate the count matrix; remainder writes (imm DISPATCH)
-    all DISPATCH imms, same-node peers' SEND_READY   -> raise DISPATCH_RECV_READY
-    DISPATCH_RECV_DONE -> barrier (imm DISPATCH_BARRIER) -> raise DISPATCH_BARRIER
-    COMBINE_SEND_READY -> scatter each remote source its rows (imm COMBINE)
-    all COMBINE imms, same-node peers' COMBINE_SEND_READY -> raise COMBINE_RECV_READY
-    COMBINE_RECV_DONE  -> barrier (imm COMBINE_BARRIER) -> raise COMBINE_BARRIER
+    ROUTE_READY          -> scatter my count row to every remote peer (imm ROUTE)
+    SEND_READY           -> scatter to every remote peer its first min(n, P) routes (imm DISPATCH)
+    all ROUTE imms, the node peers' dispatch_ready (their rows are in my sync area)
+                         -> validate the count matrix; remainder writes (imm DISPATCH)
+    all DISPATCH imms    -> raise DISPATCH_RECV_READY
+    my writes completed  -> raise DISPATCH_WRITES_DONE (the kernels may refill the send buffer)
+    COMBINE_SEND_READY   -> scatter each remote source its rows (imm COMBINE)
+    all COMBINE imms     -> raise COMBINE_RECV_READY
+    my writes completed  -> raise COMBINE_WRITES_DONE
+
+No barrier: dispatch and combine use separate regions, and every peer's next write to us follows,
+in causal order, something we sent it after we finished reading what it overwrites.
 
 Started with `python -m moe_a2a.proxy.worker FD` by `ProxyHandle.start`; this module must not
 import torch (the proxy would take seconds to start and hundreds of MB for nothing).
@@ -128,11 +134,16 @@ class Proxy:
         # call needs the proxy (it only keeps the heartbeat and waits to be stopped).
         table, self.node_local = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
-        # Our count row, to the same place in every peer's routing matrix.
-        row_off = lay.routing_offset_bytes + r * lay.routing_row_bytes
-        self._route_targets = [(i, row_off, lay.routing_row_bytes, row_off) for i in range(len(self.peers))]
         self.remote = lay.remote_peers(r)
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
+        # Our count row, to the same place in every remote peer's routing matrix (group positions:
+        # the group holds every rank but this one, in order).
+        row_off = lay.routing_offset_bytes + r * lay.routing_row_bytes
+        self._route_targets = [(p - (p > r), row_off, lay.routing_row_bytes, row_off) for p in self.remote]
+        # Same-node peers' epochs in our sync area: their count rows are in our routing area once
+        # their dispatch_ready word reaches the epoch.
+        self.node_ready = self.seg.numpy(lay.segment_sync_offset_bytes + lay.dispatch_ready_offset_bytes,
+                                         lay.world_size, np.int64)
         self.send_base, self.recv_base = lay.send_offset_bytes, lay.recv_offset_bytes
         if self.peers:
             handles = self.engine.connect([table[p][0] for p in self.peers])
@@ -144,8 +155,6 @@ class Proxy:
                 self.data_src, self.send_base, self.recv_base = self.send_region, 0, 0
             else:
                 self.data_group, self.data_src = self.group, self.region
-        # Same-node peers' flags (they raise SEND_READY / COMBINE_SEND_READY after writing to us).
-        self.peer_flags = {p: Flags(SharedSegment(table[p][2]), lay) for p in self.node_peers}
         self.trace = self.seg.numpy(lay.trace_offset_bytes, 2 * len(TRACE_EVENTS), np.int64).reshape(-1, 2)
         self._tracing, self._epoch = False, 0
         self.flags[Flag.PROXY_READY] = 1
@@ -176,18 +185,19 @@ class Proxy:
         while self.flags[flag] < epoch:
             self._idle(start)
 
-    def wait_peers(self, epoch: int, what: str, imms: dict[int, int], flag: Flag | None = None) -> None:
-        """Wait for immediates (keyed by exact value) and same-node peers' `flag` >= epoch."""
+    def wait_peers(self, epoch: int, what: str, imms: dict[int, int], node_rows: bool = False) -> None:
+        """Wait for immediates (keyed by exact value) and, with `node_rows`, the same-node peers' count
+        rows of this epoch (their dispatch_ready words in our sync area)."""
         start = time.monotonic()
         # Counts and flags only grow until consumed, so what is satisfied is dropped: each poll looks
         # only at what is still missing (63 lookups per poll at 64 ranks otherwise).
         count = self.engine.imm_count
         short = dict(imms)
-        slow = list(self.node_peers) if flag is not None else []
+        slow = list(self.node_peers) if node_rows else []
         while True:
             short = {i: n for i, n in short.items() if count(i) < n}
             if slow:
-                slow = [p for p in slow if self.peer_flags[p][flag] < epoch]
+                slow = [p for p in slow if self.node_ready[p] < epoch]
             if not short and not slow:
                 break
             if time.monotonic() - start > self.spec.timeout_s:
@@ -213,29 +223,17 @@ class Proxy:
         if len(targets):
             self.engine.scatter(self.data_group, self.data_src, targets, plan.make_imm(kind, self.rank, epoch))
 
-    def barrier(self, kind: Imm, epoch: int, what: str, imms: dict[int, int]) -> None:
-        """Send `kind` to every peer and wait for theirs (`imms`: one per peer)."""
-        if self.peers:
-            self.engine.barrier(self.group, plan.make_imm(kind, self.rank, epoch))
-        self.wait_peers(epoch, what, imms)
-        # Our own writes are complete once every peer has passed the barrier; drain the CQ so the
-        # send buffer can be reused without a stale completion in flight.
-        self.engine.wait_writes()
-
     # ---- one call -------------------------------------------------------------------------------
     def run_epoch(self, e: int) -> None:
         lay, r, F, mark = self.lay, self.rank, Flag, self.mark
         # What depends only on the epoch is ready before the model's routing is: the immediates to
         # count. What depends on counts is computed while waiting for the next step, never after it.
-        route_imms = self._imms(Imm.ROUTE, e, self.peers)
+        route_imms = self._imms(Imm.ROUTE, e, self.remote)
         combine_imms = self._imms(Imm.COMBINE, e, self.remote)
-        barrier_imms = (self._imms(Imm.DISPATCH_BARRIER, e, self.peers), self._imms(Imm.COMBINE_BARRIER, e, self.peers))
-
         self.wait_local(F.ROUTE_READY, e)
         self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
         mark(0)  # route_ready_seen
-        if self.peers:
-            self.engine.scatter(self.group, self.region, self._route_targets, plan.make_imm(Imm.ROUTE, r, e))
+        self.engine.scatter(self.group, self.region, self._route_targets, plan.make_imm(Imm.ROUTE, r, e))
         mark(1)  # route_posted
         # Our count row is final at ROUTE_READY: plan the private writes while the model packs.
         private = self._targets(plan.private_writes(self.routing[r].astype(np.int64), r, lay))
@@ -243,7 +241,7 @@ class Proxy:
         mark(2)  # send_ready_seen
         self._post(private, Imm.DISPATCH, e)
         mark(3)  # private_posted
-        self.wait_peers(e, "dispatch: routing exchange", route_imms)
+        self.wait_peers(e, "dispatch: routing exchange", route_imms, node_rows=True)
         mark(4)  # routes_received
         counts = self.routing.astype(np.int64)
         plan.validate_counts(counts, lay)
@@ -252,30 +250,23 @@ class Proxy:
         mark(5)  # remainder_posted
         dispatch_imms = self._imms(Imm.DISPATCH, e, self.remote, plan.expected_dispatch_imms(routes, r, lay))
         combine = self._targets(plan.combine_writes(routes, r, lay))  # off the combine's critical path
-        self.wait_peers(e, "dispatch: tokens", dispatch_imms, F.SEND_READY)
+        self.wait_peers(e, "dispatch: tokens", dispatch_imms)
         # Stamp before publishing: the model reads the trace as soon as it sees the flag.
         mark(6)  # dispatch_received
         self.flags[F.DISPATCH_RECV_READY] = e
-
-        self.wait_local(F.DISPATCH_RECV_DONE, e)
-        mark(7)  # dispatch_recv_done_seen
-        self.barrier(Imm.DISPATCH_BARRIER, e, "dispatch: barrier", barrier_imms[0])
-        mark(8)  # dispatch_barrier
-        self.flags[F.DISPATCH_BARRIER] = e
-
+        self.engine.wait_writes()  # our reads of the send buffer are over: the kernels may refill it
+        mark(7)  # dispatch_writes_done
+        self.flags[F.DISPATCH_WRITES_DONE] = e
         self.wait_local(F.COMBINE_SEND_READY, e)
-        mark(9)  # combine_send_seen
+        mark(8)  # combine_send_seen
         self._post(combine, Imm.COMBINE, e)
-        mark(10)  # combine_posted
-        self.wait_peers(e, "combine: expert outputs", combine_imms, F.COMBINE_SEND_READY)
-        mark(11)  # combine_received
+        mark(9)  # combine_posted
+        self.wait_peers(e, "combine: expert outputs", combine_imms)
+        mark(10)  # combine_received
         self.flags[F.COMBINE_RECV_READY] = e
-
-        self.wait_local(F.COMBINE_RECV_DONE, e)
-        mark(12)  # combine_recv_done_seen
-        self.barrier(Imm.COMBINE_BARRIER, e, "combine: barrier", barrier_imms[1])
-        mark(13)  # combine_barrier
-        self.flags[F.COMBINE_BARRIER] = e
+        self.engine.wait_writes()
+        mark(11)  # combine_writes_done
+        self.flags[F.COMBINE_WRITES_DONE] = e
 
     def run(self) -> None:
         if self.node_local:

@@ -73,31 +73,42 @@ def _pack_combine_by_source_kernel(
     SC_BYTES: tl.constexpr,         # combine slot stride (multiple of 16)
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
-    # Same-node synchronisation (node_sync.py), only with NODE_SYNC: publish the epoch at the end.
-    failed_ptr=None, counter_ptr=None, epoch_ptr=None, node_first=0,
-    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1,
-    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    COMBINE_RECV_BYTES: tl.constexpr,   # where a home's recv buffer keeps combine rows
+    # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
+    failed_ptr=None, counter_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None,
+    sync_bytes=0, node_first=0, timeout_ns=0, max_spins=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_SYNC: tl.constexpr = False,
+    HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False, STATUS_WORD: tl.constexpr = 0,
+    PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
+    PROXY_SIGNAL_WORD: tl.constexpr = 0,
 ):
     """Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
 
     Row i of pair (local expert l, source s) has block index b = sum_{j<l} counts[s, rank*L+j] + i in
     source s's block and goes to
-      same-node s: peer_recv[s] + (send_offsets_s[rank] + b) * Sc   (the slot of its dispatch send)
+      same-node s: peer_recv[s] + COMBINE_RECV_BYTES + (send_offsets_s[rank] + b) * Sc   (the slot of its
+                   dispatch send, in the combine region of its recv buffer)
       remote s:    stage + (psum_excl(n)[s] + b) * Sc               (plan.combine_stage_offsets)
     Moves y_bytes in and out per received row. With NODE_SYNC the last program to finish tells every
-    same-node home that its rows of this epoch are in place (after a failed wait: nothing moves)."""
+    same-node home that its rows of this epoch are in place (after a failed wait: nothing moves) and,
+    with remote peers, raises COMBINE_SEND_READY for the proxy, after waiting (prologue) until the
+    proxy's writes out of the staging area for the previous call completed."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
     if NODE_SYNC:
-        num_rows = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_rows, 0)
+        go = tl.load(failed_ptr, volatile=True) == 0
+        if HAS_PROXY:
+            go = node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
+                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX)
+        num_rows = tl.where(go, num_rows, 0)
 
     peer_recv, is_push, send_off = _node_peer_tables(peer_recv_bytes_ptr, counts_ptr, stride_counts_w, rank,
                                                      W, L, W_PAD, BLOCK_E)
     stage_row = tl.cumsum(n_src, axis=0) - n_src
     first_bytes = tl.where(is_push[None, :],
-                           peer_recv[None, :] + (send_off[None, :] + block_start) * SC_BYTES,
+                           peer_recv[None, :] + COMBINE_RECV_BYTES + (send_off[None, :] + block_start) * SC_BYTES,
                            stage_bytes + (stage_row[None, :] + block_start) * SC_BYTES)
 
     NPAIR: tl.constexpr = L_PAD * W_PAD
@@ -119,8 +130,8 @@ def _pack_combine_by_source_kernel(
     if NODE_SYNC:
         if node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
-                node_publish(base_ptr, peer_recv_bytes_ptr, READY_BYTES, epoch_ptr, rank, node_first, NODE,
-                             USE_PTX)
+                node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
+                             NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 @triton.jit
@@ -143,10 +154,13 @@ def _reduce_combined_tokens_kernel(
     BLOCK_H: tl.constexpr,
     HAS_BOUND_M: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    # Same-node synchronisation (node_sync.py), only with NODE_SYNC: wait for the experts' epochs first.
-    failed_ptr=None, epoch_ptr=None, status_ptr=None, node_first=0, timeout_ns=0, max_spins=0,
+    # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
+    failed_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None, sync_bytes=0, node_first=0,
+    timeout_ns=0, max_spins=0,
     READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
-    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
+    ERROR_WORD: tl.constexpr = 0,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
     elements.
@@ -154,8 +168,9 @@ def _reduce_combined_tokens_kernel(
     Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs) and writes one.
     Tokens t >= bound_m are not touched; masked routes (slot -1) are skipped, their weight unread."""
     if NODE_SYNC:
-        ok = node_wait(base_ptr, recv_bytes + READY_BYTES, epoch_ptr, failed_ptr, status_ptr, node_first,
-                       timeout_ns, max_spins, NODE, NODE_PAD, USE_PTX)
+        ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
+                       timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                       STATUS_WORD, USE_PTX)
         num_tokens = tl.where(ok, num_tokens, 0)  # (a scalar folded into the bound, not into a mask)
     tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
@@ -240,15 +255,13 @@ def pack_combine_by_source(
     row_words = cfg.y_bytes // word_bytes
     block_w = _chunk_words(row_words, word_bytes)
     grid, block_r = _persistent_grid(device, layout)
-    sync_args = {} if node is None else dict(
-        failed_ptr=node.failed, counter_ptr=node.counter, epoch_ptr=node.epoch, node_first=node.node_first,
-        READY_BYTES=node.combine_ready_bytes, NODE=node.node_size, NODE_SYNC=True,
-        USE_PTX=device.type == "cuda")
+    sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _PACK_COMBINE.launch(
         key, grid, y_words, counts, base, peer_recv_bytes, stage_bytes, rank, R,
         counts.stride(0), y_words.stride(0) if R else row_words,
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, Y_WORDS=row_words, SC_BYTES=cfg.combine_stride_bytes,
+        COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
@@ -321,11 +334,7 @@ def reduce_combined_tokens(
     # per operation, not per element, so all tokens in one program.
     block_t = 1 if device.type == "cuda" else min(next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(H, block_h))
-    sync_args = {} if node is None else dict(
-        failed_ptr=node.failed, epoch_ptr=node.epoch, status_ptr=node.combine_status,
-        node_first=node.node_first, READY_BYTES=node.combine_ready_bytes, NODE=node.node_size,
-        NODE_PAD=next_power_of_2(node.node_size), NODE_SYNC=True, USE_PTX=device.type == "cuda",
-        **node.wait_args(device))
+    sync_args = {} if node is None else node.kernel_args("combine_recv", device)
     _REDUCE.launch(
         key, grid, out_tokens, route_slot, weights, recv_base, bound_m if bound_m is not None else route_slot,
         recv_offset_bytes, T,

@@ -58,15 +58,14 @@ def _pack_tokens_by_expert_kernel(
     BLOCK_W: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_BOUND_M: tl.constexpr,
-    # Same-node synchronisation (node_sync.py), only with NODE_SYNC:
-    failed_ptr=None,      # (1,) int64 sticky failure word: nonzero = move nothing, publish nothing
-    counter_ptr=None,     # (1,) int32 arrival counter of the epilogue
-    epoch_ptr=None,       # (1,) int64 this call's epoch
-    peer_recv_bytes_ptr=None,  # (W,) int64 same-node ranks' recv buffers - base
-    rank=0, node_first=0,
-    READY_BYTES: tl.constexpr = 0, COUNTS_BYTES: tl.constexpr = 0,
-    E: tl.constexpr = 1, E_PAD: tl.constexpr = 1, NODE: tl.constexpr = 1,
-    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
+    failed_ptr=None, counter_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None,
+    sync_bytes=0, node_first=0, timeout_ns=0, max_spins=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_SYNC: tl.constexpr = False,
+    HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False, STATUS_WORD: tl.constexpr = 0,
+    PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
+    PROXY_SIGNAL_WORD: tl.constexpr = 0,
+    rank=0, COUNTS_BYTES: tl.constexpr = 0, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
     chunk of their payload.
@@ -74,9 +73,15 @@ def _pack_tokens_by_expert_kernel(
     Reads the chunk once and writes it to the K slots of each token: T*x_bytes read, up to K*T*x_bytes
     written. The chunk-0 programs also copy the tokens' S scales (4*S bytes per slot).
     With NODE_SYNC the last program to finish publishes this rank's count row and epoch to every
-    same-node peer (they then pull the packed rows from this send buffer)."""
+    same-node peer (they then pull the packed rows from this send buffer) and, with remote peers,
+    raises SEND_READY for the proxy, after waiting (prologue) until the proxy's writes out of this send
+    buffer for the previous call completed."""
     if NODE_SYNC:  # folded into the bound: the interpreter mishandles a scalar broadcast into a mask
-        num_tokens = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_tokens, 0)
+        go = tl.load(failed_ptr, volatile=True) == 0
+        if HAS_PROXY:
+            go = node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
+                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX)
+        num_tokens = tl.where(go, num_tokens, 0)
     tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
 
@@ -108,9 +113,9 @@ def _pack_tokens_by_expert_kernel(
     if NODE_SYNC:
         if node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
-                node_copy_count_row(base_ptr, peer_recv_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD, NODE)
-                node_publish(base_ptr, peer_recv_bytes_ptr, READY_BYTES, epoch_ptr, rank, node_first, NODE,
-                             USE_PTX)
+                node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD, NODE)
+                node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
+                             NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 @triton.jit
@@ -134,10 +139,13 @@ def _unpack_tokens_by_expert_kernel(
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_SCALES: tl.constexpr,
-    # Same-node synchronisation (node_sync.py), only with NODE_SYNC: wait for the peers' epochs first.
-    failed_ptr=None, epoch_ptr=None, status_ptr=None, node_first=0, timeout_ns=0, max_spins=0,
+    # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
+    failed_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None, sync_bytes=0, node_first=0,
+    timeout_ns=0, max_spins=0,
     READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
-    NODE_SYNC: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
+    ERROR_WORD: tl.constexpr = 0,
 ):
     """Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
     rows (BLOCK_R rows x BLOCK_W-word chunks). Tiles ignore (source, expert) boundaries, so a skewed
@@ -151,8 +159,9 @@ def _unpack_tokens_by_expert_kernel(
     num_programs = tl.num_programs(0)
     ok = pid >= 0
     if NODE_SYNC:
-        ok = node_wait(base_ptr, recv_bytes + READY_BYTES, epoch_ptr, failed_ptr, status_ptr, node_first,
-                       timeout_ns, max_spins, NODE, NODE_PAD, USE_PTX)
+        ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
+                       timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                       STATUS_WORD, USE_PTX)
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
 
@@ -273,12 +282,7 @@ def pack_tokens_by_expert(
     scale_i32 = x_scale.view(torch.int32) if cfg.has_scales else x_words  # dummy pointer without scales
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(row_words, block_w))
-    sync_args = {} if node is None else dict(
-        failed_ptr=node.failed, counter_ptr=node.counter, epoch_ptr=node.epoch,
-        peer_recv_bytes_ptr=node.peer_recv_bytes, rank=node.rank, node_first=node.node_first,
-        READY_BYTES=node.dispatch_ready_bytes, COUNTS_BYTES=node.counts_bytes, E=node.num_experts,
-        E_PAD=next_power_of_2(node.num_experts), NODE=node.node_size, NODE_SYNC=True,
-        USE_PTX=device.type == "cuda")
+    sync_args = {} if node is None else node.kernel_args("dispatch_send", device)
     _PACK.launch(
         key, grid, x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,
@@ -367,11 +371,7 @@ def unpack_tokens_by_expert(
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
     stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
     grid, block_r = _persistent_grid(device, layout)
-    sync_args = {} if node is None else dict(
-        failed_ptr=node.failed, epoch_ptr=node.epoch, status_ptr=node.dispatch_status,
-        node_first=node.node_first, READY_BYTES=node.dispatch_ready_bytes, NODE=node.node_size,
-        NODE_PAD=next_power_of_2(node.node_size), NODE_SYNC=True, USE_PTX=device.type == "cuda",
-        **node.wait_args(device))
+    sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
     _UNPACK.launch(
         key, grid, out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
         counts.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],

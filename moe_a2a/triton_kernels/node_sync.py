@@ -40,37 +40,53 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import PROXY_MISSING, Flag, flag_word, next_power_of_2
 from .sync import _globaltimer_ns, _load_acquire_sys
+
+_PROXY_MISSING: tl.constexpr = tl.constexpr(PROXY_MISSING)
 
 # Polls of a prologue spin under the interpreter (it has no clock; the host already waited).
 INTERPRETER_MAX_SPINS = 1 << 16
 
 
+# The flags each half's kernels touch on the proxy path: (wait for, delta, raise in the epilogue).
+# A producer waits until the proxy finished writing out of its buffer for the previous call (delta -1);
+# a consumer waits until the proxy says the remote data of this call has landed.
+_PROXY_FLAGS = {
+    "dispatch_send": (Flag.DISPATCH_WRITES_DONE, -1, Flag.SEND_READY, Flag.STATUS_DISPATCH_SEND),
+    "dispatch_recv": (Flag.DISPATCH_RECV_READY, 0, None, Flag.STATUS_DISPATCH_RECV),
+    "combine_send": (Flag.COMBINE_WRITES_DONE, -1, Flag.COMBINE_SEND_READY, Flag.STATUS_COMBINE_SEND),
+    "combine_recv": (Flag.COMBINE_RECV_READY, 0, None, Flag.STATUS_COMBINE_RECV),
+}
+
+
 @dataclass(frozen=True, eq=False)  # identity: it is a key of remembered launches, and holds tensors
 class NodeSync:
-    """What the kernels of one rank need to synchronise with its same-node peers.
+    """What the kernels of one rank need to synchronise with its same-node peers and its proxy.
 
     Attributes:
         epoch: `[1]` int64 on the device, this call's epoch (advanced on the stream by `route_tokens`,
             so a CUDA graph replay publishes and awaits the replay's epoch).
         failed: `[1]` int64 on the device, sticky: nonzero after any failed wait of this rank.
         counter: `[1]` int32 on the device, zero between launches: programs arrived in an epilogue.
-        peer_recv_bytes: `[W]` int64, each same-node rank's recv buffer as an offset from `base` (-1
-            for other ranks).
-        dispatch_status, combine_status: `[1]` int64, host-visible words for a failed wait's result.
+        flags: `[N]` int64, this rank's flags area (`config.Flag`) as the kernels reach it (pinned host
+            memory seen through UVA on a GPU): the proxy flags and the status words of failed waits.
+        peer_sync_bytes: `[W]` int64, each same-node rank's sync area as an offset from `base` (-1 for
+            other ranks); `sync_bytes`: this rank's.
         rank, node_first, node_size: this rank and its node's ranks `[node_first, node_first + node_size)`.
-        dispatch_ready_bytes, combine_ready_bytes, counts_bytes: offsets of the area's parts in a recv buffer.
+        dispatch_ready_bytes, combine_ready_bytes, counts_bytes: offsets of the area's parts in a sync area.
         num_experts: E (length of a count row).
         timeout_s: how long a prologue spins before giving up (GPU).
+        with_proxy: remote peers exist: the kernels also wait for / raise the proxy's flags.
         interpreter_spins: how many polls before giving up under the interpreter (no clock there).
     """
 
     epoch: torch.Tensor
     failed: torch.Tensor
     counter: torch.Tensor
-    peer_recv_bytes: torch.Tensor
-    dispatch_status: torch.Tensor
-    combine_status: torch.Tensor
+    flags: torch.Tensor
+    peer_sync_bytes: torch.Tensor
+    sync_bytes: int
     rank: int
     node_first: int
     node_size: int
@@ -79,13 +95,28 @@ class NodeSync:
     counts_bytes: int
     num_experts: int
     timeout_s: float
+    with_proxy: bool = False
     interpreter_spins: int = INTERPRETER_MAX_SPINS
 
-    def wait_args(self, device: torch.device) -> dict:
-        """Keyword arguments of a prologue, as the kernels take them."""
+    def kernel_args(self, half: str, device: torch.device) -> dict:
+        """Keyword arguments of the synchronising prologue/epilogue of one half's kernel."""
         on_gpu = device.type == "cuda"
-        return dict(timeout_ns=int(self.timeout_s * 1e9) if on_gpu else 0,
+        wait_flag, delta, signal_flag, status = _PROXY_FLAGS[half]
+        ready = self.dispatch_ready_bytes if half.startswith("dispatch") else self.combine_ready_bytes
+        args = dict(failed_ptr=self.failed, epoch_ptr=self.epoch, flags_ptr=self.flags,
+                    peer_sync_bytes_ptr=self.peer_sync_bytes, sync_bytes=self.sync_bytes, node_first=self.node_first,
+                    READY_BYTES=ready, NODE=self.node_size, NODE_SYNC=True, HAS_PROXY=self.with_proxy,
+                    USE_PTX=on_gpu, STATUS_WORD=flag_word(status), PROXY_WAIT_WORD=flag_word(wait_flag),
+                    PROXY_DELTA=delta, ERROR_WORD=flag_word(Flag.ERROR),
+                    timeout_ns=int(self.timeout_s * 1e9) if on_gpu else 0,
                     max_spins=0 if on_gpu else self.interpreter_spins)
+        if signal_flag is not None:
+            args.update(counter_ptr=self.counter, PROXY_SIGNAL_WORD=flag_word(signal_flag))
+        if half == "dispatch_send":
+            args.update(rank=self.rank, COUNTS_BYTES=self.counts_bytes, E=self.num_experts, E_PAD=next_power_of_2(self.num_experts))
+        if half in ("dispatch_recv", "combine_recv"):
+            args.update(NODE_PAD=next_power_of_2(self.node_size))
+        return args
 
 
 @triton.jit
@@ -105,25 +136,25 @@ def _store_release_sys(ptr, value, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def node_failed(failed_ptr):
-    """True when an earlier wait of this rank failed: the kernel must not move data or raise flags."""
-    return tl.load(failed_ptr, volatile=True) != 0
-
-
-@triton.jit
 def node_wait(
-    base_ptr,            # uint8: byte address space of this rank's recv buffer
-    ready_bytes,         # int64: this rank's ready words (recv buffer + dispatch/combine_ready) - base
+    base_ptr,            # uint8: byte address space of this rank's sync area
+    ready_bytes,         # int64: this rank's ready words (sync area + dispatch/combine_ready) - base
     epoch_ptr,           # (1,) int64: the epoch to wait for
     failed_ptr,          # (1,) int64 sticky failure word (device)
-    status_ptr,          # (1,) int64 host-visible status word of this wait
+    flags_ptr,           # (N,) int64 this rank's flags area: the proxy's flags and the status words
     node_first,          # first rank of this node
     timeout_ns,          # int64, GPU: give up after this long
     max_spins,           # int64, interpreter: give up after this many polls (0: no cap)
-    NODE: tl.constexpr, NODE_PAD: tl.constexpr, USE_PTX: tl.constexpr,
+    NODE: tl.constexpr,  # same-node ranks to wait for (0: none, only the proxy)
+    NODE_PAD: tl.constexpr,
+    HAS_PROXY: tl.constexpr,     # also wait until flags[PROXY_WAIT_WORD] >= epoch + PROXY_DELTA
+    PROXY_WAIT_WORD: tl.constexpr, PROXY_DELTA: tl.constexpr, ERROR_WORD: tl.constexpr,
+    STATUS_WORD: tl.constexpr,   # flags word that records a failed wait
+    USE_PTX: tl.constexpr,
 ):
-    """Prologue: spin until ready[s] >= epoch for every s of this node. Returns True when the caller
-    may proceed (False after an earlier failure or a timeout, which it records)."""
+    """Prologue: spin until ready[s] >= epoch for every s of this node (and the proxy's flag is up).
+    Returns True when the caller may proceed (False after an earlier failure, a timeout or a proxy
+    error, which it records: `1 + 2 * missing-peers bitmask`, plus PROXY_MISSING for the proxy)."""
     ok = tl.load(failed_ptr, volatile=True) == 0
     if ok:
         i = tl.arange(0, NODE_PAD)
@@ -135,21 +166,27 @@ def node_wait(
             start = tl.zeros([], dtype=tl.int64)
         spins = tl.zeros([], dtype=tl.int64)
         late = i < NODE
+        proxy_late = tl.zeros([], dtype=tl.int1)
         state = tl.full([], -1, dtype=tl.int32)
         while state < 0:
             seen = _load_acquire_sys(words, USE_PTX)
             late = (seen < target) & (i < NODE)
+            n_late = tl.sum(late.to(tl.int32), axis=0)
+            broken = tl.zeros([], dtype=tl.int1)
+            if HAS_PROXY:
+                proxy_late = _load_acquire_sys(flags_ptr + PROXY_WAIT_WORD, USE_PTX) < target + PROXY_DELTA
+                broken = _load_acquire_sys(flags_ptr + ERROR_WORD, USE_PTX) != 0
+                n_late += proxy_late.to(tl.int32)
             spins += 1
             if USE_PTX:
                 elapsed = _globaltimer_ns() - start
             else:
                 elapsed = tl.zeros([], dtype=tl.int64)
-            timed_out = (elapsed > timeout_ns) | ((max_spins > 0) & (spins >= max_spins))
-            n_late = tl.sum(late.to(tl.int32), axis=0)
+            timed_out = (elapsed > timeout_ns) | ((max_spins > 0) & (spins >= max_spins)) | broken
             state = tl.where(n_late == 0, 0, tl.where(timed_out, 1, -1))
         if state != 0:
             missing = tl.sum(tl.where(late, tl.full([NODE_PAD], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
-            tl.store(status_ptr, 1 + 2 * missing)
+            tl.store(flags_ptr + STATUS_WORD, 1 + 2 * missing + tl.where(proxy_late, _PROXY_MISSING, 0))
             tl.store(failed_ptr, 1)
         ok = ok & (state == 0)
         # Every thread reads what the peers wrote; the acquire was done per element (per thread).
@@ -173,42 +210,50 @@ def node_arrive(counter_ptr, USE_PTX: tl.constexpr):
 
 @triton.jit
 def node_copy_count_row(
-    base_ptr, peer_recv_bytes_ptr, counts_bytes, rank, node_first,
+    base_ptr, peer_sync_bytes_ptr, counts_bytes, rank, node_first,
     E: tl.constexpr, E_PAD: tl.constexpr, NODE: tl.constexpr,
 ):
-    """Epilogue of dispatch pack (last program only): this rank's count row, already in its own recv
-    buffer's counts area (route_tokens wrote it there), into the same row of every same-node peer."""
+    """Epilogue of dispatch pack (last program only): this rank's count row, already in its own sync
+    area (route_tokens wrote it there), into the same row of every same-node peer's sync area."""
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
     e = tl.arange(0, E_PAD)
-    own = tl.load(peer_recv_bytes_ptr + rank)
+    own = tl.load(peer_sync_bytes_ptr + rank)
     row = tl.load(base_i32 + (own + counts_bytes) // 4 + rank * E + e, mask=e < E)
     for j in range(NODE):
         p = node_first + j
-        peer = tl.load(peer_recv_bytes_ptr + p)
+        peer = tl.load(peer_sync_bytes_ptr + p)
         tl.store(base_i32 + (peer + counts_bytes) // 4 + rank * E + e, row, mask=e < tl.where(p != rank, E, 0))
 
 
 @triton.jit
 def node_publish(
-    base_ptr, peer_recv_bytes_ptr, ready_bytes, epoch_ptr, rank, node_first,
-    NODE: tl.constexpr, USE_PTX: tl.constexpr,
+    base_ptr, peer_sync_bytes_ptr, ready_bytes, epoch_ptr, flags_ptr, rank, node_first,
+    NODE: tl.constexpr, HAS_PROXY: tl.constexpr, PROXY_SIGNAL_WORD: tl.constexpr, USE_PTX: tl.constexpr,
 ):
-    """Epilogue, second half (last program only): ready[rank] = epoch in every same-node rank (this one
-    too), each a system-scope release after everything this program wrote or saw arrive."""
+    """Epilogue, second half (last program only): ready[rank] = epoch in every same-node rank's sync
+    area (this one too), and the proxy's flag, each a system-scope release after everything this
+    program wrote or saw arrive."""
     _fence_sys(USE_PTX)
     tl.debug_barrier()
     epoch = tl.load(epoch_ptr)
     base_i64 = base_ptr.to(tl.pointer_type(tl.int64))
     for j in range(NODE):
-        peer = tl.load(peer_recv_bytes_ptr + node_first + j)
+        peer = tl.load(peer_sync_bytes_ptr + node_first + j)
         _store_release_sys(base_i64 + (peer + ready_bytes) // 8 + rank, epoch, USE_PTX)
+    if HAS_PROXY:
+        _store_release_sys(flags_ptr + PROXY_SIGNAL_WORD, epoch, USE_PTX)
 
 
 def failed_ranks(status: int, node_first: int) -> list[int]:
-    """The ranks a failed wait's status word (`1 + 2 * bitmask`) names."""
-    mask = (int(status) - 1) // 2
+    """The same-node ranks a failed wait's status word (`1 + 2 * bitmask [+ PROXY_MISSING]`) names."""
+    mask = ((int(status) & (PROXY_MISSING - 1)) - 1) // 2
     return [node_first + i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
-__all__ = ["NodeSync", "node_wait", "node_arrive", "node_copy_count_row", "node_publish", "node_failed",
-           "failed_ranks"]
+def proxy_missing(status: int) -> bool:
+    """Whether a failed wait's status word says the proxy's flag (remote peers) was missing."""
+    return bool(int(status) & PROXY_MISSING)
+
+
+__all__ = ["NodeSync", "node_wait", "node_arrive", "node_copy_count_row", "node_publish", "failed_ranks",
+           "proxy_missing"]

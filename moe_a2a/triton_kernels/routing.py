@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..config import ceil_div, next_power_of_2
+from .node_sync import _fence_sys, _store_release_sys
 from .rows import LaunchCache, tensor_key
 
 # Measured on an H200 (triton 3.6, E=256, CUDA-graph replay, both kernels): one program sorting
@@ -41,6 +42,14 @@ def _block_routes_for(num_routes: int) -> int:
     """Routes per program on the two-launch path: ~16 blocks, within [64, 512] (fits the sweep above:
     1024 -> 64, 2048 -> 128, 4096 -> 256, >= 8192 -> 512; E=256 histogram re-read from L2 <= 64 KB)."""
     return min(512, max(64, next_power_of_2(max(1, num_routes // 16))))
+
+
+@triton.jit
+def _publish_ready(ready_ptr, epoch_ptr, USE_PTX: tl.constexpr):
+    """ready = this call's epoch, released after the counts this program wrote (the proxy sends them)."""
+    _fence_sys(USE_PTX)
+    tl.debug_barrier()
+    _store_release_sys(ready_ptr, tl.load(epoch_ptr), USE_PTX)
 
 
 # num_tokens is not specialised: T=1 would make it a constexpr int (no .to()) and every T a recompile.
@@ -61,8 +70,11 @@ def _route_block_kernel(
     SINGLE: tl.constexpr,        # one program covers every route: write final slots and counts
     epoch_ptr=None,              # (1,) int64: incremented once (program 0) when HAS_EPOCH
     bad_index_ptr=None,          # (1,) int64: 1 + a route with an out-of-range expert, when CHECK
+    ready_ptr=None,              # (1,) int64: the epoch, released once counts are written (SINGLE, HAS_READY)
     HAS_EPOCH: tl.constexpr = False,
     CHECK: tl.constexpr = False,
+    HAS_READY: tl.constexpr = False,
+    USE_PTX: tl.constexpr = False,
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE)."""
     pid = tl.program_id(0)
@@ -105,6 +117,8 @@ def _route_block_kernel(
     bins = tl.arange(0, E_BINS)
     if SINGLE:
         tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, hist, mask=bins < num_experts)
+        if HAS_READY:
+            _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
     else:
         tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
 
@@ -123,6 +137,9 @@ def _route_fixup_kernel(
     BLOCK_R: tl.constexpr,       # same as _route_block_kernel
     E_PAD: tl.constexpr,         # next_pow2(E)
     CHUNK_B: tl.constexpr,       # histogram rows read per step (CHUNK_B * E_PAD <= 4096 elements)
+    epoch_ptr=None, ready_ptr=None,  # as in _route_block_kernel: program 0 releases the epoch when HAS_READY
+    HAS_READY: tl.constexpr = False,
+    USE_PTX: tl.constexpr = False,
 ):
     """Grid: one program per block of _route_block_kernel. Each re-reads the whole histogram:
     total[e] over all blocks, before[e] over blocks < pid, and adds
@@ -142,6 +159,8 @@ def _route_fixup_kernel(
     delta = (tl.cumsum(total, axis=0) - total) + before - (tl.cumsum(mine, axis=0) - mine)
     if pid == 0:
         tl.store(counts_ptr + experts.to(tl.int64) * stride_counts, total, mask=experts < num_experts)
+        if HAS_READY:
+            _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
 
     route = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = route < num_tokens.to(tl.int64) * K
@@ -174,6 +193,7 @@ def route_tokens(
     *,
     epoch: torch.Tensor | None = None,
     bad_index: torch.Tensor | None = None,
+    ready: torch.Tensor | None = None,
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
     _block_routes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,6 +213,8 @@ def route_tokens(
         bad_index: optional `[1]` int64 tensor (device or pinned host memory): when a live route has an
             expert outside [-1, num_experts), `1 + t*K + k` of one such route is stored there (the
             device-side replacement of `validate_indices`, which syncs); the route is treated as -1.
+        ready: optional `[1]` int64 tensor (needs `epoch`): the epoch is stored there with a system-scope
+            release once `out_counts` is written (the proxy's ROUTE_READY flag).
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -209,7 +231,8 @@ def route_tokens(
     key = None
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
         key = (tensor_key(indices), num_experts, tensor_key(out_counts), tensor_key(out_route_slot),
-               tensor_key(bound_m), tensor_key(epoch), tensor_key(bad_index), _single_max_routes, _block_routes)
+               tensor_key(bound_m), tensor_key(epoch), tensor_key(bad_index), tensor_key(ready), _single_max_routes,
+               _block_routes)
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
@@ -244,13 +267,16 @@ def route_tokens(
         raise ValueError(f"bound_m: expected a 1-element int32 tensor on {device}, got "
                          f"{tuple(bound_m.shape)} {bound_m.dtype} on {bound_m.device}")
 
-    for name, t in (("epoch", epoch), ("bad_index", bad_index)):
+    if ready is not None and epoch is None:
+        raise ValueError("ready: needs epoch (the value it publishes)")
+    for name, t in (("epoch", epoch), ("bad_index", bad_index), ("ready", ready)):
         if t is not None and (t.numel() != 1 or t.dtype != torch.int64 or not (
                 t.device == device or (device.type == "cuda" and t.is_pinned()))):
             raise ValueError(f"{name}: expected a 1-element int64 tensor on {device}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, HAS_EPOCH=epoch is not None,
-                 CHECK=bad_index is not None)
+    use_ptx = device.type == "cuda"
+    extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
+                 CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
     num_routes = T * K
     e_bins = next_power_of_2(num_experts + 1)
     bound_arg = bound_m if bound_m is not None else out_counts  # never read without HAS_BOUND_M
@@ -293,6 +319,7 @@ def route_tokens(
         key, (num_blocks,), indices, out_route_slot, out_counts, hist,
         T, num_experts, num_blocks, out_counts.stride(0),
         K=K, BLOCK_R=block_r, E_PAD=e_pad, CHUNK_B=max(1, 4096 // e_pad),
+        epoch_ptr=epoch, ready_ptr=ready, HAS_READY=ready is not None, USE_PTX=use_ptx,
         num_warps=4,
     )
     return out_counts, out_route_slot

@@ -179,7 +179,8 @@ def run_combine(world: SimWorld, dispatched: DispatchResult, weights, expert_ys,
         else:
             out = torch.full((T, cfg.hidden_dim * cfg.out_itemsize), POISON,
                              dtype=torch.uint8, device=dev).view(cfg.out_dtype)
-        reduce_combined_tokens(out, dispatched.route_slot[r], weights[r], world.arena, world.recv_bytes[r],
+        reduce_combined_tokens(out, dispatched.route_slot[r], weights[r], world.arena,
+                               world.recv_bytes[r] + lay.combine_recv_offset_bytes,
                                cfg, accumulate=accumulate, bound_m=bound_tensor(bound_ms[r], dev))
         outs.append(out)
     return outs

@@ -17,31 +17,41 @@ from hypothesis import HealthCheck, given, settings
 
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
-from moe_a2a.triton_kernels.node_sync import NodeSync, failed_ranks
+from moe_a2a.config import Flag, flag_word
+from moe_a2a.triton_kernels.node_sync import NodeSync, failed_ranks, proxy_missing
 from moe_a2a.triton_kernels.routing import route_tokens
 
 from ..conftest import TEST_DEVICE, examples
 from .harness import POISON, Case, cases, make_inputs, run_combine, run_dispatch, bound_tensor
 
 
+def sync_at(world) -> list[int]:
+    """Each simulated rank's sync area: at the end of its recv buffer (the all-on-one-node layout)."""
+    return [r + world.layout.recv_sync_offset_bytes for r in world.recv_bytes]
+
+
 def node_syncs(world, timeout_s: float = 30.0, spins: int = 1 << 16) -> list[NodeSync]:
     lay, dev = world.layout, world.arena.device
     out = []
     for r in range(world.world_size):
-        status = torch.zeros(2, dtype=torch.int64, device=dev)
         out.append(NodeSync(
             epoch=torch.zeros(1, dtype=torch.int64, device=dev), failed=torch.zeros(1, dtype=torch.int64, device=dev),
-            counter=torch.zeros(1, dtype=torch.int32, device=dev), peer_recv_bytes=world.peer_table(r, world.recv_bytes),
-            dispatch_status=status[0:1], combine_status=status[1:2], rank=r, node_first=0,
+            counter=torch.zeros(1, dtype=torch.int32, device=dev),
+            flags=torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=dev),
+            peer_sync_bytes=world.peer_table(r, sync_at(world)), sync_bytes=sync_at(world)[r], rank=r, node_first=0,
             node_size=world.world_size, dispatch_ready_bytes=lay.dispatch_ready_offset_bytes,
             combine_ready_bytes=lay.combine_ready_offset_bytes, counts_bytes=lay.node_counts_offset_bytes,
             num_experts=lay.num_experts, timeout_s=timeout_s, interpreter_spins=spins))
     return out
 
 
+def status(sync: NodeSync, flag: Flag) -> int:
+    return int(sync.flags[flag_word(flag)])
+
+
 def counts_view(world, r: int) -> torch.Tensor:
     lay = world.layout
-    at = world.recv_bytes[r] + lay.node_counts_offset_bytes
+    at = sync_at(world)[r] + lay.node_counts_offset_bytes
     return world.arena[at: at + lay.routing_bytes].view(torch.int32).view(lay.world_size, lay.num_experts)
 
 
@@ -75,7 +85,8 @@ def node_local_call(world, syncs, xs, scales, indices, bound_ms, weights, expert
     for r in range(W):
         out = torch.full((indices[r].shape[0], cfg.hidden_dim * cfg.out_itemsize), POISON, dtype=torch.uint8,
                          device=dev).view(cfg.out_dtype)
-        reduce_combined_tokens(out, slots[r], weights[r].to(dev), world.arena, world.recv_bytes[r], cfg,
+        reduce_combined_tokens(out, slots[r], weights[r].to(dev), world.arena,
+                               world.recv_bytes[r] + lay.combine_recv_offset_bytes, cfg,
                                bound_m=bound_tensor(bound_ms[r], dev), node=syncs[r])
         outs.append(out)
     return nums, exs, outs
@@ -114,7 +125,7 @@ def test_node_local_calls_equal_the_proxy_path(case: Case) -> None:
             assert torch.equal(exs[r].view(torch.uint8).cpu(), want.expert_x[r].view(torch.uint8).cpu()), (call, r)
             assert torch.equal(outs[r].view(torch.uint8).cpu(), want_out[r].view(torch.uint8).cpu()), (call, r)
             assert int(syncs[r].epoch) == call and int(syncs[r].counter) == 0
-            assert int(syncs[r].failed) == 0 and int(syncs[r].dispatch_status) == 0
+            assert int(syncs[r].failed) == 0 and not bool(syncs[r].flags.any())
 
 
 @pytest.mark.timeout(120)
@@ -134,13 +145,13 @@ def test_a_missing_peer_is_named_and_stops_the_rank() -> None:
     ex = torch.full((lay.max_dispatch_rows, cfg.hidden_dim), 3.0, dtype=cfg.in_dtype, device=dev)
     unpack_tokens_by_expert(n, ex, None, counts_view(world, 0), 0, world.arena,
                             world.peer_table(0, world.send_bytes), world.recv_bytes[0], cfg, lay, node=syncs[0])
-    status = int(syncs[0].dispatch_status)
-    assert failed_ranks(status, 0) == [2], status
+    code = status(syncs[0], Flag.STATUS_DISPATCH_RECV)
+    assert failed_ranks(code, 0) == [2] and not proxy_missing(code), code
     assert int(syncs[0].failed) == 1
     assert bool((n.cpu() == -7).all()) and bool((ex.cpu() == 3.0).all())  # nothing written
 
     # A failed rank neither moves data nor tells its peers anything any more.
-    ready_at = world.recv_bytes[1] + lay.combine_ready_offset_bytes
+    ready_at = sync_at(world)[1] + lay.combine_ready_offset_bytes
     before = world.arena[ready_at: ready_at + 8 * 3].clone()
     y = torch.zeros(lay.max_dispatch_rows, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
     pack_combine_by_source(y, counts_view(world, 0), 0, world.arena, world.peer_table(0, world.recv_bytes),

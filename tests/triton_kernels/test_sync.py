@@ -38,9 +38,9 @@ def word(slot: Flag) -> int:
 def test_signal_sets_value_and_uint8_view():
     flags = new_flags()
     signal_flag(flags, word(Flag.SEND_READY), 5)
-    signal_flag(flags.view(torch.uint8), word(Flag.COMBINE_RECV_DONE), 2**40 + 3)  # int64 epochs
+    signal_flag(flags.view(torch.uint8), word(Flag.COMBINE_SEND_READY), 2**40 + 3)  # int64 epochs
     assert int(flags[word(Flag.SEND_READY)]) == 5
-    assert int(flags[word(Flag.COMBINE_RECV_DONE)]) == 2**40 + 3
+    assert int(flags[word(Flag.COMBINE_SEND_READY)]) == 2**40 + 3
     assert int(flags.count_nonzero()) == 2                       # nothing else touched
 
 
@@ -77,10 +77,10 @@ def test_host_wait_raised_by_process():
     """The proxy is a separate process: the flag memory is shared, not copied."""
     flags = new_flags().share_memory_()
     ctx = multiprocessing.get_context("fork")
-    child = ctx.Process(target=_raise_later, args=(flags, word(Flag.DISPATCH_BARRIER), 3, 0.1))
+    child = ctx.Process(target=_raise_later, args=(flags, word(Flag.DISPATCH_WRITES_DONE), 3, 0.1))
     child.start()
     try:
-        wait_flag(flags, word(Flag.DISPATCH_BARRIER), 3, timeout_s=20.0)
+        wait_flag(flags, word(Flag.DISPATCH_WRITES_DONE), 3, timeout_s=20.0)
     finally:
         child.join(10)
     assert child.exitcode == 0
@@ -103,9 +103,9 @@ def test_host_wait_peer_error_and_flag_wins():
     flags = new_flags()
     flags[word(Flag.ERROR)] = 9
     with pytest.raises(PeerError, match="error 9 while waiting for the combine barrier"):
-        wait_flag(flags, word(Flag.COMBINE_BARRIER), 1, timeout_s=5.0, what="the combine barrier")
-    flags[word(Flag.COMBINE_BARRIER)] = 1                        # data complete: success despite error
-    wait_flag(flags, word(Flag.COMBINE_BARRIER), 1, timeout_s=5.0)
+        wait_flag(flags, word(Flag.COMBINE_WRITES_DONE), 1, timeout_s=5.0, what="the combine barrier")
+    flags[word(Flag.COMBINE_WRITES_DONE)] = 1                        # data complete: success despite error
+    wait_flag(flags, word(Flag.COMBINE_WRITES_DONE), 1, timeout_s=5.0)
 
 
 @pytest.mark.timeout(30)
