@@ -79,6 +79,12 @@ protocol)  # 2026-11-30, nvidia-h200-x2: one protocol (kernels sync same-node pe
   step 100 python3 -m moe_a2a.bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
        --json "$OUT/e2e_graph_x2.json" --png "$OUT/timeline_graph_x2.png"
   ;;
+before)  # 2026-11-30, nvidia-h200-x2: the protocol before that day (commit 4a5e29b) in graph mode, traced
+  # (old_pkg/ is `git archive 4a5e29b moe_a2a | tar -x -C old_pkg`, carried to the machine)
+  # run from inside old_pkg/: the proxy is started with `python -m moe_a2a.proxy.worker`, which takes the
+  # package of the working directory first
+  (cd old_pkg && PYTHONPATH=$PWD step 150 python3 ../docs/gpu/before_graph.py "$OUT/before_graph_x2.json")
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
