@@ -286,10 +286,10 @@ def hbm_floor_us(world: int) -> dict:
 # ---- published numbers (decode: 128 tokens/rank, H=7168, top-8, fp8 dispatch / bf16 combine) ---------
 # (source, configuration, fabric, EP, dispatch µs, combine µs, dispatch+combine µs). None = not given.
 PUBLISHED = [
-    # pplx-garden README (shared/reference/pplx-garden-notes.md): H200, EP64, 128 tokens
+    # pplx-garden's README (the project's published table): H200, EP64, 128 tokens
     ("pplx-garden README", "H200 EFA p5en", "efa", 64, 266.7, 391.2, None),
     ("pplx-garden README", "H200 CX7", "cx7", 64, 187.5, 309.1, None),
-    # Article (000_d398671e694e9250.txt): "459, 582, 692 µs at EP16/32/64" on EFA vs UCCL-EP "519, 966,
+    # Perplexity's article on their all-to-all: "459, 582, 692 µs at EP16/32/64" on EFA vs UCCL-EP "519, 966,
     # 1159 µs". 519/966/1159 equal UCCL-EP's README dispatch+combine sums at EP16/24/32 (226+293,
     # 386+580, 465+694), so we read both triples as dispatch+combine totals.
     ("pplx article", "H200 EFA", "efa", 16, None, None, 459.0),

@@ -96,7 +96,8 @@ def test_constants_match_headers(c_layout):
 
 
 def test_measured_offsets_from_notes():
-    # Offsets the hot path depends on, as measured in shared/reference/libfabric-notes.md.
+    # Offsets the hot path depends on, as measured against libfabric 1.17's headers on x86-64 (the
+    # offsetof test above checks every field whenever libfabric-dev is installed).
     assert lf.fi_ops_rma.writemsg.offset == 48 and lf.fi_ops_rma.writedata.offset == 64
     assert ctypes.sizeof(lf.fi_msg_rma) == 64 and lf.fi_msg_rma.data.offset == 56
     assert ctypes.sizeof(lf.fi_cq_data_entry) == 40 and lf.fi_cq_data_entry.data.offset == 32
