@@ -85,6 +85,11 @@ before)  # 2026-11-30, nvidia-h200-x2: the protocol before that day (commit 4a5e
   # package of the working directory first
   (cd old_pkg && PYTHONPATH=$PWD step 150 python3 ../docs/gpu/before_graph.py "$OUT/before_graph_x2.json")
   ;;
+shared)  # 2026-11-30, nvidia-h200 (one GPU): 4 ranks sharing it wait on the host; after the protocol change
+  step 60 python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
+  step 60 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
+  step 60 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/proxy tests/test_local.py
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
