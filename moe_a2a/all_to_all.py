@@ -387,7 +387,9 @@ class AllToAll:
             rank=r, node_first=first, node_size=lay.node_size,
             dispatch_ready_bytes=lay.dispatch_ready_offset_bytes, combine_ready_bytes=lay.combine_ready_offset_bytes,
             counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts, timeout_s=self.timeout_s,
-            with_proxy=self.with_proxy)
+            # Ranks sharing a GPU wait on the host; their kernels must not spin at all, not even for a
+            # poll or two: the GPU time-slices between their contexts.
+            with_proxy=self.with_proxy, kernel_waits=not self.host_waits)
         # Host waits (CPU, or ranks sharing a GPU): the host polls the same words before it launches a
         # kernel, whose own wait then passes at its first poll (the interpreter runs a kernel to the
         # end before returning, so a kernel cannot wait for a peer that is still being launched).
@@ -440,7 +442,8 @@ class AllToAll:
             do_send / do_recv: run the send half, the receive half, or both (default).
 
         Bad input raises ValueError before anything is sent. On GPU the call is asynchronous and
-        CUDA-graph safe with `bound_m`; validation of index values syncs unless `bound_m` is given.
+        CUDA-graph safe with `bound_m`. Index values are checked without a host sync on a GPU (the routing
+        kernel drops a bad route and the next call raises a ValueError naming it), on the host on CPU.
         """
         self._ready()
         if do_send:

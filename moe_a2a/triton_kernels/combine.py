@@ -80,7 +80,7 @@ def _pack_combine_by_source_kernel(
     READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_SYNC: tl.constexpr = False,
     HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False, STATUS_WORD: tl.constexpr = 0,
     PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
-    PROXY_SIGNAL_WORD: tl.constexpr = 0,
+    PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
 ):
     """Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
 
@@ -101,7 +101,7 @@ def _pack_combine_by_source_kernel(
         go = tl.load(failed_ptr, volatile=True) == 0
         if HAS_PROXY:
             go = node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
-                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX)
+                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_rows = tl.where(go, num_rows, 0)
 
     peer_recv, is_push, send_off = _node_peer_tables(peer_recv_bytes_ptr, counts_ptr, stride_counts_w, rank,
@@ -160,7 +160,7 @@ def _reduce_combined_tokens_kernel(
     READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
     NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
     STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
-    ERROR_WORD: tl.constexpr = 0,
+    ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
     elements.
@@ -170,7 +170,7 @@ def _reduce_combined_tokens_kernel(
     if NODE_SYNC:
         ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
                        timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                       STATUS_WORD, USE_PTX)
+                       STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(ok, num_tokens, 0)  # (a scalar folded into the bound, not into a mask)
     tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)

@@ -64,7 +64,7 @@ def _pack_tokens_by_expert_kernel(
     READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_SYNC: tl.constexpr = False,
     HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False, STATUS_WORD: tl.constexpr = 0,
     PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
-    PROXY_SIGNAL_WORD: tl.constexpr = 0,
+    PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     rank=0, COUNTS_BYTES: tl.constexpr = 0, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
@@ -80,7 +80,7 @@ def _pack_tokens_by_expert_kernel(
         go = tl.load(failed_ptr, volatile=True) == 0
         if HAS_PROXY:
             go = node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
-                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX)
+                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(go, num_tokens, 0)
     tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
@@ -145,7 +145,7 @@ def _unpack_tokens_by_expert_kernel(
     READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
     NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
     STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
-    ERROR_WORD: tl.constexpr = 0,
+    ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
 ):
     """Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
     rows (BLOCK_R rows x BLOCK_W-word chunks). Tiles ignore (source, expert) boundaries, so a skewed
@@ -161,7 +161,7 @@ def _unpack_tokens_by_expert_kernel(
     if NODE_SYNC:
         ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
                        timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                       STATUS_WORD, USE_PTX)
+                       STATUS_WORD, USE_PTX, KERNEL_WAIT)
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
 
@@ -235,8 +235,9 @@ def pack_tokens_by_expert(
         send_offset_bytes: the send buffer's offset from `send_base.data_ptr()` (a multiple of 16).
         bound_m: optional `[1]` int32 on x's device: tokens t >= bound_m[0] are not read.
         node: same-node synchronisation (`node_sync.NodeSync`): when given, the kernel's last program
-            publishes this rank's count row (already in its recv buffer's counts area) and the epoch to
-            every same-node peer. It then launches even for T = 0 (peers wait for the epoch).
+            publishes this rank's count row (already in the counts of its sync area) and the epoch to
+            every same-node peer, and with remote peers raises SEND_READY for the proxy (after waiting
+            for its writes of the previous call). It then launches even for T = 0 (peers wait for it).
 
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
@@ -326,8 +327,9 @@ def unpack_tokens_by_expert(
         recv_bytes: offset of this rank's recv buffer from base (remote sources' rows are there, at
             the private region then the remainder region of `plan`).
         node: same-node synchronisation (`node_sync.NodeSync`): when given, every program first waits
-            until each same-node source published this call's epoch (then `counts` must be the counts
-            area of this rank's recv buffer, where those sources copied their rows).
+            until each same-node source published this call's epoch, and with remote peers until the
+            proxy raised DISPATCH_RECV_READY (then `counts` must be the counts of this rank's sync
+            area, where those sources and the proxy put their rows).
 
     Every offset is computed on the device from `counts`: no host sync, CUDA-graph safe.
     """

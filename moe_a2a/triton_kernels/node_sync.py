@@ -1,36 +1,39 @@
-"""Same-node synchronisation inside the producing and consuming kernels (no proxy, no extra launch).
+"""Synchronisation inside the data kernels: with same-node peers always, with the proxy for remote ones.
 
-Ranks of one node reach each other's recv buffers through mapped memory (CUDA IPC over NVLink on a
-GPU, shared memory on CPU). At the end of every recv buffer sits a small area (`Layout.node_sync_*`):
+Ranks of one node reach each other's memory through mappings (CUDA IPC or registered shared memory on
+a GPU, shared memory on CPU). Each rank has a *sync area* (`Layout.*_offset_bytes`, docs/protocol.md):
 
-    dispatch_ready [W] int64   word s: last epoch whose count row and send buffer source s published
-    combine_ready  [W] int64   word s: last epoch whose expert outputs rank s pushed here
-    counts         [W, E] int32  row s: source s's per-expert counts
+    dispatch_ready [W] int64     word s: last epoch whose count row and dispatch rows node peer s published
+    combine_ready  [W] int64     word s: last epoch whose expert outputs node peer s pushed into this rank
+    counts         [W, E] int32  row s: source s's per-expert counts (this rank's own row: route kernel;
+                                 a node peer's: its pack epilogue; a remote peer's: its proxy)
 
-A producing kernel (dispatch pack, combine pack) ends with an *epilogue*: every program fences its
-writes at system scope and arrives on a counter; the last program to arrive (it then knows every
-program's writes are done) copies this rank's count row into each same-node peer (dispatch only) and
-stores the epoch into the peer's ready word with a system-scope release. A consuming kernel (dispatch
-unpack, combine reduce) starts with a *prologue*: every program spins with system-scope acquire loads
-until every same-node peer's ready word reaches the epoch, then synchronises its threads before it
-reads anything the peers wrote. Measured on 2 x H200: a GPU<->GPU flag round trip through peer memory
-takes 2.7 µs, against 5.6 µs for GPU -> proxy -> GPU.
+It is at the end of the recv buffer when every rank is on one node and waits in kernels
+(`AllToAll.device_sync`: device memory), else in the shared segment, where its count rows are the
+routing area the proxy writes into and the host and the proxy can read it. Every word and row has one
+writer; epochs only grow and a wait passes at `>= e`, so nothing is cleared.
 
-Why no barrier is needed between phases (every word is written by one rank, epochs only grow):
-- source s overwrites its send buffer and its count-row copies at dispatch e+1 only after its combine
-  receive of epoch e saw every peer's combine_ready >= e, and a peer raises that only after its
-  dispatch unpack (the last read of s's send buffer) and its combine pack (the last read of s's row);
-- rank s pushes expert outputs of epoch e+1 into home h's recv buffer only after its dispatch unpack
-  of e+1 saw h's dispatch_ready >= e+1, which h raises only after its combine reduce of epoch e.
+Producers (dispatch pack, combine pack) end with an *epilogue*: every program fences (`fence.acq_rel.sys`)
+and arrives on a counter (`node_arrive`); the last one copies the count row to the node peers (dispatch
+only, `node_copy_count_row`), then release-stores the epoch into its word of every node rank's area and,
+with remote peers, into the proxy's flag (SEND_READY / COMBINE_SEND_READY, `node_publish`). Consumers
+(unpack, reduce) start with a *prologue* (`node_wait`): spin with system-scope acquire loads until every
+node rank's word reaches the epoch and, with remote peers, the proxy's flag does (DISPATCH_RECV_READY /
+COMBINE_RECV_READY). With remote peers the producers' prologues also wait until the proxy's writes out of
+their region for the previous call completed (DISPATCH/COMBINE_WRITES_DONE >= e-1); `_PROXY_FLAGS` lists
+each half's flags. No barrier: why each reuse of a region is safe is in docs/protocol.md, section 4.
 
-Failure: a wait that times out stores `1 + 2 * (bitmask of the missing node peers)` in a host-visible
-status word (the host raises a TimeoutError naming them at its next call) and sets a sticky device
-word; every later node-synchronised kernel sees it and does nothing (no data moved, no flag raised,
-so peers time out too instead of computing on stale data).
+Failure: a wait that times out (`%globaltimer`, `timeout_s`), or sees the proxy's ERROR flag, stores
+`1 + 2 * (bitmask of the late node ranks)` (+ PROXY_MISSING when the proxy's flag was late) in its
+`Flag.STATUS_*` word and sets a sticky device word; every later synchronised kernel of the rank then
+moves nothing and publishes nothing, so peers time out too instead of computing on stale data. The host
+raises a TimeoutError naming them at its next call (`failed_ranks`, `proxy_missing`); no sync.
 
-Under `TRITON_INTERPRET=1` the loads and stores are plain (x86 keeps stores in order), the fence is
-skipped and the spin is capped by a count instead of `%globaltimer`; the host waits for the ready words
-before it launches a consuming kernel, so the kernel's own wait passes at its first poll.
+Host waits (CPU; GPU ranks sharing a GPU): the host polls the same words and flags before each launch,
+so the kernel's own wait passes at its first poll. Under `TRITON_INTERPRET=1` loads and stores are plain
+(x86 keeps stores in order), fences are skipped and a spin is capped by a count, not a clock.
+Measured on 2 x H200: a GPU<->GPU flag round trip through peer memory takes 2.7 µs, against 5.6 µs for
+GPU -> proxy -> GPU.
 """
 from __future__ import annotations
 
@@ -78,6 +81,8 @@ class NodeSync:
         num_experts: E (length of a count row).
         timeout_s: how long a prologue spins before giving up (GPU).
         with_proxy: remote peers exist: the kernels also wait for / raise the proxy's flags.
+        kernel_waits: False when the host polls every word before it launches a kernel (CPU, or ranks
+            sharing one GPU, which must not spin in a kernel): the prologues then only check `failed`.
         interpreter_spins: how many polls before giving up under the interpreter (no clock there).
     """
 
@@ -96,6 +101,7 @@ class NodeSync:
     num_experts: int
     timeout_s: float
     with_proxy: bool = False
+    kernel_waits: bool = True
     interpreter_spins: int = INTERPRETER_MAX_SPINS
 
     def kernel_args(self, half: str, device: torch.device) -> dict:
@@ -107,7 +113,7 @@ class NodeSync:
                     peer_sync_bytes_ptr=self.peer_sync_bytes, sync_bytes=self.sync_bytes, node_first=self.node_first,
                     READY_BYTES=ready, NODE=self.node_size, NODE_SYNC=True, HAS_PROXY=self.with_proxy,
                     USE_PTX=on_gpu, STATUS_WORD=flag_word(status), PROXY_WAIT_WORD=flag_word(wait_flag),
-                    PROXY_DELTA=delta, ERROR_WORD=flag_word(Flag.ERROR),
+                    PROXY_DELTA=delta, ERROR_WORD=flag_word(Flag.ERROR), KERNEL_WAIT=self.kernel_waits,
                     timeout_ns=int(self.timeout_s * 1e9) if on_gpu else 0,
                     max_spins=0 if on_gpu else self.interpreter_spins)
         if signal_flag is not None:
@@ -151,46 +157,48 @@ def node_wait(
     PROXY_WAIT_WORD: tl.constexpr, PROXY_DELTA: tl.constexpr, ERROR_WORD: tl.constexpr,
     STATUS_WORD: tl.constexpr,   # flags word that records a failed wait
     USE_PTX: tl.constexpr,
+    SPIN: tl.constexpr = True,   # False: the host already waited for all of it (host waits): no spin
 ):
     """Prologue: spin until ready[s] >= epoch for every s of this node (and the proxy's flag is up).
     Returns True when the caller may proceed (False after an earlier failure, a timeout or a proxy
     error, which it records: `1 + 2 * missing-peers bitmask`, plus PROXY_MISSING for the proxy)."""
     ok = tl.load(failed_ptr, volatile=True) == 0
-    if ok:
-        i = tl.arange(0, NODE_PAD)
-        words = base_ptr.to(tl.pointer_type(tl.int64)) + ready_bytes // 8 + node_first + tl.where(i < NODE, i, 0)
-        target = tl.load(epoch_ptr)
-        if USE_PTX:
-            start = _globaltimer_ns()
-        else:
-            start = tl.zeros([], dtype=tl.int64)
-        spins = tl.zeros([], dtype=tl.int64)
-        late = i < NODE
-        proxy_late = tl.zeros([], dtype=tl.int1)
-        state = tl.full([], -1, dtype=tl.int32)
-        while state < 0:
-            seen = _load_acquire_sys(words, USE_PTX)
-            late = (seen < target) & (i < NODE)
-            n_late = tl.sum(late.to(tl.int32), axis=0)
-            broken = tl.zeros([], dtype=tl.int1)
-            if HAS_PROXY:
-                proxy_late = _load_acquire_sys(flags_ptr + PROXY_WAIT_WORD, USE_PTX) < target + PROXY_DELTA
-                broken = _load_acquire_sys(flags_ptr + ERROR_WORD, USE_PTX) != 0
-                n_late += proxy_late.to(tl.int32)
-            spins += 1
+    if SPIN:
+        if ok:
+            i = tl.arange(0, NODE_PAD)
+            words = base_ptr.to(tl.pointer_type(tl.int64)) + ready_bytes // 8 + node_first + tl.where(i < NODE, i, 0)
+            target = tl.load(epoch_ptr)
             if USE_PTX:
-                elapsed = _globaltimer_ns() - start
+                start = _globaltimer_ns()
             else:
-                elapsed = tl.zeros([], dtype=tl.int64)
-            timed_out = (elapsed > timeout_ns) | ((max_spins > 0) & (spins >= max_spins)) | broken
-            state = tl.where(n_late == 0, 0, tl.where(timed_out, 1, -1))
-        if state != 0:
-            missing = tl.sum(tl.where(late, tl.full([NODE_PAD], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
-            tl.store(flags_ptr + STATUS_WORD, 1 + 2 * missing + tl.where(proxy_late, _PROXY_MISSING, 0))
-            tl.store(failed_ptr, 1)
-        ok = ok & (state == 0)
-        # Every thread reads what the peers wrote; the acquire was done per element (per thread).
-        tl.debug_barrier()
+                start = tl.zeros([], dtype=tl.int64)
+            spins = tl.zeros([], dtype=tl.int64)
+            late = i < NODE
+            proxy_late = tl.zeros([], dtype=tl.int1)
+            state = tl.full([], -1, dtype=tl.int32)
+            while state < 0:
+                seen = _load_acquire_sys(words, USE_PTX)
+                late = (seen < target) & (i < NODE)
+                n_late = tl.sum(late.to(tl.int32), axis=0)
+                broken = tl.zeros([], dtype=tl.int1)
+                if HAS_PROXY:
+                    proxy_late = _load_acquire_sys(flags_ptr + PROXY_WAIT_WORD, USE_PTX) < target + PROXY_DELTA
+                    broken = _load_acquire_sys(flags_ptr + ERROR_WORD, USE_PTX) != 0
+                    n_late += proxy_late.to(tl.int32)
+                spins += 1
+                if USE_PTX:
+                    elapsed = _globaltimer_ns() - start
+                else:
+                    elapsed = tl.zeros([], dtype=tl.int64)
+                timed_out = (elapsed > timeout_ns) | ((max_spins > 0) & (spins >= max_spins)) | broken
+                state = tl.where(n_late == 0, 0, tl.where(timed_out, 1, -1))
+            if state != 0:
+                missing = tl.sum(tl.where(late, tl.full([NODE_PAD], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
+                tl.store(flags_ptr + STATUS_WORD, 1 + 2 * missing + tl.where(proxy_late, _PROXY_MISSING, 0))
+                tl.store(failed_ptr, 1)
+            ok = ok & (state == 0)
+            # Every thread reads what the peers wrote; the acquire was done per element (per thread).
+            tl.debug_barrier()
     return ok
 
 
