@@ -1,6 +1,6 @@
 """`python -m moe_a2a.bench ...` is `moe-a2a bench ...`."""
 import sys
 
-from ..cli import main
+from .main import main
 
-sys.exit(main(["bench", *sys.argv[1:]]))
+sys.exit(main(sys.argv[1:]))
