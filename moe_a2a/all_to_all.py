@@ -15,7 +15,9 @@ import ctypes
 import logging
 import os
 import socket
+import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
 from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, close_ipc_handle, device_view,
                            fd_from_process, open_ipc_handle, unique_name)
-from .proxy.worker import ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error
+from .proxy.worker import ERROR_FAILED, ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error, write_error
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, sync
@@ -49,6 +51,31 @@ _HOST_WAITS = {"dispatch_send": (Flag.DISPATCH_WRITES_DONE, -1), "dispatch_recv"
                "combine_send": (Flag.COMBINE_WRITES_DONE, -1), "combine_recv": (Flag.COMBINE_RECV_READY, 0)}
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
                 "dispatch received (next: combine send)", "combine sent (next: combine recv)")
+
+
+# How often a rank looks at its own proxy process: a dead proxy is reported within this (and a kernel
+# waiting for one of its flags stops at once, through the ERROR flag). A sleeping thread costs the
+# model's launches nothing measurable; a busy-polling one cost 5 ms per launch (GIL).
+PROXY_WATCH_S = 0.25
+
+
+def _watch_proxy(ref) -> None:
+    """Daemon thread: raise the ERROR flag, with the reason, when this rank's proxy process dies."""
+    while True:
+        time.sleep(PROXY_WATCH_S)
+        a2a = ref()
+        if a2a is None:
+            return
+        with a2a._watch_lock:  # close() takes it before unmapping the segment
+            if a2a._closed or a2a.proxy is None:
+                return
+            proc, flags = a2a.proxy.proc, a2a._flags_np
+            if proc.poll() is not None and not flags[flag_word(Flag.SHUTDOWN)]:
+                if not flags[flag_word(Flag.ERROR)]:
+                    write_error(a2a.segment, a2a.layout, ERROR_FAILED,
+                                f"rank {a2a.rank}: its proxy process exited with code {proc.returncode}")
+                return
+        del a2a
 
 
 def _check(name: str, t: Any, shape: tuple | None, dtype, device: torch.device, last_contig: bool = True) -> None:
@@ -150,6 +177,7 @@ class AllToAll:
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
         self._closed = True
+        self._watch_lock = threading.Lock()
         self._peer_segments: list[SharedSegment] = []
         self.host_waits = False
         self._tracing, self._clock_offset_ns = False, None
@@ -187,6 +215,9 @@ class AllToAll:
         except BaseException:
             self.close()
             raise
+        if self.with_proxy:
+            threading.Thread(target=_watch_proxy, args=(weakref.ref(self),), daemon=True,
+                             name=f"moe_a2a-proxy-watch-{self.rank}").start()
 
     @property
     def host_staged(self) -> bool:
@@ -497,6 +528,15 @@ class AllToAll:
         except BaseException as exc:
             self._fail(exc)
 
+    def check(self) -> None:
+        """Raise what went wrong in calls already issued (for CUDA-graph users, whose replays make no host
+        call): waits for the device, then raises the first failure recorded by a kernel wait, the proxy
+        or the device-side index check. Eager calls do this at their start."""
+        self._ready()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._raise_proxy_error_once()
+
     def set_tracing(self, on: bool = True) -> None:
         """Record timestamps of every call (model halves and proxy steps) for `trace()`.
 
@@ -698,6 +738,10 @@ class AllToAll:
             raise RuntimeError(f"AllToAll is unusable after an earlier error: {self._error!r}") from self._error
         if self.device.type == "cuda":
             self._raise_proxy_error_once()
+            if self.host_waits and torch.cuda.is_current_stream_capturing():
+                raise ValueError("this rank waits on the host (gpu_wait='host', or another rank shares its GPU), "
+                                 "and a host wait cannot be captured in a CUDA graph: use one GPU per rank and "
+                                 "gpu_wait='kernel' or 'auto'")
 
     def _raise_proxy_error_once(self) -> None:
         try:

@@ -190,14 +190,14 @@ def _die_or_dispatch(a2a, rank, victim):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport,node_size", [("shm", 1), ("tcp", 1), ("shm", 3)],
-                         ids=["shm-remote", "tcp-remote", "shm-node-local"])
-def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport, node_size):
+@pytest.mark.parametrize("transport,node_size,world", [("shm", 1, 3), ("tcp", 1, 3), ("shm", 3, 3), ("shm", 2, 4)],
+                         ids=["shm-remote", "tcp-remote", "shm-node-local", "shm-mixed"])
+def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport, node_size, world):
     """Remote peers: the survivors' proxies name the dead rank. One node: the survivors' kernels (host
-    waits on CPU) name it from the same-node ready words."""
-    cfg = A2AConfig(max_num_tokens=4, num_experts=6, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
+    waits on CPU) name it from the same-node ready words. Mixed: both, each for its own side."""
     timeout_s = 8.0
-    with LocalCluster(cfg, world_size=3, node_size=node_size, transport=transport, device=TEST_DEVICE,
+    cfg = A2AConfig(max_num_tokens=4, num_experts=12, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg, world_size=world, node_size=node_size, transport=transport, device=TEST_DEVICE,
                       timeout_s=timeout_s) as cl:
         proxies = cl.run(_proxy_pid)
         start = time.monotonic()
@@ -317,3 +317,30 @@ def test_bad_index_on_gpu_is_dropped_and_reported_at_the_next_call():
         for first, later in cl.run(_bad_index_then_next_call):
             assert first.startswith("indices[1, 0]"), first
             assert "unusable after an earlier error" in later and "indices[1, 0]" in later, later
+
+
+def _kill_own_proxy_then_call(a2a, rank, victim):
+    import signal
+
+    if rank == victim:
+        os.kill(a2a.proxy.proc.pid, signal.SIGKILL)
+        time.sleep(0.1)
+    start = time.monotonic()
+    try:
+        rank_roundtrip(a2a, rank, a2a.cfg.max_num_tokens, 3, 1)
+    except Exception as exc:  # every rank fails; what matters is who knew what, and how fast
+        return rank, time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+    return rank, time.monotonic() - start, None
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_proxy_is_reported_by_its_rank_within_a_second():
+    """The rank whose proxy died says so (not a bare timeout) within about a second; its peers time out
+    naming it."""
+    cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
+    timeout_s = 6.0
+    with LocalCluster(cfg, world_size=2, node_size=1, transport="shm", device=TEST_DEVICE, timeout_s=timeout_s) as cl:
+        (_, t0, err0), (_, t1, err1) = cl.run(_kill_own_proxy_then_call, 0)
+    assert err0 is not None and "proxy process exited" in err0, err0
+    assert t0 < 1.5, t0  # the watch thread looks every PROXY_WATCH_S
+    assert err1 is not None and "missing peers [0]" in err1 and t1 < timeout_s + 2, (t1, err1)

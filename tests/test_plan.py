@@ -119,3 +119,19 @@ def test_validate_counts_refuses_overflowing_rows():
         assert "ranks [1]" in str(e)
     else:
         raise AssertionError("no error")
+
+
+def test_immediates_of_neighbouring_calls_differ_across_the_epoch_wrap():
+    """The immediate carries the epoch's low IMM_EPOCH_BITS bits; counters are keyed by the exact value
+    and purged when consumed, so only calls 2**IMM_EPOCH_BITS apart could share a key, and no peer runs
+    that far ahead (each call needs every peer's data of the previous one)."""
+    from moe_a2a.config import IMM_EPOCH_BITS, Imm
+
+    wrap = 1 << IMM_EPOCH_BITS
+    for e in (wrap - 2, wrap - 1, wrap, wrap + 1):
+        for kind in Imm:
+            for rank in (0, 7, 4095):
+                a, b = plan.make_imm(kind, rank, e), plan.make_imm(kind, rank, e + 1)
+                assert a != b and 0 <= a < 2**32
+                assert plan.split_imm(a) == (int(kind), rank, e % wrap)
+    assert plan.make_imm(Imm.ROUTE, 3, wrap) == plan.make_imm(Imm.ROUTE, 3, 0)  # the only aliasing
