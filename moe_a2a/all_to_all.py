@@ -26,8 +26,8 @@ from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout, f
 from .proxy import bootstrap, topology
 from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
-from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, close_ipc_handle, device_view,
-                           fd_from_process, open_ipc_handle, unique_name)
+from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, check_fits_in_memory, close_ipc_handle,
+                           device_view, fd_from_process, open_ipc_handle, unique_name)
 from .proxy.worker import ERROR_FAILED, ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error, write_error
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
@@ -164,8 +164,12 @@ class AllToAll:
         if buffers == "memfd" and self.device.type != "cpu":
             raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
         hosts = bootstrap.exchange(self.group, socket.gethostname())
+        # Every rank on this host: the proxies listen on loopback only (docs/threat-model.md), unless the
+        # caller named the NICs to use (then those, as asked).
+        self._local_only = len(set(hosts)) == 1 and nics == "auto"
         node_size = self._node_size(node_group, hosts)
         self.layout: Layout = cfg.layout(self.world_size, node_size)
+        check_fits_in_memory(self.layout, ranks=1, host_staged=self.device.type != "cuda")
         lay, r = self.layout, self.rank
         self.transport = transport
         if transport == "auto":
@@ -272,7 +276,7 @@ class AllToAll:
         # starves the peers that must make progress: yield instead (measured 16 ms -> 0.3 ms).
         spec = ProxySpec(lay, r, self.segment.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
                          parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * 2,
-                         fd_buffers=fd_buffers, domains=self.nics)
+                         fd_buffers=fd_buffers, domains=self.nics, local_only=self._local_only)
         self.proxy = ProxyHandle(spec, fds)
         self._proxy_address = self.proxy.address(self.timeout_s)
 
@@ -556,7 +560,9 @@ class AllToAll:
         CLOCK_MONOTONIC nanoseconds (one clock for every process of this machine). On a GPU the model's
         spans are when the stream reached the start and the end of each half (mapped from %globaltimer,
         within ~1 µs). `latest=True`: the last call the stream stamped, whatever the host's epoch (CUDA-graph
-        replays advance the epoch on the device only)."""
+        replays advance the epoch on the device only). ValueError after `close()` (the stamps are gone)."""
+        if getattr(self, "_closed", True):
+            raise ValueError("AllToAll is closed: trace() reads the shared segment, released by close()")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the end stamps are written by the stream
         # The proxy's last step (its combine writes completing) may finish after combine returns.
@@ -590,30 +596,52 @@ class AllToAll:
             sync.stamp_time(self._model_trace, index, self.epoch + ahead)
 
     def close(self) -> None:
-        """Stop the proxy, release shared memory. Idempotent; also `with AllToAll(...) as a2a:`."""
-        if self._closed:
+        """Stop the proxy (and remove the files it left in /dev/shm, even if it was killed), release
+        shared memory. Idempotent (also after a failed construction); also `with AllToAll(...) as a2a:`.
+        After it, every call and `trace()` raise ValueError("AllToAll is closed")."""
+        if getattr(self, "_closed", True):  # closed, or construction failed before anything existed
             return
-        self._closed = True
+        with self._watch_lock:  # the proxy watch thread writes into the segment: not once it is unmapped
+            self._closed = True
+        if self.device.type == "cuda":
+            # Work already on the stream (a graph replay included) still reads and writes these buffers.
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 - a broken context must not keep the files and proxy alive
+                pass
         self._release()
 
     def _release(self) -> None:
-        """Stop the proxy, unmap peers, free buffers and the segment (whatever exists so far)."""
-        if self.proxy is not None:
-            self.proxy.stop(getattr(self, "segment", None), self.layout)
-            self.proxy = None
-        for ptr in self._ipc_ptrs:
-            close_ipc_handle(ptr)
-        self._ipc_ptrs = []
-        for s in self._peer_segments:
-            s.close()
-        self._peer_segments = []
-        for buf in [self._send_buf, self._recv_buf] + self._fd_mem:
-            if buf is not None:
-                buf.close()
+        """Stop the proxy, unmap peers, free buffers and the segment (whatever exists so far). Every
+        step runs even when an earlier one raises (the first error is raised at the end), so one
+        failure never leaves the segment file or the proxy behind."""
+        errors: list[BaseException] = []
+
+        def step(fn, *args) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - collected, the first one re-raised below
+                errors.append(exc)
+
+        proxy, self.proxy = getattr(self, "proxy", None), None
+        if proxy is not None:
+            step(proxy.stop, getattr(self, "segment", None), self.layout)
+        ptrs, self._ipc_ptrs = getattr(self, "_ipc_ptrs", []), []
+        for ptr in ptrs:
+            step(close_ipc_handle, ptr)
+        peers, self._peer_segments = getattr(self, "_peer_segments", []), []
+        for seg in peers:
+            step(seg.close)
+        bufs = [getattr(self, "_send_buf", None), getattr(self, "_recv_buf", None)] + getattr(self, "_fd_mem", [])
         self._send_buf = self._recv_buf = None
         self._fd_mem = []
+        for buf in bufs:
+            if buf is not None:
+                step(buf.close)
         if getattr(self, "segment", None) is not None:
-            self.segment.close()  # idempotent; the object stays for error messages after close
+            step(self.segment.close)  # idempotent; the object stays for error messages after close
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> "AllToAll":
         return self

@@ -127,6 +127,14 @@ IMM_RANK_BITS = 12   # up to 4096 ranks
 IMM_EPOCH_BITS = 32 - IMM_KIND_BITS - IMM_RANK_BITS
 ERROR_MESSAGE_BYTES = 4096
 
+# Upper bounds of A2AConfig's sizes: far above any model (DeepSeek-V3: H=7168, E=256, K=8), low enough
+# that a typo (an extra zero or three) is refused at once with a message rather than as an allocation
+# failure on some rank. Experts may repeat within a token's top-k, so K may exceed E; K <= 1024 still.
+# Whether the buffers fit a machine is checked where they are allocated
+# (`moe_a2a.proxy.memory.check_fits_in_memory`), not here: configs may be built on another machine.
+MAX_CONFIG_VALUES = {"max_num_tokens": 1 << 20, "num_experts": 1 << 16, "experts_per_token": 1024,
+                     "hidden_dim": 1 << 20, "expert_padding": 1 << 20}
+
 
 @dataclass(frozen=True)
 class A2AConfig:
@@ -167,6 +175,10 @@ class A2AConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"A2AConfig.{name} must be a positive int, got {value!r}")
+            if value > MAX_CONFIG_VALUES[name]:
+                raise ValueError(f"A2AConfig.{name} must be <= {MAX_CONFIG_VALUES[name]:,}, got {value:,} "
+                                 f"(bounds in moe_a2a.config.MAX_CONFIG_VALUES; whether the buffers fit a "
+                                 f"machine is checked where they are allocated)")
         if self.in_dtype not in payload_dtypes:
             raise ValueError(
                 f"A2AConfig.in_dtype must be one of {[str(d) for d in payload_dtypes]}, got {self.in_dtype!r}"
@@ -186,6 +198,9 @@ class A2AConfig:
         mpt = self.max_private_tokens
         if mpt is not None and (isinstance(mpt, bool) or not isinstance(mpt, int) or mpt < 0):
             raise ValueError(f"A2AConfig.max_private_tokens must be None or an int >= 0, got {mpt!r}")
+        if scale_block is not None and scale_block > MAX_CONFIG_VALUES["hidden_dim"]:
+            raise ValueError(f"A2AConfig.scale_block must be <= {MAX_CONFIG_VALUES['hidden_dim']:,}, "
+                             f"got {scale_block:,}")
 
     # ---- per-token sizes -------------------------------------------------------------------
     @cached_property

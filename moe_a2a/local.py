@@ -7,16 +7,27 @@ so every dtype (float8 included, which torch cannot pickle through cloudpickle) 
 
 Ranks are started with multiprocessing's "spawn": each re-runs the main module of a script (as
 `__mp_main__`), so a script must start the cluster under `if __name__ == "__main__":`.
+
+Nothing listens beyond this machine: the ranks bootstrap through a file store in a private directory
+(`tempfile.mkdtemp`, mode 0700, removed on `close`), not torch's TCPStore (which listens on every
+interface), and gloo's sockets are bound to the loopback interface (GLOO_SOCKET_IFNAME=lo).
+
+Nothing outlives `close()`, whatever died: ranks and proxies (orphaned ones too: they carry this
+cluster's id in their environment) are stopped, and the files they left in /dev/shm (segments
+`moe_a2a-{pid}-*`, libfabric shm regions `{pid}:*`) are removed once they are gone.
 """
 from __future__ import annotations
 
-import glob
 import io
+import math
 import multiprocessing as mp
 import os
 import pickle
-import socket
+import secrets
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -24,14 +35,59 @@ from typing import Any, Callable
 import cloudpickle
 
 from .config import A2AConfig
+from .proxy.memory import check_fits_in_memory, remove_process_shm_files
 
-_SHM_GLOB = "/dev/shm/moe_a2a-{pid}-*"
+_TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs")  # AllToAll's; efa/verbs need their devices
+# Set in the ranks' environment (their proxies inherit it): finds every process of one cluster in
+# /proc, orphaned proxies of killed ranks included.
+_CLUSTER_ENV = "MOE_A2A_LOCAL_CLUSTER_ID"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- processes and their files -----------------------------------------------------------------------
+def _start_time(pid: int) -> int | None:
+    """Start time of process `pid` (clock ticks since boot: with the pid, a process's identity; pids are
+    reused, 32768 of them by default), None when no process has that pid (zombies still have it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22; the name may hold spaces
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # gone
+    return stat[stat.rindex(b")") + 2:].split()[0] in (b"Z", b"X")
+
+
+def _cluster_processes(cluster_id: str) -> dict[int, int]:
+    """{pid: start time} of the live processes whose environment carries `cluster_id` (ranks, proxies)."""
+    marker = f"{_CLUSTER_ENV}={cluster_id}".encode()
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+        except OSError:  # gone, a zombie, or another user's
+            continue
+        started = _start_time(int(name))
+        if started is not None:
+            found[int(name)] = started
+    return found
+
+
+def _remove_files_of(pid: int, started: int | None) -> None:
+    """Remove the /dev/shm files of an exited process of ours, unless its pid now names another process."""
+    now = _start_time(pid)
+    if now is None or now == started:  # gone, or still ours (a zombie: its pid is reserved)
+        remove_process_shm_files(pid)
 
 
 # ---- what travels between the caller and the ranks -------------------------------------------------
@@ -104,9 +160,10 @@ _GUARD = ("put the code that starts the cluster under `if __name__ == \"__main__
           "called only from there)")
 
 
-def _rank_main(rank: int, world_size: int, port: int, cfg: A2AConfig, node_size: int, transport: str,
+def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size: int, transport: str,
                device: str, timeout_s: float, options: dict, conn) -> None:
-    """Body of one rank process: bootstrap, build AllToAll, serve `run` requests until told to stop."""
+    """Body of one rank process: bootstrap (file store `store`, gloo on loopback), build AllToAll, serve
+    `run` requests until told to stop."""
     conn.send(("alive", None))  # past the spawn bootstrap: the main module re-run, the arguments loaded
     os.environ.pop(_RANK_ENV, None)
     import torch
@@ -117,7 +174,9 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: A2AConfig, node_size:
     a2a = None
     try:
         torch.set_num_threads(1)  # N ranks share the machine's cores
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        # A file store (no TCPStore listening on every interface) and gloo's sockets on loopback only.
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world_size, timeout=__import__("datetime").timedelta(seconds=timeout_s))
         dev = device
         if device == "cuda":
@@ -125,7 +184,7 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: A2AConfig, node_size:
             torch.cuda.set_device(dev)
         a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s,
                        **options)
-        conn.send(("ready", None))
+        conn.send(("ready", (a2a.proxy.proc.pid, _start_time(a2a.proxy.proc.pid)) if a2a.proxy else None))
         while True:
             msg = conn.recv()
             if msg is None:
@@ -158,7 +217,7 @@ class LocalCluster:
         cfg: the sizes, shared by every rank.
         world_size: number of rank processes.
         node_size: ranks per node (default: all on one node).
-        transport: "shm", "tcp" or "auto" (here: shm).
+        transport: "shm", "tcp" or "auto" (here: shm); "efa" and "verbs" where those devices exist.
         device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus).
         timeout_s: bound on start-up and on every `run`; a rank that dies or hangs ends in TimeoutError.
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
@@ -169,27 +228,51 @@ class LocalCluster:
     the results in rank order (tensors of any dtype, float8 included, go both ways; results come back
     on the CPU). In a script, start the cluster under `if __name__ == "__main__":` (the ranks re-run
     the main module); without the guard, start-up raises a RuntimeError saying so.
+
+    Every argument is checked here, before any process starts (ValueError naming it), and so is
+    memory: with device="cpu" the `world_size` ranks' shared segments (send and recv buffers
+    included: `Layout.segment_bytes`) must fit this machine's physical memory together, with
+    device="cuda" one rank's must (`moe_a2a.proxy.memory.check_fits_in_memory`).
     """
 
     def __init__(self, cfg: A2AConfig, world_size: int = 4, node_size: int | None = None,
                  transport: str = "auto", device: str = "cpu", timeout_s: float = 30.0,
                  gpu_wait: str = "auto", buffers: str = "auto", nics="auto") -> None:
-        if not isinstance(world_size, int) or world_size < 1:
+        if not isinstance(cfg, A2AConfig):
+            raise ValueError(f"cfg must be an A2AConfig, got {type(cfg).__name__} {cfg!r:.200}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)):
+            raise ValueError(f"node_size must be None or a positive divisor of world_size ({world_size}), "
+                             f"got {node_size!r}")
         node_size = world_size if node_size is None else node_size
-        cfg.layout(world_size, node_size)  # validates divisibility before any process starts
-        if device not in ("cpu", "cuda"):
+        layout = cfg.layout(world_size, node_size)  # validates divisibility before any process starts
+        if not isinstance(transport, str) or transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(map(repr, _TRANSPORTS))}, got {transport!r}")
+        if not isinstance(device, str) or device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s)
+                or timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
         if gpu_wait not in ("auto", "kernel", "host"):
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
         if buffers not in ("auto", "host", "gpu", "memfd"):
             raise ValueError(f"buffers must be 'auto', 'host', 'gpu' or 'memfd', got {buffers!r}")
-        if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics):
+        if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
+                               or not all(isinstance(n, str) and n for n in nics)):
             raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
         if buffers == "gpu" and device != "cuda":
             raise ValueError(f"buffers='gpu' needs device='cuda', got device={device!r}")
         if buffers == "memfd" and device != "cpu":
             raise ValueError(f"buffers='memfd' is for device='cpu', got device={device!r}")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' needs a CUDA GPU (none found)")
+        # Every rank's segment is host memory on the CPU (all `world_size` of them on this machine); on
+        # GPUs at least one rank's buffers must fit (they are host-staged with remote peers over tcp/shm).
+        check_fits_in_memory(layout, ranks=world_size if device == "cpu" else 1)
         self.cfg, self.world_size, self.node_size = cfg, world_size, node_size
         self.transport, self.device, self.timeout_s = transport, device, timeout_s
         self.gpu_wait, self.buffers, self.nics = gpu_wait, buffers, nics
@@ -197,6 +280,9 @@ class LocalCluster:
         self._conns: list = []
         self._alive: set = set()  # ranks that got past the spawn bootstrap into `_rank_main`
         self._broken: str | None = None
+        self._store_dir: str | None = None  # private (0700) directory of the bootstrap's file store
+        self._cluster_id: str | None = None  # in the environment of the ranks and their proxies
+        self._started: dict[int, int | None] = {}  # pid -> start time of every rank and proxy seen
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -213,36 +299,51 @@ class LocalCluster:
                 raise SystemExit(_EXIT_UNGUARDED_MAIN)  # one of our ranks: the caller explains
             raise RuntimeError("LocalCluster: cannot start a cluster while this process is bootstrapping "
                                f"(multiprocessing 'spawn' is re-running {_main_module()}); {_GUARD}.")
+        if self._procs:
+            raise ValueError("LocalCluster is already started")
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        env_interp = os.environ.get("TRITON_INTERPRET")
+        # multiprocessing's resource tracker starts with the first process spawned: start it before our
+        # environment marks the cluster's processes (close() kills whatever carries the mark).
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        self._store_dir = tempfile.mkdtemp(prefix="moe_a2a-store-")  # mode 0700: only we can reach it
+        self._cluster_id = secrets.token_hex(8)
+        env = {_RANK_ENV: "1", _CLUSTER_ENV: self._cluster_id, "GLOO_SOCKET_IFNAME": "lo"}
         if self.device == "cpu":
-            os.environ["TRITON_INTERPRET"] = "1"  # children inherit it: kernels run on CPU tensors
-        os.environ[_RANK_ENV] = "1"
+            env["TRITON_INTERPRET"] = "1"  # kernels run on CPU tensors
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the children inherit it (spawn execs with our environment)
         try:
             for rank in range(self.world_size):
                 ours, theirs = ctx.Pipe()
                 p = ctx.Process(target=_rank_main, daemon=True, name=f"moe_a2a-rank{rank}",
-                                args=(rank, self.world_size, port, self.cfg, self.node_size, self.transport,
-                                      self.device, self.timeout_s,
+                                args=(rank, self.world_size, os.path.join(self._store_dir, "store"), self.cfg,
+                                      self.node_size, self.transport, self.device, self.timeout_s,
                                       {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics},
                                       theirs))
-                p.start()
-                theirs.close()
-                self._procs.append(p)
                 self._conns.append(ours)
-        finally:
-            os.environ.pop(_RANK_ENV, None)
-            if self.device == "cpu":
-                if env_interp is None:
-                    os.environ.pop("TRITON_INTERPRET", None)
-                else:
-                    os.environ["TRITON_INTERPRET"] = env_interp
-        try:
-            self._collect("start-up", self.timeout_s + 60.0)  # + process start and imports
+                p.start()
+                self._procs.append(p)
+                self._started[p.pid] = _start_time(p.pid)
+                theirs.close()
         except BaseException:
             self.close()
             raise
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            ready = self._collect("start-up", self.timeout_s + 60.0)  # + process start and imports
+        except BaseException:
+            self.close()
+            raise
+        for proxy in ready:  # (pid, start time) of each rank's proxy: its files are ours to remove
+            if proxy is not None:
+                self._started[proxy[0]] = proxy[1]
 
     def run(self, fn: Callable, *args) -> list:
         """Call `fn(a2a, rank, *args)` on every rank; results in rank order.
@@ -329,11 +430,13 @@ class LocalCluster:
         return results
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force) and remove shared segments left behind."""
+        """Stop every rank (politely, then by force), then whatever else of the cluster still runs
+        (proxies orphaned by a killed rank), and remove what they left: segments and libfabric shm
+        regions in /dev/shm, the bootstrap's store directory. Idempotent."""
         for c in self._conns:
             try:
                 c.send(None)
-            except (OSError, BrokenPipeError):
+            except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + 10.0
         for p in self._procs:
@@ -341,19 +444,38 @@ class LocalCluster:
             if p.is_alive():
                 p.kill()
                 p.join()
-        for p in self._procs:
-            # A killed rank cannot unlink its segment: its name starts with its pid.
-            for path in glob.glob(_SHM_GLOB.format(pid=p.pid)):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+        if self._cluster_id is not None:
+            # A rank killed by a signal leaves its proxy to the kernel's PR_SET_PDEATHSIG (asynchronous)
+            # or to its ppid check: make sure, and learn their pids for the files below.
+            self._started.update(_cluster_processes(self._cluster_id))
+            self._kill_cluster_processes(deadline=time.monotonic() + 10.0)
+        for pid, started in self._started.items():
+            # A rank or proxy that was killed could not unlink its files: their names hold its pid.
+            _remove_files_of(pid, started)
         for c in self._conns:
             c.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._started = [], [], {}
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
+
+    def _kill_cluster_processes(self, deadline: float) -> None:
+        """SIGKILL every process still carrying this cluster's id; wait until each is gone or a zombie."""
+        while True:
+            left = {pid: t for pid, t in _cluster_processes(self._cluster_id).items() if not _is_zombie(pid)}
+            if not left or time.monotonic() > deadline:
+                return
+            for pid, started in left.items():
+                if _start_time(pid) == started:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            time.sleep(0.02)
 
     def kill_rank(self, rank: int) -> None:
-        """Kill one rank process (for fault-injection tests and demos)."""
+        """Kill one rank process with SIGKILL, as a crash would (for fault-injection tests and demos): it
+        cleans nothing up; `close()` does."""
         self._procs[rank].kill()
         self._procs[rank].join()
 

@@ -62,6 +62,40 @@ def test_bad_world_layouts(world, node, needle):
         A2AConfig(num_experts=8).layout(world, node)
 
 
+@pytest.mark.parametrize("name, bad", [("hidden_dim", 2**20 + 1), ("max_num_tokens", 2**20 + 1),
+                                       ("num_experts", 2**16 + 1), ("experts_per_token", 1025),
+                                       ("expert_padding", 2**20 + 1), ("scale_block", 2**20 + 1)])
+def test_absurd_sizes_are_refused_naming_the_field_and_bound(name, bad):
+    with pytest.raises(ValueError, match=rf"A2AConfig.{name} must be <= "):
+        A2AConfig(**{name: bad})
+
+
+def test_largest_allowed_sizes_and_k_above_e_are_accepted():
+    # Duplicates within a token's top-k are allowed, so K may exceed E (up to 1024).
+    A2AConfig(num_experts=4, experts_per_token=1024, max_num_tokens=2**20, hidden_dim=2**20)
+    A2AConfig(num_experts=2**16, expert_padding=2**20)
+
+
+def test_buffers_too_large_for_this_machine_are_refused_naming_the_sizes():
+    from moe_a2a.proxy.memory import check_fits_in_memory, physical_memory_bytes
+
+    cfg = A2AConfig(max_num_tokens=45440, num_experts=256, experts_per_token=8, hidden_dim=7168)  # buildable
+    lay = cfg.layout(64)
+    assert lay.segment_bytes(True) == 687_907_946_496
+    with pytest.raises(ValueError) as info:
+        check_fits_in_memory(lay, physical=256 << 30)
+    msg = str(info.value)
+    for part in ("687,907,946,496 B (687.9 GB)", "physical memory (274,877,906,944 B, 274.9 GB)",
+                 f"send buffer {lay.send_bytes:,} B", f"recv buffer {lay.recv_bytes:,} B", "max_num_tokens=45440",
+                 "experts_per_token=8", "world_size=64", "dispatch row 14336 B"):
+        assert part in msg, (part, msg)
+    small = A2AConfig(max_num_tokens=2, num_experts=4, experts_per_token=1, hidden_dim=8).layout(2)
+    assert check_fits_in_memory(small, ranks=2) == 2 * small.segment_bytes(True)
+    with pytest.raises(ValueError, match="3 rank"):  # every rank of this machine counts
+        check_fits_in_memory(small, ranks=3, physical=3 * small.segment_bytes(True) - 1)
+    assert physical_memory_bytes() is None or physical_memory_bytes() > 1 << 28
+
+
 def test_private_rows_override_and_cap():
     cfg = A2AConfig(max_num_tokens=4, experts_per_token=2, num_experts=8, max_private_tokens=100)
     assert cfg.layout(2).private_rows == 8  # capped at T*K

@@ -62,6 +62,64 @@ def test_bad_cluster_arguments_are_refused_before_starting():
         LocalCluster(cfg, world_size=2, gpu_wait="spin")
 
 
+def _children() -> set[int]:
+    kids = set()
+    for name in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{name}/stat", "rb").read() if name.isdigit() else b""
+        except OSError:
+            continue
+        if stat and int(stat[stat.rindex(b")") + 2:].split()[1]) == os.getpid():
+            kids.add(int(name))
+    return kids
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(cfg={"num_experts": 8}), "cfg must be an A2AConfig, got dict"),
+    (dict(cfg=None), "cfg must be an A2AConfig"),
+    (dict(world_size="2"), "world_size must be a positive int"),
+    (dict(world_size=2.0), "world_size must be a positive int"),
+    (dict(world_size=True), "world_size must be a positive int"),
+    (dict(world_size=0), "world_size must be a positive int"),
+    (dict(node_size="1"), "node_size"),
+    (dict(node_size=True), "node_size"),
+    (dict(node_size=0), "node_size"),
+    (dict(transport="udp"), "transport must be one of"),
+    (dict(transport=None), "transport must be one of"),
+    (dict(device=0), "device must be 'cpu' or 'cuda'"),
+    (dict(timeout_s=0), "timeout_s must be a positive finite number"),
+    (dict(timeout_s=-1.0), "timeout_s must be a positive finite number"),
+    (dict(timeout_s=float("nan")), "timeout_s must be a positive finite number"),
+    (dict(timeout_s=float("inf")), "timeout_s must be a positive finite number"),
+    (dict(timeout_s="30"), "timeout_s must be a positive finite number"),
+    (dict(timeout_s=True), "timeout_s must be a positive finite number"),
+    (dict(gpu_wait=None), "gpu_wait"),
+    (dict(buffers=1), "buffers"),
+    (dict(nics="efa0"), "nics"),
+    (dict(nics=[]), "nics"),
+    (dict(nics=["", "x"]), "nics"),
+    (dict(nics=[3]), "nics"),
+    (dict(device="cpu", buffers="gpu"), "buffers='gpu' needs device='cuda'"),
+])
+def test_every_cluster_argument_is_checked_before_anything_starts(kwargs, needle):
+    before = _children()
+    args = dict(cfg=A2AConfig(num_experts=8), world_size=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=needle):
+        LocalCluster(**args)
+    assert _children() - before == set(), "a process was started for a refused cluster"
+
+
+def test_buffers_larger_than_this_machine_are_refused_before_anything_starts():
+    # ~688 GB per rank (64 ranks x 45440 tokens x top-8 rows of 14 KB, both ways): no machine we run on.
+    cfg = A2AConfig(max_num_tokens=45440, num_experts=256, experts_per_token=8, hidden_dim=7168)
+    before = _children()
+    with pytest.raises(ValueError, match=r"buffers too large for this machine: 64 rank\(s\) x 687,907,946,496 B "
+                                         r"\(687.9 GB\)(.|\n)*physical memory(.|\n)*max_num_tokens=45440"):
+        LocalCluster(cfg, world_size=64)
+    assert _children() - before == set()
+
+
 # ---- tensors of every dtype travel both ways -------------------------------------------------------
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32, torch.float64,
           torch.complex64, torch.complex128, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,

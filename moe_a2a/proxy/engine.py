@@ -2,7 +2,11 @@
 
 The engine knows nothing of tokens: only registered buffers, byte offsets, peers and immediates.
 
-- ``register`` a buffer once; its :class:`RemoteRegion` descriptor (picklable) is exchanged at bootstrap.
+- ``register`` a buffer once, with the least access it needs (``ACCESS_SOURCE``: a local source of
+  writes; ``ACCESS_TARGET``: peers write into it; never remote reads); its :class:`RemoteRegion`
+  descriptor (picklable, it carries the keys) is exchanged at bootstrap and only there.
+- Keys are random 64-bit values (or the provider's own, ``FI_MR_PROV_KEY``): a key is a capability
+  (whoever reaches the endpoint and knows it may write the region), so it must not be guessable.
 - ``connect`` peers (``fi_av_insert``, cached) and build a :class:`PeerGroup`: addresses resolved and one
   ``fi_msg_rma`` template per peer pre-built, so a posted write only patches five integers.
 - ``scatter``: one source buffer, one write per target (peer, src offset, length, dst offset), each with
@@ -24,10 +28,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import struct
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
@@ -52,6 +57,13 @@ _NEG_EAGAIN = -lf.FI_EAGAIN
 _NEG_EAVAIL = -lf.FI_EAVAIL
 _sched_yield = os.sched_yield
 
+# Memory-region access (least privilege, docs/threat-model.md). Nothing in the protocol does RDMA reads,
+# so no region is ever registered with FI_REMOTE_READ (or FI_READ: we never read into local memory).
+ACCESS_SOURCE = lf.FI_WRITE  # only a local source of our writes: peers cannot touch it
+ACCESS_TARGET = lf.FI_REMOTE_WRITE  # only written by peers
+ACCESS_SOURCE_AND_TARGET = ACCESS_SOURCE | ACCESS_TARGET
+_ACCESS_ALLOWED = lf.FI_WRITE | lf.FI_READ | lf.FI_REMOTE_WRITE | lf.FI_REMOTE_READ
+
 
 def _u64_view(ctypes_array) -> memoryview:
     return memoryview(ctypes_array).cast("B").cast("Q")
@@ -74,28 +86,35 @@ class RemoteRegion:
 
     ``base`` is the remote address of byte 0 as the provider wants it: the virtual address when the
     provider's ``mr_mode`` has ``FI_MR_VIRT_ADDR`` (shm, efa), else 0 (tcp: offsets into the MR).
-    ``keys`` holds one key per domain of the owning engine.
+    ``keys`` holds one key per domain of the owning engine: capabilities (whoever can reach the engine
+    and holds them may write the region), so they travel only in the bootstrap exchange and are left
+    out of ``repr`` (tracebacks, logs).
     """
 
     provider: str
     nbytes: int
     base: int
-    keys: tuple[int, ...]
+    keys: tuple[int, ...] = field(repr=False)
 
 
 class LocalRegion:
     """A buffer registered in every domain of an engine (source of writes and/or target of peers)."""
 
-    def __init__(self, engine: "TransferEngine", addr: int, nbytes: int, mrs: list):
+    def __init__(self, engine: "TransferEngine", addr: int, nbytes: int, mrs: list, access: int):
         self.addr = addr
         self.nbytes = nbytes
+        self.access = access  # the fi_mr_reg access bits
         self._engine = engine
         self._mrs = mrs
         self.descs = tuple(m.desc for m in mrs)  # fi_mr_desc per domain (may be 0 when not FI_MR_LOCAL)
         self.keys = tuple(m.key for m in mrs)
 
     def descriptor(self) -> RemoteRegion:
-        """What a peer needs to write into this buffer (picklable)."""
+        """What a peer needs to write into this buffer (picklable). It holds the keys: hand it to peers
+        only through the bootstrap exchange. Refused for a region peers may not write."""
+        if not self.access & lf.FI_REMOTE_WRITE:
+            raise ValueError("descriptor: this region was registered without FI_REMOTE_WRITE (a local "
+                             "source only); peers cannot write into it")
         base = self.addr if self._engine.info.virt_addr else 0
         return RemoteRegion(self._engine.provider_name, self.nbytes, base, self.keys)
 
@@ -197,12 +216,14 @@ class TransferEngine:
         idle_yield: in wait loops, ``sched_yield()`` after a poll that found nothing. For machines with
             more busy-polling processes than cores (CI, tests); leave off on a dedicated proxy core.
         timeout_s: bound on any internal wait (posting against ``-FI_EAGAIN``, waiting for a slot).
+        local_only: every peer runs on this host: socket providers (tcp) listen on 127.0.0.1 only, so
+            no other host can reach the endpoint (docs/threat-model.md). No effect on shm, efa, verbs.
     """
 
     def __init__(self, provider: str = "auto", num_domains: int = 1, *, domains: Sequence[str] | None = None,
                  tx_size: int | None = None,
                  cq_size: int = 4096, max_inflight: int | None = None, hmem: bool = False,
-                 idle_yield: bool = False, timeout_s: float = 30.0):
+                 idle_yield: bool = False, timeout_s: float = 30.0, local_only: bool = False):
         if domains is not None:
             if isinstance(domains, str) or not domains or not all(isinstance(d, str) for d in domains):
                 raise ValueError(f"domains must be a non-empty sequence of domain names, got {domains!r}")
@@ -215,6 +236,7 @@ class TransferEngine:
         self.num_domains = num_domains
         self.timeout_s = timeout_s
         self.idle_yield = idle_yield
+        self.local_only = local_only
         self._closed = False
         self._regions: list[LocalRegion] = []
         self._peers: dict[EngineAddress, Peer] = {}
@@ -227,14 +249,18 @@ class TransferEngine:
         self._infos: list = []
         try:
             for name in domains if domains is not None else [None]:
-                self._infos.append(lf.getinfo(provider, hmem=hmem, tx_size=tx_size, domain=name))
+                self._infos.append(lf.getinfo(provider, hmem=hmem, tx_size=tx_size, domain=name,
+                                              local_only=local_only))
         except BaseException:
             for info in self._infos:
                 info.close()
             raise
         self.info = self._infos[0]
         self.provider_name = self.info.prov_name
-        self._next_key = 1  # requested keys when the provider does not pick them (tcp)
+        # Requested keys (used when the provider does not pick them, e.g. tcp, shm): random, of the
+        # domain's mr_key_size bytes (at most 8), never reused within this engine.
+        self._key_bits = 8 * min(max(int(self.info.mr_key_size), 1), 8)
+        self._used_keys: set[int] = set()
         try:
             for info in self._infos:
                 self._fabrics.append(lf.Fabric(info))
@@ -276,15 +302,21 @@ class TransferEngine:
         self.imms_received = 0
         self.eagain_retries = 0  # posts retried after -FI_EAGAIN (back-pressure or lazy connect)
         self.slot_waits = 0  # times posting waited for a free fi_context slot (max_inflight reached)
-        # A small buffer registered once: the source of zero-length writes (barriers).
+        # A small buffer registered once: the source of zero-length writes (barriers); local only.
         self._scratch = ctypes.create_string_buffer(64)
-        self._scratch_region = self.register(ctypes.addressof(self._scratch), 64)
+        self._scratch_region = self.register(ctypes.addressof(self._scratch), 64, ACCESS_SOURCE)
 
     # ------------------------------------------------------------------ memory
 
-    def register(self, addr: int, nbytes: int, dmabuf_fd: int | None = None,
-                 cuda_device: int | None = None) -> LocalRegion:
-        """Register ``[addr, addr+nbytes)`` in every domain, for local reads and remote writes.
+    def register(self, addr: int, nbytes: int, access: int = ACCESS_SOURCE_AND_TARGET, *,
+                 dmabuf_fd: int | None = None, cuda_device: int | None = None) -> LocalRegion:
+        """Register ``[addr, addr+nbytes)`` in every domain with ``access`` (``fi_mr_reg`` access bits).
+
+        Give the least access the buffer needs: :data:`ACCESS_SOURCE` (``FI_WRITE``: a local source of
+        our writes, peers cannot write or read it), :data:`ACCESS_TARGET` (``FI_REMOTE_WRITE``: peers
+        write into it) or :data:`ACCESS_SOURCE_AND_TARGET` (the default). ``FI_REMOTE_READ`` is refused:
+        nothing in the protocol reads remotely, and it would let any key holder read the buffer.
+        Each MR gets a random 64-bit key (the provider's when it picks them, ``FI_MR_PROV_KEY``).
 
         Host memory by default. GPU memory with ``cuda_device`` set (``FI_HMEM_CUDA`` by virtual address;
         with ``dmabuf_fd`` by DMA-BUF, libfabric >= 1.20): raises :class:`~.libfabric.HmemUnsupported`
@@ -294,23 +326,37 @@ class TransferEngine:
         self._check_open()
         if nbytes <= 0 or addr <= 0:
             raise ValueError(f"register: need addr > 0 and nbytes > 0, got addr={addr:#x} nbytes={nbytes}")
-        access = lf.FI_WRITE | lf.FI_REMOTE_WRITE | lf.FI_READ | lf.FI_REMOTE_READ
+        if not isinstance(access, int) or not access or access & ~_ACCESS_ALLOWED:
+            raise ValueError(f"register: access must be a nonzero combination of FI_WRITE, FI_READ and "
+                             f"FI_REMOTE_WRITE, got {access!r}")
+        if access & lf.FI_REMOTE_READ:
+            raise ValueError("register: FI_REMOTE_READ is not allowed (no RDMA reads in the protocol; "
+                             "it would expose the buffer to every key holder)")
         mrs = []
         try:
             for dom in self._domains:
-                key = self._next_key
-                self._next_key += 1
+                key = 0 if self.info.prov_key else self._new_key()
                 if cuda_device is None and dmabuf_fd is None:
-                    mrs.append(dom.mr_reg(addr, nbytes, access, key))
+                    mr = dom.mr_reg(addr, nbytes, access, key)
                 else:
-                    mrs.append(dom.mr_regattr_cuda(addr, nbytes, access, key, cuda_device or 0, dmabuf_fd))
+                    mr = dom.mr_regattr_cuda(addr, nbytes, access, key, cuda_device or 0, dmabuf_fd)
+                mrs.append(mr)
+                self._used_keys.add(mr.key)
         except BaseException:
             for m in mrs:
                 m.close()
             raise
-        region = LocalRegion(self, addr, nbytes, mrs)
+        region = LocalRegion(self, addr, nbytes, mrs, access)
         self._regions.append(region)
         return region
+
+    def _new_key(self) -> int:
+        """A random requested key of the domain's key size: nonzero, not used by this engine before
+        (a collision would make fi_mr_reg fail with -FI_ENOKEY; at 64 bits it does not happen)."""
+        while True:
+            key = secrets.randbits(self._key_bits)
+            if key and key not in self._used_keys:
+                return key
 
     # ------------------------------------------------------------------ peers
 

@@ -56,6 +56,8 @@ FI_REMOTE_WRITE = 1 << 13
 FI_REMOTE_CQ_DATA = 1 << 17
 FI_COMPLETION = 1 << 24
 FI_HMEM = 1 << 47
+FI_NUMERICHOST = 1 << 55  # fi_getinfo flags: ``node`` is a numeric address...
+FI_SOURCE = 1 << 57  # ...and the local (source) address to bind to, not a destination
 FI_CONTEXT = 1 << 59
 
 FI_MR_LOCAL = 1 << 2
@@ -315,7 +317,8 @@ MIRRORED_STRUCTS = {
 MIRRORED_CONSTANTS = {
     name: globals()[name] for name in (
         "FI_MSG", "FI_RMA", "FI_READ", "FI_WRITE", "FI_RECV", "FI_SEND", "FI_TRANSMIT", "FI_REMOTE_READ",
-        "FI_REMOTE_WRITE", "FI_REMOTE_CQ_DATA", "FI_COMPLETION", "FI_HMEM", "FI_CONTEXT", "FI_MR_LOCAL",
+        "FI_REMOTE_WRITE", "FI_REMOTE_CQ_DATA", "FI_COMPLETION", "FI_HMEM", "FI_CONTEXT", "FI_NUMERICHOST",
+        "FI_SOURCE", "FI_MR_LOCAL",
         "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_PROV_KEY", "FI_MR_HMEM", "FI_EP_RDM", "FI_AV_TABLE",
         "FI_CQ_FORMAT_DATA", "FI_WAIT_NONE", "FI_ENABLE", "FI_HMEM_SYSTEM", "FI_HMEM_CUDA", "FI_ADDR_UNSPEC",
         "FI_EAGAIN", "FI_ENOSYS", "FI_ENODATA", "FI_EOTHER", "FI_EAVAIL", "FI_ETRUNC", "FI_EOVERRUN",
@@ -469,6 +472,10 @@ def _close_fid(fid_addr: int, what: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 PROVIDER_NAMES = {"tcp": "tcp;ofi_rxm", "shm": "shm", "efa": "efa", "verbs": "verbs;ofi_rxm"}
+# Providers whose endpoints are IP sockets (a listening port), where ``local_only`` binds them to the
+# loopback address. shm has no socket (same host by construction); efa/verbs address NICs, not IPs.
+SOCKET_PROVIDERS = ("tcp", "tcp;ofi_rxm", "sockets", "udp;ofi_rxd")
+LOOPBACK_NODE = "127.0.0.1"
 
 
 class Info:
@@ -526,7 +533,10 @@ def list_providers() -> list[str]:
     return names
 
 
-def _getinfo_raw(prov_name: str | None, *, hmem: bool, tx_size: int | None):
+def _getinfo_raw(prov_name: str | None, *, hmem: bool, tx_size: int | None, source: str | None = None):
+    """``fi_getinfo`` with our hints. ``source``: a numeric local address to bind endpoints to
+    (``node`` with ``FI_SOURCE | FI_NUMERICHOST``): the tcp provider then listens on that address only,
+    instead of the first interface's (checked with ``ss -ltn`` by tests/proxy/test_security.py)."""
     lib = library()
     hints = lib.fi_dupinfo(None)  # fi_allocinfo() is an inline wrapper of fi_dupinfo(NULL)
     if not hints:
@@ -546,21 +556,23 @@ def _getinfo_raw(prov_name: str | None, *, hmem: bool, tx_size: int | None):
             # fi_freeinfo frees this string: it must come from the C allocator.
             h.fabric_attr.contents.prov_name = _libc().strdup(prov_name.encode())
         out = POINTER(fi_info)()
-        rc = lib.fi_getinfo(API_VERSION, None, None, 0, hints, byref(out))
+        node, flags = (source.encode(), FI_SOURCE | FI_NUMERICHOST) if source else (None, 0)
+        rc = lib.fi_getinfo(API_VERSION, node, None, flags, hints, byref(out))
     finally:
         lib.fi_freeinfo(hints)
     if rc == -FI_ENODATA:
         raise FabricError("fi_getinfo", rc, f"no provider {prov_name or '(any)'} offers RDM endpoints with "
-                          f"RMA writes{' and FI_HMEM' if hmem else ''} here")
+                          f"RMA writes{' and FI_HMEM' if hmem else ''}"
+                          f"{f' bound to {source}' if source else ''} here")
     _check("fi_getinfo", rc)
     return out
 
 
-def _usable(provider: str, *, hmem: bool, tx_size: int | None):
+def _usable(provider: str, *, hmem: bool, tx_size: int | None, source: str | None = None):
     """(head of the fi_getinfo list, [the usable fi_info nodes]): RDM + RMA + >= 4 B of remote CQ data
     on ``provider`` (in 1.17 remote CQ data is not a capability bit: ``cq_data_size`` is checked)."""
     prov_name = PROVIDER_NAMES.get(provider, provider)
-    head = _getinfo_raw(prov_name, hmem=hmem, tx_size=tx_size)
+    head = _getinfo_raw(prov_name, hmem=hmem, tx_size=tx_size, source=source)
     nodes, node = [], head
     while node:
         info = node.contents
@@ -571,20 +583,25 @@ def _usable(provider: str, *, hmem: bool, tx_size: int | None):
     return head, nodes
 
 
-def getinfo(provider: str, *, hmem: bool = False, tx_size: int | None = None, domain: str | None = None) -> Info:
+def getinfo(provider: str, *, hmem: bool = False, tx_size: int | None = None, domain: str | None = None,
+            local_only: bool = False) -> Info:
     """``fi_getinfo`` for an RDM endpoint with RMA writes and remote CQ data on ``provider``
     (``"tcp"`` means ``tcp;ofi_rxm``; ``"shm"``, ``"efa"``, or a full provider name): the first such
     entry, or the first on the domain (NIC) named ``domain`` (see :func:`list_domains`).
 
     ``tx_size`` asks for a transmit queue depth (small values provoke ``-FI_EAGAIN``, for tests).
+    ``local_only``: every peer is on this host; socket providers (:data:`SOCKET_PROVIDERS`) bind to
+    127.0.0.1 (``FI_SOURCE``), so their port is unreachable from other hosts. Others: no effect (shm
+    never listens on a network; efa/verbs have no loopback).
     """
-    head, nodes = _usable(provider, hmem=hmem, tx_size=tx_size)
+    prov_name = PROVIDER_NAMES.get(provider, provider)
+    source = LOOPBACK_NODE if local_only and prov_name in SOCKET_PROVIDERS else None
+    head, nodes = _usable(provider, hmem=hmem, tx_size=tx_size, source=source)
     for info in nodes:
         if domain is None or info.domain_attr.contents.name.decode() == domain:
             return Info(head, info)
     names = sorted({i.domain_attr.contents.name.decode() for i in nodes})
     library().fi_freeinfo(head)
-    prov_name = PROVIDER_NAMES.get(provider, provider)
     if domain is not None and names:
         raise FabricError("fi_getinfo", -FI_ENODATA, f"provider {prov_name!r} has no domain {domain!r} "
                           f"(it has {names})")

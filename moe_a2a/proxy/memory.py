@@ -22,11 +22,79 @@ import numpy as np
 if TYPE_CHECKING:  # the proxy process imports this module and must not pay for torch (7 s on CI)
     import torch
 
+    from ..config import Layout
+
 _SHM_DIR = "/dev/shm"
 
 
 def unique_name(prefix: str = "moe_a2a") -> str:
+    """`{prefix}-{pid}-{8 hex}`: the creator's pid is in the name, so whoever outlives a killed creator
+    can find its files (`process_shm_files`)."""
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+# ---- files a process leaves in /dev/shm -------------------------------------------------------------
+# A process killed by SIGKILL cannot remove its files. Two kinds carry the creator's pid in their name:
+# our segments (`unique_name`: "moe_a2a-{pid}-{hex}") and libfabric's shm provider's region
+# ("{pid}:{...}", 16 MiB, named after the proxy that opened the provider).
+
+def process_shm_files(pid: int, segments: bool = True, libfabric: bool = True) -> list[str]:
+    """Paths under /dev/shm that process `pid` created: `moe_a2a-{pid}-*` segments (`segments`) and
+    libfabric shm regions `{pid}:*` (`libfabric`). Only exact pid matches (`12:` never matches 123)."""
+    starts = ([f"moe_a2a-{pid}-"] if segments else []) + ([f"{pid}:"] if libfabric else [])
+    try:
+        names = os.listdir(_SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(_SHM_DIR, n) for n in sorted(names) if n.startswith(tuple(starts))] if starts else []
+
+
+def remove_process_shm_files(pid: int, segments: bool = True, libfabric: bool = True) -> list[str]:
+    """Unlink what `process_shm_files` finds; call it only once `pid` has exited (and, unless it is
+    still an unreaped child or zombie, make sure the pid was not reused). Returns the removed paths."""
+    removed = []
+    for path in process_shm_files(pid, segments, libfabric):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+# ---- how much memory buffers may take -------------------------------------------------------------
+def physical_memory_bytes() -> int | None:
+    """Physical memory of this machine (`SC_PAGE_SIZE * SC_PHYS_PAGES`), None where unknown."""
+    try:
+        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return n if n > 0 else None
+
+
+def check_fits_in_memory(layout: "Layout", ranks: int = 1, host_staged: bool = True,
+                         physical: int | None = None) -> int:
+    """Refuse buffers this machine cannot hold, before anything is allocated or started.
+
+    `ranks` processes of this machine each allocate a segment of `layout.segment_bytes(host_staged)`
+    (flags, sync area and, host-staged, the send and recv buffers). ValueError naming the sizes when
+    their sum exceeds the physical memory (`physical`, default `physical_memory_bytes()`); returns the
+    bytes needed. Called at construction (`LocalCluster`; `AllToAll` may call it with `ranks=1`), never
+    by `A2AConfig`, which may be built on another machine than the one that runs it."""
+    per_rank = layout.segment_bytes(host_staged)
+    total = ranks * per_rank
+    physical = physical_memory_bytes() if physical is None else physical
+    if physical is not None and total > physical:
+        lay = layout
+        raise ValueError(
+            f"buffers too large for this machine: {ranks} rank(s) x {per_rank:,} B ({per_rank / 1e9:.1f} GB) "
+            f"= {total:,} B ({total / 1e9:.1f} GB) of shared memory, more than its physical memory "
+            f"({physical:,} B, {physical / 1e9:.1f} GB); per rank: send buffer {lay.send_bytes:,} B, recv buffer "
+            f"{lay.recv_bytes:,} B, for max_num_tokens={lay.max_num_tokens}, experts_per_token="
+            f"{lay.experts_per_token}, world_size={lay.world_size}, dispatch row {lay.dispatch_stride_bytes} B, "
+            f"combine row {lay.combine_stride_bytes} B (the recv buffer holds world_size x max_num_tokens x "
+            f"experts_per_token rows: lower one of these)")
+    return total
 
 
 class SharedSegment:
@@ -41,21 +109,36 @@ class SharedSegment:
     def __init__(self, name: str, nbytes: int | None = None, create: bool = False) -> None:
         if "/" in name or not name:
             raise ValueError(f"segment name must be a plain file name, got {name!r}")
-        self.name, self.path, self.owner = name, os.path.join(_SHM_DIR, name), create
+        if create and (not nbytes or nbytes <= 0):  # checked before the file exists
+            raise ValueError(f"nbytes must be positive to create a segment, got {nbytes!r}")
+        self.name, self.path, self.owner = name, os.path.join(_SHM_DIR, name), False
+        self._mmap, self._cuda_registered = None, False
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
+            try:
+                if create:
+                    os.ftruncate(fd, nbytes)
+                self.nbytes = os.fstat(fd).st_size
+                self._mmap = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self._keepalive = ctypes.c_char.from_buffer(self._mmap)
+            self.addr = ctypes.addressof(self._keepalive)
+        except BaseException:
+            # Never leave the file behind when the mapping failed (too large for the address space or
+            # for /dev/shm, ...): nobody else knows its name yet.
+            self.__dict__.pop("_keepalive", None)
+            if self._mmap is not None:
+                self._mmap.close()
+                self._mmap = None
             if create:
-                if not nbytes or nbytes <= 0:
-                    raise ValueError(f"nbytes must be positive to create a segment, got {nbytes!r}")
-                os.ftruncate(fd, nbytes)
-            self.nbytes = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._keepalive = ctypes.c_char.from_buffer(self._mmap)
-        self.addr = ctypes.addressof(self._keepalive)
-        self._cuda_registered = False
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+            raise
+        self.owner = create
 
     def numpy(self, offset: int, count: int, dtype=np.uint8) -> np.ndarray:
         return np.frombuffer(self._mmap, dtype=dtype, count=count, offset=offset)
@@ -89,7 +172,7 @@ class SharedSegment:
             rt.cudaHostUnregister(self.addr)
             self._cuda_registered = False
         if self._mmap is not None:
-            del self._keepalive
+            self.__dict__.pop("_keepalive", None)
             try:
                 self._mmap.close()
             except BufferError:

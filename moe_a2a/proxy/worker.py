@@ -44,7 +44,7 @@ import numpy as np
 
 from .. import plan
 from ..config import ERROR_MESSAGE_BYTES, TRACE_EVENTS, Flag, Imm, Layout, flag_word
-from .engine import PeerTimeout, TransferEngine
+from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, send_fds
 
 ERROR_TIMEOUT = 1  # values of Flag.ERROR
@@ -69,6 +69,9 @@ class ProxySpec:
     # the socket; the proxy maps them and registers them with the NIC ("cuda": FI_HMEM_CUDA).
     fd_buffers: tuple[str, int, int, int] | None = None
     domains: tuple[str, ...] | None = None  # the NICs (libfabric domains) to open; None: the first
+    # Every rank runs on this host: a socket provider (tcp) listens on 127.0.0.1 only, so other hosts
+    # cannot reach the proxy's endpoint (docs/threat-model.md). No effect on shm/efa/verbs.
+    local_only: bool = False
 
 
 class Flags:
@@ -115,8 +118,11 @@ class Proxy:
         own = spec.fd_buffers
         on_gpu = own is not None and own[0] == "cuda"
         self.engine = TransferEngine(spec.provider, domains=spec.domains, timeout_s=spec.timeout_s,
-                                     idle_yield=spec.idle_yield, hmem=on_gpu)
-        self.region = self.engine.register(self.seg.addr, self.seg.nbytes)
+                                     idle_yield=spec.idle_yield, hmem=on_gpu,
+                                     local_only=spec.local_only)
+        # Least access (docs/threat-model.md): peers write count rows (and, host-staged, tokens) into
+        # the segment, and it is the source of our writes; never readable remotely.
+        self.region = self.engine.register(self.seg.addr, self.seg.nbytes, ACCESS_SOURCE_AND_TARGET)
         self._mapped: list = []
         if own is not None:
             kind, ordinal, send_size, recv_size = own
@@ -124,8 +130,11 @@ class Proxy:
             for fd, size in zip(fds, (send_size, recv_size)):
                 self._mapped.append(SHAREABLE_BUFFERS[kind](size, ordinal, fd=fd))
             cuda = ordinal if on_gpu else None
-            self.send_region, self.recv_region = (self.engine.register(m.addr, m.size, cuda_device=cuda)
-                                                  for m in self._mapped)
+            # The send buffer is only a local source of our writes (no remote access at all); peers
+            # write tokens into the recv buffer.
+            self.send_region, self.recv_region = (
+                self.engine.register(m.addr, m.size, access, cuda_device=cuda)
+                for m, access in zip(self._mapped, (ACCESS_SOURCE, ACCESS_TARGET)))
         # Bootstrap: the owner gathers every rank's (address, segment region, segment name, recv
         # buffer region or None) for us.
         conn.send((self.engine.address, self.region.descriptor(),
@@ -362,16 +371,54 @@ class ProxyHandle:
         self._recv("ready", timeout_s)
 
     def stop(self, seg: SharedSegment | None, layout: Layout, timeout_s: float = 5.0) -> None:
+        """Ask the proxy to exit (SIGKILL after `timeout_s`), reap it and remove the files it left in
+        /dev/shm: libfabric's shm provider names its 16 MiB region `{pid}:...` after the proxy, and a
+        killed proxy cannot unlink it. The files go while the exited proxy is still an unreaped zombie,
+        so its pid cannot have been reused; a proxy already reaped elsewhere (`proc.poll()`) loses its
+        files only when no process holds its pid now. Idempotent."""
+        import select
+
+        from .memory import remove_process_shm_files
+
+        proc = self.proc
+
+        def exited_unreaped(wait_s: float | None) -> bool:
+            """Wait until the proxy has exited, without reaping it (pidfd; else waitid(WNOWAIT) polls)."""
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):
+                pidfd = None
+            if pidfd is not None:
+                try:
+                    return bool(select.select([pidfd], [], [], wait_s)[0])
+                finally:
+                    os.close(pidfd)
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            while True:
+                try:
+                    if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                        return True
+                except ChildProcessError:
+                    return True
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+
         if seg is not None and seg._mmap is not None:
             Flags(seg, layout)[Flag.SHUTDOWN] = 1
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.conn.close()
-        self._sock.close()
-
+        if proc.returncode is None:
+            if not exited_unreaped(timeout_s):
+                os.kill(proc.pid, signal.SIGKILL)  # not proc.kill(): its poll() could reap it first
+                exited_unreaped(None)
+            remove_process_shm_files(proc.pid, segments=False)
+            proc.wait()
+        elif not os.path.exists(f"/proc/{proc.pid}"):
+            remove_process_shm_files(proc.pid, segments=False)
+        for closable in (self.conn, self._sock):
+            try:
+                closable.close()
+            except OSError:
+                pass
 
 if __name__ == "__main__":
     main(int(sys.argv[1]))

@@ -106,6 +106,40 @@ def test_shared_segment_is_zeroed_shared_and_removed():
         SharedSegment("a/b")
 
 
+def test_shared_segment_file_is_removed_when_mapping_fails():
+    name = unique_name("moe_a2a-test")
+    # 1 PiB: /dev/shm accepts the size (sparse), mmap cannot map it (ENOMEM).
+    with pytest.raises(OSError):
+        SharedSegment(name, 1 << 50, create=True)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    with pytest.raises(ValueError, match="nbytes must be positive"):
+        SharedSegment(name, 0, create=True)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    with pytest.raises(FileNotFoundError):  # attaching to a missing segment creates nothing
+        SharedSegment(name)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_process_shm_files_match_one_pid_exactly():
+    from moe_a2a.proxy.memory import process_shm_files, remove_process_shm_files
+
+    pid = (1 << 22) + 1 + os.getpid()  # above the largest possible pid_max (2**22): nobody else's
+    mine = [f"/dev/shm/{pid}:0:0", f"/dev/shm/moe_a2a-{pid}-0011aabb"]
+    others = [f"/dev/shm/{pid}1:0:0", f"/dev/shm/{pid}", f"/dev/shm/moe_a2a-{pid}1-0011aabb", f"/dev/shm/x{pid}:0"]
+    for path in mine + others:
+        open(path, "w").close()
+    try:
+        assert process_shm_files(pid) == sorted(mine)
+        assert process_shm_files(pid, segments=False) == [mine[0]]
+        assert remove_process_shm_files(pid, segments=False) == [mine[0]]
+        assert remove_process_shm_files(pid) == [mine[1]]
+        assert all(os.path.exists(p) for p in others) and not any(os.path.exists(p) for p in mine)
+    finally:
+        for path in mine + others:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="cuMem allocations need a CUDA GPU (run with MOE_A2A_TEST_DEVICE=cuda)")
 def test_cumem_buffer_is_mapped_by_another_process_through_its_fd():
