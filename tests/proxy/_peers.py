@@ -15,6 +15,8 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 
+from moe_a2a.proxy.memory import remove_process_shm_files
+
 
 @dataclass(frozen=True)
 class Died:
@@ -109,6 +111,8 @@ def run_peers(size: int, fn, *args, timeout_s: float = 30.0) -> list:
             if p.is_alive():
                 p.kill()
             p.join(5)
+            if p.exitcode is not None:  # a killed child cannot remove libfabric shm's file named after it
+                remove_process_shm_files(p.pid)
         for c in conns:
             c.close()
     if errors:
