@@ -387,6 +387,22 @@ def run_timeline(args) -> int:
     return 0
 
 
+def run_soak(args) -> int:
+    import torch
+
+    from ..config import A2AConfig
+    from . import soak
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Small sizes (the kernels run in the interpreter): fp8 with scales and padding, so every path moves.
+    cfg = A2AConfig(max_num_tokens=8, num_experts=4 * args.world, experts_per_token=3, hidden_dim=32,
+                    in_dtype=torch.float8_e4m3fn, scale_block=16, expert_padding=2)
+    res = soak.run(cfg, args.world, args.node, args.transport, args.calls, args.warmup, args.sample, args.timeout)
+    soak.print_summary(res)
+    _write(args.json, res)
+    return 0 if all(r["num_problems"] == 0 for r in res["per_rank"]) and not res["dev_shm_left_after_close"] else 1
+
+
 def _cluster_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of the benchmarks that start a LocalCluster."""
     p.add_argument("--world", type=positive_int, default=4, help="ranks (default 4)")
@@ -448,6 +464,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default ./timeline.png)")
     tl.add_argument("--json", default=None, help="write the raw timestamps here")
     tl.set_defaults(run=run_timeline)
+    so = sub.add_parser("soak", help="many checked dispatch + combine calls on CPU; memory, fds and files "
+                                     "watched for growth")
+    so.add_argument("--calls", type=positive_int, default=10000, help="checked calls after warm-up (default 10000)")
+    so.add_argument("--warmup", type=nonneg_int, default=20, help="checked calls before the first sample (default 20)")
+    so.add_argument("--sample", type=positive_int, default=500, help="calls between resource samples (default 500)")
+    so.add_argument("--world", type=positive_int, default=2, help="ranks (default 2)")
+    so.add_argument("--node", type=positive_int, default=1, help="ranks per node (default 1: through the proxies)")
+    so.add_argument("--transport", default="shm", choices=["shm", "tcp"], help="provider (default shm)")
+    so.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before any wait gives up")
+    so.add_argument("--json", default=None, help="write the results here")
+    so.set_defaults(run=run_soak, check=_check_cluster_args)
     n = sub.add_parser("nccl", help="torch.distributed all_to_all_single baseline (GPU; gloo on CPU)",
                        description=nccl.__doc__, formatter_class=raw)
     nccl.add_arguments(n)

@@ -1,0 +1,125 @@
+"""`moe-a2a bench soak`: many consecutive dispatch + combine calls with random routing, every result
+checked, and the resources of every rank and proxy watched for growth.
+
+Each rank computes every rank's inputs of a call from the call's seed (`demo.make_inputs`), so it can
+check its own results against `reference.py` without any exchange: the expert counts and rows bitwise,
+the combine to 1e-2. Every `--sample` calls it records, for itself and its proxy process, the resident
+memory (VmRSS), the open file descriptors, and the machine's /dev/shm entries. Growth is the last sample
+minus the first one taken after warm-up.
+
+    moe-a2a bench soak --calls 10000 --world 2 --node 1 --transport shm --json soak.json
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from .. import reference
+from .demo import _live_rows, make_inputs, toy_expert
+from ._util import progress
+
+ROUTINGS = ("random", "skew", "dupes")
+
+
+def _resources(pid: int) -> dict:
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    return {"rss_bytes": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+def _sample(a2a, call: int) -> dict:
+    proxy = a2a.proxy.proc.pid if a2a.proxy is not None else None
+    return {"call": call, "rank": _resources(os.getpid()), "proxy": _resources(proxy) if proxy else None,
+            "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else None}
+
+
+def _check_call(a2a, rank: int, seed: int, routing: str, num, ex, out) -> list[str]:
+    cfg, W = a2a.cfg, a2a.world_size
+    inputs = [make_inputs(cfg, r, cfg.max_num_tokens, seed, routing) for r in range(W)]
+    ref = reference.dispatch(cfg, [i[0] for i in inputs], [i[1] for i in inputs] if cfg.has_scales else None,
+                             [i[2] for i in inputs])
+    problems = []
+    want_num, want_ex, _ = ref[rank]
+    if not torch.equal(num.cpu(), want_num):
+        return [f"call {seed}: expert counts {num.tolist()} != {want_num.tolist()}"]
+    rows = _live_rows(cfg, want_num)
+    if not torch.equal(ex[rows].cpu().view(torch.uint8), want_ex[rows].view(torch.uint8)):
+        problems.append(f"call {seed}: expert rows differ from the reference")
+    ys = [toy_expert(e, s, cfg) for _, e, s in ref]
+    want_out = reference.combine(cfg, [i[2] for i in inputs], [i[3] for i in inputs], ys)[rank]
+    if not torch.allclose(out.cpu().float(), want_out.float(), atol=1e-2, rtol=1e-2):
+        problems.append(f"call {seed}: combine differs from the reference")
+    return problems
+
+
+def soak_chunk(a2a, rank: int, first: int, count: int, warmup: int, sample_every: int, total: int) -> dict:
+    """Calls `first .. first+count-1` of the soak on one rank (call i uses seed i); a resource sample
+    at the first call after warm-up, every `sample_every` calls after it, and at the last call (`total` - 1)."""
+    cfg, dev = a2a.cfg, a2a.device
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    samples, problems = [], []
+    start = time.perf_counter()
+    for it in range(first, first + count):
+        routing = ROUTINGS[it % len(ROUTINGS)] if it % 7 == 0 else "random"
+        x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, it, routing))
+        a2a.dispatch(num, ex, exs, x, xs, idx)
+        y = toy_expert(ex, exs, cfg)
+        out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+        a2a.combine(out, idx, w, y)
+        problems += _check_call(a2a, rank, it, routing, num, ex, out)
+        if it >= warmup and ((it - warmup) % sample_every == 0 or it == total - 1):
+            samples.append(_sample(a2a, it - warmup))
+    return {"problems": problems, "samples": samples, "seconds": time.perf_counter() - start}
+
+
+def run(cfg, world: int, node: int, transport: str, calls: int, warmup: int, sample_every: int,
+        timeout: float, chunk: int = 100) -> dict:
+    """The soak over a LocalCluster, in chunks of `chunk` calls per `LocalCluster.run` (each must end
+    within the cluster's timeout); one progress bar in this process."""
+    from ..local import LocalCluster
+
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    total = warmup + calls
+    per_rank = [{"rank": r, "problems": [], "samples": [], "seconds": 0.0} for r in range(world)]
+    with LocalCluster(cfg, world_size=world, node_size=node, transport=transport, device="cpu",
+                      timeout_s=timeout) as cl:
+        bar = progress(total=total, desc="soak calls")
+        for first in range(0, total, chunk):
+            count = min(chunk, total - first)
+            for acc, part in zip(per_rank, cl.run(soak_chunk, first, count, warmup, sample_every, total)):
+                acc["problems"] += part["problems"]
+                acc["samples"] += part["samples"]
+                acc["seconds"] += part["seconds"]
+            bar.update(count)
+        bar.close()
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    for acc in per_rank:
+        first_s, last_s = acc["samples"][0], acc["samples"][-1]
+        growth = {"rank_rss_bytes": last_s["rank"]["rss_bytes"] - first_s["rank"]["rss_bytes"],
+                  "rank_fds": last_s["rank"]["fds"] - first_s["rank"]["fds"],
+                  "dev_shm_entries": (last_s["dev_shm"] or 0) - (first_s["dev_shm"] or 0)}
+        if first_s["proxy"] and last_s["proxy"]:
+            growth.update(proxy_rss_bytes=last_s["proxy"]["rss_bytes"] - first_s["proxy"]["rss_bytes"],
+                          proxy_fds=last_s["proxy"]["fds"] - first_s["proxy"]["fds"])
+        acc.update(num_problems=len(acc["problems"]), problems=acc["problems"][:20], growth=growth,
+                   ms_per_call=1e3 * acc["seconds"] / total)
+    return {"config": str(cfg), "world": world, "node": node, "transport": transport, "calls": calls,
+            "warmup": warmup, "per_rank": per_rank, "dev_shm_left_after_close": sorted(shm_after - shm_before),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def print_summary(res: dict) -> None:
+    print(f"soak: {res['calls']} dispatch + combine calls, {res['world']} ranks ({res['node']} per node), "
+          f"{res['transport']}, CPU (Triton interpreter)")
+    for r in res["per_rank"]:
+        g = r["growth"]
+        print(f"  rank {r['rank']}: {r['num_problems']} wrong results; {r['ms_per_call']:.1f} ms per call; "
+              f"growth after warm-up: rank RSS {g['rank_rss_bytes'] / 2**20:+.1f} MiB, fds {g['rank_fds']:+d}, "
+              f"proxy RSS {g.get('proxy_rss_bytes', 0) / 2**20:+.1f} MiB, proxy fds {g.get('proxy_fds', 0):+d}, "
+              f"/dev/shm entries {g['dev_shm_entries']:+d}")
+    print(f"  left in /dev/shm after close: {res['dev_shm_left_after_close'] or 'nothing'}")
