@@ -401,7 +401,8 @@ class AllToAll:
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
         # What `_ready` looks at before every call, as one numpy gather (a torch index costs ~5 µs each).
         self._flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
-        self._alarm_words = [flag_word(f) for f in (Flag.BAD_INDEX, Flag.ERROR) + tuple(_WAIT_STATUS)]
+        self._alarm_words = [flag_word(f) for f in (Flag.BAD_INDEX, Flag.ERROR, Flag.CAPACITY_EXCEEDED)
+                             + tuple(_WAIT_STATUS)]
         self._next_proxy_poll = 0.0
         ntrace = lay.model_trace_words
         self._model_trace = self._view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
@@ -684,6 +685,8 @@ class AllToAll:
             out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
             self.recv_offset_bytes, self.cfg, self.layout, node=self._node)
         self._state = _DISPATCH_DONE
+        if self.device.type != "cuda" and self.layout.expert_capacity:
+            self._raise_capacity_exceeded()  # CPU kernels have run: say it now (a GPU says it at the next call)
 
     def _combine_send(self, expert_y) -> None:
         self._host_wait("combine_send")
@@ -742,6 +745,7 @@ class AllToAll:
             raise ValueError(f"indices[{(bad - 1) // K}, {(bad - 1) % K}] of an earlier dispatch (epoch <= "
                              f"{self.epoch}): expected -1 (not routed) or a value in [0, {self.cfg.num_experts}) "
                              f"(checked on the GPU without a host sync; that route was not sent)")
+        self._raise_capacity_exceeded()
         code = int(self._flags_np[flag_word(Flag.ERROR)])
         if code:  # the proxy's message names the remote peers it missed
             msg = read_error(self.segment, self.layout)
@@ -754,6 +758,15 @@ class AllToAll:
                                    + (" and the proxy (remote peers)" if proxy_missing(code) else ""))
         if self.proxy is not None and self.proxy.proc.poll() is not None:
             raise RuntimeError(f"rank {self.rank}: proxy process exited with code {self.proxy.proc.returncode}")
+
+    def _raise_capacity_exceeded(self) -> None:
+        code = int(self._flags_np[flag_word(Flag.CAPACITY_EXCEEDED)])
+        if code:
+            L, cap = self.layout.num_local_experts, self.layout.expert_capacity
+            raise RuntimeError(f"rank {self.rank}: local expert {(code - 1) % L} received {(code - 1) // L} rows in "
+                               f"one dispatch (epoch <= {self.epoch}), more than expert_capacity={cap}: the rows "
+                               f"past it were not written and their combine is wrong; raise expert_capacity "
+                               f"(at most world_size * max_num_tokens * experts_per_token rows can arrive)")
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc

@@ -88,7 +88,10 @@ class Flag(enum.IntEnum):
     # GPU -> model: 1 + the first route (t*K + k) whose expert index was out of range, written by the
     # routing kernel (sticky); the host raises a ValueError naming `indices` at its next call.
     BAD_INDEX = 16
-    NUM_FLAGS = 17
+    # GPU -> model, with A2AConfig.expert_capacity: 1 + l + L * n for a local expert l that received
+    # n > capacity rows (sticky; the rows past the capacity were not written).
+    CAPACITY_EXCEEDED = 17
+    NUM_FLAGS = 18
 
 
 # Bit of a wait's status word meaning "the proxy's flag (remote peers) was missing".
@@ -151,6 +154,12 @@ class A2AConfig:
         expert_padding: each expert's segment of the dispatch output is padded to this many rows.
         max_private_tokens: per-sender private region of each receiver in rows; None picks twice the
             average rows a sender sends to one rank (see `Layout`), 0 disables it.
+        expert_capacity: None (default): the dispatch output is compact, expert l's rows start at
+            `sum_{j<l} round_up(n_j, expert_padding)`. An int C: every local expert has C rows, expert
+            l's start at `l * C`, so the output can be viewed as `[L, C, H]` without a copy (the layout
+            DeepEP's low-latency kernels and vLLM's batched experts take). An expert that receives more
+            than C rows is an error (reported at the next call; the rows past C are not written).
+            Needs expert_padding == 1.
     """
 
     max_num_tokens: int = 128
@@ -162,6 +171,7 @@ class A2AConfig:
     out_dtype: "torch.dtype" = None  # type: ignore[assignment]  # default bf16
     expert_padding: int = 1
     max_private_tokens: int | None = None
+    expert_capacity: int | None = None
     _scale_block: int | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -198,6 +208,14 @@ class A2AConfig:
         mpt = self.max_private_tokens
         if mpt is not None and (isinstance(mpt, bool) or not isinstance(mpt, int) or mpt < 0):
             raise ValueError(f"A2AConfig.max_private_tokens must be None or an int >= 0, got {mpt!r}")
+        cap = self.expert_capacity
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_CONFIG_VALUES["max_num_tokens"]:
+                raise ValueError(f"A2AConfig.expert_capacity must be None or an int in [1, "
+                                 f"{MAX_CONFIG_VALUES['max_num_tokens']:,}], got {cap!r}")
+            if self.expert_padding != 1:
+                raise ValueError(f"A2AConfig.expert_capacity: every expert starts at l * expert_capacity, so "
+                                 f"expert_padding must be 1, got {self.expert_padding}")
         if scale_block is not None and scale_block > MAX_CONFIG_VALUES["hidden_dim"]:
             raise ValueError(f"A2AConfig.scale_block must be <= {MAX_CONFIG_VALUES['hidden_dim']:,}, "
                              f"got {scale_block:,}")
@@ -279,6 +297,7 @@ class Layout:
     private_rows: int             # P: rows each receiver reserves per sender (see A2AConfig)
     dispatch_stride_bytes: int
     combine_stride_bytes: int
+    expert_capacity: int = 0      # rows per local expert in the dispatch output; 0 = compact layout
 
     @classmethod
     def from_config(cls, cfg: "A2AConfig", world_size: int, node_size: int) -> "Layout":
@@ -299,7 +318,7 @@ class Layout:
         else:
             private = min(cfg.max_routes, round_up(ceil_div(2 * cfg.max_routes, W), 8))
         return cls(W, ns, E, cfg.max_num_tokens, cfg.experts_per_token, cfg.expert_padding, private,
-                   cfg.dispatch_stride_bytes, cfg.combine_stride_bytes)
+                   cfg.dispatch_stride_bytes, cfg.combine_stride_bytes, cfg.expert_capacity or 0)
 
     @cached_property
     def num_local_experts(self) -> int:
@@ -316,7 +335,10 @@ class Layout:
 
     @cached_property
     def max_dispatch_rows(self) -> int:
-        """Rows of `out_expert_x`: all received routes plus padding of every local expert."""
+        """Rows of `out_expert_x`: all received routes plus padding of every local expert; with a fixed
+        expert capacity C, L * C."""
+        if self.expert_capacity:
+            return self.num_local_experts * self.expert_capacity
         return self.max_recv_routes + self.num_local_experts * (self.expert_padding - 1)
 
     # ---- regions of the send and recv buffers (bytes, relative to each buffer) ---------------

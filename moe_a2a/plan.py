@@ -109,6 +109,8 @@ def expert_segments(counts: np.ndarray, rank: int, lay: Layout) -> tuple[np.ndar
     """(rows per local expert [L], first row of each expert's padded segment [L]) on `rank`."""
     L, pad = lay.num_local_experts, lay.expert_padding
     totals = counts[:, rank * L:(rank + 1) * L].sum(0)
+    if lay.expert_capacity:  # fixed segments: expert l at l * C
+        return totals, np.arange(L, dtype=np.int64) * lay.expert_capacity
     padded = (totals + pad - 1) // pad * pad
     return totals, np.cumsum(padded) - padded
 

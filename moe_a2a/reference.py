@@ -48,6 +48,8 @@ def dispatch(
     Returns: per destination rank r, `(num_tokens int32[L], expert_x [R, H], expert_x_scale [R, S] | None)`
     with `R = sum_l round_up(num_tokens[l], expert_padding)`; expert l's rows start at
     `sum_{j<l} round_up(num_tokens[j], pad)`, ordered by (source rank, token, k); padding rows are zero.
+    With `cfg.expert_capacity = C`: `R = L * C` and expert l's rows start at `l * C` (the rest of its C
+    rows are zero); an expert receiving more than C rows is a ValueError.
     """
     W = len(xs)
     lay = cfg.layout(W)
@@ -80,6 +82,12 @@ def dispatch(
         e_loc, src, tok = expert[mine] - r * L, source[mine], token[mine]
         counts = torch.bincount(e_loc, minlength=L).to(torch.int32)
         padded = [round_up(int(c), cfg.expert_padding) for c in counts]
+        if cfg.expert_capacity is not None:
+            over = [l for l in range(L) if int(counts[l]) > cfg.expert_capacity]
+            if over:
+                raise ValueError(f"rank {r}: local expert {over[0]} receives {int(counts[over[0]])} rows > "
+                                 f"expert_capacity ({cfg.expert_capacity})")
+            padded = [cfg.expert_capacity] * L
         R = sum(padded)
         ex = torch.zeros(R, cfg.hidden_dim, dtype=cfg.in_dtype, device=device)
         exs = torch.zeros(R, cfg.num_scales, dtype=torch.float32, device=device) if cfg.has_scales else None
@@ -111,6 +119,8 @@ def expert_rows(cfg: A2AConfig, indices: Sequence[torch.Tensor]) -> list[torch.T
     seg_start = torch.zeros(cfg.num_experts, dtype=torch.int64)  # per expert, within its rank
     for r in range(W):
         p = padded[r * L:(r + 1) * L]
+        if cfg.expert_capacity is not None:
+            p = torch.full_like(p, cfg.expert_capacity)
         seg_start[r * L:(r + 1) * L] = torch.cumsum(p, 0) - p
     before = torch.cumsum(counts, 0) - counts                     # rows from earlier sources
     rows = []

@@ -344,3 +344,41 @@ def test_a_dead_proxy_is_reported_by_its_rank_within_a_second():
     assert err0 is not None and "proxy process exited" in err0, err0
     assert t0 < 1.5, t0  # the watch thread looks every PROXY_WATCH_S
     assert err1 is not None and "missing peers [0]" in err1 and t1 < timeout_s + 2, (t1, err1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("node_size", [2, 1], ids=["node-local", "remote"])
+def test_fixed_expert_capacity_layout_matches_reference(node_size):
+    """expert_capacity=C: expert l's rows start at l * C (a [L, C, H] view), through the whole path."""
+    T, K = 5, 3
+    cfg = A2AConfig(max_num_tokens=T, num_experts=6, experts_per_token=K, hidden_dim=24,
+                    in_dtype=torch.float8_e4m3fn, scale_block=8, expert_capacity=2 * T * K)
+    with LocalCluster(cfg, world_size=2, node_size=node_size, transport="shm", device=TEST_DEVICE,
+                      timeout_s=30) as cl:
+        for routing in ("random", "skew", "dupes"):
+            res = cl.run(rank_roundtrip, T, 5, 1, routing)
+            assert check_against_reference(cfg, res) == [], routing
+            for r in res:  # the [L, C, H] view: rows past each expert's count untouched (zeros here)
+                ex = r["calls"][-1]["expert_x"].view(torch.uint8).view(3, 2 * T * K, -1)
+                for l, n in enumerate(r["calls"][-1]["num"].tolist()):
+                    assert bool((ex[l, n:] == 0).all())
+
+
+def _overflow(a2a, rank):
+    try:
+        rank_roundtrip(a2a, rank, a2a.cfg.max_num_tokens, 9, 1, "skew")
+    except (RuntimeError, TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_an_expert_over_capacity_is_reported_not_written_out_of_bounds():
+    cfg = A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16,
+                    expert_capacity=3)
+    with LocalCluster(cfg, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=5) as cl:
+        errors = cl.run(_overflow)
+    # "skew" sends every route of both ranks (16) to expert 0 of rank 0
+    assert errors[0] is not None and "local expert 0 received 16 rows" in errors[0], errors
+    assert "expert_capacity=3" in errors[0]
+    assert errors[1] is not None and "missing peers [0]" in errors[1], errors  # its peer stopped there

@@ -101,3 +101,20 @@ def test_private_rows_override_and_cap():
     assert cfg.layout(2).private_rows == 8  # capped at T*K
     assert A2AConfig(num_experts=8, max_private_tokens=0).layout(2).private_rows == 0
     assert round_up(13, 8) == 16
+
+
+def test_expert_capacity_layout_and_validation():
+    import pytest
+    import torch
+
+    from moe_a2a.config import A2AConfig
+
+    cfg = A2AConfig(max_num_tokens=8, num_experts=16, experts_per_token=2, hidden_dim=32, expert_capacity=24)
+    lay = cfg.layout(4)
+    assert lay.expert_capacity == 24 and lay.max_dispatch_rows == 4 * 24  # [L, C, H]
+    assert A2AConfig(num_experts=16).layout(4).expert_capacity == 0
+    for bad in (0, -1, True, 2.5, "8", 1 << 21):
+        with pytest.raises(ValueError, match="expert_capacity"):
+            A2AConfig(expert_capacity=bad)
+    with pytest.raises(ValueError, match="expert_padding must be 1"):
+        A2AConfig(expert_capacity=8, expert_padding=4, in_dtype=torch.bfloat16)

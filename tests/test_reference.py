@@ -43,3 +43,28 @@ def test_counts_rows_and_weighted_sum_invariants(W, T, K, L, pad, seed):
     for s in range(W):
         want = (w[s] * (idx[s] >= 0)).sum(1, keepdim=True) * xs[s]
         torch.testing.assert_close(got[s], want, atol=1e-5, rtol=1e-5)
+
+
+def test_fixed_capacity_rows_start_at_l_times_c_and_overflow_is_refused():
+    import pytest
+    import torch
+
+    from moe_a2a import reference
+    from moe_a2a.config import A2AConfig
+
+    cfg = A2AConfig(max_num_tokens=3, num_experts=4, experts_per_token=2, hidden_dim=4, in_dtype=torch.float32,
+                    expert_capacity=4)
+    xs = [torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * s for s in range(2)]
+    idx = [torch.tensor([[1, 0], [1, -1], [3, 1]]), torch.tensor([[0, 0], [-1, -1], [2, 3]])]
+    (n0, x0, _), (n1, x1, _) = reference.dispatch(cfg, xs, None, idx)
+    assert n0.tolist() == [3, 3] and x0.shape == (8, 4) and n1.tolist() == [1, 2]
+    assert torch.equal(x0[0], xs[0][0]) and torch.equal(x0[1], xs[1][0]) and torch.equal(x0[2], xs[1][0])
+    assert torch.equal(x0[4], xs[0][0]) and torch.equal(x0[5], xs[0][1]) and torch.equal(x0[6], xs[0][2])
+    assert bool((x0[3] == 0).all()) and bool((x0[7] == 0).all())  # past each expert's count
+    assert torch.equal(x1[4], xs[0][2]) and torch.equal(x1[5], xs[1][2])  # expert 3 = local 1 of rank 1
+    rows = reference.expert_rows(cfg, idx)
+    assert rows[0].tolist() == [[4, 0], [5, -1], [4, 6]]
+    small = A2AConfig(max_num_tokens=3, num_experts=4, experts_per_token=2, hidden_dim=4, in_dtype=torch.float32,
+                      expert_capacity=2)
+    with pytest.raises(ValueError, match="expert_capacity"):
+        reference.dispatch(small, xs, None, idx)

@@ -76,8 +76,8 @@ def rank_roundtrip(a2a, rank: int, num_tokens, seed: int, iters: int = 1, routin
         t1 = clock()
         a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
         t2 = clock()
-        rows = int(sum((n + cfg.expert_padding - 1) // cfg.expert_padding * cfg.expert_padding
-                       for n in num.tolist()))
+        rows = a2a.layout.max_dispatch_rows if cfg.expert_capacity else int(sum(
+            (n + cfg.expert_padding - 1) // cfg.expert_padding * cfg.expert_padding for n in num.tolist()))
         y = toy_expert(ex, exs, cfg)
         t3 = clock()
         a2a.combine(out, idx, w, y, do_recv=False)
@@ -128,7 +128,7 @@ def _live_rows(cfg: A2AConfig, num: torch.Tensor) -> torch.Tensor:
     rows, start = [], 0
     for n in num.tolist():
         rows.extend(range(start, start + n))
-        start += (n + cfg.expert_padding - 1) // cfg.expert_padding * cfg.expert_padding
+        start += cfg.expert_capacity or (n + cfg.expert_padding - 1) // cfg.expert_padding * cfg.expert_padding
     return torch.tensor(rows, dtype=torch.int64)
 
 

@@ -74,6 +74,7 @@ def _pack_combine_by_source_kernel(
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
     COMBINE_RECV_BYTES: tl.constexpr,   # where a home's recv buffer keeps combine rows
+    CAPACITY: tl.constexpr,             # A2AConfig.expert_capacity (0: compact rows)
     # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
     failed_ptr=None, counter_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None,
     sync_bytes=0, node_first=0, timeout_ns=0, max_spins=0,
@@ -95,8 +96,8 @@ def _pack_combine_by_source_kernel(
     proxy's writes out of the staging area for the previous call completed."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
-        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
+    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit = _recv_pair_tables(
+        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
     if NODE_SYNC:
         go = tl.load(failed_ptr, volatile=True) == 0
         if HAS_PROXY:
@@ -116,13 +117,14 @@ def _pack_combine_by_source_kernel(
     dense_start = tl.reshape(dense_start, (NPAIR,))
     out_start = tl.reshape(out_start, (NPAIR,))
     first_bytes = tl.reshape(first_bytes, (NPAIR,))
+    fit = tl.reshape(fit, (NPAIR,))
 
     word_ty: tl.constexpr = expert_y_ptr.dtype.element_ty
     base_words = base_ptr.to(tl.pointer_type(word_ty))
     num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
     for tile in range(pid, num_tiles, num_programs):
         is_row, y_row, dst_bytes = _tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
-                                              first_bytes, cnt, SC_BYTES, BLOCK_R, False)
+                                              first_bytes, cnt, SC_BYTES, BLOCK_R, False, fit, CAPACITY > 0)
         is_row = is_row & (y_row < num_y_rows)
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
         src_words = y_row * stride_y_r
@@ -261,7 +263,7 @@ def pack_combine_by_source(
         counts.stride(0), y_words.stride(0) if R else row_words,
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, Y_WORDS=row_words, SC_BYTES=cfg.combine_stride_bytes,
-        COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes,
+        COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, CAPACITY=layout.expert_capacity,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,

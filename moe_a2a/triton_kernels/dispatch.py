@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
+from ..config import A2AConfig, Flag, Layout, ceil_div, flag_word, next_power_of_2
 from .node_sync import NodeSync, node_arrive, node_copy_count_row, node_publish, node_wait
 from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
                    _check_layout, _check_peer_table, _check_tensor, _chunk_words, _copy_row_words, _fail,
@@ -146,6 +146,8 @@ def _unpack_tokens_by_expert_kernel(
     NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
     STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
     ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    CAPACITY: tl.constexpr = 0,      # A2AConfig.expert_capacity (0: compact output)
+    CAPACITY_WORD: tl.constexpr = 0,  # flags word for an overflow report (with NODE_SYNC)
 ):
     """Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
     rows (BLOCK_R rows x BLOCK_W-word chunks). Tiles ignore (source, expert) boundaries, so a skewed
@@ -162,8 +164,8 @@ def _unpack_tokens_by_expert_kernel(
         ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
                        timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
                        STATUS_WORD, USE_PTX, KERNEL_WAIT)
-    cnt, dense_start, out_start, block_start, n_src, tot, num_rows = _recv_pair_tables(
-        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD)
+    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit = _recv_pair_tables(
+        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
 
     # Where the pair's rows are: a same-node source is pulled from its send buffer (rows contiguous);
     # a remote one sits in this rank's private slot (rows < P of its block) then in its remainder run.
@@ -186,9 +188,15 @@ def _unpack_tokens_by_expert_kernel(
     first_bytes = tl.reshape(first_bytes, (NPAIR,))
     rest_bytes = tl.reshape(rest_bytes, (NPAIR,))
     split = tl.reshape(split, (NPAIR,))
+    fit = tl.reshape(fit, (NPAIR,))
 
     l_idx = tl.arange(0, L_PAD)
     tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where((pid == 0) & ok, L, 0))
+    if CAPACITY > 0:
+        if NODE_SYNC:
+            over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
+            n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
+            tl.store(flags_ptr + CAPACITY_WORD, 1 + over + L * n_over, mask=(pid == 0) & ok & (over < L))
     num_rows = tl.where(ok, num_rows, 0)
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty
@@ -197,7 +205,7 @@ def _unpack_tokens_by_expert_kernel(
     num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
     for tile in range(pid, num_tiles, num_programs):
         is_row, out_row, src_bytes = _tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
-                                                rest_bytes, split, SD_BYTES, BLOCK_R, True)
+                                                rest_bytes, split, SD_BYTES, BLOCK_R, True, fit, CAPACITY > 0)
         is_row = is_row & (out_row < num_out_rows)
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
@@ -383,7 +391,7 @@ def unpack_tokens_by_expert(
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
-        HAS_SCALES=cfg.has_scales,
+        HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
         num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
     )
 

@@ -54,6 +54,7 @@ def _recv_pair_tables(
     L: tl.constexpr,
     W_PAD: tl.constexpr,  # next_pow2(W)
     L_PAD: tl.constexpr,  # next_pow2(L)
+    CAPACITY: tl.constexpr,  # 0: compact output; C > 0: expert l's rows start at l * C (A2AConfig.expert_capacity)
 ):
     """Tables over the (local expert l, source s) pairs, as [L_PAD, W_PAD] int64 tiles.
 
@@ -61,11 +62,13 @@ def _recv_pair_tables(
     Returns
       cnt[l, s]          rows source s sends to local expert l (counts[s, rank*L + l])
       dense_start[l, s]  first dense row of the pair (exclusive prefix in (l, s) order)
-      out_start[l, s]    first row of out_expert_x: sum_{j<l} round_up(tot_j, PAD) + sum_{s'<s} cnt[l, s']
+      out_start[l, s]    first row of out_expert_x: sum_{j<l} round_up(tot_j, PAD) (or l * CAPACITY)
+                         + sum_{s'<s} cnt[l, s']
       block_start[l, s]  position of the pair's first row in source s's block: sum_{j<l} cnt[j, s]
       n_src[s]           rows source s sends to this rank
       tot[l]             rows local expert l receives (out_expert_num_tokens)
       num_rows           total received rows
+      fit[l, s]          rows of the pair that fit within CAPACITY (cnt without a capacity)
     Padding entries (l >= L or s >= W) have cnt == 0, so no dense row ever selects them.
     Reads W*L int32 (1 KB at E=256).
     """
@@ -76,7 +79,10 @@ def _recv_pair_tables(
                   mask=valid, other=0).to(tl.int64)
     tot = tl.sum(cnt, axis=1)                                   # [L_PAD]
     padded = (tot + PAD - 1) // PAD * PAD
-    seg_start = tl.cumsum(padded, axis=0) - padded              # exclusive, padded segments
+    if CAPACITY > 0:
+        seg_start = tl.arange(0, L_PAD).to(tl.int64) * CAPACITY  # fixed segments
+    else:
+        seg_start = tl.cumsum(padded, axis=0) - padded          # exclusive, padded segments
     expert_dense_start = tl.cumsum(tot, axis=0) - tot           # exclusive, unpadded
     before = tl.cumsum(cnt, axis=1) - cnt                       # earlier sources, same expert
     dense_start = expert_dense_start[:, None] + before
@@ -84,7 +90,11 @@ def _recv_pair_tables(
     block_start = tl.cumsum(cnt, axis=0) - cnt                  # earlier experts, same source
     n_src = tl.sum(cnt, axis=0)                                 # [W_PAD]
     num_rows = tl.sum(tot, axis=0)
-    return cnt, dense_start, out_start, block_start, n_src, tot, num_rows
+    if CAPACITY > 0:
+        fit = tl.minimum(tl.maximum(CAPACITY - before, 0), cnt)
+    else:
+        fit = cnt
+    return cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit
 
 
 @triton.jit
@@ -155,6 +165,8 @@ def _tile_rows(
     STRIDE_BYTES: tl.constexpr,   # slot stride of the other buffer
     BLOCK_R: tl.constexpr,
     HAS_SPLIT: tl.constexpr,      # dispatch from a remote source: private region, then remainder
+    fit=None,                     # [NPAIR] int64: rows i >= fit of a pair do not exist here (HAS_FIT)
+    HAS_FIT: tl.constexpr = False,  # a fixed expert capacity: rows past it are dropped
 ):
     """For the BLOCK_R dense rows q of a tile: (is_row, row of the expert-major tensor, byte offset of
     the row's slot from base). The pair of each row is found by a one-hot [BLOCK_R, NPAIR] compare and
@@ -164,6 +176,8 @@ def _tile_rows(
     is_row = q < num_rows
     sel = (q[:, None] >= dense_start[None, :]) & (q[:, None] < dense_start[None, :] + cnt[None, :])
     i = q - tl.sum(tl.where(sel, dense_start[None, :], 0), axis=1)
+    if HAS_FIT:
+        is_row = is_row & (i < tl.sum(tl.where(sel, fit[None, :], 0), axis=1))
     row = tl.sum(tl.where(sel, out_start[None, :], 0), axis=1) + i
     addr = tl.sum(tl.where(sel, first_bytes[None, :], 0), axis=1)
     if HAS_SPLIT:

@@ -12,6 +12,7 @@ kernels' and, later, a whole-pipeline one); it is not a transport.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,6 +211,7 @@ class Case:
     routing: str = "random"                      # random | topk | one_expert | duplicates
     mask_percent: int = 0                        # share of slots set to -1
     seed: int = 0
+    expert_capacity: int | None = None           # fixed rows per local expert (needs expert_padding 1)
 
     @property
     def cfg(self) -> A2AConfig:
@@ -217,7 +219,7 @@ class Case:
             max_num_tokens=self.max_num_tokens, num_experts=self.world_size * self.num_local_experts,
             experts_per_token=self.experts_per_token, hidden_dim=self.hidden_dim, in_dtype=self.in_dtype,
             scale_block=self.scale_block, out_dtype=self.out_dtype, expert_padding=self.expert_padding,
-            max_private_tokens=self.max_private_tokens)
+            max_private_tokens=self.max_private_tokens, expert_capacity=self.expert_capacity)
 
     def world(self, device="cpu") -> SimWorld:
         return SimWorld.create(self.cfg, self.world_size, self.node_size, device)
@@ -285,7 +287,7 @@ def cases(draw, max_world: int = 8) -> Case:
     in_dtype, scale_block = draw(st.sampled_from([
         (FP8, 128), (FP8, 16), (FP8, None), (torch.bfloat16, None), (torch.bfloat16, 32),
         (torch.float32, None), (torch.float16, 8)]))
-    return Case(
+    case = Case(
         world_size=W, node_size=node_size, num_local_experts=L, experts_per_token=K, max_num_tokens=T_max,
         num_tokens=num_tokens, bound_m=bound_m, hidden_dim=H, in_dtype=in_dtype, scale_block=scale_block,
         out_dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
@@ -297,3 +299,7 @@ def cases(draw, max_world: int = 8) -> Case:
         mask_percent=draw(st.sampled_from([0, 0, 30, 100])),   # 100: nothing routed at all
         seed=draw(st.integers(0, 2**16)),
     )
+    # A fixed capacity large enough for anything (every route of every rank to one expert), or none.
+    if draw(st.sampled_from([False, False, True])):
+        case = dataclasses.replace(case, expert_padding=1, expert_capacity=W * T_max * K)
+    return case

@@ -65,7 +65,7 @@ def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> No
 
     live = [live_indices(idx, b) for idx, b in zip(indices, bound_ms)]
     R_used = [int(sum(-(-int(n) // cfg.expert_padding) * cfg.expert_padding for n in dispatched.num_tokens[r]))
-              for r in range(W)]
+              if cfg.expert_capacity is None else world.layout.max_dispatch_rows for r in range(W)]
     want = reference.combine(cfg, live, [torch.nan_to_num(w, nan=0.0) for w in weights],
                              [expert_ys[r][:R_used[r]] for r in range(W)], old if accumulate else None)
     for r in range(W):
