@@ -1,0 +1,125 @@
+"""`moe_a2a.compat.Buffer` (DeepEP's low-latency shape) against `reference.py`, between real processes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_a2a import A2AConfig, LocalCluster, reference
+from moe_a2a.triton_kernels.quant import quantize_fp8
+
+from ..conftest import TEST_DEVICE
+
+pytestmark = [pytest.mark.slow]
+
+T_MAX, E, K, H = 4, 8, 3, 64
+
+
+def _inputs(rank: int, seed: int, T: int, routing: str):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    if routing == "skew":  # every token to the same K experts: each gets exactly the capacity (W * T_MAX rows)
+        idx = torch.arange(K, dtype=torch.int64).repeat(T, 1)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+        idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    w = torch.rand(T, K, generator=g)
+    return x, idx, w
+
+
+def _facade_rank(a2a, rank, use_fp8: bool, token_counts, routing: str):
+    from moe_a2a.compat import Buffer
+
+    dev = a2a.device
+    out = []
+    with Buffer(transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
+        for seed in (1, 2):  # two micro-batches in flight at once: dispatch A, dispatch B, combine A, B
+            pending = []
+            for mb in range(2):
+                T = token_counts[rank][mb]
+                x, idx, w = (t.to(dev) for t in _inputs(rank, 10 * seed + mb, T, routing))
+                recv_x, count, handle, event, hook = buf.low_latency_dispatch(
+                    x, idx, T_MAX, E, use_fp8=use_fp8, return_recv_hook=True)
+                pending.append((x, idx, w, recv_x, count, handle, hook))
+            results = []
+            for x, idx, w, recv_x, count, handle, hook in pending:
+                hook()  # the receive half, after other work
+                xs = recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)[..., :H] if use_fp8 else recv_x.float()
+                y = (2 * xs).to(torch.bfloat16)
+                got = {"count": count.clone(), "recv": (recv_x[0].view(torch.uint8).clone(), recv_x[1].clone())
+                       if use_fp8 else recv_x.clone()}
+                combined, _, chook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+                results.append((got, combined, chook))
+            for got, combined, chook in results:
+                chook()
+                got["combined"] = combined.clone()
+                out.append(got)
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("node_size", [2, 1], ids=["node-local", "remote"])
+def test_facade_matches_reference_with_two_micro_batches_and_late_hooks(use_fp8, node_size):
+    W = 2
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
+    token_counts = [[T_MAX, 0], [T_MAX, T_MAX]]  # an empty rank in one micro-batch
+    with LocalCluster(cfg0, world_size=W, node_size=node_size, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        for routing in ("random", "skew"):
+            got = cl.run(_facade_rank, use_fp8, token_counts, routing)
+            cap = T_MAX * W
+            cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H,
+                            in_dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                            scale_block=128 if use_fp8 else None, expert_capacity=cap)
+            L = E // W
+            for call, (seed, mb) in enumerate([(1, 0), (1, 1), (2, 0), (2, 1)]):
+                ins = [_inputs(r, 10 * seed + mb, token_counts[r][mb], routing) for r in range(W)]
+                xs = [quantize_fp8(x.float(), 128) if use_fp8 else (x, None) for x, _, _ in ins]
+                want = reference.dispatch(cfg, [q for q, _ in xs], [s for _, s in xs] if use_fp8 else None,
+                                          [i for _, i, _ in ins])
+                ys = []
+                for r in range(W):
+                    n_ref, x_ref, s_ref = want[r]
+                    g = got[r][call]
+                    assert torch.equal(g["count"].cpu(), n_ref), (routing, call, r)
+                    for l, n in enumerate(n_ref.tolist()):
+                        rows = slice(l * cap, l * cap + n)
+                        if use_fp8:
+                            assert torch.equal(g["recv"][0].cpu().view(-1, H)[rows], x_ref[rows].view(torch.uint8))
+                            assert torch.equal(g["recv"][1].cpu().view(-1, 1)[rows], s_ref[rows])
+                        else:
+                            assert torch.equal(g["recv"].cpu().view(-1, H)[rows], x_ref[rows])
+                    xf = x_ref.float() * (s_ref.repeat_interleave(128, dim=1)[:, :H] if use_fp8 else 1)
+                    ys.append((2 * xf).to(torch.bfloat16))
+                outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins], ys)
+                for r in range(W):
+                    torch.testing.assert_close(got[r][call]["combined"].cpu().float(), outs[r].float(),
+                                               rtol=2 ** -7, atol=1e-5)
+
+
+def _bad_calls(a2a, rank):
+    from moe_a2a.compat import Buffer
+
+    errors = []
+    with Buffer(transport="shm", timeout_s=10.0, node_group=a2a.layout.node_size) as buf:
+        x = torch.zeros(2, H, dtype=torch.bfloat16)
+        idx = torch.zeros(2, K, dtype=torch.int64)
+        for kwargs in ({"use_ue8m0": True}, {"async_finish": True}, {"bogus": 1}):
+            try:
+                buf.low_latency_dispatch(x, idx, T_MAX, E, **kwargs)
+            except ValueError as exc:
+                errors.append(str(exc))
+        try:
+            buf.low_latency_dispatch(x.float(), idx, T_MAX, E)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.timeout(300)
+def test_facade_refuses_what_it_does_not_support():
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        for errors in cl.run(_bad_calls):
+            assert len(errors) == 4, errors
+            assert "use_ue8m0" in errors[0] and "async_finish" in errors[1] and "bogus" in errors[2]
+            assert errors[3].startswith("x:")
