@@ -32,23 +32,11 @@ from .proxy.worker import ERROR_FAILED, ERROR_TIMEOUT, ProxyHandle, ProxySpec, r
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, sync
-from .triton_kernels.node_sync import NodeSync, failed_ranks, proxy_missing
+from .triton_kernels.node_sync import HALF_FLAGS, NodeSync, failed_ranks, proxy_missing
 
 log = logging.getLogger("moe_a2a")
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
-# What each half's wait is for (a failed kernel wait leaves its status word set), and what the host
-# polls for it with host waits: (proxy flag, epoch delta) besides the node peers' ready words.
-_WAIT_STATUS = {
-    Flag.STATUS_DISPATCH_SEND: "dispatch send: the proxy's writes of the previous call",
-    Flag.STATUS_DISPATCH_RECV: "dispatch: count rows and tokens from peers",
-    Flag.STATUS_COMBINE_SEND: "combine send: the proxy's writes of the previous call",
-    Flag.STATUS_COMBINE_RECV: "combine: expert outputs from peers",
-}
-_STATUS_OF = {"dispatch_send": Flag.STATUS_DISPATCH_SEND, "dispatch_recv": Flag.STATUS_DISPATCH_RECV,
-              "combine_send": Flag.STATUS_COMBINE_SEND, "combine_recv": Flag.STATUS_COMBINE_RECV}
-_HOST_WAITS = {"dispatch_send": (Flag.DISPATCH_WRITES_DONE, -1), "dispatch_recv": (Flag.DISPATCH_RECV_READY, 0),
-               "combine_send": (Flag.COMBINE_WRITES_DONE, -1), "combine_recv": (Flag.COMBINE_RECV_READY, 0)}
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
                 "dispatch received (next: combine send)", "combine sent (next: combine recv)")
 
@@ -224,6 +212,11 @@ class AllToAll:
                              name=f"moe_a2a-proxy-watch-{self.rank}").start()
 
     @property
+    def node_local(self) -> bool:
+        """True when every rank is on this node: the proxy takes no part in the calls."""
+        return not self.with_proxy
+
+    @property
     def host_staged(self) -> bool:
         """True when the send/recv buffers live in host memory (the shared segment)."""
         return self.placement == "host"
@@ -339,7 +332,6 @@ class AllToAll:
         W = lay.world_size
         self.with_proxy = lay.node_size < W
         self.device_sync = not self.with_proxy and not any(map(waits_on_host, range(W)))
-        self.node_local = not self.with_proxy
         # Kernel-side waits and signals read the epoch from the device, so a captured CUDA graph
         # publishes and awaits the epoch of each replay, not the one seen at capture.
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device) if on_gpu else None
@@ -402,7 +394,7 @@ class AllToAll:
         # What `_ready` looks at before every call, as one numpy gather (a torch index costs ~5 µs each).
         self._flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
         self._alarm_words = [flag_word(f) for f in (Flag.BAD_INDEX, Flag.ERROR, Flag.CAPACITY_EXCEEDED)
-                             + tuple(_WAIT_STATUS)]
+                             + tuple(h.status for h in HALF_FLAGS.values())]
         self._next_proxy_poll = 0.0
         ntrace = lay.model_trace_words
         self._model_trace = self._view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
@@ -707,7 +699,7 @@ class AllToAll:
         """Host waits only (CPU, ranks sharing a GPU): poll what the half's kernel would wait for."""
         if self._ready_words is None:
             return
-        flag, delta = _HOST_WAITS[half]
+        flag, delta, _, _, what = HALF_FLAGS[half]
         words = self._ready_words[half.split("_")[0]] if half.endswith("recv") else None
         first, n = self._node.node_first, self._node.node_size
         target = self.epoch
@@ -722,7 +714,7 @@ class AllToAll:
                 self._raise_proxy_error(force=True)
             if time.monotonic() > deadline:
                 self._raise_proxy_error(force=True)
-                raise TimeoutError(f"rank {self.rank}: {_WAIT_STATUS[_STATUS_OF[half]]}: timed out after "
+                raise TimeoutError(f"rank {self.rank}: {what}: timed out after "
                                    f"{self.timeout_s:g}s (epoch {target}); missing peers {missing}"
                                    + (" and the proxy (remote peers)" if proxy_late else ""))
             spins += 1
@@ -750,7 +742,7 @@ class AllToAll:
         if code:  # the proxy's message names the remote peers it missed
             msg = read_error(self.segment, self.layout)
             raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)
-        for status, what in _WAIT_STATUS.items():
+        for _, _, _, status, what in HALF_FLAGS.values():
             code = int(self._flags_np[flag_word(status)])
             if code:
                 raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s; "

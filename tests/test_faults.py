@@ -9,7 +9,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -19,50 +18,16 @@ from moe_a2a import LocalCluster
 from moe_a2a.config import A2AConfig
 from moe_a2a.local import _CLUSTER_ENV, _cluster_processes
 
+from ._procnet import listening_sockets, socket_inodes
 from .conftest import TEST_DEVICE
 
 pytestmark = [pytest.mark.slow]
+
 
 CFG = A2AConfig(max_num_tokens=2, num_experts=4, experts_per_token=1, hidden_dim=8, in_dtype=torch.float32)
 
 
 # ---- /proc helpers ------------------------------------------------------------------------------
-def _listening() -> list[tuple[str, int, str]]:
-    """(address, port, socket inode) of every listening TCP socket (IPv4 and IPv6) of this machine."""
-    out = []
-    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        try:
-            lines = open(path).read().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] != "0A":  # TCP_LISTEN
-                continue
-            hex_addr, hex_port = f[1].split(":")
-            raw = bytes.fromhex(hex_addr)
-            # /proc prints each 32-bit word in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            out.append((socket.inet_ntop(family, raw), int(hex_port, 16), f[9]))
-    return out
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:["):-1])
-    return inodes
-
-
 def _is_loopback(addr: str) -> bool:
     ip = ipaddress.ip_address(addr)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
@@ -129,12 +94,12 @@ def test_cluster_listens_on_loopback_only(transport):
         proxies = cl.run(_proxy_pid)
         store = cl._store_dir
         assert os.stat(store).st_mode & 0o777 == 0o700 and os.listdir(store) == ["store"]
-        listening = _listening()
+        listening = listening_sockets()
         exposed = {}
         for pid in ranks + proxies:
-            inodes = _socket_inodes(pid)
+            inodes = socket_inodes(pid)
             exposed[pid] = [(a, port) for a, port, ino in listening if ino in inodes and not _is_loopback(a)]
-        rank_listeners = [(a, port) for pid in ranks for a, port, ino in listening if ino in _socket_inodes(pid)]
+        rank_listeners = [(a, port) for pid in ranks for a, port, ino in listening if ino in socket_inodes(pid)]
     assert rank_listeners, "gloo's listening sockets were not found: the check would pass vacuously"
     assert all(not exposed[pid] for pid in ranks + proxies), exposed
     assert not os.path.exists(store), "the bootstrap's store directory outlived close()"

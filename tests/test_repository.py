@@ -1,23 +1,53 @@
-"""The repository stands alone: nothing in it points to a file outside it (the working notes the
-project started from live elsewhere; docs/design.md is the project's own account)."""
+"""The repository stands alone: every document it mentions by file name is in it (a user has nothing
+else; the project's own account of its design is docs/design.md)."""
 from __future__ import annotations
 
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUTSIDE = re.compile(r"DESIGN\.md|DESIGN section|\bDESIGN §|shared/reference|\.\./shared|000_d398671e694e9250")
+SOURCES = {".py", ".md", ".sh", ".ipynb", ".toml"}
+SKIP = {".git", ".hypothesis", "old_pkg"}
+# A document named in text: a path or bare name ending in .md, .txt or .ipynb (not part of a longer path
+# or a URL, not an output written under $OUT).
+MENTION = re.compile(r"(?<![\w$/.:-])((?:\.\./|[\w-]+/)*[\w-]+\.(?:md|txt|ipynb))\b")
 
 
-def test_no_reference_points_outside_the_repository():
-    hits = []
-    for path in ROOT.rglob("*"):
-        if path.suffix not in {".py", ".md", ".sh", ".ipynb", ".toml", ".txt", ".cfg"} or not path.is_file():
-            continue
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] in {".git", "old_pkg", ".hypothesis"} or "egg-info" in str(rel) or path == pathlib.Path(__file__):
+def _tracked() -> list[pathlib.Path]:
+    return [p for p in ROOT.rglob("*") if p.is_file() and not SKIP & set(p.relative_to(ROOT).parts)
+            and "egg-info" not in str(p)]
+
+
+def _resolves(mention: str, source: pathlib.Path, names: set[str], paths: set[str]) -> bool:
+    """In the repository: as a path from the root, from the mentioning file's folder (without leaving
+    the repository), or as the name of one of its files."""
+    if mention in paths:
+        return True
+    target = (source.parent / mention).resolve()
+    if target.exists():
+        return target.is_relative_to(ROOT)
+    return ".." not in mention and pathlib.PurePath(mention).name in names
+
+
+def test_every_document_mentioned_is_in_the_repository():
+    files = _tracked()
+    names = {p.name for p in files}
+    paths = {str(p.relative_to(ROOT)) for p in files}
+    missing = []
+    for path in files:
+        if path.suffix not in SOURCES or path == pathlib.Path(__file__).resolve():  # (its made-up examples)
             continue
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if OUTSIDE.search(line):
-                hits.append(f"{rel}:{n}: {line.strip()[:100]}")
-    assert not hits, "references outside the repository:\n" + "\n".join(hits)
+            for m in MENTION.finditer(line):
+                if not _resolves(m.group(1), path, names, paths):
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {m.group(1)}")
+    assert not missing, "documents named but not in the repository:\n" + "\n".join(missing)
+
+
+def test_the_check_finds_an_outside_document(tmp_path):
+    # the check itself: a name nowhere in the repository, and a path that leaves it, are both caught
+    names, paths = {"design.md"}, {"docs/design.md"}
+    src = ROOT / "docs" / "design.md"
+    assert _resolves("docs/design.md", src, names, paths) and _resolves("design.md", src, names, paths)
+    assert not _resolves("working-notes.md", src, names, paths)
+    assert not _resolves("../../outside/design.md", src, names, paths)

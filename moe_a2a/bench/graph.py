@@ -141,7 +141,7 @@ def run(world: int, node: int, presets: list[str], iters: int, warmup: int, time
     return out
 
 
-def _median_over_ranks(rows: list[dict], key: str) -> float:
+def _slowest_rank_median(rows: list[dict], key: str) -> float:
     return max(r[key]["median"] for r in rows)  # the slowest rank is the call's latency
 
 
@@ -150,8 +150,8 @@ def print_table(res: dict) -> None:
     print(f"{'preset':<9}{'half':<10}{'graph':>10}{'eager':>10}{'nccl':>10}{'floor':>10}")
     for preset, row in res["presets"].items():
         for half in ("dispatch", "combine", "total"):
-            graph = _median_over_ranks(row["graph"], half)
-            eager = _median_over_ranks(row["eager"], half)
+            graph = _slowest_rank_median(row["graph"], half)
+            eager = _slowest_rank_median(row["eager"], half)
             floor = row["floor"]["dispatch"] + row["floor"]["combine"] if half == "total" else row["floor"][half]
             nccl = "-"
             if "nccl" in row:

@@ -414,9 +414,12 @@ class ProxyHandle:
         if proc.returncode is None:
             if not exited_unreaped(timeout_s):
                 os.kill(proc.pid, signal.SIGKILL)  # not proc.kill(): its poll() could reap it first
-                exited_unreaped(None)
+                exited_unreaped(timeout_s)  # SIGKILL ends it at once unless the kernel holds it (D state)
             remove_process_shm_files(proc.pid, segments=False)
-            proc.wait()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:  # unkillable for now: leave it rather than hang close()
+                pass
         elif not os.path.exists(f"/proc/{proc.pid}"):
             remove_process_shm_files(proc.pid, segments=False)
         for closable in (self.conn, self._sock):

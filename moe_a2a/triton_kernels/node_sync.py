@@ -20,7 +20,7 @@ with remote peers, into the proxy's flag (SEND_READY / COMBINE_SEND_READY, `node
 (unpack, reduce) start with a *prologue* (`node_wait`): spin with system-scope acquire loads until every
 node rank's word reaches the epoch and, with remote peers, the proxy's flag does (DISPATCH_RECV_READY /
 COMBINE_RECV_READY). With remote peers the producers' prologues also wait until the proxy's writes out of
-their region for the previous call completed (DISPATCH/COMBINE_WRITES_DONE >= e-1); `_PROXY_FLAGS` lists
+their region for the previous call completed (DISPATCH/COMBINE_WRITES_DONE >= e-1); `HALF_FLAGS` lists
 each half's flags. No barrier: why each reuse of a region is safe is in docs/protocol.md, section 4.
 
 Failure: a wait that times out (`%globaltimer`, `timeout_s`), or sees the proxy's ERROR flag, stores
@@ -38,6 +38,7 @@ GPU -> proxy -> GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,14 +53,29 @@ _PROXY_MISSING: tl.constexpr = tl.constexpr(PROXY_MISSING)
 INTERPRETER_MAX_SPINS = 1 << 16
 
 
-# The flags each half's kernels touch on the proxy path: (wait for, delta, raise in the epilogue).
+class HalfFlags(NamedTuple):
+    """The flags of one half's kernel: the proxy flag it waits for (>= epoch + delta), the one it raises
+    in its epilogue (None: none), the status word of a failed wait and what that wait was for. The
+    host's waits (`AllToAll._host_wait`) and messages use the same table."""
+
+    wait: Flag
+    delta: int
+    signal: Flag | None
+    status: Flag
+    what: str
+
+
 # A producer waits until the proxy finished writing out of its buffer for the previous call (delta -1);
 # a consumer waits until the proxy says the remote data of this call has landed.
-_PROXY_FLAGS = {
-    "dispatch_send": (Flag.DISPATCH_WRITES_DONE, -1, Flag.SEND_READY, Flag.STATUS_DISPATCH_SEND),
-    "dispatch_recv": (Flag.DISPATCH_RECV_READY, 0, None, Flag.STATUS_DISPATCH_RECV),
-    "combine_send": (Flag.COMBINE_WRITES_DONE, -1, Flag.COMBINE_SEND_READY, Flag.STATUS_COMBINE_SEND),
-    "combine_recv": (Flag.COMBINE_RECV_READY, 0, None, Flag.STATUS_COMBINE_RECV),
+HALF_FLAGS = {
+    "dispatch_send": HalfFlags(Flag.DISPATCH_WRITES_DONE, -1, Flag.SEND_READY, Flag.STATUS_DISPATCH_SEND,
+                               "dispatch send: the proxy's writes of the previous call"),
+    "dispatch_recv": HalfFlags(Flag.DISPATCH_RECV_READY, 0, None, Flag.STATUS_DISPATCH_RECV,
+                               "dispatch: count rows and tokens from peers"),
+    "combine_send": HalfFlags(Flag.COMBINE_WRITES_DONE, -1, Flag.COMBINE_SEND_READY, Flag.STATUS_COMBINE_SEND,
+                              "combine send: the proxy's writes of the previous call"),
+    "combine_recv": HalfFlags(Flag.COMBINE_RECV_READY, 0, None, Flag.STATUS_COMBINE_RECV,
+                              "combine: expert outputs from peers"),
 }
 
 
@@ -107,7 +123,7 @@ class NodeSync:
     def kernel_args(self, half: str, device: torch.device) -> dict:
         """Keyword arguments of the synchronising prologue/epilogue of one half's kernel."""
         on_gpu = device.type == "cuda"
-        wait_flag, delta, signal_flag, status = _PROXY_FLAGS[half]
+        wait_flag, delta, signal_flag, status, _ = HALF_FLAGS[half]
         ready = self.dispatch_ready_bytes if half.startswith("dispatch") else self.combine_ready_bytes
         args = dict(failed_ptr=self.failed, epoch_ptr=self.epoch, flags_ptr=self.flags,
                     peer_sync_bytes_ptr=self.peer_sync_bytes, sync_bytes=self.sync_bytes, node_first=self.node_first,
@@ -263,5 +279,5 @@ def proxy_missing(status: int) -> bool:
     return bool(int(status) & PROXY_MISSING)
 
 
-__all__ = ["NodeSync", "node_wait", "node_arrive", "node_copy_count_row", "node_publish", "failed_ranks",
+__all__ = ["NodeSync", "HalfFlags", "HALF_FLAGS", "node_wait", "node_arrive", "node_copy_count_row", "node_publish", "failed_ranks",
            "proxy_missing"]

@@ -1,4 +1,11 @@
-"""Flags between the GPU stream and the proxy process.
+"""Flag primitives between the GPU stream and the host: system-scope acquire loads, the GPU clock,
+and stand-alone one-program flag kernels.
+
+`AllToAll` no longer launches the stand-alone kernels below (`signal_flag`, `wait_flag`,
+`advance_epoch`): its waits and signals are the prologues and epilogues of the data kernels
+(`node_sync.py`), which build on `_load_acquire_sys` and `_globaltimer_ns` from here, and its trace
+stamps use `stamp_time`. The stand-alone kernels stay as the measured baseline of one flag hand-off
+(`moe-a2a bench kernels` times `signal_flag`) and are tested as such.
 
 Flags are int64 epoch values, one per 64-byte line (`config.FLAG_SLOT_BYTES`), at the start of a
 rank's shared host segment (`Flag` names the slots). A flag is raised for epoch e when it reads >= e;

@@ -15,22 +15,11 @@ from moe_a2a.proxy.engine import EngineAddress, RemoteRegion, TransferEngine
 
 from . import _engine_workers as w
 from ._peers import Died, run_peers
-
-PROVIDERS = ["tcp", "shm"]
-
-
-def _available(provider: str) -> bool:
-    try:
-        lf.getinfo(provider).close()
-    except (OSError, lf.FabricError):
-        return False
-    return True
+from ._providers import PROVIDERS, provider_params
 
 
-pytestmark = pytest.mark.parametrize(
-    "provider",
-    [pytest.param(p, marks=pytest.mark.skipif(not _available(p), reason=f"libfabric provider {p} unavailable"))
-     for p in PROVIDERS])
+
+pytestmark = pytest.mark.parametrize("provider", provider_params(PROVIDERS))
 
 
 @pytest.fixture

@@ -30,6 +30,9 @@ from moe_a2a.proxy import libfabric as lf
 from moe_a2a.proxy.engine import (ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET,
                                   TransferEngine)
 
+from .._procnet import listening_sockets, socket_inodes
+from ._providers import available, provider_params
+
 ROOT = Path(__file__).resolve().parents[2]
 NBYTES = 4096
 FILL = 0x5A  # the target's bytes; the attacker writes 0xAA
@@ -37,15 +40,7 @@ GUESSES = (0, 1, 2, 3, 4)  # what sequential keys would have been
 IMM = 0xA77AC4ED
 
 
-def _available(provider: str) -> bool:
-    try:
-        lf.getinfo(provider).close()
-    except (OSError, lf.FabricError):
-        return False
-    return True
-
-
-needs_tcp = pytest.mark.skipif(not _available("tcp"), reason="libfabric provider tcp unavailable")
+needs_tcp = pytest.mark.skipif(not available("tcp"), reason="libfabric provider tcp unavailable")
 
 
 def _ip_port(eng: TransferEngine) -> tuple[str, int]:
@@ -156,9 +151,7 @@ def test_source_only_regions_reject_writes_even_with_their_key():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("provider", [
-    pytest.param(p, marks=pytest.mark.skipif(not _available(p), reason=f"libfabric provider {p} unavailable"))
-    for p in ("tcp", "shm")])
+@pytest.mark.parametrize("provider", provider_params())
 def test_keys_are_random_not_sequential(provider):
     bufs = [ctypes.create_string_buffer(NBYTES) for _ in range(4)]
     with TransferEngine(provider) as a, TransferEngine(provider) as b:
@@ -193,7 +186,7 @@ def test_keys_respect_a_smaller_mr_key_size():
 
 @pytest.mark.timeout(60)
 def test_register_refuses_remote_read_and_unknown_access():
-    with TransferEngine("tcp" if _available("tcp") else "auto") as eng:
+    with TransferEngine("tcp" if available("tcp") else "auto") as eng:
         buf = ctypes.create_string_buffer(64)
         for bad in (lf.FI_REMOTE_READ, ACCESS_TARGET | lf.FI_REMOTE_READ, 0, lf.FI_SEND, -1):
             with pytest.raises(ValueError, match="access|FI_REMOTE_READ"):
@@ -239,31 +232,8 @@ def test_protocol_issues_no_rdma_reads():
 
 def _listening(pid: int) -> set[tuple[str, int]]:
     """(address, port) of the TCP sockets in LISTEN state that process ``pid`` holds (/proc)."""
-    inodes = set()
-    fd_dir = f"/proc/{pid}/fd"
-    for fd in os.listdir(fd_dir):
-        try:
-            link = os.readlink(f"{fd_dir}/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = set()
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] != "0A" or f[9] not in inodes:  # 0A: TCP_LISTEN
-                continue
-            hex_addr, hex_port = f[1].split(":")
-            raw = bytes.fromhex(hex_addr)
-            # /proc prints the address as 32-bit words in host (little-endian) order.
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            out.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
-    return out
+    mine = socket_inodes(pid)
+    return {(addr, port) for addr, port, inode in listening_sockets() if inode in mine}
 
 
 LOOPBACK = {"127.0.0.1", "::1"}
@@ -291,7 +261,7 @@ def test_local_only_engine_listens_on_loopback_only():
         eng.wait_imms({3: 1}, 10, "loopback self write")
         eng.wait_writes(10)
     # Providers without a socket ignore the option.
-    if _available("shm"):
+    if available("shm"):
         TransferEngine("shm", local_only=True).close()
 
 
