@@ -90,6 +90,15 @@ shared)  # 2026-11-30, nvidia-h200 (one GPU): 4 ranks sharing it wait on the hos
   step 60 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
   step 60 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/proxy tests/test_local.py
   ;;
+shared1)  # 2026-11-30 (second session), nvidia-h200-x2 with CUDA_VISIBLE_DEVICES=0: 4 ranks on one GPU, host waits
+  # (NodeSync.kernel_waits=False), then the compat facades and the fixed-capacity layout on 2 GPUs
+  step 60 env CUDA_VISIBLE_DEVICES=0 python3 -m moe_a2a.bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n4.json"
+  step 60 env CUDA_VISIBLE_DEVICES=0 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
+  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/compat tests/test_all_to_all.py -k "capacity or compat or deep_ep or vllm"
+  # across two simulated nodes (one rank per node, host-staged over shm): the "before" of the cross-node work
+  step 120 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --json "$OUT/e2e_graph_x2_n1.json"
+  step 60 python3 -m moe_a2a.bench.transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
