@@ -417,7 +417,9 @@ class AllToAll:
             counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts, timeout_s=self.timeout_s,
             # Ranks sharing a GPU wait on the host; their kernels must not spin at all, not even for a
             # poll or two: the GPU time-slices between their contexts.
-            with_proxy=self.with_proxy, kernel_waits=not self.host_waits)
+            with_proxy=self.with_proxy, kernel_waits=not self.host_waits,
+            # Words in pinned host memory: one small kernel polls them, not every program of a data kernel.
+            wait_apart=on_gpu and not self.host_waits and (not self.device_sync or self.placement == "host"))
         # Host waits (CPU, or ranks sharing a GPU): the host polls the same words before it launches a
         # kernel, whose own wait then passes at its first poll (the interpreter runs a kernel to the
         # end before returning, so a kernel cannot wait for a peer that is still being launched).

@@ -99,6 +99,12 @@ shared1)  # 2026-11-30 (second session), nvidia-h200-x2 with CUDA_VISIBLE_DEVICE
   step 120 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --json "$OUT/e2e_graph_x2_n1.json"
   step 60 python3 -m moe_a2a.bench.transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
   ;;
+cross)  # 2026-11-30 (second session), nvidia-h200-x2: host-memory waits in a one-warp kernel (NodeSync.wait_apart)
+  step 150 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --json "$OUT/e2e_graph_x2_n1.json"
+  step 330 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/compat tests/test_cuda_graph.py \
+       tests/triton_kernels/test_node_sync.py tests/test_all_to_all.py
+  step 60 env CUDA_VISIBLE_DEVICES=0 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;

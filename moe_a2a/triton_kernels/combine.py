@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
-from .node_sync import NodeSync, node_arrive, node_publish, node_wait
+from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_publish, node_wait
 from .rows import (
     LaunchCache,
     tensor_key,
@@ -230,6 +230,7 @@ def pack_combine_by_source(
 
     No host sync; CUDA-graph safe.
     """
+    launch_wait_apart(node, "combine_send", base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(expert_y, torch.Tensor) and expert_y.is_cuda:
         key = (tensor_key(expert_y), tensor_key(counts), rank, tensor_key(base), tensor_key(peer_recv_bytes),
@@ -299,6 +300,7 @@ def reduce_combined_tokens(
     Accumulates in fp32 in k order and casts once (round to nearest even). No host sync; CUDA-graph
     safe.
     """
+    launch_wait_apart(node, "combine_recv", recv_base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(out_tokens, torch.Tensor) and out_tokens.is_cuda:
         key = (tensor_key(out_tokens), tensor_key(route_slot), tensor_key(weights), tensor_key(recv_base),

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..config import A2AConfig, Flag, Layout, ceil_div, flag_word, next_power_of_2
-from .node_sync import NodeSync, node_arrive, node_copy_count_row, node_publish, node_wait
+from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_copy_count_row, node_publish, node_wait
 from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
                    _check_layout, _check_peer_table, _check_tensor, _chunk_words, _copy_row_words, _fail,
                    _live_token_block, _node_peer_tables, _num_warps, _persistent_grid, _recv_pair_tables,
@@ -250,6 +250,7 @@ def pack_tokens_by_expert(
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
     """
+    launch_wait_apart(node, "dispatch_send", send_base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(x, torch.Tensor) and x.is_cuda:
         key = (tensor_key(x), tensor_key(x_scale), tensor_key(route_slot), tensor_key(send_base), send_offset_bytes,
@@ -341,6 +342,7 @@ def unpack_tokens_by_expert(
 
     Every offset is computed on the device from `counts`: no host sync, CUDA-graph safe.
     """
+    launch_wait_apart(node, "dispatch_recv", base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(out_expert_x, torch.Tensor) and out_expert_x.is_cuda:
         key = (tensor_key(out_expert_num_tokens), tensor_key(out_expert_x), tensor_key(out_expert_x_scale),

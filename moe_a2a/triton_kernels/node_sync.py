@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..config import PROXY_MISSING, Flag, flag_word, next_power_of_2
+from .rows import LaunchCache
 from .sync import _globaltimer_ns, _load_acquire_sys
 
 _PROXY_MISSING: tl.constexpr = tl.constexpr(PROXY_MISSING)
@@ -99,6 +100,11 @@ class NodeSync:
         with_proxy: remote peers exist: the kernels also wait for / raise the proxy's flags.
         kernel_waits: False when the host polls every word before it launches a kernel (CPU, or ranks
             sharing one GPU, which must not spin in a kernel): the prologues then only check `failed`.
+        wait_apart: the words live in pinned host memory (with remote peers, or host-staged buffers):
+            one single-warp kernel (`launch_wait_apart`) spins before each data kernel, whose prologue
+            then only checks `failed`. Every program of a data kernel polling host memory kept ~500
+            PCIe reads in flight per GPU and slowed everything else on the bus (measured 2026-11-30,
+            2 x H200, one rank per node: 14 ms per dispatch + combine, docs/perf-notes.md).
         interpreter_spins: how many polls before giving up under the interpreter (no clock there).
     """
 
@@ -118,6 +124,7 @@ class NodeSync:
     timeout_s: float
     with_proxy: bool = False
     kernel_waits: bool = True
+    wait_apart: bool = False
     interpreter_spins: int = INTERPRETER_MAX_SPINS
 
     def kernel_args(self, half: str, device: torch.device) -> dict:
@@ -129,7 +136,8 @@ class NodeSync:
                     peer_sync_bytes_ptr=self.peer_sync_bytes, sync_bytes=self.sync_bytes, node_first=self.node_first,
                     READY_BYTES=ready, NODE=self.node_size, NODE_SYNC=True, HAS_PROXY=self.with_proxy,
                     USE_PTX=on_gpu, STATUS_WORD=flag_word(status), PROXY_WAIT_WORD=flag_word(wait_flag),
-                    PROXY_DELTA=delta, ERROR_WORD=flag_word(Flag.ERROR), KERNEL_WAIT=self.kernel_waits,
+                    PROXY_DELTA=delta, ERROR_WORD=flag_word(Flag.ERROR),
+                    KERNEL_WAIT=self.kernel_waits and not self.wait_apart,
                     timeout_ns=int(self.timeout_s * 1e9) if on_gpu else 0,
                     max_spins=0 if on_gpu else self.interpreter_spins)
         if signal_flag is not None:
@@ -158,6 +166,12 @@ def _store_release_sys(ptr, value, USE_PTX: tl.constexpr):
 
 
 @triton.jit
+def _nanosleep(ns):
+    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def node_wait(
     base_ptr,            # uint8: byte address space of this rank's sync area
     ready_bytes,         # int64: this rank's ready words (sync area + dispatch/combine_ready) - base
@@ -174,6 +188,7 @@ def node_wait(
     STATUS_WORD: tl.constexpr,   # flags word that records a failed wait
     USE_PTX: tl.constexpr,
     SPIN: tl.constexpr = True,   # False: the host already waited for all of it (host waits): no spin
+    BACKOFF_NS: tl.constexpr = 0,  # GPU: sleep this long between polls (host memory: each poll crosses PCIe)
 ):
     """Prologue: spin until ready[s] >= epoch for every s of this node (and the proxy's flag is up).
     Returns True when the caller may proceed (False after an earlier failure, a timeout or a proxy
@@ -203,6 +218,9 @@ def node_wait(
                     n_late += proxy_late.to(tl.int32)
                 spins += 1
                 if USE_PTX:
+                    if BACKOFF_NS > 0:
+                        if n_late > 0:
+                            _nanosleep(tl.full([], BACKOFF_NS, tl.int32))
                     elapsed = _globaltimer_ns() - start
                 else:
                     elapsed = tl.zeros([], dtype=tl.int64)
@@ -268,6 +286,45 @@ def node_publish(
         _store_release_sys(flags_ptr + PROXY_SIGNAL_WORD, epoch, USE_PTX)
 
 
+@triton.jit
+def _wait_apart_kernel(
+    base_ptr, failed_ptr, epoch_ptr, flags_ptr, sync_bytes, node_first, timeout_ns, max_spins,
+    READY_BYTES: tl.constexpr, NODE: tl.constexpr, NODE_PAD: tl.constexpr, HAS_PROXY: tl.constexpr,
+    PROXY_WAIT_WORD: tl.constexpr, PROXY_DELTA: tl.constexpr, ERROR_WORD: tl.constexpr,
+    STATUS_WORD: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
+):
+    """Grid (1,), one warp: the wait of one half (`node_wait`) ahead of its data kernel, which then
+    starts after it on the stream. A failure is recorded (status word, sticky `failed`) as in the prologue."""
+    node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first, timeout_ns,
+              max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD,
+              USE_PTX, True, BACKOFF_NS)
+
+
+# Between two polls of host memory: a flag hand-off through the proxy takes ~5.6 µs, a PCIe read ~1 µs.
+WAIT_APART_BACKOFF_NS = 200
+
+
+def launch_wait_apart(node: NodeSync | None, half: str, base: torch.Tensor) -> None:
+    """Launch the separate wait of `half` when `node.wait_apart` (else nothing): consumers wait for their
+    node peers' words and the proxy's flag; producers, with remote peers, for the proxy's previous writes."""
+    if node is None or not node.wait_apart:
+        return
+    consumer = half.endswith("recv")
+    if not consumer and not node.with_proxy:
+        return
+    key = (node, half, base.data_ptr())
+    if _WAIT_APART.hit(key):
+        return
+    a = node.kernel_args(half, base.device)
+    _WAIT_APART.launch(
+        key, (1,), base, a["failed_ptr"], a["epoch_ptr"], a["flags_ptr"], node.sync_bytes if consumer else 0,
+        node.node_first if consumer else 0, a["timeout_ns"], a["max_spins"],
+        READY_BYTES=a["READY_BYTES"] if consumer else 0, NODE=node.node_size if consumer else 0,
+        NODE_PAD=next_power_of_2(node.node_size) if consumer else 1, HAS_PROXY=node.with_proxy,
+        PROXY_WAIT_WORD=a["PROXY_WAIT_WORD"], PROXY_DELTA=a["PROXY_DELTA"], ERROR_WORD=a["ERROR_WORD"],
+        STATUS_WORD=a["STATUS_WORD"], USE_PTX=a["USE_PTX"], BACKOFF_NS=WAIT_APART_BACKOFF_NS, num_warps=1)
+
+
 def failed_ranks(status: int, node_first: int) -> list[int]:
     """The same-node ranks a failed wait's status word (`1 + 2 * bitmask [+ PROXY_MISSING]`) names."""
     mask = ((int(status) & (PROXY_MISSING - 1)) - 1) // 2
@@ -279,5 +336,7 @@ def proxy_missing(status: int) -> bool:
     return bool(int(status) & PROXY_MISSING)
 
 
-__all__ = ["NodeSync", "HalfFlags", "HALF_FLAGS", "node_wait", "node_arrive", "node_copy_count_row", "node_publish", "failed_ranks",
+_WAIT_APART = LaunchCache(_wait_apart_kernel)
+
+__all__ = ["NodeSync", "HalfFlags", "HALF_FLAGS", "node_wait", "launch_wait_apart", "node_arrive", "node_copy_count_row", "node_publish", "failed_ranks",
            "proxy_missing"]

@@ -73,7 +73,8 @@ def test_facade_matches_reference_with_two_micro_batches_and_late_hooks(use_fp8,
             L = E // W
             for call, (seed, mb) in enumerate([(1, 0), (1, 1), (2, 0), (2, 1)]):
                 ins = [_inputs(r, 10 * seed + mb, token_counts[r][mb], routing) for r in range(W)]
-                xs = [quantize_fp8(x.float(), 128) if use_fp8 else (x, None) for x, _, _ in ins]
+                xs = [tuple(t.cpu() for t in quantize_fp8(x.to(TEST_DEVICE).float(), 128)) if use_fp8 else (x, None)
+                      for x, _, _ in ins]
                 want = reference.dispatch(cfg, [q for q, _ in xs], [s for _, s in xs] if use_fp8 else None,
                                           [i for _, i, _ in ins])
                 ys = []
@@ -94,6 +95,62 @@ def test_facade_matches_reference_with_two_micro_batches_and_late_hooks(use_fp8,
                 for r in range(W):
                     torch.testing.assert_close(got[r][call]["combined"].cpu().float(), outs[r].float(),
                                                rtol=2 ** -7, atol=1e-5)
+
+
+def _graph_rank(a2a, rank, seeds):
+    """The facade captured in one CUDA graph (dispatch, a toy expert, combine), replayed with new inputs."""
+    from moe_a2a.compat import Buffer
+
+    dev = a2a.device
+    with Buffer(transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size, device=dev) as buf:
+        x, idx, w = (t.to(dev) for t in _inputs(rank, 1, T_MAX, "random"))
+
+        def step():
+            recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+            combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle)
+            return recv_x, count, combined
+
+        step(), step()  # eager warm-up: both alternating instances built, every kernel compiled
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recv_x, count, combined = step()
+        out = []
+        for seed in seeds:
+            for t, new in zip((x, idx, w), _inputs(rank, seed, T_MAX, "random")):
+                t.copy_(new)
+            graph.replay()
+            torch.cuda.synchronize()
+            out.append({"count": count.cpu(), "recv": recv_x.cpu(), "combined": combined.cpu()})
+        for inst in buf._a2a:
+            inst.check()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or TEST_DEVICE != "cuda",
+                    reason="a CUDA graph of the facade needs one GPU per rank (MOE_A2A_TEST_DEVICE=cuda, 2 GPUs)")
+def test_facade_in_a_cuda_graph_matches_reference_on_every_replay():
+    W, seeds = 2, [3, 4, 5]
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg0, world_size=W, node_size=2, transport="shm", device="cuda", timeout_s=60,
+                      gpu_wait="kernel") as cl:
+        got = cl.run(_graph_rank, seeds)
+    cap = T_MAX * W
+    cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16,
+                    expert_capacity=cap)
+    for call, seed in enumerate(seeds):
+        ins = [_inputs(r, seed, T_MAX, "random") for r in range(W)]
+        want = reference.dispatch(cfg, [x for x, _, _ in ins], None, [i for _, i, _ in ins])
+        for r in range(W):
+            n_ref, x_ref, _ = want[r]
+            assert torch.equal(got[r][call]["count"], n_ref), (call, r)
+            for l, n in enumerate(n_ref.tolist()):
+                assert torch.equal(got[r][call]["recv"][l, :n], x_ref[l * cap: l * cap + n]), (call, r, l)
+        outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins],
+                                 [(2 * x_ref.float()).to(torch.bfloat16) for _, x_ref, _ in want])
+        for r in range(W):
+            torch.testing.assert_close(got[r][call]["combined"].float(), outs[r].float(), rtol=2 ** -7, atol=1e-5)
 
 
 def _bad_calls(a2a, rank):

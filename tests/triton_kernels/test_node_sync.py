@@ -30,7 +30,7 @@ def sync_at(world) -> list[int]:
     return [r + world.layout.recv_sync_offset_bytes for r in world.recv_bytes]
 
 
-def node_syncs(world, timeout_s: float = 30.0, spins: int = 1 << 16) -> list[NodeSync]:
+def node_syncs(world, timeout_s: float = 30.0, spins: int = 1 << 16, wait_apart: bool = False) -> list[NodeSync]:
     lay, dev = world.layout, world.arena.device
     out = []
     for r in range(world.world_size):
@@ -41,7 +41,7 @@ def node_syncs(world, timeout_s: float = 30.0, spins: int = 1 << 16) -> list[Nod
             peer_sync_bytes=world.peer_table(r, sync_at(world)), sync_bytes=sync_at(world)[r], rank=r, node_first=0,
             node_size=world.world_size, dispatch_ready_bytes=lay.dispatch_ready_offset_bytes,
             combine_ready_bytes=lay.combine_ready_offset_bytes, counts_bytes=lay.node_counts_offset_bytes,
-            num_experts=lay.num_experts, timeout_s=timeout_s, interpreter_spins=spins))
+            num_experts=lay.num_experts, timeout_s=timeout_s, interpreter_spins=spins, wait_apart=wait_apart))
     return out
 
 
@@ -129,11 +129,32 @@ def test_node_synchronised_calls_equal_the_harness_path(case: Case) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_missing_peer_is_named_and_stops_the_rank() -> None:
+def test_waits_in_a_kernel_of_their_own_give_the_same_calls() -> None:
+    """`wait_apart` (words in host memory): one small kernel waits before each data kernel."""
+    case = Case(world_size=3, node_size=3, max_num_tokens=8, num_tokens=(5, 0, 7), bound_m=(None, None, 4))
+    cfg, W = case.cfg, case.world_size
+    xs, scales, indices = make_inputs(case)
+    weights = [torch.rand(T, cfg.experts_per_token, generator=torch.Generator().manual_seed(T)) for T in case.num_tokens]
+    outs = {}
+    for apart in (False, True):
+        world = case.world(TEST_DEVICE)
+        syncs = node_syncs(world, wait_apart=apart)
+        for _ in (1, 2):
+            outs[apart] = node_local_call(world, syncs, xs, scales, indices, list(case.bound_m), weights,
+                                          lambda me, ex: toy_y(cfg, me, ex))
+        assert all(int(s.failed) == 0 and int(s.epoch) == 2 for s in syncs)
+    for a, b in zip(outs[False], outs[True]):
+        for r in range(W):
+            assert torch.equal(a[r].view(torch.uint8).cpu(), b[r].view(torch.uint8).cpu())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wait_apart", [False, True], ids=["prologue", "apart"])
+def test_a_missing_peer_is_named_and_stops_the_rank(wait_apart: bool) -> None:
     case = Case(world_size=3, node_size=3, num_tokens=(4, 4, 4), bound_m=(None,) * 3)
     cfg, lay = case.cfg, case.world().layout
     world = case.world(TEST_DEVICE)
-    syncs = node_syncs(world, timeout_s=0.05, spins=3)
+    syncs = node_syncs(world, timeout_s=0.05, spins=3, wait_apart=wait_apart)
     xs, scales, indices = make_inputs(case)
     dev = world.arena.device
     slot = torch.empty(indices[0].shape, dtype=torch.int32, device=dev)
