@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout, flag_word
-from .proxy import bootstrap, topology
+from .proxy import bootstrap, host_atomics, topology
 from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
 from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, check_fits_in_memory, close_ipc_handle,
@@ -711,6 +711,14 @@ class AllToAll:
             missing = [p for p in range(first, first + n) if int(words[p]) < target] if words is not None else []
             proxy_late = self.with_proxy and int(self._flags_np[flag_word(flag)]) < target + delta
             if not missing and not proxy_late:
+                # Re-read what passed with acquire loads: the data the kernel reads next is ordered after
+                # them (plain loads are enough on x86, not on Arm; host_atomics keeps them plain there).
+                if words is not None:
+                    at = words.ctypes.data
+                    for p in range(first, first + n):
+                        host_atomics.load_acquire(at + 8 * p)
+                if self.with_proxy:
+                    host_atomics.load_acquire(self._flags_np.ctypes.data + 8 * flag_word(flag))
                 return
             if self._flags_np[flag_word(Flag.ERROR)]:
                 self._raise_proxy_error(force=True)

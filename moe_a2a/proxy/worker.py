@@ -44,6 +44,7 @@ import numpy as np
 
 from .. import plan
 from ..config import ERROR_MESSAGE_BYTES, TRACE_EVENTS, Flag, Imm, Layout, flag_word
+from . import host_atomics
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, send_fds
 
@@ -63,6 +64,10 @@ class ProxySpec:
     timeout_s: float
     parent_pid: int
     spin_s: float = 1e-3   # busy-poll this long before backing off to short sleeps
+    # Between calls a proxy with a core of its own busy-polls this long before sleeping: a sleep there
+    # delayed the next call's ROUTE_READY by up to 1.2 ms (2 x H200, graph replays back to back,
+    # 2026-11-30). A model step longer than this pays one wake-up (<= 1 ms) per call instead.
+    between_calls_spin_s: float = 0.2
     idle_yield: bool = False  # sched_yield in the engine's waits (more busy processes than cores)
     # (memory kind, device ordinal, send size, recv size) of the model's send/recv buffers when they
     # are not in the segment: "cuda" (cuMem) or "host" (memfd). Their POSIX FDs follow the spec on
@@ -75,28 +80,38 @@ class ProxySpec:
 
 
 class Flags:
-    """int64 epoch flags of one segment, one cache line apart."""
+    """int64 epoch flags of one segment, one cache line apart.
+
+    Stores are release stores and loads acquire loads (`host_atomics`): a reader that sees a flag's
+    value also sees every write made before it by the thread that stored it (plain numpy accesses
+    give that on x86 only, not on Arm)."""
 
     def __init__(self, seg: SharedSegment, lay: Layout) -> None:
         n = flag_word(Flag.NUM_FLAGS)
-        self._words = seg.numpy(lay.flags_offset_bytes, n, np.int64)
+        self._words = seg.numpy(lay.flags_offset_bytes, n, np.int64)  # keeps the mapping alive
+        base = self._words.ctypes.data
+        # Only real flags have an address (a KeyError, never a stray store, for anything else).
+        self._addr = {f: base + 8 * flag_word(f) for f in Flag if f != Flag.NUM_FLAGS}
 
     def __getitem__(self, flag: Flag) -> int:
-        return int(self._words[flag_word(flag)])
+        return host_atomics.load_acquire(self._addr[flag])
 
     def __setitem__(self, flag: Flag, value: int) -> None:
-        self._words[flag_word(flag)] = value
+        host_atomics.store_release(self._addr[flag], value)
 
 
 def write_error(seg: SharedSegment, lay: Layout, code: int, message: str) -> None:
-    """Report an error to the model process: message first, then the flag (the reader trusts the
-    message once the flag is nonzero)."""
+    """Report an error to the model process: message first, then the flag, with a release store
+    (the reader trusts the message once the flag is nonzero)."""
     data = message.encode()[: ERROR_MESSAGE_BYTES - 1] + b"\0"
     seg.numpy(lay.error_offset_bytes, len(data))[:] = np.frombuffer(data, np.uint8)
     Flags(seg, lay)[Flag.ERROR] = code
 
 
 def read_error(seg: SharedSegment, lay: Layout) -> str:
+    """The message `write_error` left. Call it once `Flag.ERROR` reads nonzero: its acquire load of
+    the flag orders the message reads after it, however the caller read the flag."""
+    Flags(seg, lay)[Flag.ERROR]  # the acquire load, before the message is read
     raw = bytes(seg.numpy(lay.error_offset_bytes, ERROR_MESSAGE_BYTES))
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
@@ -178,9 +193,10 @@ class Proxy:
     # ---- waiting ------------------------------------------------------------------------------
     def _idle(self, since: float) -> None:
         """Progress the CQ (software providers land data only when the target polls) and back off
-        to short sleeps after `spin_s`, so many ranks can share a 2-core CI machine. Inside a call
-        (between ROUTE_READY and its last flag) a proxy that has a core of its own never sleeps: a
-        sleep is >= 60-100 µs on Linux, more than a whole decode dispatch."""
+        to short sleeps after `spin_s`, so many ranks can share a 2-core CI machine. A proxy that has a
+        core of its own never sleeps inside a call (between ROUTE_READY and its last flag): a sleep is
+        >= 60-100 µs on Linux, more than a whole decode dispatch; between calls it sleeps only after
+        `between_calls_spin_s` without one (an idle server)."""
         self.engine.progress()
         now = time.monotonic()
         if now - self._last_beat > 0.01:
@@ -188,7 +204,10 @@ class Proxy:
             self.flags[Flag.HEARTBEAT] = self.flags[Flag.HEARTBEAT] + 1
             if self.flags[Flag.SHUTDOWN] or os.getppid() != self.spec.parent_pid:
                 raise _Stop()
-        if now - since > self.spec.spin_s and (self.spec.idle_yield or not self._in_call):
+        if self.spec.idle_yield:
+            if now - since > self.spec.spin_s:
+                time.sleep(min(1e-3, (now - since) / 10))
+        elif not self._in_call and now - since > self.spec.between_calls_spin_s:
             time.sleep(min(1e-3, (now - since) / 10))
 
     def wait_local(self, flag: Flag, epoch: int) -> None:
