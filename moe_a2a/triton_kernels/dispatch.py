@@ -197,6 +197,9 @@ def _unpack_tokens_by_expert_kernel(
             over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
             n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
             tl.store(flags_ptr + CAPACITY_WORD, 1 + over + L * n_over, mask=(pid == 0) & ok & (over < L))
+            # Fail-stop, as after a failed wait: this rank's later kernels move and publish nothing, so
+            # its peers stop at their combine (naming it) instead of summing outputs it never computed.
+            tl.store(failed_ptr, 1, mask=(pid == 0) & ok & (over < L))
     num_rows = tl.where(ok, num_rows, 0)
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty
