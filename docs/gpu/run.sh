@@ -105,6 +105,12 @@ cross)  # 2026-11-30 (second session), nvidia-h200-x2: host-memory waits in a on
        tests/triton_kernels/test_node_sync.py tests/test_all_to_all.py
   step 60 env CUDA_VISIBLE_DEVICES=0 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --json "$OUT/e2e_w4n2.json"
   ;;
+cross2)  # 2026-11-30 (second session), nvidia-h200-x2: + the proxy busy-polls between calls; capacity fail-stop
+  step 150 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --json "$OUT/e2e_graph_x2_n1.json"
+  step 120 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 2 --iters 200 --warmup 20 --json "$OUT/e2e_graph_x2.json"
+  step 240 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_all_to_all.py \
+       tests/triton_kernels/test_node_sync.py -k "capacity or dead_proxy or bad_index or W2-N1 or node_sync"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
