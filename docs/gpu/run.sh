@@ -111,6 +111,10 @@ cross2)  # 2026-11-30 (second session), nvidia-h200-x2: + the proxy busy-polls b
   step 240 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_all_to_all.py \
        tests/triton_kernels/test_node_sync.py -k "capacity or dead_proxy or bad_index or W2-N1 or node_sync"
   ;;
+one)  # 2026-11-30 (second session), nvidia-h200 (one GPU): every rank shares it and waits on the host
+  step 470 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/compat \
+       tests/test_all_to_all.py
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
