@@ -47,6 +47,12 @@ _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch rec
 PROXY_WATCH_S = 0.25
 
 
+class CallAborted(RuntimeError):
+    """A call was aborted on every rank because one rank's input was rejected (that rank raised a
+    ValueError). The outputs of that call are void; the instance stays usable and the next call
+    proceeds normally on every rank."""
+
+
 def _watch_proxy(ref) -> None:
     """Daemon thread: raise the ERROR flag, with the reason, when this rank's proxy process dies."""
     while True:
@@ -168,6 +174,8 @@ class AllToAll:
         self.nics = self._choose_nics(nics)
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
+        self._abort_seen = 0  # the last epoch whose abort this rank has reported (or made)
+        self._abort_scratch = None
         self._closed = True
         self._watch_lock = threading.Lock()
         self._peer_segments: list[SharedSegment] = []
@@ -393,7 +401,7 @@ class AllToAll:
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
         # What `_ready` looks at before every call, as one numpy gather (a torch index costs ~5 µs each).
         self._flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
-        self._alarm_words = [flag_word(f) for f in (Flag.BAD_INDEX, Flag.ERROR, Flag.CAPACITY_EXCEEDED)
+        self._alarm_words = [flag_word(f) for f in (Flag.ERROR, Flag.CAPACITY_EXCEEDED)
                              + tuple(h.status for h in HALF_FLAGS.values())]
         self._next_proxy_poll = 0.0
         ntrace = lay.model_trace_words
@@ -429,6 +437,10 @@ class AllToAll:
                 half: torch.frombuffer((ctypes.c_int64 * W).from_address(sync_at[r] + off), dtype=torch.int64).numpy()
                 for half, off in (("dispatch", lay.dispatch_ready_offset_bytes),
                                   ("combine", lay.combine_ready_offset_bytes))}
+            # The count rows, as the host sees them: a row of -1 is a source that aborted the call.
+            self._counts_np = torch.frombuffer(
+                (ctypes.c_int32 * (W * lay.num_experts)).from_address(sync_at[r] + lay.node_counts_offset_bytes),
+                dtype=torch.int32).numpy().reshape(W, lay.num_experts)
         self.route_slot = torch.full((self.cfg.max_num_tokens, self.cfg.experts_per_token), -1,
                                      dtype=torch.int32, device=self.device)
 
@@ -471,16 +483,28 @@ class AllToAll:
             bound_m: optional 1-element int32 tensor on the device: live tokens (CUDA graphs).
             do_send / do_recv: run the send half, the receive half, or both (default).
 
-        Bad input raises ValueError before anything is sent. On GPU the call is asynchronous and
+        Bad input raises ValueError before anything of it is sent, and aborts the call on every rank:
+        this rank still takes part, with no tokens and a count row of -1, so its peers finish the call
+        and raise `CallAborted` naming it (ranks that wait on the host: from this dispatch, after
+        finishing the combine half themselves; ranks that wait in kernels: from a later `combine` or
+        `check()`, since their host never waits); the next call works on every rank. Bad receive
+        outputs alone (`do_send=False`) raise ValueError and leave the call open for a corrected
+        receive. On GPU the call is asynchronous and
         CUDA-graph safe with `bound_m`. Index values are checked without a host sync on a GPU (the routing
         kernel drops a bad route and the next call raises a ValueError naming it), on the host on CPU.
         """
         self._ready()
         if do_send:
             self._expect(_IDLE, "dispatch(do_send=True)")
-            self._validate_dispatch(x, x_scale, indices, bound_m)
-        if do_recv:
-            self._expect(_DISPATCH_SENT if not do_send else _IDLE, "dispatch(do_recv=True)")
+            try:
+                self._validate_dispatch(x, x_scale, indices, bound_m)
+                if do_recv:
+                    self._validate_dispatch_out(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
+            except ValueError as exc:
+                self._abort_call(exc)  # raises exc, once the call is void on every rank
+        elif do_recv:
+            self._expect(_DISPATCH_SENT, "dispatch(do_recv=True)")
+            # Nothing is lost: the send half is done, a corrected receive may follow.
             self._validate_dispatch_out(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
         try:
             if do_send:
@@ -488,6 +512,8 @@ class AllToAll:
             if do_recv:
                 self._traced("dispatch_recv", self._dispatch_recv, out_expert_num_tokens, out_expert_x,
                              out_expert_x_scale)
+        except CallAborted:
+            raise
         except BaseException as exc:
             self._fail(exc)
 
@@ -526,15 +552,22 @@ class AllToAll:
                 self._traced("combine_recv", self._combine_recv, out_tokens, weights, accumulate, bound_m)
         except BaseException as exc:
             self._fail(exc)
+        if do_recv:
+            # What kernels recorded of earlier calls (no sync): said once the call is issued, so raising
+            # here never leaves this rank a call behind its peers.
+            self._raise_recorded()
 
     def check(self) -> None:
         """Raise what went wrong in calls already issued (for CUDA-graph users, whose replays make no host
-        call): waits for the device, then raises the first failure recorded by a kernel wait, the proxy
-        or the device-side index check. Eager calls do this at their start."""
+        call): waits for the device, then raises the first failure recorded by a kernel wait or the proxy
+        (eager calls do this at their start), then what is not fatal: a call aborted by a peer
+        (`CallAborted`) or a bad index dropped on the device (ValueError), each once (eager calls say
+        these at the end of `combine`)."""
         self._ready()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._raise_proxy_error_once()
+        self._raise_recorded()
 
     def set_tracing(self, on: bool = True) -> None:
         """Record timestamps of every call (model halves and proxy steps) for `trace()`.
@@ -660,7 +693,7 @@ class AllToAll:
     #                homes' recv buffers, stages remote ones, publishes combine_ready[me] = e (and
     #                COMBINE_SEND_READY)
     # combine recv   reduce: waits combine_ready >= e of every node peer (and COMBINE_RECV_READY)
-    def _dispatch_send(self, x, x_scale, indices, bound_m) -> None:
+    def _dispatch_send(self, x, x_scale, indices, bound_m, abort: bool = False) -> None:
         self.epoch += 1
         self._T, self._bound_m = x.shape[0], bound_m
         self._host_wait("dispatch_send")
@@ -668,19 +701,92 @@ class AllToAll:
         on_gpu = self.device.type == "cuda"
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[self.rank], out_route_slot=slot,
                              bound_m=bound_m, epoch=self._node.epoch, bad_index=self._bad_index if on_gpu else None,
-                             ready=self._route_ready if self.with_proxy else None)
+                             ready=self._route_ready if self.with_proxy else None, abort=abort)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=self._node)
         self._state = _DISPATCH_SENT
 
-    def _dispatch_recv(self, out_num, out_x, out_x_scale) -> None:
+    def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False) -> None:
         self._host_wait("dispatch_recv")
+        aborted = self._aborted_sources()
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
             self.recv_offset_bytes, self.cfg, self.layout, node=self._node)
         self._state = _DISPATCH_DONE
         if self.device.type != "cuda" and self.layout.expert_capacity:
             self._raise_capacity_exceeded()  # CPU kernels have run: say it now (a GPU says it at the next call)
+        if aborted and not aborting:
+            # A host that waits knows now: finish the call's combine half here (it moves nothing that
+            # counts), so every rank ends the call together and the next one starts clean.
+            scratch = self._scratch()
+            self._combine_send(scratch["y"])
+            self._combine_recv(scratch["out"][: self._T], scratch["w"][: self._T], False, self._bound_m)
+            self._abort_seen = self.epoch
+            raise CallAborted(self._aborted_message(self.epoch, aborted))
+
+    # ---- aborted calls ------------------------------------------------------------------------------
+    def _abort_call(self, exc: ValueError) -> None:
+        """This rank's input was rejected: take part in the call with no tokens and a count row of -1
+        (both halves, into scratch buffers), so every peer finishes it and reports the abort; then
+        raise `exc`. Nothing of the rejected input is read."""
+        scratch = self._scratch()
+        try:
+            self._dispatch_send(scratch["x"], scratch["xs"], scratch["idx"], None, abort=True)
+            self._dispatch_recv(scratch["num"], scratch["ex"], scratch["exs"], aborting=True)
+            self._combine_send(scratch["y"])
+            self._combine_recv(scratch["out"][:0], scratch["w"][:0], False, None)
+        except BaseException as inner:
+            self._fail(inner)
+        self._abort_seen = self.epoch
+        raise ValueError(f"{exc} (rank {self.rank} aborted this call, epoch {self.epoch}, on every rank: it sent "
+                         f"nothing; the next call proceeds normally)") from None
+
+    def _scratch(self) -> dict:
+        """Buffers of an aborted call (made on the first one): no tokens in; one row out, since the
+        kernels never write or read past the rows they are given (the call's outputs are void)."""
+        if self._abort_scratch is None:
+            cfg, lay, dev = self.cfg, self.layout, self.device
+            T, K = cfg.max_num_tokens, cfg.experts_per_token
+            self._abort_scratch = {
+                "x": torch.zeros(0, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev),
+                "xs": torch.zeros(0, cfg.num_scales, dtype=torch.float32, device=dev) if cfg.has_scales else None,
+                "idx": torch.zeros(0, K, dtype=torch.int32, device=dev),
+                "num": torch.zeros(lay.num_local_experts, dtype=torch.int32, device=dev),
+                "ex": torch.zeros(1, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev),
+                "exs": torch.zeros(1, cfg.num_scales, dtype=torch.float32, device=dev) if cfg.has_scales else None,
+                "y": torch.zeros(1, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev),
+                "out": torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev),
+                "w": torch.zeros(T, K, dtype=torch.float32, device=dev),
+            }
+        return self._abort_scratch
+
+    def _aborted_sources(self) -> list[int]:
+        """Host waits: the sources whose count row of this call is -1 (others than this rank)."""
+        if self._ready_words is None:
+            return []
+        col = self._counts_np[:, 0]
+        return [s for s in range(self.world_size) if s != self.rank and col[s] < 0]
+
+    def _aborted_message(self, epoch: int, sources: list[int]) -> str:
+        return (f"rank {self.rank}: call {epoch} was aborted by rank {', '.join(map(str, sources))}: its input was "
+                f"rejected (a ValueError there says why); every output of that call is void; the next call "
+                f"proceeds normally")
+
+    def _raise_recorded(self) -> None:
+        """Raise, once each, what kernels recorded that leaves the instance usable: a peer's abort
+        (CallAborted) and an out-of-range index dropped on the GPU (ValueError)."""
+        word = int(self._flags_np[flag_word(Flag.ABORTED)])
+        if word and word >> 16 > self._abort_seen:
+            self._abort_seen = word >> 16
+            raise CallAborted(self._aborted_message(word >> 16, [(word & 0xFFFF) - 1]))
+        bad = int(self._flags_np[flag_word(Flag.BAD_INDEX)])
+        if bad:
+            self._flags_np[flag_word(Flag.BAD_INDEX)] = 0
+            K = self.cfg.experts_per_token
+            raise ValueError(f"indices[{(bad - 1) // K}, {(bad - 1) % K}] of an earlier dispatch (epoch <= "
+                             f"{self.epoch}): expected -1 (not routed) or a value in [0, {self.cfg.num_experts}) "
+                             f"(checked on the GPU without a host sync; that route was not sent; the instance "
+                             f"stays usable)")
 
     def _combine_send(self, expert_y) -> None:
         self._host_wait("combine_send")
@@ -741,12 +847,6 @@ class AllToAll:
             if self.proxy.proc.poll() is not None:
                 raise RuntimeError(f"rank {self.rank}: proxy process exited with code {self.proxy.proc.returncode}")
             return
-        bad = int(self._flags_np[flag_word(Flag.BAD_INDEX)])
-        if bad:
-            K = self.cfg.experts_per_token
-            raise ValueError(f"indices[{(bad - 1) // K}, {(bad - 1) % K}] of an earlier dispatch (epoch <= "
-                             f"{self.epoch}): expected -1 (not routed) or a value in [0, {self.cfg.num_experts}) "
-                             f"(checked on the GPU without a host sync; that route was not sent)")
         self._raise_capacity_exceeded()
         code = int(self._flags_np[flag_word(Flag.ERROR)])
         if code:  # the proxy's message names the remote peers it missed
@@ -837,4 +937,4 @@ class AllToAll:
             raise ValueError("out_expert_x_scale: this config has no scales; pass None")
 
 
-__all__ = ["AllToAll"]
+__all__ = ["AllToAll", "CallAborted"]

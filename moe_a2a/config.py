@@ -91,7 +91,12 @@ class Flag(enum.IntEnum):
     # GPU -> model, with A2AConfig.expert_capacity: 1 + l + L * n for a local expert l that received
     # n > capacity rows (sticky; the rows past the capacity were not written).
     CAPACITY_EXCEEDED = 17
-    NUM_FLAGS = 18
+    # GPU -> model: `(epoch << 16) | (1 + s)` when source s (not this rank) aborted call `epoch`: its
+    # count row arrived as all -1 (its input was rejected; it sent nothing and its outputs are void).
+    # Written by the dispatch unpack kernel; the host raises once per epoch at the end of a combine
+    # or in check() (docs/protocol.md, "Aborted calls").
+    ABORTED = 18
+    NUM_FLAGS = 19
 
 
 # Bit of a wait's status word meaning "the proxy's flag (remote peers) was missing".

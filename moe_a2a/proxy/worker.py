@@ -269,14 +269,15 @@ class Proxy:
         self.engine.scatter(self.group, self.region, self._route_targets, plan.make_imm(Imm.ROUTE, r, e))
         mark(1)  # route_posted
         # Our count row is final at ROUTE_READY: plan the private writes while the model packs.
-        private = self._targets(plan.private_writes(self.routing[r].astype(np.int64), r, lay))
+        # A row of -1 is a call this rank aborted (bad input): it sends nothing, as with zero counts.
+        private = self._targets(plan.private_writes(np.maximum(self.routing[r], 0).astype(np.int64), r, lay))
         self.wait_local(F.SEND_READY, e)
         mark(2)  # send_ready_seen
         self._post(private, Imm.DISPATCH, e)
         mark(3)  # private_posted
         self.wait_peers(e, "dispatch: routing exchange", route_imms, node_rows=True)
         mark(4)  # routes_received
-        counts = self.routing.astype(np.int64)
+        counts = np.maximum(self.routing, 0).astype(np.int64)  # aborting sources' rows are -1
         plan.validate_counts(counts, lay)
         routes = plan.route_matrix(counts, lay)
         self._post(self._targets(plan.remainder_writes(routes, r, lay)), Imm.DISPATCH, e)

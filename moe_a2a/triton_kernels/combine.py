@@ -96,7 +96,7 @@ def _pack_combine_by_source_kernel(
     proxy's writes out of the staging area for the previous call completed."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit = _recv_pair_tables(
+    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, _ = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
     if NODE_SYNC:
         go = tl.load(failed_ptr, volatile=True) == 0

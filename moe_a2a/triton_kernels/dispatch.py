@@ -148,6 +148,7 @@ def _unpack_tokens_by_expert_kernel(
     ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     CAPACITY: tl.constexpr = 0,      # A2AConfig.expert_capacity (0: compact output)
     CAPACITY_WORD: tl.constexpr = 0,  # flags word for an overflow report (with NODE_SYNC)
+    ABORT_WORD: tl.constexpr = 0,     # flags word naming a source that aborted the call (with NODE_SYNC)
 ):
     """Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
     rows (BLOCK_R rows x BLOCK_W-word chunks). Tiles ignore (source, expert) boundaries, so a skewed
@@ -164,7 +165,7 @@ def _unpack_tokens_by_expert_kernel(
         ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
                        timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
                        STATUS_WORD, USE_PTX, KERNEL_WAIT)
-    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit = _recv_pair_tables(
+    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, aborted = _recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
 
     # Where the pair's rows are: a same-node source is pulled from its send buffer (rows contiguous);
@@ -192,6 +193,9 @@ def _unpack_tokens_by_expert_kernel(
 
     l_idx = tl.arange(0, L_PAD)
     tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where((pid == 0) & ok, L, 0))
+    if NODE_SYNC:
+        tl.store(flags_ptr + ABORT_WORD, (tl.load(epoch_ptr) << 16) | (aborted + 1).to(tl.int64),
+                 mask=(pid == 0) & ok & (aborted < W))
     if CAPACITY > 0:
         if NODE_SYNC:
             over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
@@ -397,6 +401,7 @@ def unpack_tokens_by_expert(
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
+        ABORT_WORD=flag_word(Flag.ABORTED),
         num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
     )
 

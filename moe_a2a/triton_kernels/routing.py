@@ -75,6 +75,7 @@ def _route_block_kernel(
     CHECK: tl.constexpr = False,
     HAS_READY: tl.constexpr = False,
     USE_PTX: tl.constexpr = False,
+    ABORT: tl.constexpr = False,  # SINGLE only: write -1 in every count (this rank aborts the call)
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE)."""
     pid = tl.program_id(0)
@@ -116,7 +117,7 @@ def _route_block_kernel(
     hist = tl.histogram(expert, E_BINS)  # integer counts: order-independent, hence deterministic
     bins = tl.arange(0, E_BINS)
     if SINGLE:
-        tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, hist, mask=bins < num_experts)
+        tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where(ABORT, -1, hist), mask=bins < num_experts)
         if HAS_READY:
             _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
     else:
@@ -194,6 +195,7 @@ def route_tokens(
     epoch: torch.Tensor | None = None,
     bad_index: torch.Tensor | None = None,
     ready: torch.Tensor | None = None,
+    abort: bool = False,
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
     _block_routes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +217,8 @@ def route_tokens(
             device-side replacement of `validate_indices`, which syncs); the route is treated as -1.
         ready: optional `[1]` int64 tensor (needs `epoch`): the epoch is stored there with a system-scope
             release once `out_counts` is written (the proxy's ROUTE_READY flag).
+        abort: needs T == 0: every count is written as -1, the mark of a call this rank aborts (its
+            peers see the row, move nothing from it and report the abort; docs/protocol.md).
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -232,7 +236,7 @@ def route_tokens(
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
         key = (tensor_key(indices), num_experts, tensor_key(out_counts), tensor_key(out_route_slot),
                tensor_key(bound_m), tensor_key(epoch), tensor_key(bad_index), tensor_key(ready), _single_max_routes,
-               _block_routes)
+               _block_routes, bool(abort))
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
@@ -274,6 +278,8 @@ def route_tokens(
                 t.device == device or (device.type == "cuda" and t.is_pinned()))):
             raise ValueError(f"{name}: expected a 1-element int64 tensor on {device}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if abort and T != 0:
+        raise ValueError(f"abort: only with no tokens (T == 0), got T = {T}")
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
                  CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
@@ -288,7 +294,7 @@ def route_tokens(
             key, (1,), indices, bound_arg, out_route_slot, out_counts, out_counts,
             T, num_experts, out_counts.stride(0),
             K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=True,
-            num_warps=4 if block_r <= 1024 else 8, **extra,
+            num_warps=4 if block_r <= 1024 else 8, ABORT=bool(abort), **extra,
         )
         return out_counts, out_route_slot
 

@@ -69,14 +69,21 @@ def _recv_pair_tables(
       tot[l]             rows local expert l receives (out_expert_num_tokens)
       num_rows           total received rows
       fit[l, s]          rows of the pair that fit within CAPACITY (cnt without a capacity)
+      aborted            the first source s != rank whose row is -1 (it aborted the call), else W_PAD
     Padding entries (l >= L or s >= W) have cnt == 0, so no dense row ever selects them.
     Reads W*L int32 (1 KB at E=256).
     """
     l_idx = tl.arange(0, L_PAD)[:, None]
     s_idx = tl.arange(0, W_PAD)[None, :]
     valid = (l_idx < L) & (s_idx < W)
-    cnt = tl.load(counts_ptr + s_idx.to(tl.int64) * stride_counts_w + rank * L + l_idx,
+    raw = tl.load(counts_ptr + s_idx.to(tl.int64) * stride_counts_w + rank * L + l_idx,
                   mask=valid, other=0).to(tl.int64)
+    # A source that aborted the call sends a row of -1 (routing.route_tokens(abort=True)): it moves
+    # nothing. The first such source other than this rank is reported (`aborted`, W_PAD when none).
+    s_flat = tl.arange(0, W_PAD)
+    neg = tl.max(tl.where(raw < 0, 1, 0), axis=0)                # [W_PAD]
+    aborted = tl.min(tl.where((neg > 0) & (s_flat != rank), s_flat, W_PAD), axis=0)
+    cnt = tl.maximum(raw, 0)
     tot = tl.sum(cnt, axis=1)                                   # [L_PAD]
     padded = (tot + PAD - 1) // PAD * PAD
     if CAPACITY > 0:
@@ -94,7 +101,7 @@ def _recv_pair_tables(
         fit = tl.minimum(tl.maximum(CAPACITY - before, 0), cnt)
     else:
         fit = cnt
-    return cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit
+    return cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, aborted
 
 
 @triton.jit
@@ -118,7 +125,7 @@ def _send_offsets_of(
         mask = is_peer[:, None] & (e_idx[None, :] < end)
         part = tl.load(counts_ptr + s_idx[:, None].to(tl.int64) * stride_counts_w + e_idx[None, :],
                        mask=mask, other=0)
-        acc += tl.sum(part.to(tl.int64), axis=1)
+        acc += tl.sum(tl.maximum(part, 0).to(tl.int64), axis=1)  # an aborted source's row is -1
     return acc
 
 

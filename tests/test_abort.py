@@ -1,0 +1,115 @@
+"""Bad input on one rank aborts that call on every rank, fast, and the next call works everywhere
+(no rebuild), between real processes: node-local (shm, mapped memory) and across simulated nodes
+(tcp and shm through the proxies). A bad index on a GPU is dropped, said once, and not fatal."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_a2a import LocalCluster
+from moe_a2a.all_to_all import CallAborted
+from moe_a2a.bench.demo import check_against_reference, make_inputs, toy_expert
+from moe_a2a.config import A2AConfig
+
+from .conftest import TEST_DEVICE
+
+pytestmark = [pytest.mark.slow]
+
+CFG = A2AConfig(max_num_tokens=6, num_experts=12, experts_per_token=2, hidden_dim=32, in_dtype=torch.float8_e4m3fn,
+                scale_block=16, out_dtype=torch.bfloat16)
+BAD_CALL = 1
+
+
+def _bad_input(kind: str, x, xs, idx):
+    """The rejected input of the bad rank's call BAD_CALL (every kind a ValueError before sending)."""
+    if kind == "index":
+        idx = idx.clone()
+        idx[0, 0] = CFG.num_experts + 3
+    elif kind == "shape":
+        x = x[:, :-1]
+    elif kind == "dtype":
+        x = x.float()
+    return x, xs, idx
+
+
+def _calls(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
+    cfg, dev = a2a.cfg, a2a.device
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    out = []
+    for it in range(n_calls):
+        x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, 50 + it))
+        if it == BAD_CALL and rank == bad_rank:
+            x, xs, idx = _bad_input(kind, x, xs, idx)
+        res = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+        t0 = time.monotonic()
+        try:
+            a2a.dispatch(num, ex, exs, x, xs, idx)
+            a2a.combine(res, idx, w, toy_expert(ex, exs, cfg))
+            a2a.check()
+        except ValueError as exc:
+            out.append({"error": "ValueError", "message": str(exc), "seconds": time.monotonic() - t0})
+            continue
+        except CallAborted as exc:
+            out.append({"error": "CallAborted", "message": str(exc), "seconds": time.monotonic() - t0})
+            continue
+        rows = int(sum(num.tolist()))
+        out.append({"error": None, "x": x, "x_scale": xs, "indices": idx, "weights": w, "num": num.clone(),
+                    "expert_x": ex[:rows].clone(), "expert_x_scale": None if exs is None else exs[:rows].clone(),
+                    "out": res})
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,node,transport,kind", [
+    (2, 2, "shm", "index"),     # node-local: peers synchronise through mapped memory
+    (3, 1, "tcp", "shape"),     # every peer remote: the abort travels with the count row, via the proxies
+    (4, 2, "shm", "dtype"),     # mixed: a node peer and remote peers
+], ids=["node-local-index", "remote-tcp-shape", "mixed-shm-dtype"])
+def test_bad_input_on_one_rank_aborts_the_call_everywhere_and_the_next_call_works(world, node, transport, kind):
+    bad_rank, n_calls = world - 1, 4
+    with LocalCluster(CFG, world_size=world, node_size=node, transport=transport, device=TEST_DEVICE,
+                      timeout_s=30) as cl:
+        results = cl.run(_calls, bad_rank, kind, n_calls)
+    for r, calls in enumerate(results):
+        bad = calls[BAD_CALL]
+        if r == bad_rank:
+            assert bad["error"] == "ValueError" and "aborted this call" in bad["message"], bad
+        else:
+            assert bad["error"] == "CallAborted", bad
+            assert f"aborted by rank {bad_rank}" in bad["message"] and "rejected" in bad["message"], bad
+            assert bad["seconds"] < 2.0, bad  # the issue: every rank knows within 2 s
+    good = [i for i in range(n_calls) if i != BAD_CALL]
+    assert all(results[r][i]["error"] is None for r in range(world) for i in good), \
+        [[c.get("message") for c in calls] for calls in results]
+    ok = [{"calls": [calls[i] for i in good]} for calls in results]
+    assert check_against_reference(CFG, ok) == []
+
+
+def _bad_receive_outputs(a2a, rank: int):
+    """A wrong receive buffer after the send half: refused, the call stays open, a corrected receive
+    completes it."""
+    cfg, dev = a2a.cfg, a2a.device
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, 7))
+    a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
+    refused = None
+    try:
+        a2a.dispatch(num, ex[:1], exs, x, xs, idx, do_send=False)
+    except ValueError as exc:
+        refused = str(exc)
+    a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
+    res = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    a2a.combine(res, idx, w, toy_expert(ex, exs, cfg))
+    rows = int(sum(num.tolist()))
+    return refused, {"x": x, "x_scale": xs, "indices": idx, "weights": w, "num": num.clone(),
+                     "expert_x": ex[:rows].clone(), "expert_x_scale": exs[:rows].clone(), "out": res}
+
+
+@pytest.mark.timeout(300)
+def test_bad_receive_outputs_are_refused_and_a_corrected_receive_completes_the_call():
+    with LocalCluster(CFG, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=30) as cl:
+        results = cl.run(_bad_receive_outputs)
+    assert all(refused is not None and refused.startswith("out_expert_x:") for refused, _ in results), results
+    assert check_against_reference(CFG, [{"calls": [call]} for _, call in results]) == []
