@@ -1,24 +1,35 @@
-"""Scale-out latency MODEL of moe_a2a dispatch / combine (a model, NOT a measurement).
+"""Latency MODEL of moe_a2a dispatch / combine (a model, NOT a measurement where it predicts).
 
-Predicts the end-to-end latency of one dispatch and one combine of the decode configuration
-(T=128 tokens/rank, H=7168 fp8 + 56 fp32 scales, K=8 of E=256 experts, bf16 combine) at EP16/32/64
-with 8 GPUs per node, for two fabrics:
+Predicts one dispatch and one combine of the decode configuration (T=128 tokens/rank, H=7168 fp8 + 56
+fp32 scales, K=8 of E=256 experts, bf16 combine) at EP16/32/64 with 8 GPUs per node on two fabrics:
 
 - ``"efa"``: AWS EFA, 2 x 200 Gb/s NICs per GPU, peers sharded across the NICs in contiguous ranges
   (moe_a2a/proxy/engine.py: peer i -> domain i*D//N);
 - ``"cx7"``: ConnectX-7, one 400 Gb/s NIC per GPU;
 
-same-node peers over NVLink (mapped memory) in both cases.
+and, to check the model against what we measured, on ``"shm"``: libfabric's shm provider between
+simulated nodes on one host, host-staged buffers (the configuration of docs/results/e2e_graph_x2_n1.json).
 
-How: a small critical-path timeline of the protocol (docs/design.md, "Protocol": GPU kernel -> flag to the
-proxy -> proxy posts writes one by one -> NIC serialises them -> last byte lands -> flag to the GPU ->
-receive kernel -> barrier). Each event carries the breakdown of the path that leads to it; ``max`` keeps
-the breakdown of the later input. So the per-term numbers returned by :func:`predict` are the
-*critical-path* contributions and always add up to the phase total; work that overlaps (e.g. NVLink
-pushes while RDMA is in flight) costs nothing unless it becomes the longer branch.
+How: a critical-path walk of ONE call of the current protocol (docs/protocol.md, section 3), all ranks
+in lock-step (every rank starts each half together, so what a rank receives from its peers happens at the
+same time as what it sends them):
 
-Pure Python + numpy (matplotlib only for the plot). Every input is a named constant below with its
-source. Run ``python -m moe_a2a.bench.latency_model --png latency-model.png --json /tmp/m.json``.
+- same-node peers synchronise inside the kernels (release-store an epoch word, the consumer spins on it);
+  no proxy, no barriers;
+- with remote peers the proxy (one Python process, posting serially) sees ROUTE_READY, posts one
+  routing-row write per remote peer, plans, sees SEND_READY, posts one private write per remote peer,
+  waits for the peers' rows, plans the remainder (one more write only on overflow) and the combine,
+  raises DISPATCH_RECV_READY; at combine it posts one write per remote peer and raises
+  COMBINE_RECV_READY; and each consumer / producer kernel is preceded by a one-warp wait kernel.
+
+Each event carries the breakdown (term -> µs) of the path that led to it; joining two branches keeps the
+later one, so the terms of a phase are its critical-path contributions and sum to the phase total.
+
+Before it predicts, :func:`calibration` reproduces two measured configurations (2 x H200, graph replay,
+decode): node-local, and two simulated nodes over shm. Every constant below is in :data:`PROVENANCE`
+(measured, with file and date; derived from measured ones; the workload's configuration; or ASSUMPTION).
+
+    python -m moe_a2a.bench.latency_model --png docs/latency-model.png --json /tmp/latency-model.json
 """
 from __future__ import annotations
 
@@ -32,89 +43,165 @@ import numpy as np
 
 from ._util import fraction, nonneg_float
 
-# ---- decode configuration (docs/design.md, "Benchmarks"; the sizes our H200 kernels were measured at)
+# ---- workload: the decode configuration (docs/design.md, Benchmarks) ----------------------------------
 TOKENS = 128                      # T, tokens per rank
 TOPK = 8                          # K, distinct experts per token
 NUM_EXPERTS = 256                 # E
-DISPATCH_ROW_BYTES = 7392         # 7168 B fp8 + 56 fp32 scales (our dispatch stride, brief 2026-11-29)
-COMBINE_ROW_BYTES = 14336         # 7168 bf16 (our combine stride)
-ROUTE_ROW_BYTES = 4 * NUM_EXPERTS  # one int32 count per expert: the routing row each rank scatters
-GPUS_PER_NODE = 8                 # p5en / DGX H200 nodes
-MEASURED_WORLD = 64               # the simulated layout our kernel times were measured at
+DISPATCH_ROW_BYTES = 7392         # 7168 B fp8 + 56 fp32 scales
+COMBINE_ROW_BYTES = 14336         # 7168 bf16
+ROUTE_ROW_BYTES = 4 * NUM_EXPERTS  # one int32 count per expert: the routing row each rank sends
+GPUS_PER_NODE = 8                 # p5en / DGX H200
 
-# ---- our H200 measurements (2026-11-29, CUDA-graph replay, GPU time per kernel, µs) ------------------
-K_ROUTE_TOKENS = 4.5              # route_tokens: per-expert counts + offsets (dispatch send)
-K_PACK_TOKENS = 3.2               # pack_tokens_by_expert (dispatch send)
-K_UNPACK_TOKENS = 8.3             # unpack_tokens_by_expert (dispatch recv), scales with received rows
-K_PACK_COMBINE = 7.6              # pack_combine_by_source (combine send), scales with received rows
-K_REDUCE_COMBINE = 4.0            # reduce_combined_tokens (combine recv), scales with T*K (own rows)
-LAUNCH_GPU_US = 1.4               # one (empty) Triton launch in a graph: already inside the times above
-HOST_LAUNCH_US = 11.0             # host cost of an eager Triton launch (docs/design.md, "Measured facts"); graphs hide it
-FLAG_RTT_US = 6.1                 # GPU -> proxy process -> GPU flag round trip, median (our H200 measurement;
-                                  # docs/design.md, "Measured facts", has 4.2 µs with a thread echo)
-HBM_COPY_GBPS = 4240.0            # H200 copy bandwidth measured (4.24 TB/s), for the HBM floor only
+# ---- GPU side, H200 (measured) ----------------------------------------------------------------------
+# Kernel GPU time inside a CUDA graph, rank 0 of a 64-rank layout, all rows in local memory
+# (docs/results/kernels.json, 2026-11-29). Under uniform routing a rank handles T*K rows at any W, so
+# these do not scale with W; rows that cross NVLink or PCIe are charged on top (see _gpu).
+K_ROUTE_TOKENS = 4.58
+K_PACK_TOKENS = 3.26
+K_UNPACK_TOKENS = 8.66
+K_PACK_COMBINE = 7.60
+K_REDUCE_COMBINE = 4.07
+LAUNCH_GPU_US = 1.43              # one empty launch in a graph: the one-warp wait kernels (kernels.json)
+HALF_GAP_US = 4.0                 # between one half's graph and the next on the kernel timeline: 4.0/5.0
+                                  # (e2e_graph_x2.json trace), 3.4/3.6 µs (e2e_graph_x2_n1.json trace)
+HBM_COPY_GBPS = 4261.0            # device copy (kernels.json): the HBM floor, for reference only
+NVLINK_GBPS = 358.0               # GPU0 -> GPU1 copy of 64 MiB, 2 x H200 NV18 (docs/benchmarks.md 2026-11-30)
+PEER_FLAG_RTT_US = 2.7            # GPU <-> GPU flag through peer memory (docs/benchmarks.md 2026-11-30)
+FLAG_RTT_US = 6.14                # GPU -> proxy process -> GPU through pinned host memory (flags.json)
+# Host-staged buffers: the row kernels read / write pinned host memory over PCIe. Pooled over the four
+# row kernels of both ranks in the e2e_graph_x2_n1.json trace: 89.0 MB in 1767 µs (span - kernel time).
+HOST_STAGED_GBPS = 50.0
 
-# ---- proxy (Python + ctypes libfabric shim; docs/transport.md) --------------------------------------
-POST_US = 1.4                     # Python cost per posted write: 1.0-1.8 µs median at 63 targets
-POST_US_LOW, POST_US_HIGH = 1.0, 1.8  # the measured range (docs/transport.md), drawn as a band
-POST_US_C_HELPER = 0.2            # WHAT-IF only: a C helper posting a whole scatter in one call
-                                  # (docs/transport.md "Not done"); drawn dotted, not our implementation
-CQ_US = 0.2                       # ASSUMPTION (not measured): proxy cost per completion drained (CQ batch of
-                                  # 32 decoded through a memoryview, docs/transport.md "Receive side").
-                                  # Charged for the local completion of each own write (drained between
-                                  # posts) and for imms that arrive while the proxy is posting; imms that
-                                  # arrive while it idles waiting cost nothing on the critical path.
-PLAN_US = 15.0                    # ASSUMPTION (not measured): numpy remainder plan on a [W, L] count matrix
+# ---- the proxy (Python + ctypes libfabric shim), micro-benchmarks on the GPU host ---------------------
+# docs/results/transport_gpu_host.json (2026-11-30, 2 x H200 host, shm provider, fi_writemsg replaced
+# by a no-op for the Python cost).
+POST_US = 1.49                    # engine Python per write, 63 targets, median
+POST_US_MIN = 0.78                # the same, minimum: the optimistic edge
+SCATTER_FIXED_US = 0.25           # per scatter call: 1-peer scatter post 2.52 - POST_US - SHM_POST_C_US
+SHM_POST_C_US = 0.78              # shm provider's own C per write: scatter-63 post 2.27/write - POST_US
+CQ_US = 0.25                      # per completion drained: scatter-63 "all completed" - "posted" = 15.8 µs
+                                  # for 63 writes (an upper bound: includes the receivers' latency)
+PLAN_US_W8, PLAN_US_W64, PLAN_US_W256 = 46.8, 154.8, 276.3  # proxy arithmetic per call (medians)
+# The same proxy inside the run (e2e_graph_x2_n1.json trace, W=2, shm, 2026-11-30), per call:
+RUN_SCATTER1_US = 14.5            # one-write scatters: route 23.0/6.7, private 15.2/6.9, combine 7.9/27.5 µs
+RUN_PLAN_PRIVATE_US = 78.6        # route_posted -> send_ready_seen (SEND_READY already raised): 82.8/74.4
+RUN_PLAN_REMAINDER_US = 62.5      # routes_received -> remainder_posted: 58.1/67.0
+RUN_PLAN_COMBINE_US = 48.0        # remainder_posted -> dispatch_received, rows already in (rank 0)
+SHM_COPY_GBPS = 8.9               # the receiving proxy's copy (shm): 18.5 MB in 2078 µs over the three
+                                  # data writes of the trace (452.7, 878.3, 747.2 µs)
+# What-if only, not our implementation: a C helper posting a whole scatter (docs/transport.md "Not done").
+POST_US_C_HELPER = 0.2            # ASSUMPTION
 
-# ---- links ------------------------------------------------------------------------------------------
-# EFA: 2 x 200 Gb/s per GPU in the configuration of the brief (article: "two 200 Gbps NICs are
-# aggregated to provide 400 Gbps"; peers, not bytes, sharded across them).
-EFA_NICS = 2
-EFA_NIC_GBPS = 200 / 8            # 25 GB/s line rate per NIC
-# Effective EFA bandwidth. Lower bound implied by the pplx-garden README: its EFA combine at EP64 moves
-# 56/64 * 1024 rows * 14336 B = 12.8 MB per rank over the NICs in <= 391 µs in total, i.e. >= 33 GB/s of
-# the 50 GB/s line rate (>= 0.66). We take 0.70. NOTE this is derived from one of the points the plot
-# compares against, so the EFA combine at EP64 is not an independent check. The article's "EFA is two
-# times slower than ConnectX-7 when sending 256 KB packets" (which would mean ~0.45) reads as single-
-# transfer latency, not aggregate bandwidth; docs/latency-model.md shows the prediction at 0.45 too.
-EFA_BW_EFFICIENCY = 0.70
-EFA_BW_EFFICIENCY_PESSIMISTIC = 0.45
-# ASSUMPTION: one-way latency of one RDMA write+imm on EFA (SRD, libfabric, PCIe round trips for the
-# proxy-posted WQE and the completion). The article says the proxy's extra PCIe transactions "add a few
-# microseconds to every transfer"; public EFA small-message latencies are ~10-15 µs (brief). We use 12.
-EFA_MSG_LATENCY_US = 12.0
-# ConnectX-7: one 400 Gb/s NIC per GPU (NVIDIA CX7 datasheet: up to 400 Gb/s NDR / 400GbE).
+# ---- NIC fabrics: nothing here is measured by us (no EFA or InfiniBand host) --------------------------
+EFA_NICS = 2                      # 2 x 200 Gb/s per GPU (the article: "two 200 Gbps NICs are aggregated")
+EFA_NIC_GBPS = 200 / 8            # line rate, GB/s
+# Lower bound implied by pplx-garden's EFA combine at EP64 (12.8 MB remote per rank in <= 391 µs:
+# >= 0.66 of line rate); the article's "EFA is 2x slower than CX7 at 256 KB" would mean ~0.45.
+EFA_BW_EFFICIENCY = 0.70          # ASSUMPTION (--efa-efficiency 0.45: the article's reading)
+EFA_MSG_LATENCY_US = 12.0         # ASSUMPTION: public EFA small-message latencies are ~10-15 µs
 CX7_NICS = 1
-CX7_NIC_GBPS = 400 / 8            # 50 GB/s line rate
-CX7_BW_EFFICIENCY = 0.90          # ASSUMPTION: RC writes of >=100 KB run near line rate (relaxed ordering on)
-# ASSUMPTION: one-way RDMA write latency on IB/CX7, ~1.5-2.5 µs for 1-32 KB (typical ib_write_lat /
-# ib_send_lat figures; e.g. RC 1 KB 1.6 µs, 32 KB 4.6 µs incl. serialisation on an older HCA).
-CX7_MSG_LATENCY_US = 2.5
-# ASSUMPTION: NVLink 4 on H200 is 450 GB/s per direction nominal (900 GB/s bidirectional, NVIDIA H200
-# datasheet; the article says "NVLink offers 900 GB/s"); we take 450 GB/s effective for GPU-initiated
-# stores into a peer's mapped buffer.
-NVLINK_GBPS = 450.0
+CX7_NIC_GBPS = 400 / 8            # line rate, GB/s (ConnectX-7 datasheet)
+CX7_BW_EFFICIENCY = 0.90          # ASSUMPTION: >= 100 KB RC writes near line rate
+CX7_MSG_LATENCY_US = 2.5          # ASSUMPTION: typical ib_write_lat figures
+NIC_POST_C_US = 0.3               # ASSUMPTION: the efa / verbs provider's own cost per posted write
 
 FABRICS = ("efa", "cx7")
 WORLDS = (16, 32, 64)
-TERMS = ("gpu_kernels", "flags", "proxy_posting", "proxy_cq", "wire", "nvlink", "plan")
+SPEEDS = ("run", "bench")
+TERMS = ("kernels", "pcie", "nvlink", "flags", "proxy_post", "proxy_plan", "proxy_cq", "wire")
+
+# How much slower the proxy's work was inside the run than in its micro-benchmarks: the trace's spans
+# over the isolated costs of the same steps (three one-write scatters + the plan; the plan was
+# benchmarked at W=8, at least as much work as W=2, so this is a lower bound).
+PROXY_IN_RUN_FACTOR = ((3 * RUN_SCATTER1_US + RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US)
+                       / (3 * (SCATTER_FIXED_US + POST_US + SHM_POST_C_US) + PLAN_US_W8))
+# Share of the plan in each of its three places on the path (the in-run spans at W=2).
+_RUN_PLAN = RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US
+PLAN_SHARES = {"private": RUN_PLAN_PRIVATE_US / _RUN_PLAN, "remainder": RUN_PLAN_REMAINDER_US / _RUN_PLAN,
+               "combine": RUN_PLAN_COMBINE_US / _RUN_PLAN}
+
+_RUN = "docs/results/e2e_graph_x2_n1.json (trace, 2026-11-30)"
+_TGH = "docs/results/transport_gpu_host.json (2026-11-30)"
+_KJ = "docs/results/kernels.json (2026-11-29)"
+# Where every constant comes from: name -> (kind, source). kind: measured | derived (from measured
+# ones) | config (the workload's definition) | assumption. Checked by tests/bench/test_latency_model.py.
+PROVENANCE = {
+    "TOKENS": ("config", "decode: 128 tokens per rank (docs/design.md, Benchmarks)"),
+    "TOPK": ("config", "decode: top-8"),
+    "NUM_EXPERTS": ("config", "decode: 256 experts"),
+    "DISPATCH_ROW_BYTES": ("config", "7168 B fp8 + 56 fp32 scales (docs/protocol.md, section 5)"),
+    "COMBINE_ROW_BYTES": ("config", "7168 bf16 (docs/protocol.md, section 5)"),
+    "ROUTE_ROW_BYTES": ("config", "one int32 per expert (docs/protocol.md, 2.1)"),
+    "GPUS_PER_NODE": ("config", "8 H200 per node (p5en, DGX H200)"),
+    "K_ROUTE_TOKENS": ("measured", f"{_KJ}: route_tokens, decode, graph replay"),
+    "K_PACK_TOKENS": ("measured", f"{_KJ}: pack_tokens_by_expert"),
+    "K_UNPACK_TOKENS": ("measured", f"{_KJ}: unpack_tokens_by_expert"),
+    "K_PACK_COMBINE": ("measured", f"{_KJ}: pack_combine_by_source"),
+    "K_REDUCE_COMBINE": ("measured", f"{_KJ}: reduce_combined_tokens"),
+    "LAUNCH_GPU_US": ("measured", f"{_KJ}: launch_us (an empty launch in a graph)"),
+    "HALF_GAP_US": ("measured", "kernel timelines of docs/results/e2e_graph_x2.json and e2e_graph_x2_n1.json "
+                                "(2026-11-30): dispatch end -> combine start 4.0, 5.0, 3.4, 3.6 µs"),
+    "HBM_COPY_GBPS": ("measured", f"{_KJ}: copy_bw_GBps (floor only)"),
+    "NVLINK_GBPS": ("measured", "docs/benchmarks.md, 2026-11-30 section (64 MiB copy_, GPU0 -> GPU1)"),
+    "PEER_FLAG_RTT_US": ("measured", "docs/benchmarks.md, 2026-11-30 section (GPU-to-GPU flag round trip)"),
+    "FLAG_RTT_US": ("measured", "docs/results/flags.json (2026-11-29): median GPU -> proxy -> GPU"),
+    "HOST_STAGED_GBPS": ("measured", f"{_RUN}: pack, unpack, combine pack, reduce spans of both ranks, "
+                                     "bytes / (span - kernel time) = 50.4 GB/s"),
+    "POST_US": ("measured", f"{_TGH}: shm python_post, 63 peers, median"),
+    "POST_US_MIN": ("measured", f"{_TGH}: shm python_post, 63 peers, min"),
+    "SCATTER_FIXED_US": ("derived", f"{_TGH}: shm scatter 1 peer post 2.52 - POST_US - SHM_POST_C_US"),
+    "SHM_POST_C_US": ("derived", f"{_TGH}: shm scatter 63 peers post per write 2.27 - POST_US"),
+    "CQ_US": ("measured", f"{_TGH}: shm scatter 63 peers, completed - posted = 15.8 µs / 63 (upper bound)"),
+    "PLAN_US_W8": ("measured", f"{_TGH}: proxy_plan, 8 ranks, median"),
+    "PLAN_US_W64": ("measured", f"{_TGH}: proxy_plan, 64 ranks, median"),
+    "PLAN_US_W256": ("measured", f"{_TGH}: proxy_plan, 256 ranks, median"),
+    "RUN_SCATTER1_US": ("measured", f"{_RUN}: the six one-write scatters (seen -> posted), mean"),
+    "RUN_PLAN_PRIVATE_US": ("measured", f"{_RUN}: route_posted -> send_ready_seen, mean of 2 ranks"),
+    "RUN_PLAN_REMAINDER_US": ("measured", f"{_RUN}: routes_received -> remainder_posted, mean of 2 ranks"),
+    "RUN_PLAN_COMBINE_US": ("measured", f"{_RUN}: remainder_posted -> dispatch_received, rank 0"),
+    "SHM_COPY_GBPS": ("measured", f"{_RUN}: posted (sender) -> received (receiver) of the 3 data writes"),
+    "PROXY_IN_RUN_FACTOR": ("derived", "in-run spans (RUN_*) / micro-benchmark cost of the same steps"),
+    "POST_US_C_HELPER": ("assumption", "what-if: a C helper posting a scatter in one call"),
+    "EFA_NICS": ("config", "2 x 200 Gb/s per GPU (Perplexity's article; p5en)"),
+    "EFA_NIC_GBPS": ("assumption", "line rate 200 Gb/s (datasheet value, not measured by us)"),
+    "EFA_BW_EFFICIENCY": ("assumption", "lower bound implied by pplx-garden's EFA combine at EP64 (not ours)"),
+    "EFA_MSG_LATENCY_US": ("assumption", "public EFA small-message latencies, ~10-15 µs"),
+    "CX7_NICS": ("config", "one ConnectX-7 per GPU"),
+    "CX7_NIC_GBPS": ("assumption", "line rate 400 Gb/s (ConnectX-7 datasheet, not measured by us)"),
+    "CX7_BW_EFFICIENCY": ("assumption", ">= 100 KB RC writes near line rate"),
+    "CX7_MSG_LATENCY_US": ("assumption", "typical ib_write_lat figures"),
+    "NIC_POST_C_US": ("assumption", "efa / verbs provider cost per fi_writemsg (a WQE and a doorbell)"),
+}
 
 
+def constants() -> dict:
+    """Every numeric module constant (what PROVENANCE must cover)."""
+    return {k: v for k, v in globals().items()
+            if k.isupper() and not k.startswith("_") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# ---- fabrics -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fabric:
     name: str
     nics: int
-    nic_gbps: float               # effective GB/s per NIC (line rate x efficiency)
+    gbps: float                   # effective GB/s per NIC; shm: the receiving proxy's copy rate
     latency_us: float             # one-way per-message latency
+    post_c_us: float              # the provider's own cost per posted write
+    receiver_copies: bool         # shm: data lands only when the receiving proxy copies it (while it polls)
+    host_staged: bool             # buffers in pinned host memory: every row kernel crosses PCIe
 
 
 def fabric(name: str, efa_efficiency: float | None = None) -> Fabric:
     if name == "efa":
         eff = EFA_BW_EFFICIENCY if efa_efficiency is None else efa_efficiency
-        return Fabric("efa", EFA_NICS, EFA_NIC_GBPS * eff, EFA_MSG_LATENCY_US)
+        return Fabric("efa", EFA_NICS, EFA_NIC_GBPS * eff, EFA_MSG_LATENCY_US, NIC_POST_C_US, False, False)
     if name == "cx7":
-        return Fabric("cx7", CX7_NICS, CX7_NIC_GBPS * CX7_BW_EFFICIENCY, CX7_MSG_LATENCY_US)
-    raise ValueError(f"fabric must be one of {FABRICS}, got {name!r}")
+        return Fabric("cx7", CX7_NICS, CX7_NIC_GBPS * CX7_BW_EFFICIENCY, CX7_MSG_LATENCY_US, NIC_POST_C_US,
+                      False, False)
+    if name == "shm":
+        return Fabric("shm", 1, SHM_COPY_GBPS, 0.0, SHM_POST_C_US, True, True)
+    raise ValueError(f"fabric must be one of {FABRICS + ('shm',)}, got {name!r}")
 
 
 # ---- critical-path bookkeeping ------------------------------------------------------------------------
@@ -137,26 +224,10 @@ def later(*paths: Path) -> Path:
     return max(paths, key=lambda p: p.t)
 
 
-def post_batch(start: Path, sizes: list[float], fab: Fabric, post_us: float) -> tuple[Path, Path]:
-    """The proxy posts ``sizes`` (bytes, in peer order) one write at a time from ``start``; writes go to
-    NIC ``i * nics // n`` (contiguous peer shards) and are serialised there. Returns (time the last
-    write was posted, time the last byte landed)."""
-    n = len(sizes)
-    posted, nic_free = start, [None] * fab.nics
-    landed = start
-    for i, size in enumerate(sizes):
-        posted = posted.add("proxy_posting", post_us).add("proxy_cq", CQ_US)  # post + its completion
-        nic = i * fab.nics // n
-        begin = posted if nic_free[nic] is None else later(posted, nic_free[nic])
-        nic_free[nic] = begin.add("wire", size / (fab.nic_gbps * 1e3))  # GB/s -> bytes per µs
-        landed = later(landed, nic_free[nic].add("wire", fab.latency_us))
-    return posted, landed
-
-
 # ---- routing statistics (uniform routing: each token picks K distinct experts uniformly) --------------
 def rows_per_pair_pmf(world: int) -> np.ndarray:
-    """Distribution of the rows one rank sends to one other rank: a sum over T tokens of a
-    hypergeometric (E experts, L = E/W of them on the target, K distinct draws)."""
+    """Rows one rank sends to one other rank: a sum over T tokens of a hypergeometric (E experts,
+    L = E/W of them on the target, K distinct draws)."""
     L = NUM_EXPERTS // world
     per_token = np.array([math.comb(L, j) * math.comb(NUM_EXPERTS - L, TOPK - j)
                           for j in range(min(L, TOPK) + 1)], float) / math.comb(NUM_EXPERTS, TOPK)
@@ -174,111 +245,209 @@ def private_rows(world: int) -> int:
     return min(routes, -(-twice_mean // 8) * 8)   # round up to 8
 
 
-def routing_stats(world: int) -> dict:
-    nodes = world // GPUS_PER_NODE
-    remote = world - GPUS_PER_NODE if nodes > 1 else 0
+def routing_stats(world: int, node: int = GPUS_PER_NODE) -> dict:
+    node = min(node, world)
     pmf = rows_per_pair_pmf(world)
     P = private_rows(world)
     p_rem = float(pmf[P + 1:].sum())                      # one (sender, receiver) pair overflows P
-    mean_rows = TOKENS * TOPK / world                      # rows per (sender, receiver) pair
+    remote = world - node
     return dict(
-        world=world, remote_peers=remote, local_peers=GPUS_PER_NODE - 1, rows_per_peer=mean_rows,
-        private_rows=P, p_remainder_pair=p_rem,
-        expected_remainder_writes=remote * p_rem,
-        # the EP steps in lock-step: the phase waits if ANY remote pair needs a remainder write
-        p_any_remainder=1.0 - (1.0 - p_rem) ** (world * remote),
-        # expected rows a rank receives; independent of W under uniform routing (T*K)
-        recv_rows=mean_rows * world)
+        world=world, node=node, remote_peers=remote, local_peers=node - 1,
+        rows_per_peer=TOKENS * TOPK / world, private_rows=P, p_remainder_pair=p_rem,
+        # ranks step together: the phase waits if ANY remote pair needs a remainder write
+        p_any_remainder=1.0 - (1.0 - p_rem) ** (world * remote))
 
 
-def kernel_scale(world: int) -> float:
-    """Received-row kernels scale linearly from the 64-rank layout (1.0 for uniform routing)."""
-    return routing_stats(world)["recv_rows"] / routing_stats(MEASURED_WORLD)["recv_rows"]
+def plan_us(world: int) -> float:
+    """The proxy's arithmetic per call at micro-benchmark speed: linear between the measured world sizes
+    (below 8 ranks numpy's fixed cost per operation dominates: taken as the 8-rank value)."""
+    return float(np.interp(world, (8, 64, 256), (PLAN_US_W8, PLAN_US_W64, PLAN_US_W256)))
 
 
-# ---- the two phases -----------------------------------------------------------------------------------
-def _barrier(start: Path, world: int, fab: Fabric, post_us: float) -> Path:
-    """Recv kernel done -> flag to proxy -> zero-length write+imm to W-1 peers -> last imm in -> flag to
-    the GPU (tx_ready). In a back-to-back loop it gates the next phase's send kernel; in a model it is
-    hidden behind the expert GEMM if that is longer."""
-    p = start.add("flags", FLAG_RTT_US / 2)
-    _, landed = post_batch(p, [0.0] * (world - 1), fab, post_us)
-    return landed.add("flags", FLAG_RTT_US / 2)
+# ---- one call, all ranks in lock-step ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    world: int
+    node: int
+    fab: Fabric | None            # None: every rank on one node (no proxy, no fabric)
+    speed: float                  # multiplies the proxy's micro-benchmark costs
+    post_us: float
+    host_staged: bool
 
 
-def dispatch(world: int, fab: Fabric, post_us: float = POST_US, graphs: bool = True,
-             barrier: bool = True) -> Path:
-    st = routing_stats(world)
-    launch = 0.0 if graphs else HOST_LAUNCH_US
-    g0 = Path()
-    # GPU: route_tokens -> raise route_ready; pack_tokens_by_expert -> raise send_ready; then the
-    # same-node private rows are pushed over NVLink while RDMA starts.
-    t_route = g0.add("gpu_kernels", K_ROUTE_TOKENS + launch)
-    t_pack = t_route.add("gpu_kernels", K_PACK_TOKENS + launch)
-    nvl_bytes = st["local_peers"] * st["rows_per_peer"] * DISPATCH_ROW_BYTES
-    t_nvl = t_pack.add("nvlink", nvl_bytes / (NVLINK_GBPS * 1e3))
-    # proxy: routing row to W-1 peers, then the private write to every remote peer (zero-length too)
-    p_route = t_route.add("flags", FLAG_RTT_US / 2)
-    route_posted, route_landed = post_batch(p_route, [ROUTE_ROW_BYTES] * (world - 1), fab, post_us)
-    if st["remote_peers"]:
-        # the W-1 routing imms of the peers arrive while this proxy posts: drained in between
-        p_priv = later(route_posted, t_pack.add("flags", FLAG_RTT_US / 2)).add("proxy_cq", CQ_US * (world - 1))
-        size = min(st["rows_per_peer"], st["private_rows"]) * DISPATCH_ROW_BYTES
-        priv_posted, data_landed = post_batch(p_priv, [size] * st["remote_peers"], fab, post_us)
-        # remainder: needs every count row, a numpy plan, then one more write (rare: weighted by the
-        # probability that any pair overflows its private region)
-        plan = later(priv_posted, route_landed).add("plan", PLAN_US)
-        _, rem_landed = post_batch(plan, [0.0], fab, post_us)  # size: a few rows; latency dominates
-        extra = max(0.0, rem_landed.t - data_landed.t) * st["p_any_remainder"]
-        data_landed = data_landed.add("plan", extra)     # expected delay, usually ~0
-    else:
-        data_landed = route_posted
-    ready = later(data_landed, route_landed).add("flags", FLAG_RTT_US / 2)
-    done = later(ready, t_nvl).add("gpu_kernels", K_UNPACK_TOKENS * kernel_scale(world) + launch)
-    return _barrier(done, world, fab, post_us) if barrier else done
+def _scatter(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
+    """The proxy posts ``sizes`` (bytes, in peer order) one write at a time; writes go to NIC
+    ``i * nics // n`` (contiguous peer shards) and are serialised there. Returns (last write posted, last
+    byte landed); a receiver-copies fabric lands nothing by itself (see _dispatch)."""
+    fab, n = s.fab, len(sizes)
+    posted = start.add("proxy_post", s.speed * SCATTER_FIXED_US)
+    nic_free, landed = [None] * fab.nics, posted
+    for i, size in enumerate(sizes):
+        # the post, then its local completion drained between posts
+        posted = posted.add("proxy_post", s.speed * (s.post_us + fab.post_c_us)).add("proxy_cq", s.speed * CQ_US)
+        if fab.receiver_copies:
+            continue
+        nic = i * fab.nics // n
+        begin = posted if nic_free[nic] is None else later(posted, nic_free[nic])
+        nic_free[nic] = begin.add("wire", size / (fab.gbps * 1e3))      # GB/s -> bytes per µs
+        landed = later(landed, nic_free[nic].add("wire", fab.latency_us))
+    return posted, later(posted, landed)
 
 
-def combine(world: int, fab: Fabric, post_us: float = POST_US, graphs: bool = True,
-            barrier: bool = True) -> Path:
-    st = routing_stats(world)
-    launch = 0.0 if graphs else HOST_LAUNCH_US
-    # GPU: pack_combine_by_source stages remote rows, raises send_ready, writes same-node rows into the
-    # home ranks' receive buffers over NVLink.
-    t_pack = Path().add("gpu_kernels", K_PACK_COMBINE * kernel_scale(world) + launch)
-    nvl_bytes = st["local_peers"] * st["rows_per_peer"] * COMBINE_ROW_BYTES
-    t_nvl = t_pack.add("nvlink", nvl_bytes / (NVLINK_GBPS * 1e3))
-    if st["remote_peers"]:
-        p = t_pack.add("flags", FLAG_RTT_US / 2)
-        size = st["rows_per_peer"] * COMBINE_ROW_BYTES
-        _, landed = post_batch(p, [size] * st["remote_peers"], fab, post_us)
-        ready = landed.add("flags", FLAG_RTT_US / 2)
-    else:
-        ready = t_pack
-    done = later(ready, t_nvl).add("gpu_kernels", K_REDUCE_COMBINE + launch)
-    return _barrier(done, world, fab, post_us) if barrier else done
+def _gpu(start: Path, kernel_us: float, row_bytes: int, nvlink_rows: float, s: Setup) -> Path:
+    """A row kernel: its measured GPU time, plus the rows it moves over NVLink and, host-staged, every
+    row it reads or writes in the buffers over PCIe. Added, not overlapped: at 2 ranks the node-local
+    trace shows unpack at 19 µs = 8.7 + 10.6 µs of NVLink (e2e_graph_x2.json)."""
+    p = start.add("kernels", kernel_us)
+    if nvlink_rows:
+        p = p.add("nvlink", nvlink_rows * row_bytes / (NVLINK_GBPS * 1e3))
+    if s.host_staged:
+        p = p.add("pcie", TOKENS * TOPK * row_bytes / (HOST_STAGED_GBPS * 1e3))
+    return p
 
 
-def predict(world: int, fabric_name: str, post_us: float = POST_US, graphs: bool = True,
-            barrier: bool = True, efa_efficiency: float | None = None) -> dict:
-    """Predicted latency in µs: ``{"dispatch": total, "dispatch.<term>": ..., "combine": ...,
-    "combine.<term>": ..., "total": dispatch + combine}``. Terms are critical-path contributions and
-    sum to their phase. ``barrier`` includes each phase's imm barrier (back-to-back benchmark view)."""
-    if world % GPUS_PER_NODE or NUM_EXPERTS % world:
-        raise ValueError(f"world must be a multiple of {GPUS_PER_NODE} dividing {NUM_EXPERTS}, got {world}")
-    fab = fabric(fabric_name, efa_efficiency)
+def _flag(s: Setup, remote: int) -> float:
+    """One-way hand-off: through peer memory when all ranks share a node; with remote peers every sync
+    word lives in pinned host memory (docs/protocol.md, 1), so half the GPU-proxy-GPU round trip."""
+    return (FLAG_RTT_US if remote else PEER_FLAG_RTT_US) / 2
+
+
+def _dispatch(s: Setup, early: bool = False) -> Path:
+    """``early``: the peers' routing rows, tokens and ready words are already in when this rank needs
+    them (in a back-to-back loop, the rank whose peer runs ahead of it: see back_to_back)."""
+    st = routing_stats(s.world, s.node)
+    remote, rows = st["remote_peers"], st["rows_per_peer"]
+    flag = _flag(s, remote)
+    waitk = LAUNCH_GPU_US if remote else 0.0           # the one-warp wait kernel before pack / unpack
+    t_route = Path().add("kernels", K_ROUTE_TOKENS)
+    t_pack = _gpu(t_route.add("kernels", waitk), K_PACK_TOKENS, DISPATCH_ROW_BYTES, 0, s)
+    # node peers' dispatch_ready: in lock-step they packed when we did
+    node_ready = t_pack if early else t_pack.add("flags", flag)
+    ready = node_ready
+    if remote:
+        plan = s.speed * plan_us(s.world)
+        route_posted, route_landed = _scatter(t_route.add("flags", flag), [ROUTE_ROW_BYTES] * remote, s)
+        p = route_posted.add("proxy_plan", plan * PLAN_SHARES["private"])       # while the model packs
+        p = later(p, t_pack.add("flags", flag))                                  # SEND_READY seen
+        size = min(rows, st["private_rows"]) * DISPATCH_ROW_BYTES
+        priv_posted, data_landed = _scatter(p, [size] * remote, s)
+        if early:
+            route_landed = data_landed = Path()
+        elif s.fab.receiver_copies:
+            # shm: our proxy copies every peer's private write when it next polls, i.e. after its own
+            # posts (the peers posted theirs at the same time); one after the other, one process
+            data_landed = priv_posted.add("wire", remote * size / (s.fab.gbps * 1e3))
+            route_landed = data_landed
+        p = later(priv_posted, route_landed).add("proxy_cq", s.speed * CQ_US * remote)  # routing imms
+        p = p.add("proxy_plan", plan * PLAN_SHARES["remainder"])
+        # a remainder write only if some pair overflows its private region: weighted by its probability
+        # (never at 2 ranks: the private region holds all T*K rows)
+        if st["p_any_remainder"] > 0 and not early:
+            _, rem_landed = _scatter(p, [0.0], s)
+            extra = max(0.0, rem_landed.t - data_landed.t) * st["p_any_remainder"]
+            data_landed = data_landed.add("wire", extra)
+        p = p.add("proxy_plan", plan * PLAN_SHARES["combine"])
+        drr = later(p, data_landed).add("proxy_cq", s.speed * CQ_US * remote)    # dispatch imms
+        ready = later(node_ready, drr.add("flags", flag))                        # DISPATCH_RECV_READY
+    start = later(t_pack, ready).add("kernels", waitk)
+    done = _gpu(start, K_UNPACK_TOKENS, DISPATCH_ROW_BYTES, st["local_peers"] * rows, s)
+    return done.add("kernels", HALF_GAP_US)
+
+
+def _combine(s: Setup) -> Path:
+    st = routing_stats(s.world, s.node)
+    remote, rows = st["remote_peers"], st["rows_per_peer"]
+    flag = _flag(s, remote)
+    waitk = LAUNCH_GPU_US if remote else 0.0           # before combine pack / reduce
+    t_pack = _gpu(Path().add("kernels", waitk), K_PACK_COMBINE, COMBINE_ROW_BYTES, st["local_peers"] * rows, s)
+    ready = t_pack.add("flags", flag)                  # node peers' combine_ready
+    if remote:
+        size = rows * COMBINE_ROW_BYTES
+        posted, landed = _scatter(t_pack.add("flags", flag), [size] * remote, s)
+        if s.fab.receiver_copies:
+            landed = posted.add("wire", remote * size / (s.fab.gbps * 1e3))
+        crr = landed.add("proxy_cq", s.speed * CQ_US * remote)
+        ready = later(ready, crr.add("flags", flag))    # COMBINE_RECV_READY
+    done = _gpu(ready.add("kernels", waitk), K_REDUCE_COMBINE, COMBINE_ROW_BYTES, 0, s)
+    return done.add("kernels", HALF_GAP_US)
+
+
+def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed: str = "run",
+          post_us: float = POST_US, host_staged: bool | None = None,
+          efa_efficiency: float | None = None) -> Setup:
+    node = min(node, world)
+    if world < 2 or world % node or NUM_EXPERTS % world:
+        raise ValueError(f"world must be a multiple of the node size ({node}) dividing {NUM_EXPERTS}, got {world}")
+    if speed not in SPEEDS:
+        raise ValueError(f"speed must be one of {SPEEDS}, got {speed!r}")
+    fab = fabric(fabric_name, efa_efficiency) if node < world else None   # remote peers need one
+    staged = (fab.host_staged if fab else False) if host_staged is None else host_staged
+    return Setup(world, node, fab, PROXY_IN_RUN_FACTOR if speed == "run" else 1.0, post_us, staged)
+
+
+def predict(world: int, fabric_name: str | None, **kw) -> dict:
+    """Lock-step latency in µs: ``{"dispatch", "dispatch.<term>", "combine", "combine.<term>", "total",
+    "dispatch_early"}``. Terms are critical-path contributions and sum to their phase. Keywords: see
+    :func:`setup` (``speed="run"``: the proxy as fast as it was inside our run; ``"bench"``: as fast as
+    in its micro-benchmarks)."""
+    s = setup(world, fabric_name, **kw)
     out = {}
-    for phase, fn in (("dispatch", dispatch), ("combine", combine)):
-        path = fn(world, fab, post_us=post_us, graphs=graphs, barrier=barrier)
+    for phase, path in (("dispatch", _dispatch(s)), ("combine", _combine(s))):
         out[phase] = path.t
         for term in TERMS:
             out[f"{phase}.{term}"] = path.parts.get(term, 0.0)
     out["total"] = out["dispatch"] + out["combine"]
+    out["dispatch_early"] = _dispatch(s, early=True).t
     return out
 
 
-def hbm_floor_us(world: int) -> dict:
+def back_to_back(r: dict) -> dict:
+    """Per-rank halves of 2 ranks replaying calls back to back (our benchmark), from the lock-step ones.
+
+    Nothing makes the ranks start a call together: they drift until one of them never waits in its
+    dispatch (its peer's rows are always in already): its dispatch is ``dispatch_early``. Each rank's call
+    still takes the lock-step period T = dispatch + combine, so that rank's combine is T - early (the
+    slower combine) and the other rank's dispatch absorbs the offset: 2 * dispatch - early (the slower
+    dispatch). The two ranks' means are the lock-step values."""
+    d, c, e = r["dispatch"], r["combine"], r["dispatch_early"]
+    return {"dispatch_slow": 2 * d - e, "dispatch_fast": e, "combine_slow": d + c - e,
+            "combine_fast": c - d + e, "total": d + c}
+
+
+# ---- calibration: the two configurations we measured ----------------------------------------------------
+# (configuration, quantity, measured µs, source). 2 x H200, decode, CUDA-graph replay, medians of
+# 200 (a) / 100 (b) calls per rank, 2026-11-30.
+_E2E_A = "docs/results/e2e_graph_x2.json"
+_E2E_B = "docs/results/e2e_graph_x2_n1.json"
+MEASURED = [
+    ("a", "dispatch, slower rank", 39.3, f"{_E2E_A}: rank 1 (rank 0: 38.9)"),
+    ("a", "combine, slower rank", 37.0, f"{_E2E_A}: rank 0 (rank 1: 36.5)"),
+    ("a", "dispatch + combine", 75.9, f"{_E2E_A}: both ranks"),
+    ("b", "dispatch, slower rank", 1357.5, f"{_E2E_B}: rank 1"),
+    ("b", "dispatch, faster rank", 462.9, f"{_E2E_B}: rank 0"),
+    ("b", "combine, slower rank", 1887.1, f"{_E2E_B}: rank 0"),
+    ("b", "combine, faster rank", 993.0, f"{_E2E_B}: rank 1"),
+    ("b", "dispatch + combine", 2350.2, f"{_E2E_B}: rank 0 (rank 1: 2347.9)"),
+]
+CONFIGS = {"a": "2 x H200, one node (NVLink, kernels synchronise)",
+           "b": "2 x H200, two simulated nodes, host-staged, shm"}
+_QUANTITY = {"dispatch, slower rank": "dispatch_slow", "dispatch, faster rank": "dispatch_fast",
+             "combine, slower rank": "combine_slow", "combine, faster rank": "combine_fast",
+             "dispatch + combine": "total"}
+
+
+def calibration() -> list[dict]:
+    """The model against the two measured configurations: (a) 2 ranks on one node; (b) 2 ranks as two
+    simulated nodes (one rank each) over the shm provider, host-staged, proxy at its in-run speed."""
+    model = {"a": back_to_back(predict(2, None, node=2)),
+             "b": back_to_back(predict(2, "shm", node=1, speed="run"))}
+    return [{"config": c, "quantity": q, "predicted": model[c][_QUANTITY[q]], "measured": m,
+             "ratio": model[c][_QUANTITY[q]] / m, "source": src} for c, q, m, src in MEASURED]
+
+
+def hbm_floor_us() -> dict:
     """Bytes the GPU kernels move / measured copy bandwidth (reference only)."""
-    rows = routing_stats(world)["recv_rows"]
+    rows = TOKENS * TOPK
     return {"dispatch": 2 * 2 * rows * DISPATCH_ROW_BYTES / (HBM_COPY_GBPS * 1e3),
             "combine": 2 * 2 * rows * COMBINE_ROW_BYTES / (HBM_COPY_GBPS * 1e3)}
 
@@ -286,156 +455,184 @@ def hbm_floor_us(world: int) -> dict:
 # ---- published numbers (decode: 128 tokens/rank, H=7168, top-8, fp8 dispatch / bf16 combine) ---------
 # (source, configuration, fabric, EP, dispatch µs, combine µs, dispatch+combine µs). None = not given.
 PUBLISHED = [
-    # pplx-garden's README (the project's published table): H200, EP64, 128 tokens
     ("pplx-garden README", "H200 EFA p5en", "efa", 64, 266.7, 391.2, None),
     ("pplx-garden README", "H200 CX7", "cx7", 64, 187.5, 309.1, None),
-    # Perplexity's article on their all-to-all: "459, 582, 692 µs at EP16/32/64" on EFA vs UCCL-EP "519, 966,
-    # 1159 µs". 519/966/1159 equal UCCL-EP's README dispatch+combine sums at EP16/24/32 (226+293,
-    # 386+580, 465+694), so we read both triples as dispatch+combine totals.
+    # Perplexity's article: "459, 582, 692 µs at EP16/32/64" on EFA (its Rust proxy) vs UCCL-EP's "519,
+    # 966, 1159 µs"; the latter equal UCCL-EP's README dispatch+combine sums at EP16/24/32, so both
+    # triples are read as dispatch+combine totals.
     ("pplx article", "H200 EFA", "efa", 16, None, None, 459.0),
     ("pplx article", "H200 EFA", "efa", 32, None, None, 582.0),
     ("pplx article", "H200 EFA", "efa", 64, None, None, 692.0),
-    # UCCL-EP README LL mode, p5en (8xH200, 16x200 Gb EFA), 128 tokens (README commands: 288 experts)
     ("UCCL-EP README", "p5en H200 EFA, LL", "efa", 16, 226.0, 293.0, 519.0),
     ("UCCL-EP README", "p5en H200 EFA, LL", "efa", 24, 386.0, 580.0, 966.0),
     ("UCCL-EP README", "p5en H200 EFA, LL", "efa", 32, 465.0, 694.0, 1159.0),
-    # DeepEP V1 README, LL mode, H800 + CX7 400 Gb/s IB, IBGDA (kernel-only timing)
     ("DeepEP V1 LL", "H800 CX7 IBGDA", "cx7", 16, 118.0, 195.0, 313.0),
     ("DeepEP V1 LL", "H800 CX7 IBGDA", "cx7", 32, 155.0, 273.0, 428.0),
     ("DeepEP V1 LL", "H800 CX7 IBGDA", "cx7", 64, 173.0, 314.0, 487.0),
-    # pplx-kernels README, 128 tokens, NVSHMEM IBGDA (hardware not stated)
-    ("pplx-kernels README", "NVSHMEM IBGDA (hw n/s)", "cx7", 16, 622.0, 668.0, 1290.0),
-    ("pplx-kernels README", "NVSHMEM IBGDA (hw n/s)", "cx7", 32, 428.0, 481.0, 909.0),
-    ("pplx-kernels README", "NVSHMEM IBGDA (hw n/s)", "cx7", 64, 317.0, 530.0, 847.0),
 ]
 
 
 def table(worlds=WORLDS, fabrics=FABRICS, **kw) -> list[dict]:
+    """Predictions at the proxy's in-run speed (``speed``, default "run"), with the micro-benchmark
+    speed as the optimistic edge (``*_bench``) and the C-helper what-if (``*_c_helper``)."""
     rows = []
     for fab in fabrics:
         for w in worlds:
             r = {"fabric": fab, "world": w, **predict(w, fab, **kw)}
-            band = {k: v for k, v in kw.items() if k != "post_us"}
-            lo = predict(w, fab, post_us=POST_US_LOW, **band)
-            hi = predict(w, fab, post_us=POST_US_HIGH, **band)
-            fast = predict(w, fab, post_us=POST_US_C_HELPER, **band)
-            r.update({"dispatch_low": lo["dispatch"], "dispatch_high": hi["dispatch"],
-                      "combine_low": lo["combine"], "combine_high": hi["combine"],
-                      "dispatch_c_helper": fast["dispatch"], "combine_c_helper": fast["combine"],
-                      "total_c_helper": fast["total"]})
+            rest = {k: v for k, v in kw.items() if k not in ("speed", "post_us")}
+            bench = predict(w, fab, speed="bench", **rest)
+            helper = predict(w, fab, speed="bench", post_us=POST_US_C_HELPER, **rest)
+            for ph in ("dispatch", "combine", "total"):
+                r[f"{ph}_bench"], r[f"{ph}_c_helper"] = bench[ph], helper[ph]
             rows.append(r)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| fabric | EP | dispatch µs (post 1.0-1.8) | combine µs (post 1.0-1.8) | total µs | "
-            "dispatch: kernels / flags / posting / cq / wire / nvlink / plan | "
-            "combine: kernels / flags / posting / cq / wire / nvlink |")
-    lines = [head, "|" + "---|" * 7]
+    head = ("| fabric | EP | dispatch | combine | dispatch + combine | at micro-benchmark speed (d / c / sum) | "
+            "dispatch: " + " / ".join(TERMS) + " | combine: " + " / ".join(TERMS) + " |")
+    lines = [head, "|" + "---|" * 8]
     for r in rows:
         d = " / ".join(f"{r['dispatch.' + t]:.0f}" for t in TERMS)
-        c = " / ".join(f"{r['combine.' + t]:.0f}" for t in TERMS[:-1])
-        lines.append(f"| {r['fabric']} | {r['world']} | {r['dispatch']:.0f} ({r['dispatch_low']:.0f}-"
-                     f"{r['dispatch_high']:.0f}) | {r['combine']:.0f} ({r['combine_low']:.0f}-"
-                     f"{r['combine_high']:.0f}) | {r['total']:.0f} | {d} | {c} |")
+        c = " / ".join(f"{r['combine.' + t]:.0f}" for t in TERMS)
+        lines.append(f"| {r['fabric'].upper()} | {r['world']} | {r['dispatch']:.0f} | {r['combine']:.0f} | "
+                     f"**{r['total']:.0f}** | {r['dispatch_bench']:.0f} / {r['combine_bench']:.0f} / "
+                     f"{r['total_bench']:.0f} | {d} | {c} |")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def format_calibration(rows: list[dict]) -> str:
+    lines = ["| configuration | quantity | model µs | measured µs | model / measured | measured in |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| ({r['config']}) {CONFIGS[r['config']]} | {r['quantity']} | {r['predicted']:.1f} | "
+                     f"{r['measured']:.1f} | {r['ratio']:.2f} | {r['source']} |")
+    return "\n".join(lines)
+
+
+def format_provenance() -> str:
+    lines = ["| constant | value | kind | source |", "|---|---|---|---|"]
+    for name, value in constants().items():
+        kind, src = PROVENANCE[name]
+        lines.append(f"| `{name}` | {value:.6g} | {'**ASSUMPTION**' if kind == 'assumption' else kind} | {src} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], cal: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 10.5))
+    fig = plt.figure(figsize=(16, 10.5))
+    gs = fig.add_gridspec(2, 3)
     colors = {"efa": "tab:orange", "cx7": "tab:blue"}
-    markers = {"pplx-garden README": "*", "pplx article": "P", "UCCL-EP README": "s",
-               "DeepEP V1 LL": "^", "pplx-kernels README": "v"}
-    for ax, phase in zip(axes.flat[:3], ("dispatch", "combine", "total")):
+    markers = {"pplx-garden README": "*", "pplx article": "P", "UCCL-EP README": "s", "DeepEP V1 LL": "^"}
+    idx = {"dispatch": 4, "combine": 5, "total": 6}
+    for col, phase in enumerate(("dispatch", "combine", "total")):
+        ax = fig.add_subplot(gs[0, col])
         for fab in FABRICS:
             rs = [r for r in rows if r["fabric"] == fab]
             ws = [r["world"] for r in rs]
-            ax.plot(ws, [r[phase] for r in rs], "-o", color=colors[fab], lw=2.5,
-                    label=f"MODEL moe_a2a {fab.upper()} (Python proxy {POST_US} µs/write)")
-            if phase != "total":
-                ax.fill_between(ws, [r[f"{phase}_low"] for r in rs], [r[f"{phase}_high"] for r in rs],
-                                color=colors[fab], alpha=0.15)
-            else:
-                lo = [r["dispatch_low"] + r["combine_low"] for r in rs]
-                hi = [r["dispatch_high"] + r["combine_high"] for r in rs]
-                ax.fill_between(ws, lo, hi, color=colors[fab], alpha=0.15)
+            # EFA solid, CX7 dashed: where the proxy bounds a phase the two lines coincide
+            ax.plot(ws, [r[phase] for r in rs], "-o" if fab == "efa" else "--s", color=colors[fab], lw=2.5,
+                    label=f"MODEL {fab.upper()}, proxy at in-run speed")
+            ax.fill_between(ws, [r[f"{phase}_bench"] for r in rs], [r[phase] for r in rs],
+                            color=colors[fab], alpha=0.15)
             ax.plot(ws, [r[f"{phase}_c_helper"] for r in rs], ":", color=colors[fab], lw=1.5,
-                    label=f"MODEL what-if {fab.upper()}: C-helper posting {POST_US_C_HELPER} µs/write")
-        idx = {"dispatch": 4, "combine": 5, "total": 6}[phase]
-        top = max([r[f"{phase}_high"] if phase != "total" else r["dispatch_high"] + r["combine_high"]
-                   for r in rows] + [p[idx] for p in PUBLISHED if p[idx] is not None])
+                    label=f"MODEL what-if {fab.upper()}: C posting {POST_US_C_HELPER} µs/write")
         seen = set()
         for src, cfg, fab, ep, *vals in PUBLISHED:
-            v = vals[idx - 4]
+            v = vals[idx[phase] - 4]
             if v is None:
                 continue
             lab = f"{src} ({cfg})"
             ax.scatter([ep], [v], marker=markers[src], s=90, color=colors[fab], edgecolor="k", zorder=5,
                        label=None if lab in seen else lab)
             seen.add(lab)
+        top = max([r[phase] for r in rows] + [p[idx[phase]] for p in PUBLISHED if p[idx[phase]] is not None])
         ax.set_xscale("log", base=2)
-        ax.set_xticks([16, 24, 32, 64])
-        ax.set_xticklabels(["16", "24", "32", "64"])
+        ax.set_xticks([16, 24, 32, 64], ["16", "24", "32", "64"])
         ax.set_xlabel("EP size (8 GPUs per node)")
-        ax.set_ylabel("latency (µs)")
-        ax.set_ylim(0, 1.6 * top)
-        name = "dispatch + combine" if phase == "total" else phase
-        ax.set_title(f"{name}: MODEL (not measured) vs published")
+        ax.set_ylabel("µs")
+        ax.set_ylim(0, 1.35 * top)
+        ax.set_title(f"{'dispatch + combine' if phase == 'total' else phase}: MODEL vs published\n"
+                     "band: proxy at micro-benchmark speed .. in-run speed", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, loc="upper left", ncol=2)
-    # where the time goes: stacked critical-path terms
-    ax = axes.flat[3]
+        ax.legend(fontsize=6, loc="upper left")
+    # where the time goes at the proxy's in-run speed
+    ax = fig.add_subplot(gs[1, :2])
     bars = [(r["fabric"], r["world"], ph, r) for ph in ("dispatch", "combine") for r in rows]
     bottoms = np.zeros(len(bars))
     for term, col in zip(TERMS, plt.cm.tab10.colors):
         vals = np.array([r[f"{ph}.{term}"] for _, _, ph, r in bars])
         ax.bar(np.arange(len(bars)), vals, bottom=bottoms, color=col, label=term)
         bottoms += vals
-    ax.set_xticks(np.arange(len(bars)))
-    ax.set_xticklabels([f"{ph[0].upper()} {f.upper()}\nEP{w}" for f, w, ph, _ in bars], fontsize=7)
-    ax.set_ylim(0, 1.15 * bottoms.max())
+    ax.set_xticks(np.arange(len(bars)), [f"{ph[0].upper()} {f.upper()}\nEP{w}" for f, w, ph, _ in bars], fontsize=7)
+    ax.set_ylim(0, 1.12 * bottoms.max())
     ax.set_ylabel("µs on the critical path")
-    ax.set_title("MODEL (not measured): where the time goes (D = dispatch, C = combine)")
-    ax.legend(fontsize=8)
+    ax.set_title("MODEL: where the time goes (D = dispatch, C = combine; proxy at in-run speed)", fontsize=9)
+    ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3, axis="y")
-    fig.suptitle("moe_a2a scale-out latency MODEL (not measured): decode T=128, H=7168 fp8 / bf16, K=8, "
-                 "E=256; bands = proxy post cost 1.0-1.8 µs/write", fontsize=11)
+    # calibration: model vs measured, ratio per quantity
+    ax = fig.add_subplot(gs[1, 2])
+    labels = [f"({r['config']}) {r['quantity']}" for r in cal]
+    y = np.arange(len(cal))
+    ax.barh(y, [r["ratio"] for r in cal], color=["tab:green" if 0.75 <= r["ratio"] <= 1.25 else "tab:red"
+                                                  for r in cal])
+    for yi, r in zip(y, cal):
+        ax.text(0.03, yi, f"{r['predicted']:.0f} / {r['measured']:.0f} µs", va="center", fontsize=7, color="w")
+    ax.axvline(1.0, color="k", lw=1)
+    ax.axvspan(0.75, 1.25, color="tab:green", alpha=0.08)
+    ax.set_yticks(y, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.5)
+    ax.set_xlabel("model / measured (band: within 25%)")
+    ax.set_title("calibration on 2 x H200 (measured 2026-11-30)\n(a) one node, (b) two simulated nodes over shm",
+                 fontsize=9)
+    fig.suptitle("moe_a2a latency MODEL (a model where it predicts), 2026-11-30: decode T=128, H=7168 fp8 / "
+                 "bf16, K=8, E=256", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench.latency_model",
-                                 description="moe_a2a scale-out latency MODEL (not measured)")
+                                 description="moe_a2a latency MODEL: calibration against 2 x H200, then "
+                                             "EP16/32/64 predictions")
     ap.add_argument("--png", help="write the plot here")
-    ap.add_argument("--json", help="write predictions, assumptions and published points here")
-    ap.add_argument("--post-us", type=nonneg_float, default=POST_US, help="proxy cost per posted write (µs)")
-    ap.add_argument("--eager", action="store_true", help="no CUDA graphs: add host launch cost per kernel")
-    ap.add_argument("--no-barrier", action="store_true", help="leave out the per-phase imm barrier")
+    ap.add_argument("--json", help="write calibration, predictions, constants and published points here")
+    ap.add_argument("--speed", choices=SPEEDS, default="run",
+                    help="proxy cost: as inside our run (default) or as in its micro-benchmarks")
+    ap.add_argument("--post-us", type=nonneg_float, default=POST_US,
+                    help=f"engine Python per posted write at micro-benchmark speed (default {POST_US})")
+    ap.add_argument("--host-staged", action="store_true", help="buffers in host memory on EFA / CX7 too")
     ap.add_argument("--efa-efficiency", type=fraction, default=None,
                     help=f"EFA effective/line-rate bandwidth (default {EFA_BW_EFFICIENCY})")
     args = ap.parse_args(argv)
-    kw = dict(post_us=args.post_us, graphs=not args.eager, barrier=not args.no_barrier,
+    kw = dict(speed=args.speed, post_us=args.post_us, host_staged=True if args.host_staged else None,
               efa_efficiency=args.efa_efficiency)
+    cal = calibration()
     rows = table(**kw)
-    print("moe_a2a latency MODEL (not measured), µs; terms are critical-path contributions")
+    print("Calibration: the model against 2 x H200 measurements (2026-11-30)")
+    print(format_calibration(cal))
+    print(f"\nProxy in-run factor (in-run spans / micro-benchmarks): {PROXY_IN_RUN_FACTOR:.2f}")
+    print(f"\nPredictions: MODEL, not measured; µs; proxy speed '{args.speed}'; terms are critical-path "
+          "contributions")
     print(format_table(rows))
+    print("\nProvenance of every constant")
+    print(format_provenance())
     if args.json:
-        consts = {k: v for k, v in globals().items() if k.isupper() and isinstance(v, (int, float))}
-        doc = {"kind": "MODEL (not measured)", "options": kw, "constants": consts, "predictions": rows,
-               "routing": [routing_stats(w) for w in WORLDS],
-               "hbm_floor_us": {w: hbm_floor_us(w) for w in WORLDS},
+        doc = {"kind": "MODEL (calibrated against 2 x H200; predictions not measured)", "options": kw,
+               "calibration": cal, "predictions": rows, "constants": constants(),
+               "provenance": {k: list(v) for k, v in PROVENANCE.items()},
+               "routing": [routing_stats(w) for w in WORLDS], "hbm_floor_us": hbm_floor_us(),
                "published": [dict(zip(("source", "config", "fabric", "ep", "dispatch_us", "combine_us",
                                        "total_us"), p)) for p in PUBLISHED]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.png:
-        plot(rows, args.png)
+        plot(rows, cal, args.png)
     return 0
 
 
