@@ -115,6 +115,13 @@ one)  # 2026-11-30 (second session), nvidia-h200 (one GPU): every rank shares it
   step 470 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/compat \
        tests/test_all_to_all.py
   ;;
+abort)  # 2026-11-30 (second session), nvidia-h200-x2: collective abort, non-fatal bad index, kernels after the -1 rows
+  step 150 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_abort.py \
+       tests/test_all_to_all.py -k "abort or bad_index or bad_input or capacity or W2-N1"
+  step 100 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/triton_kernels/test_dispatch.py \
+       tests/triton_kernels/test_combine.py tests/triton_kernels/test_routing.py
+  step 60 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 2 --iters 100 --warmup 10 --json "$OUT/e2e_graph_x2.json"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;
