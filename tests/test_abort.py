@@ -61,17 +61,26 @@ def _calls(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
     return out
 
 
+def _calls_as_kernel_waiter(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
+    """As a rank whose host never waits (one GPU per rank): no look at the count rows on the host, so
+    only what the unpack kernel recorded (Flag.ABORTED) tells it, at the end of its combine."""
+    a2a._aborted_sources = lambda: []
+    return _calls(a2a, rank, bad_rank, kind, n_calls)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,node,transport,kind", [
-    (2, 2, "shm", "index"),     # node-local: peers synchronise through mapped memory
-    (3, 1, "tcp", "shape"),     # every peer remote: the abort travels with the count row, via the proxies
-    (4, 2, "shm", "dtype"),     # mixed: a node peer and remote peers
-], ids=["node-local-index", "remote-tcp-shape", "mixed-shm-dtype"])
-def test_bad_input_on_one_rank_aborts_the_call_everywhere_and_the_next_call_works(world, node, transport, kind):
+@pytest.mark.parametrize("world,node,transport,kind,host_looks", [
+    (2, 2, "shm", "index", True),   # node-local: peers synchronise through mapped memory
+    (3, 1, "tcp", "shape", True),   # every peer remote: the abort travels with the count row, via the proxies
+    (4, 2, "shm", "dtype", True),   # mixed: a node peer and remote peers
+    (3, 1, "tcp", "shape", False),  # the peers learn it from their unpack kernel's record (GPU ranks do)
+], ids=["node-local-index", "remote-tcp-shape", "mixed-shm-dtype", "remote-tcp-kernel-record"])
+def test_bad_input_on_one_rank_aborts_the_call_everywhere_and_the_next_call_works(world, node, transport, kind,
+                                                                                 host_looks):
     bad_rank, n_calls = world - 1, 4
     with LocalCluster(CFG, world_size=world, node_size=node, transport=transport, device=TEST_DEVICE,
                       timeout_s=30) as cl:
-        results = cl.run(_calls, bad_rank, kind, n_calls)
+        results = cl.run(_calls if host_looks else _calls_as_kernel_waiter, bad_rank, kind, n_calls)
     good = [i for i in range(n_calls) if i != BAD_CALL]
     if TEST_DEVICE == "cuda" and kind == "index":
         # A GPU checks index values on the device, without a host sync: the bad route is dropped (never

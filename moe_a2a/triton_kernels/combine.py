@@ -57,7 +57,8 @@ def _f32_to_bf16_rtne(x):
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit
+# As in dispatch.py: counts not specialised, so an aborted call compiles nothing new.
+@triton.jit(do_not_specialize=["num_y_rows"])
 def _pack_combine_by_source_kernel(
     expert_y_ptr,        # (R, Y_WORDS) words, row stride `stride_y_r`: expert outputs, dispatch rows
     counts_ptr,          # (W, E) int32: the routing matrix of this call's dispatch
@@ -136,7 +137,7 @@ def _pack_combine_by_source_kernel(
                              NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _reduce_combined_tokens_kernel(
     out_tokens_ptr,      # (T, H) out_dtype, row stride `stride_out_t`: out (and input when ACCUMULATE)
     route_slot_ptr,      # (T, K) int32/int64, strides (stride_slot_t, stride_slot_k); -1 = no route

@@ -35,7 +35,9 @@ from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words
 # ================================================================================================
 # Kernels
 # ================================================================================================
-@triton.jit
+# Row and token counts are not specialised: an aborted call (no tokens in, one scratch row out) must not
+# compile new variants while its peers wait for it.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _pack_tokens_by_expert_kernel(
     x_ptr,               # (T, X_WORDS) words, row stride `stride_x_t`: the payload bytes of x
     x_scale_ptr,         # (T, S) int32 (fp32 bits), strides (stride_scale_t, stride_scale_s)
@@ -118,7 +120,7 @@ def _pack_tokens_by_expert_kernel(
                              NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_out_rows"])
 def _unpack_tokens_by_expert_kernel(
     out_num_tokens_ptr,  # (L,) int32: out, rows per local expert
     out_x_ptr,           # (R, X_WORDS) words, row stride `stride_out_x_r`: out, expert-major rows

@@ -52,8 +52,9 @@ def _publish_ready(ready_ptr, epoch_ptr, USE_PTX: tl.constexpr):
     _store_release_sys(ready_ptr, tl.load(epoch_ptr), USE_PTX)
 
 
-# num_tokens is not specialised: T=1 would make it a constexpr int (no .to()) and every T a recompile.
-@triton.jit(do_not_specialize=["num_tokens"])
+# num_tokens is not specialised: T=1 would make it a constexpr int (no .to()) and every T a recompile;
+# nor is `abort` (an aborted call must not wait for a compile while its peers wait for it).
+@triton.jit(do_not_specialize=["num_tokens", "abort"])
 def _route_block_kernel(
     indices_ptr,      # (T, K) int32/int64, contiguous; -1 = not routed
     bound_m_ptr,      # (1,) int32 live token count; read only when HAS_BOUND_M
@@ -75,7 +76,7 @@ def _route_block_kernel(
     CHECK: tl.constexpr = False,
     HAS_READY: tl.constexpr = False,
     USE_PTX: tl.constexpr = False,
-    ABORT: tl.constexpr = False,  # SINGLE only: write -1 in every count (this rank aborts the call)
+    abort=0,                      # SINGLE only, nonzero: write -1 in every count (this rank aborts the call)
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE)."""
     pid = tl.program_id(0)
@@ -117,7 +118,7 @@ def _route_block_kernel(
     hist = tl.histogram(expert, E_BINS)  # integer counts: order-independent, hence deterministic
     bins = tl.arange(0, E_BINS)
     if SINGLE:
-        tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where(ABORT, -1, hist), mask=bins < num_experts)
+        tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where(abort != 0, -1, hist), mask=bins < num_experts)
         if HAS_READY:
             _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
     else:
@@ -294,7 +295,7 @@ def route_tokens(
             key, (1,), indices, bound_arg, out_route_slot, out_counts, out_counts,
             T, num_experts, out_counts.stride(0),
             K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=True,
-            num_warps=4 if block_r <= 1024 else 8, ABORT=bool(abort), **extra,
+            num_warps=4 if block_r <= 1024 else 8, abort=int(bool(abort)), **extra,
         )
         return out_counts, out_route_slot
 
