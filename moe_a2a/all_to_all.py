@@ -491,7 +491,8 @@ class AllToAll:
         outputs alone (`do_send=False`) raise ValueError and leave the call open for a corrected
         receive. On GPU the call is asynchronous and
         CUDA-graph safe with `bound_m`. Index values are checked without a host sync on a GPU (the routing
-        kernel drops a bad route and the next call raises a ValueError naming it), on the host on CPU.
+        kernel drops a bad route and the end of the following combine, or `check()`, raises a ValueError
+        naming it, once; the instance stays usable), on the host on CPU (bad input, as above).
         """
         self._ready()
         if do_send:
@@ -918,7 +919,7 @@ class AllToAll:
             _check("bound_m", bound_m, (1,), torch.int32, self.device)
         if self.device.type != "cuda":
             # CPU: the check costs no device sync, so bad input is refused before anything is sent.
-            # GPU: the routing kernel checks on the device and the next call raises (no host sync).
+            # GPU: the routing kernel checks on the device; the combine's end says it (no host sync).
             routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
 
     def _validate_dispatch_out(self, num, x, xs) -> None:
