@@ -570,6 +570,12 @@ class AllToAll:
             self._raise_proxy_error_once()
         self._raise_recorded()
 
+    def writes_posted(self) -> dict[str, int]:
+        """RDMA writes this rank's proxy has posted so far, per phase: `{"dispatch": n, "combine": m}`
+        (cumulative; zero when every rank is on one node). After the proxy finished a call's phase."""
+        return {"dispatch": int(self._flags_np[flag_word(Flag.DISPATCH_WRITES_POSTED)]),
+                "combine": int(self._flags_np[flag_word(Flag.COMBINE_WRITES_POSTED)])}
+
     def set_tracing(self, on: bool = True) -> None:
         """Record timestamps of every call (model halves and proxy steps) for `trace()`.
 

@@ -96,7 +96,11 @@ class Flag(enum.IntEnum):
     # Written by the dispatch unpack kernel; the host raises once per epoch at the end of a combine
     # or in check() (docs/protocol.md, "Aborted calls").
     ABORTED = 18
-    NUM_FLAGS = 19
+    # proxy -> model, cumulative over calls: RDMA writes this rank's proxy posted in the dispatch phase
+    # (routing rows, private and remainder writes) and in the combine phase (tests, benchmarks).
+    DISPATCH_WRITES_POSTED = 19
+    COMBINE_WRITES_POSTED = 20
+    NUM_FLAGS = 21
 
 
 # Bit of a wait's status word meaning "the proxy's flag (remote peers) was missing".

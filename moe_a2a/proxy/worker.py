@@ -265,6 +265,7 @@ class Proxy:
         self.wait_local(F.ROUTE_READY, e)
         self._in_call = True
         self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
+        posted = self.engine.writes_posted
         mark(0)  # route_ready_seen
         self.engine.scatter(self.group, self.region, self._route_targets, plan.make_imm(Imm.ROUTE, r, e))
         mark(1)  # route_posted
@@ -284,6 +285,7 @@ class Proxy:
         mark(5)  # remainder_posted
         dispatch_imms = self._imms(Imm.DISPATCH, e, self.remote, plan.expected_dispatch_imms(routes, r, lay))
         combine = self._targets(plan.combine_writes(routes, r, lay))  # off the combine's critical path
+        self.flags[F.DISPATCH_WRITES_POSTED] = self.flags[F.DISPATCH_WRITES_POSTED] + self.engine.writes_posted - posted
         self.wait_peers(e, "dispatch: tokens", dispatch_imms)
         # Stamp before publishing: the model reads the trace as soon as it sees the flag.
         mark(6)  # dispatch_received
@@ -293,7 +295,9 @@ class Proxy:
         self.flags[F.DISPATCH_WRITES_DONE] = e
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(8)  # combine_send_seen
+        posted = self.engine.writes_posted
         self._post(combine, Imm.COMBINE, e)
+        self.flags[F.COMBINE_WRITES_POSTED] = self.flags[F.COMBINE_WRITES_POSTED] + self.engine.writes_posted - posted
         mark(9)  # combine_posted
         self.wait_peers(e, "combine: expert outputs", combine_imms)
         mark(10)  # combine_received
