@@ -116,7 +116,7 @@ class Imm(enum.IntEnum):
     """Kinds of 32-bit RDMA immediates. The immediate also carries the sender and the epoch, so a
     receiver counts exactly which peer delivered what for which call (see `plan.make_imm`)."""
 
-    ROUTE = 1
+    ROUTE = 1      # not sent any more: count rows travel at the head of the private writes
     DISPATCH = 2
     COMBINE = 3
 
@@ -124,7 +124,7 @@ class Imm(enum.IntEnum):
 # Moments the proxy timestamps (CLOCK_MONOTONIC ns) when Flag.TRACE is set: one (epoch, t_ns) pair of
 # int64 per event in the trace area, overwritten each call (the last call stays readable).
 TRACE_EVENTS = (
-    "route_ready_seen", "route_posted", "send_ready_seen", "private_posted", "routes_received",
+    "route_ready_seen", "private_planned", "send_ready_seen", "private_posted", "count_rows_received",
     "remainder_posted", "dispatch_received", "dispatch_writes_done",
     "combine_send_seen", "combine_posted", "combine_received", "combine_writes_done",
 )
@@ -351,13 +351,30 @@ class Layout:
         return self.max_recv_routes + self.num_local_experts * (self.expert_padding - 1)
 
     # ---- regions of the send and recv buffers (bytes, relative to each buffer) ---------------
+    # Receiver's private region: one slot per sender, `header_rows` rows then P rows. A remote sender's
+    # private write carries its count row into the last 4E bytes of the header, then its first min(n, P)
+    # rows: one write per peer carries both (docs/protocol.md).
     @cached_property
     def private_offset_bytes(self) -> int:
         return 0
 
     @cached_property
+    def header_rows(self) -> int:
+        """Dispatch rows before each sender's private rows, holding its count row (4E bytes) at their end."""
+        return ceil_div(self.routing_row_bytes, self.dispatch_stride_bytes)
+
+    @cached_property
+    def private_slot_rows(self) -> int:
+        return self.header_rows + self.private_rows
+
+    def private_header_offset_bytes(self, sender: int) -> int:
+        """Where sender's count row lands in a receiver's recv buffer (just before its private rows)."""
+        return (self.private_offset_bytes + (sender * self.private_slot_rows + self.header_rows)
+                * self.dispatch_stride_bytes - self.routing_row_bytes)
+
+    @cached_property
     def remainder_offset_bytes(self) -> int:
-        return self.world_size * self.private_rows * self.dispatch_stride_bytes
+        return self.world_size * self.private_slot_rows * self.dispatch_stride_bytes
 
     @cached_property
     def combine_stage_offset_bytes(self) -> int:

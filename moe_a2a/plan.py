@@ -1,7 +1,7 @@
 """The protocol's arithmetic: pure functions of the exchanged count rows.
 
-`counts` is the `[W, E]` matrix every rank holds after the routing exchange: row s = how many
-routes source rank s sends to each expert. From it every rank derives, without further messages,
+`counts` is the `[W, E]` matrix every rank holds once the count rows are in: row s = how many routes
+source rank s sends to each expert (a remote source's row arrives at the head of its private write). From it every rank derives, without further messages,
 who writes what where (docs/design.md, Protocol). The proxy uses these functions to post writes; the
 Triton kernels compute the same offsets on the device, and tests check that both agree.
 
@@ -97,7 +97,7 @@ def remainder_offsets(n_recv: np.ndarray, lay: Layout) -> np.ndarray:
     Every source gets a place, same-node ones included (they leave holes), so the formula is the
     same on every rank and needs no knowledge of the node layout."""
     rest = np.maximum(n_recv - lay.private_rows, 0)
-    return lay.world_size * lay.private_rows + np.cumsum(rest) - rest
+    return lay.world_size * lay.private_slot_rows + np.cumsum(rest) - rest
 
 
 def combine_stage_offsets(n_recv: np.ndarray) -> np.ndarray:
@@ -128,15 +128,19 @@ def _writes(peer, src, length, dst) -> np.ndarray:
 
 
 def private_writes(row: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
-    """First phase of dispatch: to every remote peer, the first min(n, P) routes into this rank's
-    private slot. Zero-length writes are kept: each carries the immediate the peer counts."""
+    """First phase of dispatch: to every remote peer, this rank's count row and its first min(n, P)
+    routes, in one write into this rank's private slot there. Each row gives the rows (source offset,
+    length) and the destination of the count row (`Layout.private_header_offset_bytes`); the write
+    carries the 4E-byte count row first (`TransferEngine.scatter(header=...)`), so the rows land
+    right after it, at the start of the slot's private rows. Zero rows still write the count row and
+    carry the immediate the peer counts."""
     P, stride = lay.private_rows, lay.dispatch_stride_bytes
     d = remote_peer_array(lay, rank)
     if not len(d):  # one node: nothing crosses the wire
         return _NO_WRITES
     n = rank_counts(row, lay)
     off = np.cumsum(n) - n  # send_offsets
-    return _writes(d, off[d] * stride, np.minimum(n[d], P) * stride, lay.private_offset_bytes + rank * P * stride)
+    return _writes(d, off[d] * stride, np.minimum(n[d], P) * stride, lay.private_header_offset_bytes(rank))
 
 
 def remainder_writes(routes: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
@@ -152,7 +156,7 @@ def remainder_writes(routes: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     d = d[n[d] > P]
     # remainder_offsets(routes[:, d])[rank] for every destination d at once
     before = np.maximum(routes[:rank, d] - P, 0).sum(0)
-    return _writes(d, (off[d] + P) * stride, (n[d] - P) * stride, (W * P + before) * stride)
+    return _writes(d, (off[d] + P) * stride, (n[d] - P) * stride, (W * lay.private_slot_rows + before) * stride)
 
 
 def expected_dispatch_imms(routes: np.ndarray, rank: int, lay: Layout) -> dict[int, int]:

@@ -35,7 +35,12 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
     for d in range(W):
         spans = []  # (start, end) byte spans written into d's recv buffer during dispatch
         for s in range(W):
-            for peer, src, n, dst in dispatch_writes(s):
+            for peer, src, n, dst in plan.private_writes(counts[s], s, lay).tolist():
+                assert 0 <= src and src + n <= lay.max_routes * lay.dispatch_stride_bytes
+                if peer == d:  # the count row, then the rows: one write, never empty
+                    assert dst == lay.private_header_offset_bytes(s)
+                    spans.append((dst, dst + lay.routing_row_bytes + n))
+            for peer, src, n, dst in plan.remainder_writes(routes, s, lay).tolist():
                 assert 0 <= src and src + n <= lay.max_routes * lay.dispatch_stride_bytes
                 if peer == d and n:
                     spans.append((dst, dst + n))
@@ -66,7 +71,9 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
 def _private_by_peer(counts, r, lay):
     n, off, P, S = plan.rank_counts(counts[r], lay), plan.send_offsets(counts[r], lay), lay.private_rows, \
         lay.dispatch_stride_bytes
-    return [(d, off[d] * S, min(n[d], P) * S, lay.private_offset_bytes + r * P * S) for d in lay.remote_peers(r)]
+    # the count row lands in the last 4E bytes of r's header rows, its rows right after them
+    head = lay.private_offset_bytes + (r * (lay.header_rows + P) + lay.header_rows) * S - 4 * lay.num_experts
+    return [(d, off[d] * S, min(n[d], P) * S, head) for d in lay.remote_peers(r)]
 
 
 def _remainder_by_peer(counts, r, lay):
@@ -134,4 +141,4 @@ def test_immediates_of_neighbouring_calls_differ_across_the_epoch_wrap():
                 a, b = plan.make_imm(kind, rank, e), plan.make_imm(kind, rank, e + 1)
                 assert a != b and 0 <= a < 2**32
                 assert plan.split_imm(a) == (int(kind), rank, e % wrap)
-    assert plan.make_imm(Imm.ROUTE, 3, wrap) == plan.make_imm(Imm.ROUTE, 3, 0)  # the only aliasing
+    assert plan.make_imm(Imm.DISPATCH, 3, wrap) == plan.make_imm(Imm.DISPATCH, 3, 0)  # the only aliasing

@@ -1,7 +1,7 @@
 """RDMA writes per call, counted by the proxies themselves (`AllToAll.writes_posted`), between real
-processes: what the protocol promises about the wire. Today a dispatch costs each remote peer a routing
-row write and a private write (a remainder write only when the pair overflows its private region), a
-combine one write; no barrier writes (docs/protocol.md)."""
+processes: what the protocol promises about the wire. A dispatch costs each remote peer one write (its
+count row and its first P rows), plus a remainder write only when the pair overflows its private region;
+a combine one write; no barrier writes (docs/protocol.md)."""
 from __future__ import annotations
 
 import pytest
@@ -45,7 +45,7 @@ def test_writes_per_call_are_what_the_protocol_says(world, node, transport, priv
     for rank, got in enumerate(results):
         remote, P = got["remote"], got["private_rows"]
         overflow = sum(routes[d] > P for routes in got["routes"] for d in remote)
-        assert got["dispatch"] == calls * 2 * len(remote) + overflow, (rank, got)
+        assert got["dispatch"] == calls * len(remote) + overflow, (rank, got)
         assert got["combine"] == calls * len(remote), (rank, got)
     if private == 1:
         assert any(sum(r[d] > 1 for r in g["routes"] for d in g["remote"]) for g in results)  # it did overflow

@@ -273,6 +273,9 @@ class Setup:
     speed: float                  # multiplies the proxy's micro-benchmark costs
     post_us: float
     host_staged: bool
+    # The count row as a write of its own to every remote peer, before the private writes: the protocol
+    # our cross-node measurement (b) ran; since, the row travels at the head of the private write.
+    route_writes: bool = False
 
 
 def _scatter(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
@@ -326,11 +329,16 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
     ready = node_ready
     if remote:
         plan = s.speed * plan_us(s.world)
-        route_posted, route_landed = _scatter(t_route.add("flags", flag), [ROUTE_ROW_BYTES] * remote, s)
+        size = min(rows, st["private_rows"]) * DISPATCH_ROW_BYTES
+        if s.route_writes:
+            route_posted, route_landed = _scatter(t_route.add("flags", flag), [ROUTE_ROW_BYTES] * remote, s)
+        else:  # the count row rides at the head of each private write
+            route_posted, size = t_route.add("flags", flag), size + ROUTE_ROW_BYTES
         p = route_posted.add("proxy_plan", plan * PLAN_SHARES["private"])       # while the model packs
         p = later(p, t_pack.add("flags", flag))                                  # SEND_READY seen
-        size = min(rows, st["private_rows"]) * DISPATCH_ROW_BYTES
         priv_posted, data_landed = _scatter(p, [size] * remote, s)
+        if not s.route_writes:
+            route_landed = data_landed
         if early:
             route_landed = data_landed = Path()
         elif s.fab.receiver_copies:
@@ -346,7 +354,8 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
             _, rem_landed = _scatter(p, [0.0], s)
             extra = max(0.0, rem_landed.t - data_landed.t) * st["p_any_remainder"]
             data_landed = data_landed.add("wire", extra)
-        p = p.add("proxy_plan", plan * PLAN_SHARES["combine"])
+        if s.route_writes:  # then, the combine plan came before DISPATCH_RECV_READY; now after it
+            p = p.add("proxy_plan", plan * PLAN_SHARES["combine"])
         drr = later(p, data_landed).add("proxy_cq", s.speed * CQ_US * remote)    # dispatch imms
         ready = later(node_ready, drr.add("flags", flag))                        # DISPATCH_RECV_READY
     start = later(t_pack, ready).add("kernels", waitk)
@@ -363,7 +372,10 @@ def _combine(s: Setup) -> Path:
     ready = t_pack.add("flags", flag)                  # node peers' combine_ready
     if remote:
         size = rows * COMBINE_ROW_BYTES
-        posted, landed = _scatter(t_pack.add("flags", flag), [size] * remote, s)
+        start = t_pack.add("flags", flag)
+        if not s.route_writes:  # the proxy plans the combine writes from the phase's start, beside the GPU
+            start = later(start, Path().add("proxy_plan", s.speed * plan_us(s.world) * PLAN_SHARES["combine"]))
+        posted, landed = _scatter(start, [size] * remote, s)
         if s.fab.receiver_copies:
             landed = posted.add("wire", remote * size / (s.fab.gbps * 1e3))
         crr = landed.add("proxy_cq", s.speed * CQ_US * remote)
@@ -374,7 +386,7 @@ def _combine(s: Setup) -> Path:
 
 def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed: str = "run",
           post_us: float = POST_US, host_staged: bool | None = None,
-          efa_efficiency: float | None = None) -> Setup:
+          efa_efficiency: float | None = None, route_writes: bool = False) -> Setup:
     node = min(node, world)
     if world < 2 or world % node or NUM_EXPERTS % world:
         raise ValueError(f"world must be a multiple of the node size ({node}) dividing {NUM_EXPERTS}, got {world}")
@@ -382,7 +394,7 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
         raise ValueError(f"speed must be one of {SPEEDS}, got {speed!r}")
     fab = fabric(fabric_name, efa_efficiency) if node < world else None   # remote peers need one
     staged = (fab.host_staged if fab else False) if host_staged is None else host_staged
-    return Setup(world, node, fab, PROXY_IN_RUN_FACTOR if speed == "run" else 1.0, post_us, staged)
+    return Setup(world, node, fab, PROXY_IN_RUN_FACTOR if speed == "run" else 1.0, post_us, staged, route_writes)
 
 
 def predict(world: int, fabric_name: str | None, **kw) -> dict:
@@ -440,7 +452,7 @@ def calibration() -> list[dict]:
     """The model against the two measured configurations: (a) 2 ranks on one node; (b) 2 ranks as two
     simulated nodes (one rank each) over the shm provider, host-staged, proxy at its in-run speed."""
     model = {"a": back_to_back(predict(2, None, node=2)),
-             "b": back_to_back(predict(2, "shm", node=1, speed="run"))}
+             "b": back_to_back(predict(2, "shm", node=1, speed="run", route_writes=True))}
     return [{"config": c, "quantity": q, "predicted": model[c][_QUANTITY[q]], "measured": m,
              "ratio": model[c][_QUANTITY[q]] / m, "source": src} for c, q, m, src in MEASURED]
 

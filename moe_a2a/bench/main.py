@@ -319,10 +319,10 @@ def _timeline_rank(a2a, rank, seed):
 
 # Proxy activity between two of its timestamps: (start event, end event, label, kind).
 _PROXY_SPANS = [
-    ("route_ready_seen", "route_posted", "post count row", "post"),
+    ("route_ready_seen", "private_planned", "plan private", "post"),
     ("send_ready_seen", "private_posted", "post private", "post"),
-    ("private_posted", "routes_received", "wait count rows", "wire"),
-    ("routes_received", "remainder_posted", "post remainder", "post"),
+    ("private_posted", "count_rows_received", "wait count rows + private", "wire"),
+    ("count_rows_received", "remainder_posted", "post remainder", "post"),
     ("remainder_posted", "dispatch_received", "wait tokens", "wire"),
     ("dispatch_recv_done_seen", "dispatch_barrier", "barrier", "wire"),
     ("combine_send_seen", "combine_posted", "post combine", "post"),

@@ -50,6 +50,12 @@ _T_MSG_IOV, _T_DESC, _T_IOV_COUNT, _T_ADDR, _T_RMA_IOV, _T_RMA_IOV_COUNT, _T_CON
 _T_IOV_BASE, _T_IOV_LEN, _T_RMA_ADDR, _T_RMA_LEN, _T_RMA_KEY, _T_DESC0 = range(8, 14)
 _T_WORDS = 14
 _PATCH = struct.Struct("<6Q")  # words _T_CONTEXT.._T_RMA_LEN
+# The same with a header: two iovecs (a fixed header, then the rows), one fi_rma_iov for both, two
+# descs, 17 words. Per write, words 6..13 change (context, data, the header iovec rewritten unchanged
+# so that one pack_into covers the rows' iovec and the rma addr and length as well).
+_H_IOV0, _H_IOV1, _H_RMA, _H_DESC0 = 8, 10, 12, 15
+_H_WORDS = 17
+_H_PATCH = struct.Struct("<8Q")  # words 6..13
 _CTX_WORDS = 4  # struct fi_context: 4 pointers; FI_CONTEXT mode needs one per outstanding op
 _WRITE_FLAGS = lf.FI_REMOTE_CQ_DATA | lf.FI_COMPLETION
 _IMM_MASK = 0xFFFFFFFF
@@ -176,9 +182,35 @@ class PeerGroup:
         self.remote_nbytes = tuple(r.nbytes for r in regions)
         self.barrier_targets = tuple((i, 0, 0, 0) for i in range(n))
         self._src = None  # LocalRegion whose descs are in the templates
+        self._engine = engine
+        self._header = None  # (header region, offset, length, src region) of the header templates
 
     def __len__(self) -> int:
         return len(self.peers)
+
+    def _set_header(self, header: LocalRegion, offset: int, length: int, src: LocalRegion) -> None:
+        """Templates of writes that carry `length` bytes of `header` at `offset` before the rows."""
+        n = len(self.peers)
+        self._h_templates = (ctypes.c_uint64 * (_H_WORDS * n))()
+        mv = _u64_view(self._h_templates)
+        base_addr = ctypes.addressof(self._h_templates)
+        for i, d in enumerate(self.domain_of):
+            b = i * _H_WORDS
+            addr0 = base_addr + 8 * b
+            mv[b + _T_MSG_IOV] = addr0 + 8 * _H_IOV0
+            mv[b + _T_DESC] = addr0 + 8 * _H_DESC0
+            mv[b + _T_IOV_COUNT] = 2
+            mv[b + _T_ADDR] = self.peers[i].fi_addrs[d]
+            mv[b + _T_RMA_IOV] = addr0 + 8 * _H_RMA
+            mv[b + _T_RMA_IOV_COUNT] = 1
+            mv[b + _H_RMA + 2] = self.regions[i].keys[d % len(self.regions[i].keys)]
+            mv[b + _H_DESC0] = header.descs[d]
+            mv[b + _H_DESC0 + 1] = src.descs[d]
+        eps = self._engine._eps
+        self.h_post_info = tuple(
+            (eps[d].writemsg, eps[d].ptr, base_addr + 8 * _H_WORDS * i, 8 * (_H_WORDS * i + _T_CONTEXT),
+             self.remote_base[i], self.peers[i]) for i, d in enumerate(self.domain_of))
+        self._header = (header, offset, length, src)
 
     def _set_source(self, src: LocalRegion) -> None:
         # The desc (fi_mr_desc of the source MR in the peer's domain) changes only with the source.
@@ -402,7 +434,8 @@ class TransferEngine:
     # ------------------------------------------------------------------ posting
 
     def scatter(self, grp: PeerGroup, src: LocalRegion,
-                targets: Sequence[tuple[int, int, int, int]] | np.ndarray, imm: int | Sequence[int]) -> None:
+                targets: Sequence[tuple[int, int, int, int]] | np.ndarray, imm: int | Sequence[int],
+                header: tuple[LocalRegion, int, int] | None = None) -> None:
         """Post one RDMA write with immediate per target; returns once all are posted (not completed).
 
         Args:
@@ -413,6 +446,10 @@ class TransferEngine:
                 ``length == 0`` is allowed: the write carries only the immediate. An integer ``[n, 4]``
                 array (what ``plan`` produces) is accepted too.
             imm: one 32-bit immediate for all targets, or one per target.
+            header: ``(region, offset, length)``: every write first carries these ``length`` bytes of
+                ``region`` (the same for all targets), then its own; ``dst_offset`` is where the header
+                lands, the target's bytes follow it (one write, two local iovecs: every provider we use
+                takes 4).
 
         Every target is validated before anything is posted (``ValueError``). ``-FI_EAGAIN`` (queue full,
         rxm not yet connected) is absorbed by progressing the CQs and retrying, up to ``timeout_s``.
@@ -436,6 +473,11 @@ class TransferEngine:
             # One by one from here: posting with numpy (patching every template in ~20 array operations,
             # then the calls through map) was measured no faster up to 255 targets (docs/perf-notes.md).
             targets = targets.tolist()
+        if header is not None:
+            self._validate_header(grp, header, targets)
+            self._validate(grp, src, [(p, so, n, do + header[2]) for p, so, n, do in targets])
+            self._scatter_with_header(grp, src, targets, imm, imms, header)
+            return
         self._validate(grp, src, targets)
         if grp._src is not src:
             grp._set_source(src)
@@ -463,6 +505,39 @@ class TransferEngine:
             if rc:
                 self._post_failed(rc, grp, p, ctx, v)
         self.writes_posted += n_targets
+
+    def _scatter_with_header(self, grp: PeerGroup, src: LocalRegion, targets, imm: int, imms, header) -> None:
+        """`scatter` with a header: the loop of `scatter` on the two-iovec templates."""
+        h_region, h_off, h_len = header
+        if grp._header != (h_region, h_off, h_len, src):
+            grp._set_header(h_region, h_off, h_len, src)
+        pack = _H_PATCH.pack_into
+        templates = grp._h_templates
+        info = grp.h_post_info
+        pop = self._free_ctx.pop
+        ctx_peer = self._ctx_peer
+        src_addr, h_addr = src.addr, h_region.addr + h_off
+        for (p, so, length, do), v in zip(targets, repeat(imm) if imms is None else imms):
+            writemsg, ep, msg, off, rbase, peer = info[p]
+            try:
+                ctx = pop()
+            except IndexError:
+                ctx = self._wait_ctx()
+            ctx_peer[ctx] = peer
+            pack(templates, off, ctx, v, h_addr, h_len, src_addr + so, length, rbase + do, h_len + length)
+            rc = writemsg(ep, msg, _WRITE_FLAGS)
+            if rc:
+                self._post_failed(rc, grp, p, ctx, v, msg)
+        self.writes_posted += len(targets)
+
+    def _validate_header(self, grp: PeerGroup, header, targets) -> None:
+        region, off, length = header
+        if not isinstance(region, LocalRegion) or region._engine is not self or not region._mrs:
+            raise ValueError(f"header region must be an open LocalRegion of this engine, got {region!r}")
+        if off < 0 or length < 0 or off + length > region.nbytes:
+            raise ValueError(f"header [{off}, {off + length}) outside its region of {region.nbytes} B")
+        if length and self.info.tx_iov_limit < 2:
+            raise ValueError(f"provider {self.provider_name!r} takes one iovec per write: no header writes")
 
     def barrier(self, grp: PeerGroup, imm: int) -> None:
         """Post a zero-length write carrying ``imm`` to every peer of ``grp`` (the receivers count it)."""
@@ -492,10 +567,11 @@ class TransferEngine:
                 f"[{so}, {so + length}) of {src.nbytes} B, destination range [{do}, {do + length}) of "
                 f"{grp.remote_nbytes[p]} B at {grp.peers[p]}: out of bounds or negative")
 
-    def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, imm: int) -> None:
+    def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, imm: int, msg: int | None = None) -> None:
         """Slow path of a post: retry ``-FI_EAGAIN`` while progressing; raise anything else."""
         deadline = time.monotonic() + self.timeout_s
-        writemsg, ep, msg = grp.post_info[p][:3]
+        writemsg, ep, plain_msg = grp.post_info[p][:3]
+        msg = plain_msg if msg is None else msg
         while rc == _NEG_EAGAIN:
             self.eagain_retries += 1
             self._idle_progress()

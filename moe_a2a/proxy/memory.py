@@ -340,6 +340,14 @@ class CuMemBuffer:
             self.close()
             raise
 
+    def read_into(self, offset: int, out) -> None:
+        """Copy `out.nbytes` bytes at `offset` into the host array `out` (device to host, synchronous)."""
+        from cuda.bindings import driver as cu
+
+        if offset < 0 or offset + out.nbytes > self.size:
+            raise ValueError(f"read_into: [{offset}, {offset + out.nbytes}) outside {self.size} B")
+        _drv(cu.cuMemcpyDtoH(out.ctypes.data, self.addr + offset, out.nbytes), "cuMemcpyDtoH")
+
     def close(self) -> None:
         """Unmap and release (idempotent). The memory itself lives until every process released it."""
         from cuda.bindings import driver as cu

@@ -5,16 +5,19 @@ Triton launch wait for the GIL (5 ms per launch measured on the GPU host, docs/d
 
 The model process and the proxy talk only through flags in the rank's shared segment (epoch
 numbers, never reset); the proxy knows buffers, offsets, peers and immediates, never tokens. It
-reads the count rows the routing exchange delivers and turns them into writes with `plan`.
+reads the count rows that arrive at the head of the peers' private writes and turns them into writes
+with `plan`.
 
 The proxy carries only what crosses nodes: same-node peers synchronise in the kernels through
 mapped memory (triton_kernels/node_sync.py), and without remote peers the proxy only idles. One call
 (epoch e) of dispatch + combine, as seen by the proxy of rank r (docs/protocol.md):
 
-    ROUTE_READY          -> scatter my count row to every remote peer (imm ROUTE)
-    SEND_READY           -> scatter to every remote peer its first min(n, P) routes (imm DISPATCH)
-    all ROUTE imms, the node peers' dispatch_ready (their rows are in my sync area)
-                         -> validate the count matrix; remainder writes (imm DISPATCH)
+    ROUTE_READY          -> plan the private writes from my count row (while the kernels pack)
+    SEND_READY           -> one write to every remote peer: my count row, then its first min(n, P)
+                            routes, into my private slot there (imm DISPATCH)
+    a private write from every remote peer, the node peers' dispatch_ready (their rows are in my
+    sync area)           -> copy the remote count rows into the routing area; validate the count
+                            matrix; remainder writes, only for pairs over P (imm DISPATCH)
     all DISPATCH imms    -> raise DISPATCH_RECV_READY
     my writes completed  -> raise DISPATCH_WRITES_DONE (the kernels may refill the send buffer)
     COMBINE_SEND_READY   -> scatter each remote source its rows (imm COMBINE)
@@ -160,10 +163,9 @@ class Proxy:
         self.peers = [p for p in range(lay.world_size) if p != r]
         self.remote = lay.remote_peers(r)
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
-        # Our count row, to the same place in every remote peer's routing matrix (group positions:
-        # the group holds every rank but this one, in order).
-        row_off = lay.routing_offset_bytes + r * lay.routing_row_bytes
-        self._route_targets = [(p - (p > r), row_off, lay.routing_row_bytes, row_off) for p in self.remote]
+        # Our count row (in the segment) travels at the head of each private write.
+        self._count_row = (self.region, lay.routing_offset_bytes + r * lay.routing_row_bytes, lay.routing_row_bytes)
+        self._remote_array = np.asarray(self.remote, dtype=np.int64)
         # Same-node peers' epochs in our sync area: their count rows are in our routing area once
         # their dispatch_ready word reaches the epoch.
         self.node_ready = self.seg.numpy(lay.segment_sync_offset_bytes + lay.dispatch_ready_offset_bytes,
@@ -179,6 +181,19 @@ class Proxy:
                 self.data_src, self.send_base, self.recv_base = self.send_region, 0, 0
             else:
                 self.data_group, self.data_src = self.group, self.region
+        # The remote senders' count rows as they land in our recv buffer: one [W, E] int32 view with the
+        # private slots' stride, where the buffer is host memory (segment, memfd); else read through CUDA.
+        first = lay.private_header_offset_bytes(0)
+        slot = lay.private_slot_rows * lay.dispatch_stride_bytes
+        recv = self._mapped[1] if own is not None else None
+        self._headers = None
+        if recv is None or kind == "host":
+            addr = (recv.addr if recv is not None else self.seg.addr + lay.recv_offset_bytes) + first
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * ((lay.world_size - 1) * slot + lay.routing_row_bytes))
+                                        .from_address(addr))
+            self._headers = np.lib.stride_tricks.as_strided(
+                raw.view(np.int32), (lay.world_size, lay.num_experts), (slot, 4), writeable=False)
+        self._recv_mem, self._header_first, self._header_slot = recv, first, slot
         self.trace = self.seg.numpy(lay.trace_offset_bytes, 2 * len(TRACE_EVENTS), np.int64).reshape(-1, 2)
         self._tracing, self._epoch = False, 0
         self._in_call = False
@@ -250,16 +265,29 @@ class Proxy:
         group positions (every rank but this one, in order), offsets move into the registered regions."""
         return plan.group_targets(writes, self.rank, self.send_base, self.recv_base)
 
-    def _post(self, targets: np.ndarray, kind: Imm, epoch: int) -> None:
+    def _post(self, targets: np.ndarray, kind: Imm, epoch: int, header=None) -> None:
         if len(targets):
-            self.engine.scatter(self.data_group, self.data_src, targets, plan.make_imm(kind, self.rank, epoch))
+            self.engine.scatter(self.data_group, self.data_src, targets, plan.make_imm(kind, self.rank, epoch),
+                                header=header)
+
+    def _take_count_rows(self) -> None:
+        """The remote senders' count rows, from the head of their private slots in our recv buffer into
+        the routing area, where the kernels and `plan` read them."""
+        remote = self._remote_array
+        if not len(remote):
+            return
+        if self._headers is not None:
+            self.routing[remote] = self._headers[remote]
+            return
+        for s in remote.tolist():  # GPU recv buffer (untested on a GPU): one device-to-host copy per sender
+            self._recv_mem.read_into(self._header_first + s * self._header_slot, self.routing[s].view(np.uint8))
 
     # ---- one call -------------------------------------------------------------------------------
     def run_epoch(self, e: int) -> None:
         lay, r, F, mark = self.lay, self.rank, Flag, self.mark
         # What depends only on the epoch is ready before the model's routing is: the immediates to
         # count. What depends on counts is computed while waiting for the next step, never after it.
-        route_imms = self._imms(Imm.ROUTE, e, self.remote)
+        private_imms = self._imms(Imm.DISPATCH, e, self.remote)  # one private write from every remote peer
         combine_imms = self._imms(Imm.COMBINE, e, self.remote)
         self._in_call = False  # between calls the model may compute for long: sleeping is fine
         self.wait_local(F.ROUTE_READY, e)
@@ -267,32 +295,36 @@ class Proxy:
         self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
         posted = self.engine.writes_posted
         mark(0)  # route_ready_seen
-        self.engine.scatter(self.group, self.region, self._route_targets, plan.make_imm(Imm.ROUTE, r, e))
-        mark(1)  # route_posted
         # Our count row is final at ROUTE_READY: plan the private writes while the model packs.
         # A row of -1 is a call this rank aborted (bad input): it sends nothing, as with zero counts.
         private = self._targets(plan.private_writes(np.maximum(self.routing[r], 0).astype(np.int64), r, lay))
+        mark(1)  # private_planned
         self.wait_local(F.SEND_READY, e)
         mark(2)  # send_ready_seen
-        self._post(private, Imm.DISPATCH, e)
+        self._post(private, Imm.DISPATCH, e, header=self._count_row)
         mark(3)  # private_posted
-        self.wait_peers(e, "dispatch: routing exchange", route_imms, node_rows=True)
-        mark(4)  # routes_received
+        self.wait_peers(e, "dispatch: count rows and private rows", private_imms, node_rows=True)
+        self._take_count_rows()
+        mark(4)  # count_rows_received
         counts = np.maximum(self.routing, 0).astype(np.int64)  # aborting sources' rows are -1
         plan.validate_counts(counts, lay)
         routes = plan.route_matrix(counts, lay)
         self._post(self._targets(plan.remainder_writes(routes, r, lay)), Imm.DISPATCH, e)
         mark(5)  # remainder_posted
-        dispatch_imms = self._imms(Imm.DISPATCH, e, self.remote, plan.expected_dispatch_imms(routes, r, lay))
-        combine = self._targets(plan.combine_writes(routes, r, lay))  # off the combine's critical path
+        # The private write of each peer is already counted: what is left are remainder writes.
+        remainder_imms = self._imms(Imm.DISPATCH, e, self.remote,
+                                    {p: n - 1 for p, n in plan.expected_dispatch_imms(routes, r, lay).items()})
         self.flags[F.DISPATCH_WRITES_POSTED] = self.flags[F.DISPATCH_WRITES_POSTED] + self.engine.writes_posted - posted
-        self.wait_peers(e, "dispatch: tokens", dispatch_imms)
+        self.wait_peers(e, "dispatch: tokens", {i: n for i, n in remainder_imms.items() if n})
         # Stamp before publishing: the model reads the trace as soon as it sees the flag.
         mark(6)  # dispatch_received
         self.flags[F.DISPATCH_RECV_READY] = e
         self.engine.wait_writes()  # our reads of the send buffer are over: the kernels may refill it
         mark(7)  # dispatch_writes_done
         self.flags[F.DISPATCH_WRITES_DONE] = e
+        # While the GPU unpacks and the experts run: the rows arrive with the count rows now, so this
+        # plan, made earlier, would have delayed DISPATCH_RECV_READY.
+        combine = self._targets(plan.combine_writes(routes, r, lay))
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(8)  # combine_send_seen
         posted = self.engine.writes_posted

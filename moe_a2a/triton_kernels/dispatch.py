@@ -136,6 +136,7 @@ def _unpack_tokens_by_expert_kernel(
     PAD: tl.constexpr,                  # expert_padding
     P: tl.constexpr,                    # private rows per source
     PRIVATE_OFFSET_BYTES: tl.constexpr,
+    HEADER_ROWS: tl.constexpr,          # rows before each source's private rows (its count row)
     X_WORDS: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
     SCALE_OFFSET_BYTES: tl.constexpr, SD_BYTES: tl.constexpr,
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
@@ -175,12 +176,12 @@ def _unpack_tokens_by_expert_kernel(
     peer_send, is_pull, send_off = _node_peer_tables(peer_send_bytes_ptr, counts_ptr, stride_counts_w, rank,
                                                      W, L, W_PAD, BLOCK_E)
     rest = tl.maximum(n_src - P, 0)
-    remainder_row = W * P + tl.cumsum(rest, axis=0) - rest     # plan.remainder_offsets
+    remainder_row = W * (HEADER_ROWS + P) + tl.cumsum(rest, axis=0) - rest     # plan.remainder_offsets
     s_row = tl.arange(0, W_PAD)[None, :].to(tl.int64)
     first_bytes = tl.where(                                      # row i < split: first_bytes + i*Sd
         is_pull[None, :],
         peer_send[None, :] + (send_off[None, :] + block_start) * SD_BYTES,
-        recv_bytes + PRIVATE_OFFSET_BYTES + (s_row * P + block_start) * SD_BYTES)
+        recv_bytes + PRIVATE_OFFSET_BYTES + (s_row * (HEADER_ROWS + P) + HEADER_ROWS + block_start) * SD_BYTES)
     rest_bytes = recv_bytes + (remainder_row[None, :] + block_start - P) * SD_BYTES
     split = tl.where(is_pull[None, :], 1 << 62, P - block_start)
 
@@ -398,6 +399,7 @@ def unpack_tokens_by_expert(
         counts.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, P=layout.private_rows, PRIVATE_OFFSET_BYTES=layout.private_offset_bytes,
+        HEADER_ROWS=layout.header_rows,
         X_WORDS=row_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,

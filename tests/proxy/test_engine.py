@@ -66,6 +66,32 @@ def test_self_write_lands_with_immediate(loop_engine):
 
 
 @pytest.mark.timeout(30)
+def test_header_writes_carry_the_header_then_the_rows_in_one_write(loop_engine):
+    """`scatter(header=...)`: one write per target, the header's bytes first, then the target's."""
+    eng = loop_engine
+    src_buf, dst_buf, src, dst, grp = _self_group(eng)
+    head_buf = ctypes.create_string_buffer(b"HEADER-" * 10, 70)
+    head = eng.register(ctypes.addressof(head_buf), 70)
+    posted = eng.writes_posted
+    # rows from two places; the second target has no rows: it still writes the header and its imm
+    eng.scatter(grp, src, [(0, 100, 300, 1000), (0, 0, 0, 5000)], [0xAB000001, 0xAB000002], header=(head, 7, 56))
+    eng.wait_imms({0xAB000001: 1, 0xAB000002: 1}, 10, "header writes")
+    eng.wait_writes(10)
+    assert eng.writes_posted - posted == 2
+    assert dst_buf.raw[1000:1056] == head_buf.raw[7:63] and dst_buf.raw[1056:1356] == src_buf.raw[100:400]
+    assert dst_buf.raw[1356:1400] == bytes(44) and dst_buf.raw[5000:5056] == head_buf.raw[7:63]
+    # the same templates serve a second call; a header past its region is refused before posting
+    eng.scatter(grp, src, [(0, 0, 10, 2000)], 0xAB000003, header=(head, 7, 56))
+    eng.wait_imms({0xAB000003: 1}, 10, "again")
+    assert dst_buf.raw[2056:2066] == src_buf.raw[0:10]
+    with pytest.raises(ValueError, match="header"):
+        eng.scatter(grp, src, [(0, 0, 10, 0)], 1, header=(head, 60, 20))
+    with pytest.raises(ValueError, match="out of bounds"):  # the rows are checked after the header
+        eng.scatter(grp, src, [(0, 0, 10, (1 << 16) - 60)], 1, header=(head, 0, 56))
+    eng.wait_writes(10)
+
+
+@pytest.mark.timeout(30)
 def test_bad_descriptors_raise_value_error_before_posting(loop_engine):
     eng = loop_engine
     src_buf, dst_buf, src, dst, grp = _self_group(eng, 4096)

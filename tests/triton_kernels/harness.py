@@ -131,10 +131,17 @@ def run_dispatch(world: SimWorld, xs, x_scales, indices, bound_ms=None) -> Dispa
     counts = torch.stack(counts_rows).to(dev)
     plan.validate_counts(counts_np, lay)
 
-    # The proxy's part: remote peers only (same-node peers are pulled by unpack).
+    # The proxy's part: remote peers only (same-node peers are pulled by unpack). A private write
+    # carries the sender's count row first, then its rows (`TransferEngine.scatter(header=...)`).
+    routes = plan.route_matrix(counts_np, lay)
+    row_bytes = lay.routing_row_bytes
     for r in range(W):
-        routes = plan.route_matrix(counts_np, lay)
-        for w in plan.private_writes(counts_np[r], r, lay).tolist() + plan.remainder_writes(routes, r, lay).tolist():
+        header = torch.from_numpy(counts_np[r].astype(np.int32)).view(torch.uint8).to(dev)
+        for peer, src, length, dst in plan.private_writes(counts_np[r], r, lay).tolist():
+            at = world.recv_bytes[peer] + dst
+            world.arena[at: at + row_bytes] = header
+            world.copy(world.send_bytes[r], world.recv_bytes[peer], (peer, src, length, dst + row_bytes))
+        for w in plan.remainder_writes(routes, r, lay).tolist():
             world.copy(world.send_bytes[r], world.recv_bytes[w[0]], w)
 
     R = lay.max_dispatch_rows
