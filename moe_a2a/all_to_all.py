@@ -558,6 +558,15 @@ class AllToAll:
             # here never leaves this rank a call behind its peers.
             self._raise_recorded()
 
+    def abort(self, reason: str) -> None:
+        """Abort the next call on every rank, as bad input to `dispatch` does: this rank takes part in it
+        with nothing (so its peers finish it and raise `CallAborted` naming it) and then raises
+        `ValueError(reason)`. For layers above (`moe_a2a.compat`) that reject their own input before
+        calling `dispatch`. Needs the instance idle (between calls)."""
+        self._ready()
+        self._expect(_IDLE, "abort()")
+        self._abort_call(ValueError(reason))
+
     def check(self) -> None:
         """Raise what went wrong in calls already issued (for CUDA-graph users, whose replays make no host
         call): waits for the device, then raises the first failure recorded by a kernel wait or the proxy

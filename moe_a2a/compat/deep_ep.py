@@ -16,7 +16,9 @@ What matches DeepEP, what does not (also in docs/compat.md):
   `cumulative_local_expert_recv_stats`, `async_finish=True` (our calls are stream-ordered: no event);
 - a token routed twice to one expert is allowed (DeepEP assumes distinct top-k); when that makes an
   expert exceed the capacity, the next call raises (rows past the capacity are not written).
-- the receive buffers are reused by the next dispatch of the same parity (every other call).
+- the receive buffers are reused by the next dispatch of the same parity (every other call);
+- input rejected after the first call aborts that call on every rank (the peers raise
+  `moe_a2a.all_to_all.CallAborted`), and the next call works (`AllToAll.abort`).
 """
 from __future__ import annotations
 
@@ -84,13 +86,22 @@ class Buffer:
         Returns `(recv_x, recv_count, handle, event, hook)`: recv_x `[L, C, H]` (or `(fp8, scales)`),
         recv_count int32 `[L]`, an opaque handle for the combine, event None, hook or None.
         """
-        self._refuse(kwargs, async_finish)
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise ValueError(f"x: expected a [T, H] bfloat16 tensor, got "
-                             f"{(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if isinstance(num_max_dispatch_tokens_per_rank, bool) or not isinstance(num_max_dispatch_tokens_per_rank, int):
-            raise ValueError(f"num_max_dispatch_tokens_per_rank: expected an int, got {num_max_dispatch_tokens_per_rank!r}")
-        a2a, slot = self._instance(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+        try:
+            self._refuse(kwargs, async_finish)
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+                raise ValueError(f"x: expected a [T, H] bfloat16 tensor, got "
+                                 f"{(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if isinstance(num_max_dispatch_tokens_per_rank, bool) or not isinstance(num_max_dispatch_tokens_per_rank, int):
+                raise ValueError(f"num_max_dispatch_tokens_per_rank: expected an int, got "
+                                 f"{num_max_dispatch_tokens_per_rank!r}")
+            a2a, slot = self._instance(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+        except ValueError as exc:
+            if not self._a2a:  # before the first call built the instances: nothing is in flight yet
+                raise
+            # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
+            # and the next one works, as with bad input to AllToAll.dispatch.
+            slot, self._next = self._next, self._next ^ 1
+            self._a2a[slot].abort(str(exc))
         num, ex, exs = self._outputs[slot]
         if use_fp8:
             xq, xs = quantize_fp8(x.contiguous(), 128)

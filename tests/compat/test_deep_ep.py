@@ -153,6 +153,47 @@ def test_facade_in_a_cuda_graph_matches_reference_on_every_replay():
             torch.testing.assert_close(got[r][call]["combined"].float(), outs[r].float(), rtol=2 ** -7, atol=1e-5)
 
 
+def _bad_input_in_a_later_call(a2a, rank):
+    """Call 0 good, call 1 bad on rank 1 (x in float32), call 2 good: what each rank saw."""
+    from moe_a2a.all_to_all import CallAborted
+    from moe_a2a.compat import Buffer
+
+    dev, seen = a2a.device, []
+    with Buffer(transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
+        for call in range(3):
+            x, idx, w = (t.to(dev) for t in _inputs(rank, 40 + call, T_MAX, "random"))
+            if call == 1 and rank == 1:
+                x = x.float()
+            try:
+                recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+                combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle)
+                buf._a2a[handle.slot].check()
+                seen.append({"count": count.cpu().clone(), "recv": recv_x.cpu().clone(), "combined": combined.cpu().clone()})
+            except (ValueError, CallAborted) as exc:
+                seen.append(f"{type(exc).__name__}: {exc}")
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works():
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        got = cl.run(_bad_input_in_a_later_call)
+    assert got[1][1].startswith("ValueError: x: expected a [T, H] bfloat16") and "aborted this call" in got[1][1]
+    assert got[0][1].startswith("CallAborted") and "aborted by rank 1" in got[0][1], got[0][1]
+    cap = T_MAX * 2
+    cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16,
+                    expert_capacity=cap)
+    for call in (0, 2):
+        ins = [_inputs(r, 40 + call, T_MAX, "random") for r in range(2)]
+        want = reference.dispatch(cfg, [x for x, _, _ in ins], None, [i for _, i, _ in ins])
+        outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins],
+                                 [(2 * x_ref.float()).to(torch.bfloat16) for _, x_ref, _ in want])
+        for r in range(2):
+            assert torch.equal(got[r][call]["count"], want[r][0]), (call, r)
+            torch.testing.assert_close(got[r][call]["combined"].float(), outs[r].float(), rtol=2 ** -7, atol=1e-5)
+
+
 def _bad_calls(a2a, rank):
     from moe_a2a.compat import Buffer
 
