@@ -1,4 +1,4 @@
-"""The proxy process: one per rank, it drives the NIC for that rank's GPU.
+"""The proxy process: one per rank (or k, `ProxySpec.shards`), it drives the NIC for that rank's GPU.
 
 Why a process and not a thread: a busy-polling Python thread in the model's process makes every
 Triton launch wait for the GIL (5 ms per launch measured on the GPU host, docs/design.md, Measured facts).
