@@ -296,7 +296,9 @@ class AllToAll:
         # k proxies: each opens its share of the NICs (one each when k = len(nics)).
         k = self.num_proxies
         for j in range(k):
-            domains = self.nics if self.nics is None or k == 1 else (self.nics[j::k] or (self.nics[j % len(self.nics)],))
+            domains = self.nics
+            if domains is not None and k > 1:
+                domains = domains[j::k] or (domains[j % len(domains)],)
             spec = ProxySpec(lay, r, self.segment.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
                              parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * (1 + k),
                              fd_buffers=fd_buffers, domains=domains, local_only=self._local_only, shard=j, shards=k)
@@ -619,8 +621,8 @@ class AllToAll:
                 "combine": int(self._flags_np[flag_word(Flag.COMBINE_WRITES_POSTED)])}]
         if self.num_proxies > 1:  # the primary counts in the flags, the others in their shard words
             words = ShardWords(self.segment, self.layout)
-            out += [{"dispatch": words.get(j, ShardWord.DISPATCH_POSTED), "combine": words.get(j, ShardWord.COMBINE_POSTED)}
-                    for j in range(1, self.num_proxies)]
+            out += [{"dispatch": words.get(j, ShardWord.DISPATCH_POSTED),
+                     "combine": words.get(j, ShardWord.COMBINE_POSTED)} for j in range(1, self.num_proxies)]
         if per_proxy:
             return out
         return {phase: sum(d[phase] for d in out) for phase in ("dispatch", "combine")}

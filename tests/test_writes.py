@@ -74,7 +74,8 @@ def _roundtrip_per_proxy(a2a, rank: int, calls: int):
         idx = call["indices"].cpu()
         res["routes"].append(torch.bincount(idx[idx >= 0] // L, minlength=W).tolist())
     res["per_proxy"] = [{ph: a[ph] - b[ph] for ph in a} for a, b in zip(after, before)]
-    res["remote"], res["private_rows"], res["k"] = a2a.layout.remote_peers(rank), a2a.layout.private_rows, a2a.num_proxies
+    res["remote"], res["private_rows"] = a2a.layout.remote_peers(rank), a2a.layout.private_rows
+    res["k"] = a2a.num_proxies
     return res
 
 
