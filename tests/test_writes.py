@@ -175,3 +175,44 @@ def test_invalid_proxies_are_refused(bad):
     cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="proxies"):
         LocalCluster(cfg, world_size=4, node_size=2, transport="shm", device=TEST_DEVICE, proxies=bad)
+
+
+def _rank_with_proxies(rank: int, world: int, store: str, proxies: int, queue) -> None:
+    """One rank built by hand (LocalCluster gives every rank the same options): AllToAll(proxies=...)."""
+    import os
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    from moe_a2a import AllToAll
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
+    try:
+        AllToAll(cfg, node_group=2, transport="shm", device="cpu", timeout_s=30, proxies=proxies).close()
+        queue.put((rank, None))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.timeout(200)
+def test_ranks_with_different_numbers_of_proxies_are_refused_on_every_rank(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    world, ks = 4, [2, 2, 1, 2]
+    procs = [ctx.Process(target=_rank_with_proxies, args=(r, world, str(tmp_path / "store"), ks[r], queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=150) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert all(m is not None and m.startswith("ValueError") and "same number of proxy processes" in m
+               for m in got.values()), got
