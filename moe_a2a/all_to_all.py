@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 
-from .config import MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout, flag_word
+from .config import MAX_PROXY_SHARDS, MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout, ShardWord, flag_word
 from .proxy import bootstrap, host_atomics, topology
 from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
 from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, check_fits_in_memory, close_ipc_handle,
                            device_view, fd_from_process, open_ipc_handle, unique_name)
-from .proxy.worker import ERROR_FAILED, ERROR_TIMEOUT, ProxyHandle, ProxySpec, read_error, write_error
+from .proxy.worker import (ERROR_FAILED, ERROR_TIMEOUT, Flags, ProxyHandle, ProxySpec, ShardWords, read_error,
+                           write_error)
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, sync
@@ -54,20 +55,20 @@ class CallAborted(RuntimeError):
 
 
 def _watch_proxy(ref) -> None:
-    """Daemon thread: raise the ERROR flag, with the reason, when this rank's proxy process dies."""
+    """Daemon thread: raise the ERROR flag, with the reason, when one of this rank's proxy processes dies."""
     while True:
         time.sleep(PROXY_WATCH_S)
         a2a = ref()
         if a2a is None:
             return
         with a2a._watch_lock:  # close() takes it before unmapping the segment
-            if a2a._closed or a2a.proxy is None:
+            if a2a._closed or not a2a._proxies:
                 return
-            proc, flags = a2a.proxy.proc, a2a._flags_np
-            if proc.poll() is not None and not flags[flag_word(Flag.SHUTDOWN)]:
+            flags = a2a._flags_np
+            dead = a2a._dead_proxy()
+            if dead is not None and not flags[flag_word(Flag.SHUTDOWN)]:
                 if not flags[flag_word(Flag.ERROR)]:
-                    write_error(a2a.segment, a2a.layout, ERROR_FAILED,
-                                f"rank {a2a.rank}: its proxy process exited with code {proc.returncode}")
+                    write_error(a2a.segment, a2a.layout, ERROR_FAILED, f"rank {a2a.rank}: its {dead}")
                 return
         del a2a
 
@@ -115,6 +116,11 @@ class AllToAll:
             rank's proxy drives; peers are sharded over them. "auto": on EFA this rank's equal share of
             the node's NICs (`proxy.topology.nics_for_rank`), elsewhere the provider's first domain.
             A list of names: exactly those.
+        proxies: how many proxy processes this rank runs, each posting the writes of its share of the
+            remote peers (peer p goes to proxy p % k) in parallel: a positive int, at most the number of
+            remote peers (and `config.MAX_PROXY_SHARDS`), or "auto": one per NIC on EFA
+            (`len(nics)`, capped by the number of remote peers), else 1. Every rank must use the same k
+            (checked at bootstrap: ValueError otherwise).
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
@@ -122,7 +128,7 @@ class AllToAll:
 
     def __init__(self, cfg: A2AConfig, group=None, node_group="auto", transport: str = "auto",
                  device=None, timeout_s: float = 30.0, gpu_wait: str = "auto", buffers: str = "auto",
-                 nics="auto") -> None:
+                 nics="auto", proxies="auto") -> None:
         import torch.distributed as dist
 
         if not isinstance(cfg, A2AConfig):
@@ -138,6 +144,9 @@ class AllToAll:
         if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
                                or not all(isinstance(n, str) and n for n in nics)):
             raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
+        if proxies != "auto" and (isinstance(proxies, bool) or not isinstance(proxies, int) or proxies < 1
+                                  or proxies > MAX_PROXY_SHARDS):
+            raise ValueError(f"proxies must be 'auto' or an int in [1, {MAX_PROXY_SHARDS}], got {proxies!r}")
         self._gpu_wait = gpu_wait
         if transport != "auto":  # before anything collective: every rank refuses alike
             name, available = lf.PROVIDER_NAMES[transport], lf.list_providers()
@@ -172,6 +181,15 @@ class AllToAll:
             if self.transport == "shm" and len(set(hosts)) > 1:
                 self.transport = "tcp"
         self.nics = self._choose_nics(nics)
+        # Proxy shards: the same on every rank when the arguments are (every rank has W - node_size
+        # remote peers); _start checks the bootstrap table anyway.
+        remote = len(lay.remote_peers(r))
+        if proxies == "auto":
+            proxies = max(1, min(len(self.nics) if self.transport == "efa" and self.nics else 1, remote))
+        elif proxies > max(1, remote):
+            raise ValueError(f"proxies={proxies}: more proxies than remote peers ({remote}) per rank")
+        self.num_proxies = proxies
+        self._proxies: list[ProxyHandle] = []
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
         self._abort_seen = 0  # the last epoch whose abort this rank has reported (or made)
@@ -275,11 +293,18 @@ class AllToAll:
         # message (which names the missing peers) rather than a bare timeout of its own.
         # With fewer cores than busy processes (CI: 2 cores, 2 processes per rank) spinning
         # starves the peers that must make progress: yield instead (measured 16 ms -> 0.3 ms).
-        spec = ProxySpec(lay, r, self.segment.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
-                         parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * 2,
-                         fd_buffers=fd_buffers, domains=self.nics, local_only=self._local_only)
-        self.proxy = ProxyHandle(spec, fds)
-        self._proxy_address = self.proxy.address(self.timeout_s)
+        # k proxies: each opens its share of the NICs (one each when k = len(nics)).
+        k = self.num_proxies
+        for j in range(k):
+            domains = self.nics
+            if domains is not None and k > 1:
+                domains = domains[j::k] or (domains[j % len(domains)],)
+            spec = ProxySpec(lay, r, self.segment.name, self.host_staged, self.transport, 0.8 * self.timeout_s,
+                             parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * (1 + k),
+                             fd_buffers=fd_buffers, domains=domains, local_only=self._local_only, shard=j, shards=k)
+            self._proxies.append(ProxyHandle(spec, fds))
+        self.proxy = self._proxies[0]  # the primary: it raises the flags the kernels read
+        self._proxy_address = [h.address(self.timeout_s) for h in self._proxies]
 
     def _try_nic(self, strict: bool) -> None:
         """Launch with GPU buffers registered with the NIC; if any rank cannot, every rank falls back
@@ -309,7 +334,8 @@ class AllToAll:
 
     def _start(self, on_gpu: bool) -> None:
         lay, r, seg = self.layout, self.rank, self.segment
-        address, region, gpu_region = self._proxy_address
+        k = self.num_proxies
+        addresses, regions, gpu_regions = (list(t) for t in zip(*self._proxy_address))
         if on_gpu:
             seg.register_cuda()
         if self.placement == "ipc":
@@ -320,8 +346,11 @@ class AllToAll:
         else:
             share = None
         gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid)) if on_gpu else None
-        table = bootstrap.exchange(self.group, (address, region, seg.name, share, gpu, gpu_region,
-                                                self._gpu_wait))
+        table = bootstrap.exchange(self.group, (addresses, regions, seg.name, share, gpu, gpu_regions,
+                                                self._gpu_wait, k))
+        if any(t[7] != k for t in table):  # every rank sees the same table: every rank raises
+            raise ValueError(f"proxies: every rank must run the same number of proxy processes, got "
+                             f"{[t[7] for t in table]} (per rank)")
 
         # Ranks sharing one GPU (several processes on one device) are time-sliced, not concurrent: a
         # kernel spinning on a flag would hold the GPU while the peer it waits for cannot run
@@ -343,7 +372,11 @@ class AllToAll:
         # Kernel-side waits and signals read the epoch from the device, so a captured CUDA graph
         # publishes and awaits the epoch of each replay, not the one seen at capture.
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device) if on_gpu else None
-        self.proxy.finish([t[:3] + t[5:6] for t in table], self.timeout_s, not self.with_proxy)
+        # Our proxy p % k carries peer p, and p's proxy r % k carries us: every one of our proxies gets
+        # entry r % k of each peer (its address and region descriptors), and uses only its share.
+        mine = [(t[0][r % k], t[1][r % k], t[2], t[5][r % k]) for t in table]
+        for h in self._proxies:
+            h.finish(mine, self.timeout_s, not self.with_proxy)
 
         # Addresses of every buffer this rank's kernels touch: own and same-node peers' send/recv,
         # and the sync areas.
@@ -579,11 +612,20 @@ class AllToAll:
             self._raise_proxy_error_once()
         self._raise_recorded()
 
-    def writes_posted(self) -> dict[str, int]:
-        """RDMA writes this rank's proxy has posted so far, per phase: `{"dispatch": n, "combine": m}`
-        (cumulative; zero when every rank is on one node). After the proxy finished a call's phase."""
-        return {"dispatch": int(self._flags_np[flag_word(Flag.DISPATCH_WRITES_POSTED)]),
-                "combine": int(self._flags_np[flag_word(Flag.COMBINE_WRITES_POSTED)])}
+    def writes_posted(self, per_proxy: bool = False) -> dict[str, int] | list[dict[str, int]]:
+        """RDMA writes this rank's proxies have posted so far, per phase: `{"dispatch": n, "combine": m}`
+        (cumulative, summed over the proxies; zero when every rank is on one node). After the proxies
+        finished a call's phase. `per_proxy=True`: one such dict per proxy (proxy j posts to the remote
+        peers p with p % k == j)."""
+        out = [{"dispatch": int(self._flags_np[flag_word(Flag.DISPATCH_WRITES_POSTED)]),
+                "combine": int(self._flags_np[flag_word(Flag.COMBINE_WRITES_POSTED)])}]
+        if self.num_proxies > 1:  # the primary counts in the flags, the others in their shard words
+            words = ShardWords(self.segment, self.layout)
+            out += [{"dispatch": words.get(j, ShardWord.DISPATCH_POSTED),
+                     "combine": words.get(j, ShardWord.COMBINE_POSTED)} for j in range(1, self.num_proxies)]
+        if per_proxy:
+            return out
+        return {phase: sum(d[phase] for d in out) for phase in ("dispatch", "combine")}
 
     def set_tracing(self, on: bool = True) -> None:
         """Record timestamps of every call (model halves and proxy steps) for `trace()`.
@@ -667,9 +709,12 @@ class AllToAll:
             except Exception as exc:  # noqa: BLE001 - collected, the first one re-raised below
                 errors.append(exc)
 
-        proxy, self.proxy = getattr(self, "proxy", None), None
-        if proxy is not None:
-            step(proxy.stop, getattr(self, "segment", None), self.layout)
+        proxies, self._proxies, self.proxy = getattr(self, "_proxies", []), [], None
+        seg = getattr(self, "segment", None)
+        if seg is not None and seg._mmap is not None and proxies:
+            Flags(seg, self.layout)[Flag.SHUTDOWN] = 1  # every proxy starts exiting now, not one by one
+        for proxy in proxies:
+            step(proxy.stop, seg, self.layout)
         ptrs, self._ipc_ptrs = getattr(self, "_ipc_ptrs", []), []
         for ptr in ptrs:
             step(close_ipc_handle, ptr)
@@ -857,11 +902,12 @@ class AllToAll:
         if not force and not self._flags_np[self._alarm_words].any():
             # Nothing raised: only a dead proxy is left to find, and it matters only when calls use it
             # (polled at most every 20 ms: waitpid is a system call).
-            if not self.with_proxy or self.proxy is None or time.monotonic() < self._next_proxy_poll:
+            if not self.with_proxy or not self._proxies or time.monotonic() < self._next_proxy_poll:
                 return
             self._next_proxy_poll = time.monotonic() + 0.02
-            if self.proxy.proc.poll() is not None:
-                raise RuntimeError(f"rank {self.rank}: proxy process exited with code {self.proxy.proc.returncode}")
+            dead = self._dead_proxy()
+            if dead is not None:
+                raise RuntimeError(f"rank {self.rank}: {dead}")
             return
         self._raise_capacity_exceeded()
         code = int(self._flags_np[flag_word(Flag.ERROR)])
@@ -874,8 +920,17 @@ class AllToAll:
                 raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s; "
                                    f"missing peers {failed_ranks(code, self._node.node_first)}"
                                    + (" and the proxy (remote peers)" if proxy_missing(code) else ""))
-        if self.proxy is not None and self.proxy.proc.poll() is not None:
-            raise RuntimeError(f"rank {self.rank}: proxy process exited with code {self.proxy.proc.returncode}")
+        dead = self._dead_proxy()
+        if dead is not None:
+            raise RuntimeError(f"rank {self.rank}: {dead}")
+
+    def _dead_proxy(self) -> str | None:
+        """What to say about the first of this rank's proxy processes that has exited, or None."""
+        for j, h in enumerate(getattr(self, "_proxies", [])):
+            if h.proc.poll() is not None:
+                which = f" (proxy {j} of {len(self._proxies)}, pid {h.proc.pid})" if len(self._proxies) > 1 else ""
+                return f"proxy process exited with code {h.proc.returncode}{which}"
+        return None
 
     def _raise_capacity_exceeded(self) -> None:
         code = int(self._flags_np[flag_word(Flag.CAPACITY_EXCEEDED)])

@@ -107,6 +107,27 @@ class Flag(enum.IntEnum):
 PROXY_MISSING = 1 << 40
 
 
+# Several proxy processes per rank (`AllToAll(proxies=k)`): proxy j carries the remote peers p with
+# p % k == j. Each proxy publishes its progress in one 64-byte line of the segment's shard area
+# (`Layout.shard_offset_bytes`, MAX_PROXY_SHARDS lines, fixed so the layout does not depend on k); the
+# primary (j = 0) raises the flags the kernels read only once every shard's word reached the epoch.
+MAX_PROXY_SHARDS = 16
+
+
+class ShardWord(enum.IntEnum):
+    """int64 words of one proxy shard's line (epochs, except the cumulative *_POSTED counts). Written
+    by that shard only (release stores), read by the other shards (acquire loads) and the model."""
+
+    ROWS_COPIED = 0           # its remote sources' count rows are in the routing area
+    DISPATCH_RECV = 1         # every DISPATCH immediate of its sources has arrived
+    DISPATCH_WRITES_DONE = 2  # its dispatch writes completed
+    COMBINE_RECV = 3          # every COMBINE immediate of its sources has arrived
+    COMBINE_WRITES_DONE = 4   # its combine writes completed
+    DISPATCH_POSTED = 5       # writes posted in the dispatch phase, cumulative (shards j > 0; shard 0: the flag)
+    COMBINE_POSTED = 6        # the same for combine
+    NUM_WORDS = 7
+
+
 def flag_word(flag: "Flag | int") -> int:
     """Index, in the int64 flags area, of a `Flag`'s word (one FLAG_SLOT_BYTES line per flag)."""
     return int(flag) * WORDS_PER_FLAG
@@ -462,9 +483,17 @@ class Layout:
         return len(MODEL_TRACE_EVENTS) * 4
 
     @cached_property
+    def shard_offset_bytes(self) -> int:
+        """int64 [MAX_PROXY_SHARDS, WORDS_PER_FLAG]: one line of `ShardWord`s per proxy shard."""
+        return round_up(self.model_trace_offset_bytes + self.model_trace_words * 8, FLAG_SLOT_BYTES)
+
+    def shard_word_offset_bytes(self, shard: int, word: "ShardWord | int") -> int:
+        return self.shard_offset_bytes + shard * FLAG_SLOT_BYTES + int(word) * 8
+
+    @cached_property
     def segment_sync_offset_bytes(self) -> int:
         """The sync area in the segment (used with remote peers or host waits)."""
-        return round_up(self.model_trace_offset_bytes + self.model_trace_words * 8, PAGE_BYTES)
+        return round_up(self.shard_offset_bytes + MAX_PROXY_SHARDS * FLAG_SLOT_BYTES, PAGE_BYTES)
 
     @cached_property
     def routing_offset_bytes(self) -> int:

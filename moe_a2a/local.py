@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from .config import A2AConfig
+from .config import MAX_PROXY_SHARDS, A2AConfig
 from .proxy.memory import check_fits_in_memory, remove_process_shm_files
 
 _TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs")  # AllToAll's; efa/verbs need their devices
@@ -184,7 +184,7 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
             torch.cuda.set_device(dev)
         a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s,
                        **options)
-        conn.send(("ready", (a2a.proxy.proc.pid, _start_time(a2a.proxy.proc.pid)) if a2a.proxy else None))
+        conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in a2a._proxies]))
         while True:
             msg = conn.recv()
             if msg is None:
@@ -223,6 +223,8 @@ class LocalCluster:
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
         buffers: passed to every `AllToAll` ("auto", "host", "gpu" or "memfd").
         nics: passed to every `AllToAll` ("auto" or a list of libfabric domain names).
+        proxies: passed to every `AllToAll` (proxy processes per rank: "auto" or a positive int, at most
+            the number of remote peers per rank).
 
     Use as a context manager; `run(fn, *args)` calls `fn(a2a, rank, *args)` on every rank and returns
     the results in rank order (tensors of any dtype, float8 included, go both ways; results come back
@@ -237,7 +239,7 @@ class LocalCluster:
 
     def __init__(self, cfg: A2AConfig, world_size: int = 4, node_size: int | None = None,
                  transport: str = "auto", device: str = "cpu", timeout_s: float = 30.0,
-                 gpu_wait: str = "auto", buffers: str = "auto", nics="auto") -> None:
+                 gpu_wait: str = "auto", buffers: str = "auto", nics="auto", proxies="auto") -> None:
         if not isinstance(cfg, A2AConfig):
             raise ValueError(f"cfg must be an A2AConfig, got {type(cfg).__name__} {cfg!r:.200}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -261,6 +263,11 @@ class LocalCluster:
         if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
                                or not all(isinstance(n, str) and n for n in nics)):
             raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
+        remote = world_size - node_size
+        if proxies != "auto" and (isinstance(proxies, bool) or not isinstance(proxies, int) or proxies < 1
+                                  or proxies > min(max(1, remote), MAX_PROXY_SHARDS)):
+            raise ValueError(f"proxies must be 'auto' or an int in [1, {min(max(1, remote), MAX_PROXY_SHARDS)}] "
+                             f"(at most the {remote} remote peers of a rank), got {proxies!r}")
         if buffers == "gpu" and device != "cuda":
             raise ValueError(f"buffers='gpu' needs device='cuda', got device={device!r}")
         if buffers == "memfd" and device != "cpu":
@@ -275,7 +282,7 @@ class LocalCluster:
         check_fits_in_memory(layout, ranks=world_size if device == "cpu" else 1)
         self.cfg, self.world_size, self.node_size = cfg, world_size, node_size
         self.transport, self.device, self.timeout_s = transport, device, timeout_s
-        self.gpu_wait, self.buffers, self.nics = gpu_wait, buffers, nics
+        self.gpu_wait, self.buffers, self.nics, self.proxies = gpu_wait, buffers, nics, proxies
         self._procs: list = []
         self._conns: list = []
         self._alive: set = set()  # ranks that got past the spawn bootstrap into `_rank_main`
@@ -320,7 +327,8 @@ class LocalCluster:
                 p = ctx.Process(target=_rank_main, daemon=True, name=f"moe_a2a-rank{rank}",
                                 args=(rank, self.world_size, os.path.join(self._store_dir, "store"), self.cfg,
                                       self.node_size, self.transport, self.device, self.timeout_s,
-                                      {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics},
+                                      {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics,
+                                       "proxies": self.proxies},
                                       theirs))
                 self._conns.append(ours)
                 p.start()
@@ -341,9 +349,9 @@ class LocalCluster:
         except BaseException:
             self.close()
             raise
-        for proxy in ready:  # (pid, start time) of each rank's proxy: its files are ours to remove
-            if proxy is not None:
-                self._started[proxy[0]] = proxy[1]
+        for proxies in ready:  # (pid, start time) of each rank's proxies: their files are ours to remove
+            for pid, started in proxies or ():
+                self._started[pid] = started
 
     def run(self, fn: Callable, *args) -> list:
         """Call `fn(a2a, rank, *args)` on every rank; results in rank order.

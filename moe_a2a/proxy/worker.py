@@ -1,4 +1,4 @@
-"""The proxy process: one per rank, it drives the NIC for that rank's GPU.
+"""The proxy process: one per rank (or k, `ProxySpec.shards`), it drives the NIC for that rank's GPU.
 
 Why a process and not a thread: a busy-polling Python thread in the model's process makes every
 Triton launch wait for the GIL (5 ms per launch measured on the GPU host, docs/design.md, Measured facts).
@@ -27,6 +27,11 @@ mapped memory (triton_kernels/node_sync.py), and without remote peers the proxy 
 No barrier: dispatch and combine use separate regions, and every peer's next write to us follows,
 in causal order, something we sent it after we finished reading what it overwrites.
 
+Several proxies per rank (`AllToAll(proxies=k)`, docs/protocol.md, "Proxy shards"): proxy j carries
+only the remote peers p with p % k == j (it posts to them and counts their immediates), so k Python
+processes post in parallel. Shard 0, the primary, alone raises the proxy -> GPU flags, each once every
+shard has reached that step (`ShardWord`s in the segment); with k = 1 there is nothing to wait for.
+
 Started with `python -m moe_a2a.proxy.worker FD` by `ProxyHandle.start`; this module must not
 import torch (the proxy would take seconds to start and hundreds of MB for nothing).
 """
@@ -46,7 +51,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from .. import plan
-from ..config import ERROR_MESSAGE_BYTES, TRACE_EVENTS, Flag, Imm, Layout, flag_word
+from ..config import (ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, MAX_PROXY_SHARDS, TRACE_EVENTS, WORDS_PER_FLAG, Flag,
+                      Imm, Layout, ShardWord, flag_word)
 from . import host_atomics
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, send_fds
@@ -80,6 +86,10 @@ class ProxySpec:
     # Every rank runs on this host: a socket provider (tcp) listens on 127.0.0.1 only, so other hosts
     # cannot reach the proxy's endpoint (docs/threat-model.md). No effect on shm/efa/verbs.
     local_only: bool = False
+    # This process is proxy `shard` of `shards` of its rank: it carries the remote peers p with
+    # p % shards == shard. Shard 0 (the primary) raises the flags the kernels read.
+    shard: int = 0
+    shards: int = 1
 
 
 class Flags:
@@ -101,6 +111,24 @@ class Flags:
 
     def __setitem__(self, flag: Flag, value: int) -> None:
         host_atomics.store_release(self._addr[flag], value)
+
+
+class ShardWords:
+    """The `ShardWord` lines of every proxy shard of one segment: release stores, acquire loads (as
+    `Flags`), so a shard that sees another's word also sees what that one wrote before it (count rows)."""
+
+    def __init__(self, seg: SharedSegment, lay: Layout) -> None:
+        assert ShardWord.NUM_WORDS <= WORDS_PER_FLAG
+        self._words = seg.numpy(lay.shard_offset_bytes, MAX_PROXY_SHARDS * WORDS_PER_FLAG, np.int64)
+        self._base = self._words.ctypes.data
+
+    def get(self, shard: int, word: ShardWord) -> int:
+        assert 0 <= shard < MAX_PROXY_SHARDS
+        return host_atomics.load_acquire(self._base + shard * FLAG_SLOT_BYTES + 8 * int(word))
+
+    def set(self, shard: int, word: ShardWord, value: int) -> None:
+        assert 0 <= shard < MAX_PROXY_SHARDS
+        host_atomics.store_release(self._base + shard * FLAG_SLOT_BYTES + 8 * int(word), value)
 
 
 def write_error(seg: SharedSegment, lay: Layout, code: int, message: str) -> None:
@@ -131,6 +159,9 @@ class Proxy:
         lay, r = self.lay, self.rank
         self.seg = SharedSegment(spec.segment)
         self.flags = Flags(self.seg, lay)
+        self.shard, self.shards = spec.shard, spec.shards
+        self.primary = spec.shard == 0
+        self.shard_words = ShardWords(self.seg, lay)
         self.routing = self.seg.numpy(lay.routing_offset_bytes, lay.world_size * lay.num_experts,
                                       np.int32).reshape(lay.world_size, lay.num_experts)
         own = spec.fd_buffers
@@ -161,7 +192,9 @@ class Proxy:
         # call needs the proxy (it only keeps the heartbeat and waits to be stopped).
         table, self.node_local = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
-        self.remote = lay.remote_peers(r)
+        # Our share of the remote peers: we post to them and count their immediates (all of them with
+        # one proxy). `group` still holds every peer, so `plan.group_targets` positions stay the same.
+        self.remote = [p for p in lay.remote_peers(r) if p % self.shards == self.shard]
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
         # Our count row (in the segment) travels at the head of each private write.
         self._count_row = (self.region, lay.routing_offset_bytes + r * lay.routing_row_bytes, lay.routing_row_bytes)
@@ -216,7 +249,8 @@ class Proxy:
         now = time.monotonic()
         if now - self._last_beat > 0.01:
             self._last_beat = now
-            self.flags[Flag.HEARTBEAT] = self.flags[Flag.HEARTBEAT] + 1
+            if self.primary:  # one writer of the word (a read-modify-write)
+                self.flags[Flag.HEARTBEAT] = self.flags[Flag.HEARTBEAT] + 1
             if self.flags[Flag.SHUTDOWN] or os.getppid() != self.spec.parent_pid:
                 raise _Stop()
         if self.spec.idle_yield:
@@ -265,6 +299,42 @@ class Proxy:
         group positions (every rank but this one, in order), offsets move into the registered regions."""
         return plan.group_targets(writes, self.rank, self.send_base, self.recv_base)
 
+    def _own(self, writes: np.ndarray) -> np.ndarray:
+        """`plan` write rows -> those to our share of the remote peers (all of them with one proxy)."""
+        if self.shards == 1:
+            return writes
+        return writes[writes[:, 0] % self.shards == self.shard]
+
+    def _reached(self, word: ShardWord, epoch: int, what: str) -> None:
+        """Publish our step `word` for `epoch`; the primary (and, for ROWS_COPIED, every shard) then
+        waits until every other shard has published it too. Nothing to do with one proxy."""
+        if self.shards == 1:
+            return
+        self.shard_words.set(self.shard, word, epoch)
+        if not self.primary and word != ShardWord.ROWS_COPIED:
+            return
+        start = time.monotonic()
+        late = [j for j in range(self.shards) if j != self.shard]
+        while True:
+            late = [j for j in late if self.shard_words.get(j, word) < epoch]
+            if not late:
+                return
+            if self.flags[Flag.ERROR]:  # another shard (or the model's watch on a dead one) reported it
+                raise _Stop()
+            if time.monotonic() - start > self.spec.timeout_s:
+                raise TimeoutError(f"rank {self.rank}: proxy {self.shard}: {what} (epoch {epoch}) timed out after "
+                                   f"{self.spec.timeout_s:g}s waiting for this rank's proxies {late} (of "
+                                   f"{self.shards})")
+            self._idle(start)
+
+    def _count_posted(self, flag: Flag, word: ShardWord, n: int) -> None:
+        """Add `n` writes to our cumulative count: the flag for the primary (as with one proxy), our
+        shard word for the others (`AllToAll.writes_posted` sums them)."""
+        if self.primary:
+            self.flags[flag] = self.flags[flag] + n
+        else:
+            self.shard_words.set(self.shard, word, self.shard_words.get(self.shard, word) + n)
+
     def _post(self, targets: np.ndarray, kind: Imm, epoch: int, header=None) -> None:
         if len(targets):
             self.engine.scatter(self.data_group, self.data_src, targets, plan.make_imm(kind, self.rank, epoch),
@@ -292,12 +362,12 @@ class Proxy:
         self._in_call = False  # between calls the model may compute for long: sleeping is fine
         self.wait_local(F.ROUTE_READY, e)
         self._in_call = True
-        self._tracing, self._epoch = bool(self.flags[F.TRACE]), e
+        self._tracing, self._epoch = self.primary and bool(self.flags[F.TRACE]), e  # one trace area: the primary's
         posted = self.engine.writes_posted
         mark(0)  # route_ready_seen
         # Our count row is final at ROUTE_READY: plan the private writes while the model packs.
         # A row of -1 is a call this rank aborted (bad input): it sends nothing, as with zero counts.
-        private = self._targets(plan.private_writes(np.maximum(self.routing[r], 0).astype(np.int64), r, lay))
+        private = self._targets(self._own(plan.private_writes(np.maximum(self.routing[r], 0).astype(np.int64), r, lay)))
         mark(1)  # private_planned
         self.wait_local(F.SEND_READY, e)
         mark(2)  # send_ready_seen
@@ -305,38 +375,48 @@ class Proxy:
         mark(3)  # private_posted
         self.wait_peers(e, "dispatch: count rows and private rows", private_imms, node_rows=True)
         self._take_count_rows()
+        # Every row is needed to plan the remainders: the other shards copy theirs.
+        self._reached(ShardWord.ROWS_COPIED, e, "dispatch: count rows")
         mark(4)  # count_rows_received
         counts = np.maximum(self.routing, 0).astype(np.int64)  # aborting sources' rows are -1
         plan.validate_counts(counts, lay)
         routes = plan.route_matrix(counts, lay)
-        self._post(self._targets(plan.remainder_writes(routes, r, lay)), Imm.DISPATCH, e)
+        self._post(self._targets(self._own(plan.remainder_writes(routes, r, lay))), Imm.DISPATCH, e)
         mark(5)  # remainder_posted
         # The private write of each peer is already counted: what is left are remainder writes.
-        remainder_imms = self._imms(Imm.DISPATCH, e, self.remote,
-                                    {p: n - 1 for p, n in plan.expected_dispatch_imms(routes, r, lay).items()})
-        self.flags[F.DISPATCH_WRITES_POSTED] = self.flags[F.DISPATCH_WRITES_POSTED] + self.engine.writes_posted - posted
+        expected = plan.expected_dispatch_imms(routes, r, lay)
+        remainder_imms = self._imms(Imm.DISPATCH, e, self.remote, {p: expected[p] - 1 for p in self.remote})
+        self._count_posted(F.DISPATCH_WRITES_POSTED, ShardWord.DISPATCH_POSTED, self.engine.writes_posted - posted)
         self.wait_peers(e, "dispatch: tokens", {i: n for i, n in remainder_imms.items() if n})
+        self._reached(ShardWord.DISPATCH_RECV, e, "dispatch: tokens")
         # Stamp before publishing: the model reads the trace as soon as it sees the flag.
         mark(6)  # dispatch_received
-        self.flags[F.DISPATCH_RECV_READY] = e
+        if self.primary:
+            self.flags[F.DISPATCH_RECV_READY] = e
         self.engine.wait_writes()  # our reads of the send buffer are over: the kernels may refill it
+        self._reached(ShardWord.DISPATCH_WRITES_DONE, e, "dispatch: writes done")
         mark(7)  # dispatch_writes_done
-        self.flags[F.DISPATCH_WRITES_DONE] = e
+        if self.primary:
+            self.flags[F.DISPATCH_WRITES_DONE] = e
         # While the GPU unpacks and the experts run: the rows arrive with the count rows now, so this
         # plan, made earlier, would have delayed DISPATCH_RECV_READY.
-        combine = self._targets(plan.combine_writes(routes, r, lay))
+        combine = self._targets(self._own(plan.combine_writes(routes, r, lay)))
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(8)  # combine_send_seen
         posted = self.engine.writes_posted
         self._post(combine, Imm.COMBINE, e)
-        self.flags[F.COMBINE_WRITES_POSTED] = self.flags[F.COMBINE_WRITES_POSTED] + self.engine.writes_posted - posted
+        self._count_posted(F.COMBINE_WRITES_POSTED, ShardWord.COMBINE_POSTED, self.engine.writes_posted - posted)
         mark(9)  # combine_posted
         self.wait_peers(e, "combine: expert outputs", combine_imms)
+        self._reached(ShardWord.COMBINE_RECV, e, "combine: expert outputs")
         mark(10)  # combine_received
-        self.flags[F.COMBINE_RECV_READY] = e
+        if self.primary:
+            self.flags[F.COMBINE_RECV_READY] = e
         self.engine.wait_writes()
+        self._reached(ShardWord.COMBINE_WRITES_DONE, e, "combine: writes done")
         mark(11)  # combine_writes_done
-        self.flags[F.COMBINE_WRITES_DONE] = e
+        if self.primary:
+            self.flags[F.COMBINE_WRITES_DONE] = e
 
     def run(self) -> None:
         if self.node_local:
@@ -383,10 +463,13 @@ def main(fd: int) -> None:
         pass
     except BaseException as exc:  # report everything: the model process turns it into its error
         code = ERROR_TIMEOUT if isinstance(exc, TimeoutError) else ERROR_FAILED
-        msg = str(exc) if isinstance(exc, TimeoutError) else f"proxy of rank {spec.rank} failed:\n{traceback.format_exc()}"
+        who = f"proxy of rank {spec.rank}" + (f" (proxy {spec.shard} of {spec.shards})" if spec.shards > 1 else "")
+        msg = str(exc) if isinstance(exc, TimeoutError) else f"{who} failed:\n{traceback.format_exc()}"
         try:
             seg = proxy.seg if proxy else SharedSegment(spec.segment)
-            write_error(seg, spec.layout, code, msg)
+            # The first error of the rank's proxies stays (another shard may have reported first).
+            if not Flags(seg, spec.layout)[Flag.ERROR]:
+                write_error(seg, spec.layout, code, msg)
         finally:
             try:
                 conn.send(("error", msg))
