@@ -37,7 +37,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -276,12 +276,18 @@ class Setup:
     # The count row as a write of its own to every remote peer, before the private writes: the protocol
     # our cross-node measurement (b) ran; since, the row travels at the head of the private write.
     route_writes: bool = False
+    # Proxy processes per rank (`AllToAll(proxies=k)`): each posts, in parallel, the writes of the peers
+    # p % k == j, on its own NIC when k equals the NIC count, and drains their completions.
+    proxies: int = 1
 
 
 def _scatter(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
     """The proxy posts ``sizes`` (bytes, in peer order) one write at a time; writes go to NIC
     ``i * nics // n`` (contiguous peer shards) and are serialised there. Returns (last write posted, last
-    byte landed); a receiver-copies fabric lands nothing by itself (see _dispatch)."""
+    byte landed); a receiver-copies fabric lands nothing by itself (see _dispatch). With k proxies,
+    proxy j posts the writes ``i % k == j`` at the same time as the others, to NIC ``j % nics``."""
+    if s.proxies > 1:
+        return _scatter_sharded(start, sizes, s)
     fab, n = s.fab, len(sizes)
     posted = start.add("proxy_post", s.speed * SCATTER_FIXED_US)
     nic_free, landed = [None] * fab.nics, posted
@@ -295,6 +301,22 @@ def _scatter(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
         nic_free[nic] = begin.add("wire", size / (fab.gbps * 1e3))      # GB/s -> bytes per µs
         landed = later(landed, nic_free[nic].add("wire", fab.latency_us))
     return posted, later(posted, landed)
+
+
+def _scatter_sharded(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
+    fab, k = s.fab, s.proxies
+    one = replace(s, proxies=1, fab=replace(fab, nics=1))
+    posted_all, landed_all = [], []
+    for j in range(k):
+        mine = sizes[j::k]
+        if not mine:
+            continue
+        # a proxy of its own and (k >= nics) a NIC of its own, or a share of one (k > nics)
+        share = replace(one, fab=replace(fab, nics=1, gbps=fab.gbps * min(1.0, fab.nics / k)))
+        posted, landed = _scatter(start, mine, share)
+        posted_all.append(posted)
+        landed_all.append(landed)
+    return later(*posted_all), later(*landed_all)
 
 
 def _gpu(start: Path, kernel_us: float, row_bytes: int, nvlink_rows: float, s: Setup) -> Path:
@@ -329,6 +351,7 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
     ready = node_ready
     if remote:
         plan = s.speed * plan_us(s.world)
+        per_proxy = math.ceil(remote / s.proxies)  # completions each proxy drains, copies it makes (shm)
         size = min(rows, st["private_rows"]) * DISPATCH_ROW_BYTES
         if s.route_writes:
             route_posted, route_landed = _scatter(t_route.add("flags", flag), [ROUTE_ROW_BYTES] * remote, s)
@@ -344,9 +367,9 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
         elif s.fab.receiver_copies:
             # shm: our proxy copies every peer's private write when it next polls, i.e. after its own
             # posts (the peers posted theirs at the same time); one after the other, one process
-            data_landed = priv_posted.add("wire", remote * size / (s.fab.gbps * 1e3))
+            data_landed = priv_posted.add("wire", per_proxy * size / (s.fab.gbps * 1e3))
             route_landed = data_landed
-        p = later(priv_posted, route_landed).add("proxy_cq", s.speed * CQ_US * remote)  # routing imms
+        p = later(priv_posted, route_landed).add("proxy_cq", s.speed * CQ_US * per_proxy)  # routing imms
         p = p.add("proxy_plan", plan * PLAN_SHARES["remainder"])
         # a remainder write only if some pair overflows its private region: weighted by its probability
         # (never at 2 ranks: the private region holds all T*K rows)
@@ -356,7 +379,7 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
             data_landed = data_landed.add("wire", extra)
         if s.route_writes:  # then, the combine plan came before DISPATCH_RECV_READY; now after it
             p = p.add("proxy_plan", plan * PLAN_SHARES["combine"])
-        drr = later(p, data_landed).add("proxy_cq", s.speed * CQ_US * remote)    # dispatch imms
+        drr = later(p, data_landed).add("proxy_cq", s.speed * CQ_US * per_proxy)    # dispatch imms
         ready = later(node_ready, drr.add("flags", flag))                        # DISPATCH_RECV_READY
     start = later(t_pack, ready).add("kernels", waitk)
     done = _gpu(start, K_UNPACK_TOKENS, DISPATCH_ROW_BYTES, st["local_peers"] * rows, s)
@@ -377,8 +400,8 @@ def _combine(s: Setup) -> Path:
             start = later(start, Path().add("proxy_plan", s.speed * plan_us(s.world) * PLAN_SHARES["combine"]))
         posted, landed = _scatter(start, [size] * remote, s)
         if s.fab.receiver_copies:
-            landed = posted.add("wire", remote * size / (s.fab.gbps * 1e3))
-        crr = landed.add("proxy_cq", s.speed * CQ_US * remote)
+            landed = posted.add("wire", math.ceil(remote / s.proxies) * size / (s.fab.gbps * 1e3))
+        crr = landed.add("proxy_cq", s.speed * CQ_US * math.ceil(remote / s.proxies))
         ready = later(ready, crr.add("flags", flag))    # COMBINE_RECV_READY
     done = _gpu(ready.add("kernels", waitk), K_REDUCE_COMBINE, COMBINE_ROW_BYTES, 0, s)
     return done.add("kernels", HALF_GAP_US)
@@ -386,7 +409,8 @@ def _combine(s: Setup) -> Path:
 
 def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed: str = "run",
           post_us: float = POST_US, host_staged: bool | None = None,
-          efa_efficiency: float | None = None, route_writes: bool = False) -> Setup:
+          efa_efficiency: float | None = None, route_writes: bool = False, proxies: int | None = None) -> Setup:
+    """`proxies`: None = the library's default (one per NIC on EFA, else 1), capped by the remote peers."""
     node = min(node, world)
     if world < 2 or world % node or NUM_EXPERTS % world:
         raise ValueError(f"world must be a multiple of the node size ({node}) dividing {NUM_EXPERTS}, got {world}")
@@ -394,7 +418,12 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
         raise ValueError(f"speed must be one of {SPEEDS}, got {speed!r}")
     fab = fabric(fabric_name, efa_efficiency) if node < world else None   # remote peers need one
     staged = (fab.host_staged if fab else False) if host_staged is None else host_staged
-    return Setup(world, node, fab, PROXY_IN_RUN_FACTOR if speed == "run" else 1.0, post_us, staged, route_writes)
+    remote = world - node
+    if proxies is None:
+        proxies = fab.nics if fab is not None and fab.name == "efa" else 1
+    proxies = max(1, min(proxies, remote))
+    return Setup(world, node, fab, PROXY_IN_RUN_FACTOR if speed == "run" else 1.0, post_us, staged, route_writes,
+                 proxies)
 
 
 def predict(world: int, fabric_name: str | None, **kw) -> dict:
@@ -621,9 +650,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-staged", action="store_true", help="buffers in host memory on EFA / CX7 too")
     ap.add_argument("--efa-efficiency", type=fraction, default=None,
                     help=f"EFA effective/line-rate bandwidth (default {EFA_BW_EFFICIENCY})")
+    ap.add_argument("--proxies", type=int, default=None,
+                    help="proxy processes per rank (default: as the library, one per NIC on EFA, else 1)")
     args = ap.parse_args(argv)
+    if args.proxies is not None and args.proxies < 1:
+        ap.error(f"--proxies must be >= 1, got {args.proxies}")
     kw = dict(speed=args.speed, post_us=args.post_us, host_staged=True if args.host_staged else None,
-              efa_efficiency=args.efa_efficiency)
+              efa_efficiency=args.efa_efficiency, proxies=args.proxies)
     cal = calibration()
     rows = table(**kw)
     print("Calibration: the model against 2 x H200 measurements (2026-11-30)")
