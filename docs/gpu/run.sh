@@ -122,6 +122,16 @@ abort)  # 2026-11-30 (second session), nvidia-h200-x2: collective abort, non-fat
        tests/triton_kernels/test_combine.py tests/triton_kernels/test_routing.py
   step 60 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 2 --iters 100 --warmup 10 --json "$OUT/e2e_graph_x2.json"
   ;;
+next2)  # written 2026-11-30 after the device time was spent: what the next GPU session runs first (nvidia-h200-x2)
+  # the collective abort with a rank that waits in kernels (failed once, cut off before pytest said why)
+  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider tests/test_abort.py tests/test_writes.py \
+       tests/test_all_to_all.py -k "abort or bad_index or capacity or writes or W2-N1 or W3-N1"
+  # one write per remote peer and several proxies per rank, across two simulated nodes (before: 2.35 ms)
+  step 120 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --json "$OUT/e2e_graph_x2_n1.json"
+  step 60 python3 -m moe_a2a.bench e2e --world 4 --node 1 --device cuda --iters 50 --warmup 5 --proxies 1 --json "$OUT/e2e_w4n1_k1.json"
+  step 60 python3 -m moe_a2a.bench e2e --world 4 --node 1 --device cuda --iters 50 --warmup 5 --proxies 3 --json "$OUT/e2e_w4n1_k3.json"
+  step 45 python3 -m moe_a2a.bench.transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;

@@ -98,3 +98,13 @@ def test_e2e_bench_writes_json_and_png(tmp_path):
         assert set(rank) == {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "total"}
         assert all(rank[p]["n"] == 2 and rank[p]["min"] > 0 for p in rank)
     assert out_png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_e2e_bench_runs_with_two_proxies_per_rank(tmp_path):
+    out_json = tmp_path / "e2e.json"
+    assert bench_main(["e2e", "--world", "3", "--node", "1", "--iters", "2", "--warmup", "1", "--device", "cpu",
+                       "--proxies", "2", "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["proxies"] == 2 and len(data["per_rank"]) == 3
