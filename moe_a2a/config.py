@@ -137,7 +137,7 @@ class Imm(enum.IntEnum):
     """Kinds of 32-bit RDMA immediates. The immediate also carries the sender and the epoch, so a
     receiver counts exactly which peer delivered what for which call (see `plan.make_imm`)."""
 
-    ROUTE = 1      # not sent any more: count rows travel at the head of the private writes
+    # (1 was the count rows' own write: they now travel at the head of the private writes)
     DISPATCH = 2
     COMBINE = 3
 
@@ -388,10 +388,15 @@ class Layout:
     def private_slot_rows(self) -> int:
         return self.header_rows + self.private_rows
 
+    @cached_property
+    def private_slot_bytes(self) -> int:
+        """Distance between two senders' slots (and so between their count rows) in a recv buffer."""
+        return self.private_slot_rows * self.dispatch_stride_bytes
+
     def private_header_offset_bytes(self, sender: int) -> int:
         """Where sender's count row lands in a receiver's recv buffer (just before its private rows)."""
-        return (self.private_offset_bytes + (sender * self.private_slot_rows + self.header_rows)
-                * self.dispatch_stride_bytes - self.routing_row_bytes)
+        return (self.private_offset_bytes + sender * self.private_slot_bytes
+                + self.header_rows * self.dispatch_stride_bytes - self.routing_row_bytes)
 
     @cached_property
     def remainder_offset_bytes(self) -> int:

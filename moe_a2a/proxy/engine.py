@@ -475,7 +475,7 @@ class TransferEngine:
             targets = targets.tolist()
         if header is not None:
             self._validate_header(grp, header, targets)
-            self._validate(grp, src, [(p, so, n, do + header[2]) for p, so, n, do in targets])
+            self._validate(grp, src, targets, dst_skip=header[2])  # the rows land after the header
             self._scatter_with_header(grp, src, targets, imm, imms, header)
             return
         self._validate(grp, src, targets)
@@ -543,7 +543,7 @@ class TransferEngine:
         """Post a zero-length write carrying ``imm`` to every peer of ``grp`` (the receivers count it)."""
         self.scatter(grp, self._scratch_region, grp.barrier_targets, imm)
 
-    def _validate(self, grp: PeerGroup, src: LocalRegion, targets) -> None:
+    def _validate(self, grp: PeerGroup, src: LocalRegion, targets, dst_skip: int = 0) -> None:
         if not isinstance(grp, PeerGroup):
             raise ValueError(f"expected a PeerGroup, got {type(grp).__name__}")
         if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
@@ -555,8 +555,8 @@ class TransferEngine:
             p, so, length, do = t
             # (a | b | c | d) < 0 iff any is negative: one test instead of four (this pass is ~15% of
             # the posting cost).
-            if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + length > rsize[p]:
-                raise ValueError(self._bad_target(grp, src, t))
+            if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + dst_skip + length > rsize[p]:
+                raise ValueError(self._bad_target(grp, src, (p, so, length, do + dst_skip)))
 
     @staticmethod
     def _bad_target(grp: PeerGroup, src: LocalRegion, t) -> str:

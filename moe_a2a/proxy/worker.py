@@ -216,17 +216,17 @@ class Proxy:
                 self.data_group, self.data_src = self.group, self.region
         # The remote senders' count rows as they land in our recv buffer: one [W, E] int32 view with the
         # private slots' stride, where the buffer is host memory (segment, memfd); else read through CUDA.
-        first = lay.private_header_offset_bytes(0)
-        slot = lay.private_slot_rows * lay.dispatch_stride_bytes
         recv = self._mapped[1] if own is not None else None
         self._headers = None
         if recv is None or kind == "host":
-            addr = (recv.addr if recv is not None else self.seg.addr + lay.recv_offset_bytes) + first
+            slot = lay.private_slot_bytes
+            addr = (recv.addr if recv is not None else self.seg.addr + lay.recv_offset_bytes) \
+                + lay.private_header_offset_bytes(0)
             raw = np.ctypeslib.as_array((ctypes.c_uint8 * ((lay.world_size - 1) * slot + lay.routing_row_bytes))
                                         .from_address(addr))
             self._headers = np.lib.stride_tricks.as_strided(
                 raw.view(np.int32), (lay.world_size, lay.num_experts), (slot, 4), writeable=False)
-        self._recv_mem, self._header_first, self._header_slot = recv, first, slot
+        self._recv_mem = recv
         self.trace = self.seg.numpy(lay.trace_offset_bytes, 2 * len(TRACE_EVENTS), np.int64).reshape(-1, 2)
         self._tracing, self._epoch = False, 0
         self._in_call = False
@@ -350,7 +350,7 @@ class Proxy:
             self.routing[remote] = self._headers[remote]
             return
         for s in remote.tolist():  # GPU recv buffer (untested on a GPU): one device-to-host copy per sender
-            self._recv_mem.read_into(self._header_first + s * self._header_slot, self.routing[s].view(np.uint8))
+            self._recv_mem.read_into(self.lay.private_header_offset_bytes(s), self.routing[s].view(np.uint8))
 
     # ---- one call -------------------------------------------------------------------------------
     def run_epoch(self, e: int) -> None:
