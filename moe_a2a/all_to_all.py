@@ -104,13 +104,16 @@ class AllToAll:
             the stream: asynchronous, CUDA-graph safe), "host" (the CPU polls, then launches: for
             ranks that share one GPU, where a spinning kernel would block its time-sliced peers),
             or "auto" (host when another rank of this node uses the same GPU, else kernel).
-        buffers: where the send/recv buffers live. "host": host-staged (pinned shared memory the
-            kernels reach over PCIe; the proxy's NIC reads and writes it). "gpu": GPU memory — CUDA
+        buffers: where the send/recv buffers live. "staged": rows between ranks of this node stay in
+            their buffers (GPU memory, CUDA IPC; on a CPU a shared file of their own), and only rows to
+            and from other nodes are staged in pinned shared host memory that the kernels reach over
+            PCIe and the proxy's NIC reads and writes. "host": all rows host-staged, this node's too.
+            "gpu": GPU memory — CUDA
             IPC when every peer is on this node, else cuMem allocations exported as POSIX FDs that
             the proxy maps and registers with the NIC (FI_HMEM_CUDA: EFA) and same-node peers map;
             raises if that is impossible. "auto" (default): with remote peers over efa or verbs,
-            "gpu" where it works, else "host" with one log line saying why; over tcp and shm "host"
-            (they stage through host memory; "gpu" tries anyway). "memfd": host memory of its own (memfd) shared and registered
+            "gpu" where it works, else "staged" with one log line saying why; over tcp and shm "staged"
+            (they stage through host memory; "gpu" tries anyway); on a CPU "host". "memfd": host memory of its own (memfd) shared and registered
             exactly as "gpu" buffers with remote peers are: that path without a GPU (CI runs it).
         nics: the NICs (libfabric domains, `moe_a2a.proxy.libfabric.list_domains(provider)`) this
             rank's proxy drives; peers are sharded over them. "auto": on EFA this rank's equal share of
@@ -139,8 +142,8 @@ class AllToAll:
             raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp' or 'verbs', got {transport!r}")
         if gpu_wait not in ("auto", "kernel", "host"):
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
-        if buffers not in ("auto", "host", "gpu", "memfd"):
-            raise ValueError(f"buffers must be 'auto', 'host', 'gpu' or 'memfd', got {buffers!r}")
+        if buffers not in ("auto", "staged", "host", "gpu", "memfd"):
+            raise ValueError(f"buffers must be 'auto', 'staged', 'host', 'gpu' or 'memfd', got {buffers!r}")
         if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
                                or not all(isinstance(n, str) and n for n in nics)):
             raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
@@ -202,25 +205,30 @@ class AllToAll:
         self._ipc_ptrs: list[int] = []
         self._fd_mem: list = []  # FD-shared send/recv ("nic"): own two, then same-node peers' imports
         self._send_buf = self._recv_buf = None
+        self._node_seg = None  # "staged" on a CPU: this node's send/recv buffers in a file of their own
+        self.node_slots = None  # "staged": [first, end) of the send slots of this node's experts
         self.proxy = None
         self.placement_reason: str | None = None  # why GPU buffers were given up for host-staged ones
 
         # Placement of the send/recv buffers (the same on every rank: it depends only on the
         # arguments, the device type and the layout). "ipc": GPU memory, every peer on this node, no
         # token on the wire. "nic": GPU memory registered with the NIC, tried and, unless forced,
-        # given up for "host" when any rank cannot (tcp has no FI_HMEM; shm as built on our GPU host
-        # fails registration with -FI_ENOSYS). "host": buffers in the shared segment.
+        # given up for "staged" when any rank cannot (tcp has no FI_HMEM; shm as built on our GPU host
+        # fails registration with -FI_ENOSYS). "staged": this node's rows in "ipc" buffers, the other
+        # nodes' staged in the shared segment. "host": all buffers in the shared segment.
         on_gpu = self.device.type == "cuda"
         if buffers == "memfd":
             self.placement = "nic"
-        elif not on_gpu or buffers == "host":
+        elif buffers in ("host", "staged"):
+            self.placement = buffers
+        elif not on_gpu:
             self.placement = "host"
         elif not lay.remote_peers(r):
             self.placement = "ipc"
         elif buffers == "gpu" or self.transport in ("efa", "verbs"):
             self.placement = "nic"
         else:  # the software providers copy through host memory anyway
-            self.placement = "host"
+            self.placement = "staged"
             self.placement_reason = (f"transport {self.transport!r} stages GPU data through host memory "
                                      f"(buffers='gpu' tries GPU memory anyway)")
         self._closed = False
@@ -244,8 +252,8 @@ class AllToAll:
 
     @property
     def host_staged(self) -> bool:
-        """True when the send/recv buffers live in host memory (the shared segment)."""
-        return self.placement == "host"
+        """True when rows to and from other nodes go through send/recv buffers in the shared segment."""
+        return self.placement in ("host", "staged")
 
     # ---- construction ---------------------------------------------------------------------------
     def _node_size(self, node_group, hosts: list[str]) -> int:
@@ -279,9 +287,11 @@ class AllToAll:
         lay, r = self.layout, self.rank
         self.segment = SharedSegment(unique_name(), lay.segment_bytes(self.host_staged), create=True)
         fd_buffers, fds = None, ()
-        if self.placement == "ipc":
+        if self.placement == "ipc" or (self.placement == "staged" and self.device.type == "cuda"):
             self._send_buf = DeviceBuffer(lay.send_bytes, self.device)
             self._recv_buf = DeviceBuffer(lay.recv_bytes, self.device)
+        elif self.placement == "staged":  # a CPU: the same addressing, in a file the node peers map
+            self._node_seg = SharedSegment(unique_name(), lay.send_bytes + lay.recv_bytes, create=True)
         elif self.placement == "nic":
             kind = self.device.type if self.device.type == "cuda" else "host"
             ordinal = 0 if kind == "host" else (
@@ -329,7 +339,8 @@ class AllToAll:
             raise RuntimeError(f"buffers={'gpu' if self.device.type == 'cuda' else 'memfd'!r}: {why}")
         log.warning("moe_a2a rank %d: %s: send/recv buffers are host-staged (pinned shared memory "
                     "reached over PCIe)", self.rank, why)
-        self.placement, self.placement_reason = "host", why
+        self.placement = "staged" if self.device.type == "cuda" else "host"
+        self.placement_reason = why
         self._launch()
 
     def _start(self, on_gpu: bool) -> None:
@@ -338,8 +349,10 @@ class AllToAll:
         addresses, regions, gpu_regions = (list(t) for t in zip(*self._proxy_address))
         if on_gpu:
             seg.register_cuda()
-        if self.placement == "ipc":
+        if self._send_buf is not None:  # "ipc", "staged" on a GPU
             share = (self._send_buf.ipc_handle(), self._recv_buf.ipc_handle())
+        elif self._node_seg is not None:
+            share = self._node_seg.name
         elif self.placement == "nic":
             share = (os.getpid(), self._fd_mem[0].fd, self._fd_mem[1].fd, self._fd_mem[0].size,
                      self._fd_mem[1].size)
@@ -383,8 +396,11 @@ class AllToAll:
         if self.placement == "host":
             send_at = {r: seg.addr + lay.send_offset_bytes}
             recv_at = {r: seg.addr + lay.recv_offset_bytes}
-        elif self.placement == "ipc":
+        elif self._send_buf is not None:
             send_at, recv_at = {r: self._send_buf.addr}, {r: self._recv_buf.addr}
+        elif self._node_seg is not None:
+            send_at = {r: self._node_seg.addr}
+            recv_at = {r: self._node_seg.addr + lay.send_bytes}
         else:
             send_at, recv_at = {r: self._fd_mem[0].addr}, {r: self._fd_mem[1].addr}
         seg_at = {r: seg.addr}
@@ -400,6 +416,10 @@ class AllToAll:
             if self.placement == "host":
                 send_at[p] = seg_at[p] + lay.send_offset_bytes
                 recv_at[p] = seg_at[p] + lay.recv_offset_bytes
+            elif self._node_seg is not None:
+                other = SharedSegment(table[p][3])
+                self._peer_segments.append(other)
+                send_at[p], recv_at[p] = other.addr, other.addr + lay.send_bytes
             elif self.placement == "nic":
                 # Same-node peers' buffers: their FDs pulled with pidfd_getfd, mapped here.
                 pid, send_fd, recv_fd, send_size, recv_size = table[p][3]
@@ -418,11 +438,20 @@ class AllToAll:
         # every offset is >= 0 (a negative offset means "remote peer" in the peer tables).
         spans = [(a, seg.nbytes) for a in seg_at.values()] + [(a, lay.send_bytes) for a in send_at.values()] + \
                 [(a, lay.recv_bytes) for a in recv_at.values()]
+        if self.placement == "staged":
+            # Rows to and from other nodes: in the segment, at the offsets "host" uses (the proxy's view).
+            stage_send, stage_recv = seg.addr + lay.send_offset_bytes, seg.addr + lay.recv_offset_bytes
+            first_expert = lay.node_of(r) * lay.node_size * lay.num_local_experts
+            self._node_experts = (first_expert, first_expert + lay.node_size * lay.num_local_experts)
+            self.node_slots = torch.zeros(2, dtype=torch.int32, device=self.device)
+        else:
+            stage_send, stage_recv = send_at[r], recv_at[r]
         lo = min(a for a, _ in spans)
         hi = max(a + n for a, n in spans)
         self.base = self._view(lo, hi - lo)
         self._base_addr = lo
         self.send_offset_bytes, self.recv_offset_bytes = send_at[r] - lo, recv_at[r] - lo
+        self.stage_send_offset_bytes, self.stage_recv_offset_bytes = stage_send - lo, stage_recv - lo
         tables = {name: torch.full((W,), -1, dtype=torch.int64) for name in ("send", "recv", "sync")}
         for p in send_at:
             tables["send"][p], tables["recv"][p], tables["sync"][p] = send_at[p] - lo, recv_at[p] - lo, sync_at[p] - lo
@@ -721,8 +750,9 @@ class AllToAll:
         peers, self._peer_segments = getattr(self, "_peer_segments", []), []
         for seg in peers:
             step(seg.close)
-        bufs = [getattr(self, "_send_buf", None), getattr(self, "_recv_buf", None)] + getattr(self, "_fd_mem", [])
-        self._send_buf = self._recv_buf = None
+        bufs = [getattr(self, "_send_buf", None), getattr(self, "_recv_buf", None), getattr(self, "_node_seg", None)] \
+            + getattr(self, "_fd_mem", [])
+        self._send_buf = self._recv_buf = self._node_seg = None
         self._fd_mem = []
         for buf in bufs:
             if buf is not None:
@@ -760,11 +790,16 @@ class AllToAll:
         self._host_wait("dispatch_send")
         slot = self.route_slot[: x.shape[0]]
         on_gpu = self.device.type == "cuda"
+        split = self._split_args(self.stage_send_offset_bytes)
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[self.rank], out_route_slot=slot,
                              bound_m=bound_m, epoch=self._node.epoch, bad_index=self._bad_index if on_gpu else None,
-                             ready=self._route_ready if self.with_proxy else None, abort=abort)
+                             ready=self._route_ready if self.with_proxy else None, abort=abort,
+                             **({} if not split else {"out_node_slots": self.node_slots,
+                                                      "node_experts": self._node_experts}))
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
-                                               bound_m=bound_m, node=self._node)
+                                               bound_m=bound_m, node=self._node,
+                                               **({} if not split else {"remote_send_offset_bytes": split[0],
+                                                                        "node_slots": split[1]}))
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False) -> None:
@@ -772,7 +807,7 @@ class AllToAll:
         aborted = self._aborted_sources()
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, self.counts, self.rank, self.base, self.peer_send_bytes,
-            self.recv_offset_bytes, self.cfg, self.layout, node=self._node)
+            self.stage_recv_offset_bytes, self.cfg, self.layout, node=self._node)  # remote sources' rows
         self._state = _DISPATCH_DONE
         if self.device.type != "cuda" and self.layout.expert_capacity:
             self._raise_capacity_exceeded()  # CPU kernels have run: say it now (a GPU says it at the next call)
@@ -853,16 +888,22 @@ class AllToAll:
         self._host_wait("combine_send")
         combine_kernels.pack_combine_by_source(
             expert_y, self.counts, self.rank, self.base, self.peer_recv_bytes,
-            self.send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout, node=self._node)
+            self.stage_send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout, node=self._node)
         self._state = _COMBINE_SENT
 
     def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
         self._host_wait("combine_recv")
+        split = self._split_args(self.stage_recv_offset_bytes + self.layout.combine_recv_offset_bytes)
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, self.base,
             self.recv_offset_bytes + self.layout.combine_recv_offset_bytes, self.cfg, accumulate=accumulate,
-            bound_m=bound_m if bound_m is not None else self._bound_m, node=self._node)
+            bound_m=bound_m if bound_m is not None else self._bound_m, node=self._node,
+            **({} if not split else {"remote_recv_offset_bytes": split[0], "node_slots": split[1]}))
         self._state = _IDLE
+
+    def _split_args(self, remote_offset_bytes: int) -> tuple[int, torch.Tensor] | None:
+        """"staged": where the rows of other nodes' slots are, and the slot range of this node's."""
+        return None if self.node_slots is None else (remote_offset_bytes, self.node_slots)
 
     def _host_wait(self, half: str) -> None:
         """Host waits only (CPU, ranks sharing a GPU): poll what the half's kernel would wait for."""

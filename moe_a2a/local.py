@@ -221,7 +221,7 @@ class LocalCluster:
         device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus).
         timeout_s: bound on start-up and on every `run`; a rank that dies or hangs ends in TimeoutError.
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
-        buffers: passed to every `AllToAll` ("auto", "host", "gpu" or "memfd").
+        buffers: passed to every `AllToAll` ("auto", "staged", "host", "gpu" or "memfd").
         nics: passed to every `AllToAll` ("auto" or a list of libfabric domain names).
         proxies: passed to every `AllToAll` (proxy processes per rank: "auto" or a positive int, at most
             the number of remote peers per rank).
@@ -258,8 +258,8 @@ class LocalCluster:
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
         if gpu_wait not in ("auto", "kernel", "host"):
             raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
-        if buffers not in ("auto", "host", "gpu", "memfd"):
-            raise ValueError(f"buffers must be 'auto', 'host', 'gpu' or 'memfd', got {buffers!r}")
+        if buffers not in ("auto", "staged", "host", "gpu", "memfd"):
+            raise ValueError(f"buffers must be 'auto', 'staged', 'host', 'gpu' or 'memfd', got {buffers!r}")
         if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
                                or not all(isinstance(n, str) and n for n in nics)):
             raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")

@@ -43,6 +43,10 @@ CASES = [
     # send/recv buffers of their own, shared by FD and registered on their own: the path GPU buffers
     # take to the NIC (proxy maps them from SCM_RIGHTS FDs, same-node peers through pidfd_getfd)
     pytest.param(Case(4, 2, "tcp", torch.bfloat16, private=2, buffers="memfd"), id="W4-N2-TCP-BF16-MEMFD"),
+    # only remote rows staged: this node's rows in buffers of their own (GPU memory on a GPU, a file of
+    # their own on a CPU), the other node's through the segment and the proxy
+    pytest.param(Case(4, 2, "shm", torch.float8_e4m3fn, private=1, buffers="staged"), id="W4-N2-SHM-FP8-STAGED"),
+    pytest.param(Case(2, 1, "tcp", torch.bfloat16, padding=2, buffers="staged"), id="W2-N1-TCP-BF16-STAGED"),
 ]
 
 
@@ -75,12 +79,14 @@ def test_send_and_recv_buffers_live_where_asked(cluster):
     placement, reason = placements[0]
     if c.buffers == "memfd":
         assert placement == "nic" and reason is None  # registered on their own, not in the segment
+    elif c.buffers == "staged":
+        assert placement == "staged" and reason is None
     elif TEST_DEVICE == "cpu":
         assert placement == "host"
     elif c.node == c.world:
         assert placement == "ipc"  # every peer on this node: GPU memory, nothing on the wire
     else:
-        assert placement in ("nic", "host") and (reason is None) == (placement == "nic")
+        assert placement in ("nic", "staged") and (reason is None) == (placement == "nic")
 
 
 @pytest.mark.timeout(600)
@@ -245,7 +251,7 @@ def test_gpu_buffers_are_registered_with_the_nic_or_refused_naming_why(transport
     cfg = _cfg(Case(4, 2, transport, torch.bfloat16))
     with LocalCluster(cfg, world_size=4, node_size=2, transport=transport, device="cuda", timeout_s=60.0) as cl:
         placements = cl.run(_placement)
-        assert len(set(placements)) == 1 and placements[0][0] == "host"
+        assert len(set(placements)) == 1 and placements[0][0] == "staged"
         assert f"transport {transport!r} stages GPU data through host memory" in placements[0][1]
     try:
         with LocalCluster(cfg, world_size=4, node_size=2, transport=transport, device="cuda", timeout_s=60.0,

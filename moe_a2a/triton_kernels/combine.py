@@ -23,6 +23,7 @@ from .rows import (
     tensor_key,
     CPU_TOKENS_PER_PROGRAM,
     _align_words,
+    _check_split,
     _as_words,
     _check_bound_m,
     _check_counts,
@@ -164,6 +165,8 @@ def _reduce_combined_tokens_kernel(
     NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
     STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
     ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    # Only remote rows staged (SPLIT): slots outside [node_slots[0], node_slots[1]) are read at remote_recv_bytes.
+    node_slots_ptr=None, remote_recv_bytes=0, SPLIT: tl.constexpr = False,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
     elements.
@@ -187,12 +190,20 @@ def _reduce_combined_tokens_kernel(
         acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    if SPLIT:
+        node_slot_lo = tl.load(node_slots_ptr)  # (not `node_first`: that names the node's first rank)
+        node_slot_hi = tl.load(node_slots_ptr + 1)
     for k in range(K):  # k order: the fp32 sum is rounded exactly as in the reference
         slot = tl.load(route_slot_ptr + tokens * stride_slot_t + k * stride_slot_k,
                        mask=is_live, other=-1).to(tl.int64)
         has_slot = (slot >= 0) & (slot < MAX_SLOTS)
         w = tl.load(weights_ptr + tokens * stride_w_t + k * stride_w_k, mask=has_slot, other=0.0)
-        row = tl.multiple_of((recv_bytes + slot * SC_BYTES) // ITEM_BYTES, ALIGN_ELEMS)
+        if SPLIT:  # outputs of this node's experts were pushed into device memory, the others' staged
+            row_bytes = tl.where((slot >= node_slot_lo) & (slot < node_slot_hi), recv_bytes, remote_recv_bytes) \
+                + slot * SC_BYTES
+        else:
+            row_bytes = recv_bytes + slot * SC_BYTES
+        row = tl.multiple_of(row_bytes // ITEM_BYTES, ALIGN_ELEMS)
         y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has_slot[:, None], other=0.0)
         acc = tl.where(has_slot[:, None], acc + w[:, None] * y.to(tl.float32), acc)
     if y_ty == tl.bfloat16:
@@ -282,6 +293,8 @@ def reduce_combined_tokens(
     accumulate: bool = False,
     bound_m: torch.Tensor | None = None,
     node: NodeSync | None = None,
+    remote_recv_offset_bytes: int | None = None,
+    node_slots: torch.Tensor | None = None,
 ) -> None:
     """out_tokens[t] = sum_k weights[t, k] * y(route_slot[t, k]) for t < bound_m, in place.
 
@@ -297,6 +310,9 @@ def reduce_combined_tokens(
         node: same-node synchronisation (`node_sync.NodeSync`): when given, every program first waits
             until each same-node expert rank pushed this epoch's rows (combine_ready); it then launches
             even for T = 0.
+        remote_recv_offset_bytes, node_slots: only remote rows staged: rows of slots in
+            `[node_slots[0], node_slots[1])` (`[2]` int32, from `route_tokens`) are read at
+            `recv_offset_bytes`, every other slot's at `remote_recv_offset_bytes`. Both or neither.
 
     Accumulates in fp32 in k order and casts once (round to nearest even). No host sync; CUDA-graph
     safe.
@@ -305,7 +321,8 @@ def reduce_combined_tokens(
     key = None
     if isinstance(out_tokens, torch.Tensor) and out_tokens.is_cuda:
         key = (tensor_key(out_tokens), tensor_key(route_slot), tensor_key(weights), tensor_key(recv_base),
-               recv_offset_bytes, cfg, accumulate, tensor_key(bound_m), node)
+               recv_offset_bytes, cfg, accumulate, tensor_key(bound_m), node, remote_recv_offset_bytes,
+               tensor_key(node_slots))
         if _REDUCE.hit(key):
             return
     if not isinstance(cfg, A2AConfig):
@@ -323,23 +340,29 @@ def reduce_combined_tokens(
     if not isinstance(accumulate, bool):
         _fail("accumulate", "a bool", repr(accumulate))
     _check_bound_m(bound_m, device)
+    split = _check_split("remote_recv_offset_bytes", remote_recv_offset_bytes, node_slots, device)
+    remote = remote_recv_offset_bytes if split else recv_offset_bytes
     item = cfg.out_itemsize
     # Rows are read as out_dtype elements at base + offset: both must be element-aligned.
-    if recv_offset_bytes % item:
-        _fail("recv_offset_bytes", f"a multiple of out itemsize {item}", str(recv_offset_bytes))
+    for name, off in (("recv_offset_bytes", recv_offset_bytes), ("remote_recv_offset_bytes", remote)):
+        if off % item:
+            _fail(name, f"a multiple of out itemsize {item}", str(off))
     if recv_base.data_ptr() % item:
         _fail("recv_base", f"data_ptr aligned to {item} bytes", hex(recv_base.data_ptr()))
     if T == 0 and node is None:
         return
 
     align = _align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
-                         recv_offset_bytes)
+                         recv_offset_bytes, remote)
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H)
     # GPU: one token per program (decode T=128 x 7 chunks of 1024 = 896 programs). Interpreter: it pays
     # per operation, not per element, so all tokens in one program.
     block_t = 1 if device.type == "cuda" else min(next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(H, block_h))
     sync_args = {} if node is None else node.kernel_args("combine_recv", device)
+    if split:
+        sync_args = {**sync_args, "node_slots_ptr": node_slots, "remote_recv_bytes": remote_recv_offset_bytes,
+                     "SPLIT": True}
     _REDUCE.launch(
         key, grid, out_tokens, route_slot, weights, recv_base, bound_m if bound_m is not None else route_slot,
         recv_offset_bytes, T,

@@ -28,6 +28,7 @@ import triton.language as tl
 from ..config import A2AConfig, Flag, Layout, ceil_div, flag_word, next_power_of_2
 from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_copy_count_row, node_publish, node_wait
 from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
+                   _check_split,
                    _check_layout, _check_peer_table, _check_tensor, _chunk_words, _copy_row_words, _fail,
                    _live_token_block, _node_peer_tables, _num_warps, _persistent_grid, _recv_pair_tables,
                    _tile_rows, _word_bytes)
@@ -68,6 +69,8 @@ def _pack_tokens_by_expert_kernel(
     PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
     PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     rank=0, COUNTS_BYTES: tl.constexpr = 0, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
+    # Only remote rows staged (SPLIT): slots outside [node_slots[0], node_slots[1]) go to remote_send_bytes.
+    node_slots_ptr=None, remote_send_bytes=0, SPLIT: tl.constexpr = False,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
     chunk of their payload.
@@ -102,11 +105,18 @@ def _pack_tokens_by_expert_kernel(
         scales = tl.load(x_scale_ptr + tokens[:, None] * stride_scale_t + s_cols[None, :] * stride_scale_s,
                          mask=s_mask)
 
+    if SPLIT:
+        node_slot_lo = tl.load(node_slots_ptr)  # (not `node_first`: that names the node's first rank)
+        node_slot_hi = tl.load(node_slots_ptr + 1)
     for k in range(K):
         slot = tl.load(route_slot_ptr + tokens * stride_slot_t + k * stride_slot_k,
                        mask=is_live, other=-1).to(tl.int64)
         has_slot = (slot >= 0) & (slot < MAX_SLOTS)
-        dst_bytes = send_bytes + slot * SD_BYTES
+        if SPLIT:  # rows for this node stay in device memory; only rows for other nodes cross PCIe
+            dst_bytes = tl.where((slot >= node_slot_lo) & (slot < node_slot_hi), send_bytes, remote_send_bytes) \
+                + slot * SD_BYTES
+        else:
+            dst_bytes = send_bytes + slot * SD_BYTES
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
         tl.store(base_words + dst_words[:, None] + cols[None, :], rows, mask=x_mask & has_slot[:, None])
         if HAS_SCALES:
@@ -241,6 +251,8 @@ def pack_tokens_by_expert(
     cfg: A2AConfig,
     bound_m: torch.Tensor | None = None,
     node: NodeSync | None = None,
+    remote_send_offset_bytes: int | None = None,
+    node_slots: torch.Tensor | None = None,
 ) -> None:
     """Copy every live route's token into its expert-major slot of this rank's dispatch send buffer.
 
@@ -256,6 +268,10 @@ def pack_tokens_by_expert(
             publishes this rank's count row (already in the counts of its sync area) and the epoch to
             every same-node peer, and with remote peers raises SEND_READY for the proxy (after waiting
             for its writes of the previous call). It then launches even for T = 0 (peers wait for it).
+        remote_send_offset_bytes, node_slots: only remote rows staged: slots j in
+            `[node_slots[0], node_slots[1])` (`[2]` int32 on x's device, from `route_tokens`) go to the
+            send buffer at `send_offset_bytes`, every other slot to the one at `remote_send_offset_bytes`
+            (a multiple of 16). Both or neither.
 
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
@@ -264,7 +280,7 @@ def pack_tokens_by_expert(
     key = None
     if isinstance(x, torch.Tensor) and x.is_cuda:
         key = (tensor_key(x), tensor_key(x_scale), tensor_key(route_slot), tensor_key(send_base), send_offset_bytes,
-               cfg, tensor_key(bound_m), node)
+               cfg, tensor_key(bound_m), node, remote_send_offset_bytes, tensor_key(node_slots))
         if _PACK.hit(key):
             return
     if not isinstance(cfg, A2AConfig):
@@ -284,14 +300,16 @@ def pack_tokens_by_expert(
     _check_tensor("send_base", send_base, dtypes=(torch.uint8,), shape=(None,), device=device)
     _check_int("send_offset_bytes", send_offset_bytes)
     _check_bound_m(bound_m, device)
+    split = _check_split("remote_send_offset_bytes", remote_send_offset_bytes, node_slots, device)
     if T == 0 and node is None:
         return
 
     x_row_bytes = x.stride(0) * x.element_size()
+    remote = remote_send_offset_bytes if split else send_offset_bytes
     word_bytes, word_dtype = _word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
-                                         send_offset_bytes, cfg.dispatch_stride_bytes)
+                                         send_offset_bytes, remote, cfg.dispatch_stride_bytes)
     # The hint is on the offset from base, so base and offset must each be 16-byte aligned.
-    align = _align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes)
+    align = _align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes, remote)
     x_words = _as_words(x, word_dtype)
     row_words = cfg.x_bytes // word_bytes
     block_w = _chunk_words(row_words, word_bytes)
@@ -303,6 +321,9 @@ def pack_tokens_by_expert(
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(row_words, block_w))
     sync_args = {} if node is None else node.kernel_args("dispatch_send", device)
+    if split:
+        sync_args = {**sync_args, "node_slots_ptr": node_slots, "remote_send_bytes": remote_send_offset_bytes,
+                     "SPLIT": True}
     _PACK.launch(
         key, grid, x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,

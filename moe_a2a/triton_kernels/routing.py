@@ -77,6 +77,9 @@ def _route_block_kernel(
     HAS_READY: tl.constexpr = False,
     USE_PTX: tl.constexpr = False,
     abort=0,                      # SINGLE only, nonzero: write -1 in every count (this rank aborts the call)
+    node_slots_ptr=None,          # (2,) int32: out, [first, end) of the slots of experts [node_lo, node_hi)
+    node_lo=0, node_hi=0,         # the experts of this rank's node (HAS_NODE_SLOTS)
+    HAS_NODE_SLOTS: tl.constexpr = False,
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE)."""
     pid = tl.program_id(0)
@@ -119,10 +122,23 @@ def _route_block_kernel(
     bins = tl.arange(0, E_BINS)
     if SINGLE:
         tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where(abort != 0, -1, hist), mask=bins < num_experts)
+        if HAS_NODE_SLOTS:
+            _store_node_slots(node_slots_ptr, hist, bins, node_lo, node_hi)
         if HAS_READY:
             _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
     else:
         tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
+
+
+@triton.jit
+def _store_node_slots(node_slots_ptr, counts, experts, node_lo, node_hi):
+    """Slots are expert-major, so the routes to one node's experts hold one contiguous run of slots:
+    [sum of counts before node_lo, + sum of counts in [node_lo, node_hi)). Kernels that keep a node's
+    rows apart from the rest (staging only remote rows) tell them apart by it."""
+    first = tl.sum(tl.where(experts < node_lo, counts, 0), axis=0)
+    n = tl.sum(tl.where((experts >= node_lo) & (experts < node_hi), counts, 0), axis=0)
+    tl.store(node_slots_ptr, first)
+    tl.store(node_slots_ptr + 1, first + n)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -142,6 +158,7 @@ def _route_fixup_kernel(
     epoch_ptr=None, ready_ptr=None,  # as in _route_block_kernel: program 0 releases the epoch when HAS_READY
     HAS_READY: tl.constexpr = False,
     USE_PTX: tl.constexpr = False,
+    node_slots_ptr=None, node_lo=0, node_hi=0, HAS_NODE_SLOTS: tl.constexpr = False,  # as in _route_block_kernel
 ):
     """Grid: one program per block of _route_block_kernel. Each re-reads the whole histogram:
     total[e] over all blocks, before[e] over blocks < pid, and adds
@@ -161,6 +178,8 @@ def _route_fixup_kernel(
     delta = (tl.cumsum(total, axis=0) - total) + before - (tl.cumsum(mine, axis=0) - mine)
     if pid == 0:
         tl.store(counts_ptr + experts.to(tl.int64) * stride_counts, total, mask=experts < num_experts)
+        if HAS_NODE_SLOTS:
+            _store_node_slots(node_slots_ptr, total, experts, node_lo, node_hi)
         if HAS_READY:
             _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
 
@@ -197,6 +216,8 @@ def route_tokens(
     bad_index: torch.Tensor | None = None,
     ready: torch.Tensor | None = None,
     abort: bool = False,
+    out_node_slots: torch.Tensor | None = None,
+    node_experts: tuple[int, int] = (0, 0),
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
     _block_routes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +241,9 @@ def route_tokens(
             release once `out_counts` is written (the proxy's ROUTE_READY flag).
         abort: needs T == 0: every count is written as -1, the mark of a call this rank aborts (its
             peers see the row, move nothing from it and report the abort; docs/protocol.md).
+        out_node_slots: optional `[2]` int32 on the device of `indices`: `[first, end)` of the slots of
+            the routes to experts `node_experts = (lo, hi)` (one contiguous run: slots are expert-major).
+            The kernels that stage only remote rows use it to tell this node's rows from the others.
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -237,7 +261,7 @@ def route_tokens(
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
         key = (tensor_key(indices), num_experts, tensor_key(out_counts), tensor_key(out_route_slot),
                tensor_key(bound_m), tensor_key(epoch), tensor_key(bad_index), tensor_key(ready), _single_max_routes,
-               _block_routes, bool(abort))
+               _block_routes, bool(abort), tensor_key(out_node_slots), tuple(node_experts))
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
@@ -281,9 +305,18 @@ def route_tokens(
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if abort and T != 0:
         raise ValueError(f"abort: only with no tokens (T == 0), got T = {T}")
+    if out_node_slots is not None:
+        if out_node_slots.shape != (2,) or out_node_slots.dtype != torch.int32 or out_node_slots.device != device:
+            raise ValueError(f"out_node_slots: expected a [2] int32 tensor on {device}, got "
+                             f"{tuple(out_node_slots.shape)} {out_node_slots.dtype} on {out_node_slots.device}")
+        lo_e, hi_e = node_experts
+        if not 0 <= lo_e <= hi_e <= num_experts:
+            raise ValueError(f"node_experts: expected 0 <= lo <= hi <= {num_experts}, got {node_experts}")
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
                  CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
+    slots_args = {} if out_node_slots is None else dict(
+        node_slots_ptr=out_node_slots, node_lo=node_experts[0], node_hi=node_experts[1], HAS_NODE_SLOTS=True)
     num_routes = T * K
     e_bins = next_power_of_2(num_experts + 1)
     bound_arg = bound_m if bound_m is not None else out_counts  # never read without HAS_BOUND_M
@@ -295,7 +328,7 @@ def route_tokens(
             key, (1,), indices, bound_arg, out_route_slot, out_counts, out_counts,
             T, num_experts, out_counts.stride(0),
             K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=True,
-            num_warps=4 if block_r <= 1024 else 8, abort=int(bool(abort)), **extra,
+            num_warps=4 if block_r <= 1024 else 8, abort=int(bool(abort)), **extra, **slots_args,
         )
         return out_counts, out_route_slot
 
@@ -327,7 +360,7 @@ def route_tokens(
         T, num_experts, num_blocks, out_counts.stride(0),
         K=K, BLOCK_R=block_r, E_PAD=e_pad, CHUNK_B=max(1, 4096 // e_pad),
         epoch_ptr=epoch, ready_ptr=ready, HAS_READY=ready is not None, USE_PTX=use_ptx,
-        num_warps=4,
+        num_warps=4, **slots_args,
     )
     return out_counts, out_route_slot
 

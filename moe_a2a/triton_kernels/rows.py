@@ -232,6 +232,18 @@ def _check_bound_m(bound_m, device):
         _check_tensor("bound_m", bound_m, dtypes=(torch.int32,), shape=(1,), device=device)
 
 
+def _check_split(name: str, remote_offset_bytes, node_slots, device) -> bool:
+    """Only remote rows staged: `remote_offset_bytes` and `node_slots` come together. True when given."""
+    if (remote_offset_bytes is None) != (node_slots is None):
+        _fail(name, "given together with node_slots (both or neither)",
+              f"{name}={remote_offset_bytes!r}, node_slots={'a tensor' if node_slots is not None else None}")
+    if node_slots is None:
+        return False
+    _check_int(name, remote_offset_bytes)
+    _check_tensor("node_slots", node_slots, dtypes=(torch.int32,), shape=(2,), device=device)
+    return True
+
+
 def _word_bytes(row_bytes: int, *byte_quantities: int) -> tuple[int, torch.dtype]:
     """Widest word (4, 2 or 1 bytes) that divides a row's length and every address quantity."""
     for size, dtype in ((4, torch.int32), (2, torch.int16), (1, torch.uint8)):

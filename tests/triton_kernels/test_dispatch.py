@@ -176,3 +176,30 @@ def test_unpack_rejects_bad_input(name, bad) -> None:
     args[name] = bad(args)
     with pytest.raises(ValueError, match=name):
         unpack_tokens_by_expert(**args)
+
+
+@pytest.mark.timeout(60)
+def test_pack_split_sends_the_node_slots_to_one_buffer_and_the_rest_to_the_other() -> None:
+    """Only remote rows staged: slots in [node_slots[0], node_slots[1]) land in the send buffer, every
+    other slot in the remote (staging) buffer, at the same slot offset; nothing else is written."""
+    case = Case()
+    args = _pack_args(case)
+    cfg, arena = args["cfg"], args["send_base"]
+    n = int((args["route_slot"] >= 0).sum())
+    lo, hi = n // 3, n - n // 3
+    span = cfg.max_routes * cfg.dispatch_stride_bytes
+    remote = args["send_offset_bytes"] + span + 4096
+    if remote + span > arena.numel():
+        pytest.skip("the harness arena has no room for a second send buffer")
+    arena.zero_()
+    pack_tokens_by_expert(**args, remote_send_offset_bytes=remote,
+                          node_slots=torch.tensor([lo, hi], dtype=torch.int32, device=arena.device))
+    sd, xb = cfg.dispatch_stride_bytes, cfg.x_bytes
+    a = arena.cpu()
+    for s in range(n):
+        in_node = lo <= s < hi
+        node_row = a[args["send_offset_bytes"] + s * sd: args["send_offset_bytes"] + s * sd + xb]
+        remote_row = a[remote + s * sd: remote + s * sd + xb]
+        assert bool(node_row.any()) == in_node and bool(remote_row.any()) == (not in_node), s
+    with pytest.raises(ValueError, match="both or neither"):
+        pack_tokens_by_expert(**args, remote_send_offset_bytes=remote)

@@ -176,6 +176,31 @@ def test_caller_outputs_strided_counts(multi):
     assert bool((matrix[:, 0] == 77).all() and (matrix[:, 2] == 77).all())
 
 
+@pytest.mark.timeout(120)
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    T=st.integers(0, 20),
+    K=st.integers(1, 6),
+    E=st.sampled_from([4, 12, 16]),
+    lo_hi=st.tuples(st.integers(0, 16), st.integers(0, 16)),
+    multi=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_node_slots_bound_the_routes_to_the_node_experts(T, K, E, lo_hi, multi, seed):
+    """The slots of routes to experts [lo, hi) are exactly [node_slots[0], node_slots[1]) (staging only
+    remote rows relies on it), on both launch paths."""
+    lo, hi = sorted(min(v, E) for v in lo_hi)
+    indices = make_indices(T, K, E, 0.2, torch.int32, torch.Generator().manual_seed(seed))
+    node_slots = torch.full((2,), -7, dtype=torch.int32, device=TEST_DEVICE)
+    counts, route_slot = _route(indices, E, out_node_slots=node_slots, node_experts=(lo, hi),
+                                **(MULTI if multi else SINGLE))
+    first, end = node_slots.cpu().tolist()
+    assert (first, end) == (int(counts[:lo].sum()), int(counts[:hi].sum()))
+    live = indices >= 0
+    in_node = (indices >= lo) & (indices < hi)
+    assert bool(((route_slot >= first) & (route_slot < end))[live].eq(in_node[live]).all())
+
+
 @pytest.mark.timeout(60)
 def test_bad_arguments():
     idx = torch.zeros(4, 2, dtype=torch.int32)
@@ -193,6 +218,10 @@ def test_bad_arguments():
         route_tokens(idx, 4, out_route_slot=torch.zeros(4, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="bound_m"):
         route_tokens(idx, 4, bound_m=torch.tensor([1], dtype=torch.int64))
+    with pytest.raises(ValueError, match="out_node_slots"):
+        route_tokens(idx, 4, out_node_slots=torch.zeros(3, dtype=torch.int32), node_experts=(0, 2))
+    with pytest.raises(ValueError, match="node_experts"):
+        route_tokens(idx, 4, out_node_slots=torch.zeros(2, dtype=torch.int32), node_experts=(3, 5))
 
 
 @pytest.mark.timeout(30)
