@@ -480,7 +480,7 @@ class AllToAll:
         self._node = NodeSync(
             epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
             failed=torch.zeros(1, dtype=torch.int64, device=self.device),
-            counter=torch.zeros(1, dtype=torch.int32, device=self.device),
+            counter=torch.zeros(2, dtype=torch.int32, device=self.device),
             flags=self.flags, peer_sync_bytes=tables["sync"].to(self.device), sync_bytes=sync_at[r] - lo,
             rank=r, node_first=first, node_size=lay.node_size,
             dispatch_ready_bytes=lay.dispatch_ready_offset_bytes, combine_ready_bytes=lay.combine_ready_offset_bytes,

@@ -132,6 +132,23 @@ next2)  # written 2026-11-30 after the device time was spent: what the next GPU 
   step 60 python3 -m moe_a2a.bench e2e --world 4 --node 1 --device cuda --iters 50 --warmup 5 --proxies 3 --json "$OUT/e2e_w4n1_k3.json"
   step 45 python3 -m moe_a2a.bench.transport --iters 200 --peers 1,7,63 --json "$OUT/transport.json"
   ;;
+staged)  # 2026-11-30 (third session), nvidia-h200-x2: only remote rows staged (buffers="staged") vs all ("host")
+  step 200 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_staging.py \
+       tests/triton_kernels/test_routing.py tests/test_all_to_all.py -k "staging or staged or STAGED or node_slots or W2-N1 or gpu_buffers or host_placement"
+  step 60 python3 docs/gpu/staging_copy.py "$OUT/staging_copy.json"
+  step 120 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --buffers staged --json "$OUT/e2e_graph_x2_n1_staged.json"
+  step 120 python3 -m moe_a2a.bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --buffers host --json "$OUT/e2e_graph_x2_n1_host.json"
+  step 45 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --buffers staged --json "$OUT/e2e_w4n2_staged.json"
+  step 45 python3 -m moe_a2a.bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --buffers host --json "$OUT/e2e_w4n2_host.json"
+  step 60 python3 -m moe_a2a.bench timeline --world 2 --node 1 --device cuda --png "$OUT/timeline_x2_n1.png" --json "$OUT/timeline_x2_n1.json"
+  ;;
+staged2)  # 2026-11-30 (third session), nvidia-h200-x2: staged vs host alternating (run-to-run spread), decode only
+  lscpu | grep -i "numa\|model name\|^cpu(s)"; nvidia-smi topo -m | head -4
+  for i in 1 2 3; do for b in staged host; do
+    step 60 python3 -m moe_a2a.bench e2e --graph --no-nccl --preset decode --world 2 --node 1 --iters 200 --warmup 20 \
+         --buffers $b --json "$OUT/e2e_graph_x2_n1_${b}_$i.json"
+  done; done
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;

@@ -132,7 +132,9 @@ def _live_rows(cfg: A2AConfig, num: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
 
 
-_PLACEMENTS = {"host": "host-staged (the shared host segment)", "ipc": "GPU memory, same-node peers through CUDA IPC",
+_PLACEMENTS = {"host": "host-staged (the shared host segment)",
+               "staged": "this node's rows in GPU memory (CUDA IPC), only rows to and from other nodes host-staged",
+               "ipc": "GPU memory, same-node peers through CUDA IPC",
                "nic": "GPU memory registered with the NIC (cuMem POSIX FDs)"}
 
 

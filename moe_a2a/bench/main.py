@@ -248,7 +248,7 @@ def run_e2e(args) -> int:
             return rc
         presets = ["decode", "prefill"] if args.preset is None else [args.preset]
         res = graph.run(args.world, args.node, presets, args.iters, args.warmup, args.timeout, not args.no_nccl,
-                        proxies=args.proxies or "auto")
+                        proxies=args.proxies or "auto", buffers=args.buffers)
         graph.print_table(res)
         _write(args.json, res)
         if args.png:
@@ -260,14 +260,15 @@ def run_e2e(args) -> int:
         return rc
     device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
-                      timeout_s=args.timeout, proxies=args.proxies or "auto") as cl:
+                      timeout_s=args.timeout, proxies=args.proxies or "auto", buffers=args.buffers) as cl:
         res = cl.run(_e2e_rank, args.iters, args.warmup, 0)
     print(f"end to end, {args.world} ranks ({args.node} per node), transport {args.transport}, {device}: {cfg}")
     print(f"{'phase':<16}" + "".join(f"{'rank ' + str(r):>12}" for r in range(args.world)) + "   (median µs)")
     for p in res[0]:
         print(f"{p:<16}" + "".join(f"{r[p]['median']:>12.1f}" for r in res))
     _write(args.json, {"config": str(cfg), "world": args.world, "node": args.node, "transport": args.transport,
-                       "proxies": args.proxies or "auto", "device": device, "per_rank": res})
+                       "proxies": args.proxies or "auto", "buffers": args.buffers, "device": device,
+                       "per_rank": res})
     if args.png:
         _plot_e2e(res, args.png, f"{args.world} ranks ({args.node} per node), {args.transport}, {device}")
     return 0
@@ -375,7 +376,7 @@ def run_timeline(args) -> int:
         return rc
     device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
-                      timeout_s=args.timeout, proxies=args.proxies or "auto") as cl:
+                      timeout_s=args.timeout, proxies=args.proxies or "auto", buffers=args.buffers) as cl:
         traces = cl.run(_timeline_rank, 0)
     title = (f"one traced dispatch + combine: {args.world} ranks, {args.node} per node, {args.transport}, {device}, "
              f"T={cfg.max_num_tokens} H={cfg.hidden_dim} K={cfg.experts_per_token} E={cfg.num_experts}")
@@ -414,6 +415,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before any wait gives up")
     p.add_argument("--proxies", type=positive_int, default=None,
                    help="proxy processes per rank (default: the library's, one per NIC on EFA, else 1)")
+    p.add_argument("--buffers", default="auto", choices=["auto", "staged", "host", "gpu"],
+                   help="where send/recv buffers live (AllToAll's `buffers`; default: the library's choice)")
     p.set_defaults(check=_check_cluster_args)
     return p
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..config import A2AConfig, Flag, Layout, ceil_div, flag_word, next_power_of_2
-from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_copy_count_row, node_publish, node_wait
+from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_arrive_of, node_copy_count_row, node_publish, node_wait
 from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
                    _check_split,
                    _check_layout, _check_peer_table, _check_tensor, _chunk_words, _copy_row_words, _fail,
@@ -71,6 +71,9 @@ def _pack_tokens_by_expert_kernel(
     rank=0, COUNTS_BYTES: tl.constexpr = 0, E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
     # Only remote rows staged (SPLIT): slots outside [node_slots[0], node_slots[1]) go to remote_send_bytes.
     node_slots_ptr=None, remote_send_bytes=0, SPLIT: tl.constexpr = False,
+    # With SPLIT and HAS_PROXY: the first half of the chunk axis packs the remote rows and raises SEND_READY,
+    # the second half this node's rows and publishes to the node (the wire starts before packing ends).
+    REMOTE_FIRST: tl.constexpr = False,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
     chunk of their payload.
@@ -89,6 +92,11 @@ def _pack_tokens_by_expert_kernel(
         num_tokens = tl.where(go, num_tokens, 0)
     tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
+    if REMOTE_FIRST:
+        # Axis 1 is the slowest in the launch order: programs of the first half (remote rows) start first.
+        n_chunks = tl.num_programs(1) // 2
+        node_half = chunk >= n_chunks
+        chunk = chunk % n_chunks
 
     word_ty: tl.constexpr = x_ptr.dtype.element_ty
     base_words = base_ptr.to(tl.pointer_type(word_ty))
@@ -113,8 +121,10 @@ def _pack_tokens_by_expert_kernel(
                        mask=is_live, other=-1).to(tl.int64)
         has_slot = (slot >= 0) & (slot < MAX_SLOTS)
         if SPLIT:  # rows for this node stay in device memory; only rows for other nodes cross PCIe
-            dst_bytes = tl.where((slot >= node_slot_lo) & (slot < node_slot_hi), send_bytes, remote_send_bytes) \
-                + slot * SD_BYTES
+            in_node = (slot >= node_slot_lo) & (slot < node_slot_hi)
+            dst_bytes = tl.where(in_node, send_bytes, remote_send_bytes) + slot * SD_BYTES
+            if REMOTE_FIRST:
+                has_slot = has_slot & (in_node == node_half)
         else:
             dst_bytes = send_bytes + slot * SD_BYTES
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
@@ -122,7 +132,23 @@ def _pack_tokens_by_expert_kernel(
         if HAS_SCALES:
             dst_scale = (dst_bytes + SCALE_OFFSET_BYTES) // 4
             tl.store(base_i32 + dst_scale[:, None] + s_cols[None, :], scales, mask=s_mask & has_slot[:, None])
-    if NODE_SYNC:
+    if REMOTE_FIRST:
+        # Two epilogues, one counter each: the remote half's last program hands the staged rows to the
+        # proxy, the node half's publishes to the node peers (as below, without the proxy's flag).
+        half_programs = tl.num_programs(0) * n_chunks
+        if node_half:
+            if node_arrive_of(counter_ptr + 1, half_programs, USE_PTX):
+                if tl.load(failed_ptr, volatile=True) == 0:
+                    node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD,
+                                        NODE)
+                    node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
+                                 node_first, NODE, False, PROXY_SIGNAL_WORD, USE_PTX)
+        else:
+            if node_arrive_of(counter_ptr, half_programs, USE_PTX):
+                if tl.load(failed_ptr, volatile=True) == 0:
+                    node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
+                                 node_first, 0, True, PROXY_SIGNAL_WORD, USE_PTX)
+    elif NODE_SYNC:
         if node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
                 node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD, NODE)
@@ -321,9 +347,15 @@ def pack_tokens_by_expert(
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(row_words, block_w))
     sync_args = {} if node is None else node.kernel_args("dispatch_send", device)
+    chunks = grid[1]
     if split:
+        # With a proxy the remote rows are packed first (their own half of the grid), so the wire starts
+        # while this node's rows are still being packed.
+        remote_first = node is not None and node.with_proxy
         sync_args = {**sync_args, "node_slots_ptr": node_slots, "remote_send_bytes": remote_send_offset_bytes,
-                     "SPLIT": True}
+                     "SPLIT": True, "REMOTE_FIRST": remote_first}
+        if remote_first:
+            grid = (grid[0], 2 * chunks)
     _PACK.launch(
         key, grid, x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,

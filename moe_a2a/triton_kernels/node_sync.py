@@ -88,7 +88,8 @@ class NodeSync:
         epoch: `[1]` int64 on the device, this call's epoch (advanced on the stream by `route_tokens`,
             so a CUDA graph replay publishes and awaits the replay's epoch).
         failed: `[1]` int64 on the device, sticky: nonzero after any failed wait of this rank.
-        counter: `[1]` int32 on the device, zero between launches: programs arrived in an epilogue.
+        counter: `[2]` int32 on the device, zero between launches: programs arrived in an epilogue (the
+            second word: the node half of a pack that packs remote rows first, `dispatch.py`).
         flags: `[N]` int64, this rank's flags area (`config.Flag`) as the kernels reach it (pinned host
             memory seen through UVA on a GPU): the proxy flags and the status words of failed waits.
         peer_sync_bytes: `[W]` int64, each same-node rank's sync area as an offset from `base` (-1 for
@@ -240,9 +241,14 @@ def node_wait(
 def node_arrive(counter_ptr, USE_PTX: tl.constexpr):
     """Epilogue, first half: fence this program's writes and arrive. True in the last program to arrive
     (every program's writes are then done and visible system-wide); it resets the counter."""
+    return node_arrive_of(counter_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), USE_PTX)
+
+
+@triton.jit
+def node_arrive_of(counter_ptr, num, USE_PTX: tl.constexpr):
+    """`node_arrive` among `num` programs of the grid (those that arrive on this counter)."""
     _fence_sys(USE_PTX)
     tl.debug_barrier()
-    num = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
     last = arrived == num - 1
     if last:
