@@ -149,6 +149,22 @@ staged2)  # 2026-11-30 (third session), nvidia-h200-x2: staged vs host alternati
          --buffers $b --json "$OUT/e2e_graph_x2_n1_${b}_$i.json"
   done; done
   ;;
+staged3)  # 2026-11-30 (third session), nvidia-h200-x2: remote rows packed first; the GPU suite with "staged" the default
+  step 420 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_staging.py \
+       tests/test_abort.py tests/test_writes.py tests/compat tests/test_cuda_graph.py tests/test_all_to_all.py \
+       -k "not W4-N4 and not W3-N1"
+  for i in 1 2; do
+    step 40 python3 -m moe_a2a.bench e2e --graph --no-nccl --preset decode --world 2 --node 1 --iters 200 --warmup 20 \
+         --json "$OUT/e2e_graph_x2_n1_remote_first_$i.json"
+  done
+  step 40 python3 -m moe_a2a.bench.transport --provider shm --iters 2000 --peers 63 --plan-worlds "" --json "$OUT/transport_shm63.json"
+  ;;
+remote_first)  # 2026-11-30 (third session), nvidia-h200-x2: remote-first pack on/off, alternating, decode
+  for i in 1 2 3; do for rf in 1 0; do
+    step 30 env MOE_A2A_PACK_REMOTE_FIRST=$rf python3 -m moe_a2a.bench e2e --graph --no-nccl --preset decode --world 2 \
+         --node 1 --iters 200 --warmup 20 --json "$OUT/e2e_graph_x2_n1_rf${rf}_$i.json"
+  done; done
+  ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
   ;;

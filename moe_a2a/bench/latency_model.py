@@ -279,6 +279,9 @@ class Setup:
     # Proxy processes per rank (`AllToAll(proxies=k)`): each posts, in parallel, the writes of the peers
     # p % k == j, on its own NIC when k equals the NIC count, and drains their completions.
     proxies: int = 1
+    # Only rows to and from other nodes cross PCIe (`buffers="staged"`, the GPU default on tcp/shm); else
+    # (host_staged) every row does, this node's too (`buffers="host"`).
+    staged_remote_only: bool = False
 
 
 def _scatter(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
@@ -327,7 +330,8 @@ def _gpu(start: Path, kernel_us: float, row_bytes: int, nvlink_rows: float, s: S
     if nvlink_rows:
         p = p.add("nvlink", nvlink_rows * row_bytes / (NVLINK_GBPS * 1e3))
     if s.host_staged:
-        p = p.add("pcie", TOKENS * TOPK * row_bytes / (HOST_STAGED_GBPS * 1e3))
+        share = (s.world - s.node) / s.world if s.staged_remote_only else 1.0
+        p = p.add("pcie", share * TOKENS * TOPK * row_bytes / (HOST_STAGED_GBPS * 1e3))
     return p
 
 
@@ -409,7 +413,8 @@ def _combine(s: Setup) -> Path:
 
 def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed: str = "run",
           post_us: float = POST_US, host_staged: bool | None = None,
-          efa_efficiency: float | None = None, route_writes: bool = False, proxies: int | None = None) -> Setup:
+          efa_efficiency: float | None = None, route_writes: bool = False, proxies: int | None = None,
+          staged_remote_only: bool = False) -> Setup:
     """`proxies`: None = the library's default (one per NIC on EFA, else 1), capped by the remote peers."""
     node = min(node, world)
     if world < 2 or world % node or NUM_EXPERTS % world:
@@ -423,7 +428,7 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
         proxies = fab.nics if fab is not None and fab.name == "efa" else 1
     proxies = max(1, min(proxies, remote))
     return Setup(world, node, fab, PROXY_IN_RUN_FACTOR if speed == "run" else 1.0, post_us, staged, route_writes,
-                 proxies)
+                 proxies, staged_remote_only)
 
 
 def predict(world: int, fabric_name: str | None, **kw) -> dict:
@@ -457,9 +462,12 @@ def back_to_back(r: dict) -> dict:
 
 # ---- calibration: the two configurations we measured ----------------------------------------------------
 # (configuration, quantity, measured µs, source). 2 x H200, decode, CUDA-graph replay, medians of
-# 200 (a) / 100 (b) calls per rank, 2026-11-30.
+# 200 (a) / 100 (b) calls per rank, 2026-11-30; (c), (d): 100-200 calls per run, several runs (the
+# spread between runs of one configuration, ~10%, is larger than the difference between (c) and (d)).
 _E2E_A = "docs/results/e2e_graph_x2.json"
 _E2E_B = "docs/results/e2e_graph_x2_n1.json"
+_E2E_C = "docs/results/x2_n1_2026-11-30/host_*.json"
+_E2E_D = "docs/results/x2_n1_2026-11-30/staged_*.json"
 MEASURED = [
     ("a", "dispatch, slower rank", 39.3, f"{_E2E_A}: rank 1 (rank 0: 38.9)"),
     ("a", "combine, slower rank", 37.0, f"{_E2E_A}: rank 0 (rank 1: 36.5)"),
@@ -469,9 +477,13 @@ MEASURED = [
     ("b", "combine, slower rank", 1887.1, f"{_E2E_B}: rank 0"),
     ("b", "combine, faster rank", 993.0, f"{_E2E_B}: rank 1"),
     ("b", "dispatch + combine", 2350.2, f"{_E2E_B}: rank 0 (rank 1: 2347.9)"),
+    ("c", "dispatch + combine", 2707.7, f"{_E2E_C}: median of 5 runs (2564.7 - 2738.5), slower rank"),
+    ("d", "dispatch + combine", 2590.1, f"{_E2E_D}: median of 12 runs (2329.6 - 4506.3), slower rank"),
 ]
 CONFIGS = {"a": "2 x H200, one node (NVLink, kernels synchronise)",
-           "b": "2 x H200, two simulated nodes, host-staged, shm"}
+           "b": "2 x H200, two simulated nodes, host-staged, shm",
+           "c": "as (b), one write per peer (count row at its head)",
+           "d": "as (c), only remote rows staged (buffers=\"staged\")"}
 _QUANTITY = {"dispatch, slower rank": "dispatch_slow", "dispatch, faster rank": "dispatch_fast",
              "combine, slower rank": "combine_slow", "combine, faster rank": "combine_fast",
              "dispatch + combine": "total"}
@@ -481,7 +493,9 @@ def calibration() -> list[dict]:
     """The model against the two measured configurations: (a) 2 ranks on one node; (b) 2 ranks as two
     simulated nodes (one rank each) over the shm provider, host-staged, proxy at its in-run speed."""
     model = {"a": back_to_back(predict(2, None, node=2)),
-             "b": back_to_back(predict(2, "shm", node=1, speed="run", route_writes=True))}
+             "b": back_to_back(predict(2, "shm", node=1, speed="run", route_writes=True)),
+             "c": back_to_back(predict(2, "shm", node=1, speed="run")),
+             "d": back_to_back(predict(2, "shm", node=1, speed="run", staged_remote_only=True))}
     return [{"config": c, "quantity": q, "predicted": model[c][_QUANTITY[q]], "measured": m,
              "ratio": model[c][_QUANTITY[q]] / m, "source": src} for c, q, m, src in MEASURED]
 

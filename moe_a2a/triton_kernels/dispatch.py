@@ -21,6 +21,8 @@ The per-(source, local expert) tables and the row walk live in `rows.py`, shared
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -351,7 +353,7 @@ def pack_tokens_by_expert(
     if split:
         # With a proxy the remote rows are packed first (their own half of the grid), so the wire starts
         # while this node's rows are still being packed.
-        remote_first = node is not None and node.with_proxy
+        remote_first = node is not None and node.with_proxy and _REMOTE_FIRST
         sync_args = {**sync_args, "node_slots_ptr": node_slots, "remote_send_bytes": remote_send_offset_bytes,
                      "SPLIT": True, "REMOTE_FIRST": remote_first}
         if remote_first:
@@ -463,6 +465,8 @@ def unpack_tokens_by_expert(
     )
 
 
+# Benchmarks only: MOE_A2A_PACK_REMOTE_FIRST=0 packs every row in one half (the A/B of docs/benchmarks.md).
+_REMOTE_FIRST = os.environ.get("MOE_A2A_PACK_REMOTE_FIRST", "1") != "0"
 _PACK = LaunchCache(_pack_tokens_by_expert_kernel)
 _UNPACK = LaunchCache(_unpack_tokens_by_expert_kernel)
 
