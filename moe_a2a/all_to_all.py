@@ -452,6 +452,15 @@ class AllToAll:
         self._base_addr = lo
         self.send_offset_bytes, self.recv_offset_bytes = send_at[r] - lo, recv_at[r] - lo
         self.stage_send_offset_bytes, self.stage_recv_offset_bytes = stage_send - lo, stage_recv - lo
+        # "staged": the route kernel reports this node's slot range; pack and reduce choose the buffer of
+        # each slot by it (docs/protocol.md, 3.6). Other placements: one buffer, no extra arguments.
+        self._split = {"route": {}, "pack": {}, "reduce": {}}
+        if self.node_slots is not None:
+            self._split = {
+                "route": {"out_node_slots": self.node_slots, "node_experts": self._node_experts},
+                "pack": {"remote_send_offset_bytes": self.stage_send_offset_bytes, "node_slots": self.node_slots},
+                "reduce": {"remote_recv_offset_bytes": self.stage_recv_offset_bytes + lay.combine_recv_offset_bytes,
+                           "node_slots": self.node_slots}}
         tables = {name: torch.full((W,), -1, dtype=torch.int64) for name in ("send", "recv", "sync")}
         for p in send_at:
             tables["send"][p], tables["recv"][p], tables["sync"][p] = send_at[p] - lo, recv_at[p] - lo, sync_at[p] - lo
@@ -790,16 +799,12 @@ class AllToAll:
         self._host_wait("dispatch_send")
         slot = self.route_slot[: x.shape[0]]
         on_gpu = self.device.type == "cuda"
-        split = self._split_args(self.stage_send_offset_bytes)
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=self.counts[self.rank], out_route_slot=slot,
                              bound_m=bound_m, epoch=self._node.epoch, bad_index=self._bad_index if on_gpu else None,
                              ready=self._route_ready if self.with_proxy else None, abort=abort,
-                             **({} if not split else {"out_node_slots": self.node_slots,
-                                                      "node_experts": self._node_experts}))
+                             **self._split["route"])
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, self.base, self.send_offset_bytes, self.cfg,
-                                               bound_m=bound_m, node=self._node,
-                                               **({} if not split else {"remote_send_offset_bytes": split[0],
-                                                                        "node_slots": split[1]}))
+                                               bound_m=bound_m, node=self._node, **self._split["pack"])
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False) -> None:
@@ -893,17 +898,11 @@ class AllToAll:
 
     def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
         self._host_wait("combine_recv")
-        split = self._split_args(self.stage_recv_offset_bytes + self.layout.combine_recv_offset_bytes)
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, self.base,
             self.recv_offset_bytes + self.layout.combine_recv_offset_bytes, self.cfg, accumulate=accumulate,
-            bound_m=bound_m if bound_m is not None else self._bound_m, node=self._node,
-            **({} if not split else {"remote_recv_offset_bytes": split[0], "node_slots": split[1]}))
+            bound_m=bound_m if bound_m is not None else self._bound_m, node=self._node, **self._split["reduce"])
         self._state = _IDLE
-
-    def _split_args(self, remote_offset_bytes: int) -> tuple[int, torch.Tensor] | None:
-        """"staged": where the rows of other nodes' slots are, and the slot range of this node's."""
-        return None if self.node_slots is None else (remote_offset_bytes, self.node_slots)
 
     def _host_wait(self, half: str) -> None:
         """Host waits only (CPU, ranks sharing a GPU): poll what the half's kernel would wait for."""

@@ -79,3 +79,23 @@ def test_staged_buffers_are_refused_with_a_clear_error_when_misspelled():
     with pytest.raises(ValueError, match="buffers must be 'auto', 'staged'"):
         LocalCluster(A2AConfig(max_num_tokens=2, num_experts=2, experts_per_token=1, hidden_dim=8,
                                in_dtype=torch.bfloat16), world_size=2, buffers="stage")
+
+
+def _nothing_staged(a2a, rank):
+    res = rank_roundtrip(a2a, rank, a2a.cfg.max_num_tokens, 8, 2)
+    lay = a2a.layout
+    staged = a2a.base[a2a.stage_send_offset_bytes: a2a.stage_send_offset_bytes + lay.send_bytes].cpu()
+    return res, a2a.with_proxy, bool(staged.any()), a2a.node_slots.tolist()
+
+
+@pytest.mark.timeout(300)
+def test_staged_on_one_node_stages_nothing():
+    """Every rank on one node: every slot is this node's, so no row reaches the staging buffers."""
+    cfg = A2AConfig(max_num_tokens=5, num_experts=4, experts_per_token=2, hidden_dim=16, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60.0,
+                      buffers="staged") as cl:
+        out = cl.run(_nothing_staged)
+    assert check_against_reference(cfg, [o[0] for o in out]) == []
+    for res, with_proxy, staged, (first, end) in out:
+        live = sum(int((c["indices"] >= 0).sum()) for c in res["calls"][-1:])
+        assert not with_proxy and not staged and (first, end) == (0, live)
