@@ -5,6 +5,8 @@
 #   bash docs/gpu/run.sh latency          # two GPUs: node-local protocol tests + e2e --graph (2026-11-30)
 #   bash docs/gpu/run.sh demo             # the README's main job at DeepSeek sizes
 #   bash docs/gpu/run.sh next             # not run yet: what the next GPU session checks first
+#   bash docs/gpu/run.sh staged|staged2|staged3|remote_first|staged4|post_jitter   # 2026-11-30, third
+#                                          session, nvidia-h200-x2: only remote rows staged (docs/benchmarks.md)
 # Results land in $OUT (JSON, PNG, logs); docs/benchmarks.md quotes them.
 set -u
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -164,6 +166,13 @@ remote_first)  # 2026-11-30 (third session), nvidia-h200-x2: remote-first pack o
     step 30 env MOE_A2A_PACK_REMOTE_FIRST=$rf python3 -m moe_a2a.bench e2e --graph --no-nccl --preset decode --world 2 \
          --node 1 --iters 200 --warmup 20 --json "$OUT/e2e_graph_x2_n1_rf${rf}_$i.json"
   done; done
+  ;;
+staged4)  # 2026-11-30 (third session), nvidia-h200-x2: the staged paths once more after the last refactor
+  step 280 env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_staging.py \
+       tests/test_all_to_all.py -k "staging or staged or STAGED or W4-N2 or W2-N1 or gpu_buffers"
+  ;;
+post_jitter)  # 2026-11-30 (third session), nvidia-h200-x2: the post cost's median vs minimum
+  step 60 python3 docs/gpu/post_jitter.py "$OUT/post_jitter.json"
   ;;
 demo)
   step 120 python3 -m moe_a2a.cli demo --device cuda --iters 5
