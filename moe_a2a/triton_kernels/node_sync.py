@@ -22,6 +22,9 @@ node rank's word reaches the epoch and, with remote peers, the proxy's flag does
 COMBINE_RECV_READY). With remote peers the producers' prologues also wait until the proxy's writes out of
 their region for the previous call completed (DISPATCH/COMBINE_WRITES_DONE >= e-1); `HALF_FLAGS` lists
 each half's flags. No barrier: why each reuse of a region is safe is in docs/protocol.md, section 4.
+With only remote rows staged (`"staged"`) and remote peers, the dispatch pack has two halves of programs,
+each arriving on its own counter word (`node_arrive_of`): the remote half's last program raises SEND_READY
+only, the node half's last program copies the count row and publishes to the node (docs/protocol.md, 3.6).
 
 Failure: a wait that times out (`%globaltimer`, `timeout_s`), or sees the proxy's ERROR flag, stores
 `1 + 2 * (bitmask of the late node ranks)` (+ PROXY_MISSING when the proxy's flag was late) in its
