@@ -108,13 +108,13 @@ class AllToAll:
             their buffers (GPU memory, CUDA IPC; on a CPU a shared file of their own), and only rows to
             and from other nodes are staged in pinned shared host memory that the kernels reach over
             PCIe and the proxy's NIC reads and writes. "host": all rows host-staged, this node's too.
-            "gpu": GPU memory — CUDA
-            IPC when every peer is on this node, else cuMem allocations exported as POSIX FDs that
-            the proxy maps and registers with the NIC (FI_HMEM_CUDA: EFA) and same-node peers map;
-            raises if that is impossible. "auto" (default): with remote peers over efa or verbs,
-            "gpu" where it works, else "staged" with one log line saying why; over tcp and shm "staged"
-            (they stage through host memory; "gpu" tries anyway); on a CPU "host". "memfd": host memory of its own (memfd) shared and registered
-            exactly as "gpu" buffers with remote peers are: that path without a GPU (CI runs it).
+            "gpu": GPU memory — CUDA IPC when every peer is on this node, else cuMem allocations
+            exported as POSIX FDs that the proxy maps and registers with the NIC (FI_HMEM_CUDA: EFA)
+            and same-node peers map; raises if that is impossible. "auto" (default): with remote peers
+            over efa or verbs, "gpu" where it works, else "staged" with one log line saying why; over
+            tcp and shm "staged" (they stage through host memory; "gpu" tries anyway); on a CPU "host".
+            "memfd": host memory of its own (memfd) shared and registered exactly as "gpu" buffers
+            with remote peers are: that path without a GPU (CI runs it).
         nics: the NICs (libfabric domains, `moe_a2a.proxy.libfabric.list_domains(provider)`) this
             rank's proxy drives; peers are sharded over them. "auto": on EFA this rank's equal share of
             the node's NICs (`proxy.topology.nics_for_rank`), elsewhere the provider's first domain.
@@ -337,8 +337,8 @@ class AllToAll:
                f"(rank {first}: {failed[first]}; {len(failed)} of {self.world_size} ranks failed)")
         if strict:
             raise RuntimeError(f"buffers={'gpu' if self.device.type == 'cuda' else 'memfd'!r}: {why}")
-        log.warning("moe_a2a rank %d: %s: send/recv buffers are host-staged (pinned shared memory "
-                    "reached over PCIe)", self.rank, why)
+        log.warning("moe_a2a rank %d: %s: rows to and from other nodes are staged in pinned shared memory "
+                    "reached over PCIe", self.rank, why)
         self.placement = "staged" if self.device.type == "cuda" else "host"
         self.placement_reason = why
         self._launch()

@@ -349,7 +349,6 @@ def pack_tokens_by_expert(
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(row_words, block_w))
     sync_args = {} if node is None else node.kernel_args("dispatch_send", device)
-    chunks = grid[1]
     if split:
         # With a proxy the remote rows are packed first (their own half of the grid), so the wire starts
         # while this node's rows are still being packed.
@@ -357,7 +356,7 @@ def pack_tokens_by_expert(
         sync_args = {**sync_args, "node_slots_ptr": node_slots, "remote_send_bytes": remote_send_offset_bytes,
                      "SPLIT": True, "REMOTE_FIRST": remote_first}
         if remote_first:
-            grid = (grid[0], 2 * chunks)
+            grid = (grid[0], 2 * grid[1])
     _PACK.launch(
         key, grid, x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,
