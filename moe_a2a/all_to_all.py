@@ -441,8 +441,6 @@ class AllToAll:
         if self.placement == "staged":
             # Rows to and from other nodes: in the segment, at the offsets "host" uses (the proxy's view).
             stage_send, stage_recv = seg.addr + lay.send_offset_bytes, seg.addr + lay.recv_offset_bytes
-            first_expert = lay.node_of(r) * lay.node_size * lay.num_local_experts
-            self._node_experts = (first_expert, first_expert + lay.node_size * lay.num_local_experts)
             self.node_slots = torch.zeros(2, dtype=torch.int32, device=self.device)
         else:
             stage_send, stage_recv = send_at[r], recv_at[r]
@@ -457,7 +455,7 @@ class AllToAll:
         self._split = {"route": {}, "pack": {}, "reduce": {}}
         if self.node_slots is not None:
             self._split = {
-                "route": {"out_node_slots": self.node_slots, "node_experts": self._node_experts},
+                "route": {"out_node_slots": self.node_slots, "node_experts": lay.node_experts(r)},
                 "pack": {"remote_send_offset_bytes": self.stage_send_offset_bytes, "node_slots": self.node_slots},
                 "reduce": {"remote_recv_offset_bytes": self.stage_recv_offset_bytes + lay.combine_recv_offset_bytes,
                            "node_slots": self.node_slots}}

@@ -545,6 +545,12 @@ class Layout:
         first = self.node_of(rank) * self.node_size
         return list(range(first, first + self.node_size))
 
+    def node_experts(self, rank: int) -> tuple[int, int]:
+        """`[first, end)` of the experts hosted on this rank's node (experts are contiguous per rank)."""
+        per_node = self.node_size * self.num_local_experts
+        first = self.node_of(rank) * per_node
+        return first, first + per_node
+
 
 def sizes_table(cfg: A2AConfig, world_size: int) -> dict[str, int]:
     """The derived sizes as a dict (for docs, the CLI and benchmarks)."""

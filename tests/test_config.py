@@ -118,3 +118,11 @@ def test_expert_capacity_layout_and_validation():
             A2AConfig(expert_capacity=bad)
     with pytest.raises(ValueError, match="expert_padding must be 1"):
         A2AConfig(expert_capacity=8, expert_padding=4, in_dtype=torch.bfloat16)
+
+
+def test_node_experts_are_the_experts_of_the_node_ranks():
+    lay = A2AConfig(max_num_tokens=4, num_experts=24, experts_per_token=2, hidden_dim=16).layout(6, 2)
+    for r in range(6):
+        first, end = lay.node_experts(r)
+        hosts = {e // lay.num_local_experts for e in range(first, end)}
+        assert hosts == set(lay.node_peers(r)) and end - first == 2 * lay.num_local_experts

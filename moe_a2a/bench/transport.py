@@ -165,11 +165,13 @@ def bench_python_post_cost(provider: str, num_peers: int, iters: int) -> dict:
         # Untimed warm-up first: on the GPU host the first few thousand scatters of a fresh process cost
         # up to 1.6x the steady state (docs/gpu/post_jitter.py), which the proxy, a long-lived process,
         # pays once.
-        for i in range(max(WARMUP_SCATTERS, iters // 5) + iters):
+        warmup = max(WARMUP_SCATTERS, iters // 5)
+        for i in range(warmup + iters):
             t0 = perf()
             eng.scatter(grp, region, targets, DATA)
-            if i >= max(WARMUP_SCATTERS, iters // 5):
-                times.append(perf() - t0)
+            t1 = perf()
+            if i >= warmup:
+                times.append(t1 - t0)
             free[:] = all_ctx  # no completion will come: hand every context back
     finally:
         eng.close()

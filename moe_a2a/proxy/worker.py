@@ -327,6 +327,15 @@ class Proxy:
                                    f"{self.shards})")
             self._idle(start)
 
+    def _step_done(self, word: ShardWord, flag: Flag, epoch: int, what: str, stamp: int) -> None:
+        """This shard finished a step of `epoch`: once every shard has (`_reached`), stamp the trace event
+        `stamp` and, on the primary, raise the kernels' `flag`. Stamp first: the model reads the trace as
+        soon as it sees the flag."""
+        self._reached(word, epoch, what)
+        self.mark(stamp)
+        if self.primary:
+            self.flags[flag] = epoch
+
     def _count_posted(self, flag: Flag, word: ShardWord, n: int) -> None:
         """Add `n` writes to our cumulative count: the flag for the primary (as with one proxy), our
         shard word for the others (`AllToAll.writes_posted` sums them)."""
@@ -388,16 +397,10 @@ class Proxy:
         remainder_imms = self._imms(Imm.DISPATCH, e, self.remote, {p: expected[p] - 1 for p in self.remote})
         self._count_posted(F.DISPATCH_WRITES_POSTED, ShardWord.DISPATCH_POSTED, self.engine.writes_posted - posted)
         self.wait_peers(e, "dispatch: tokens", {i: n for i, n in remainder_imms.items() if n})
-        self._reached(ShardWord.DISPATCH_RECV, e, "dispatch: tokens")
-        # Stamp before publishing: the model reads the trace as soon as it sees the flag.
-        mark(6)  # dispatch_received
-        if self.primary:
-            self.flags[F.DISPATCH_RECV_READY] = e
+        self._step_done(ShardWord.DISPATCH_RECV, F.DISPATCH_RECV_READY, e, "dispatch: tokens", 6)  # dispatch_received
         self.engine.wait_writes()  # our reads of the send buffer are over: the kernels may refill it
-        self._reached(ShardWord.DISPATCH_WRITES_DONE, e, "dispatch: writes done")
-        mark(7)  # dispatch_writes_done
-        if self.primary:
-            self.flags[F.DISPATCH_WRITES_DONE] = e
+        self._step_done(ShardWord.DISPATCH_WRITES_DONE, F.DISPATCH_WRITES_DONE, e, "dispatch: writes done",
+                        7)  # dispatch_writes_done
         # While the GPU unpacks and the experts run: the rows arrive with the count rows now, so this
         # plan, made earlier, would have delayed DISPATCH_RECV_READY.
         combine = self._targets(self._own(plan.combine_writes(routes, r, lay)))
@@ -408,15 +411,11 @@ class Proxy:
         self._count_posted(F.COMBINE_WRITES_POSTED, ShardWord.COMBINE_POSTED, self.engine.writes_posted - posted)
         mark(9)  # combine_posted
         self.wait_peers(e, "combine: expert outputs", combine_imms)
-        self._reached(ShardWord.COMBINE_RECV, e, "combine: expert outputs")
-        mark(10)  # combine_received
-        if self.primary:
-            self.flags[F.COMBINE_RECV_READY] = e
+        self._step_done(ShardWord.COMBINE_RECV, F.COMBINE_RECV_READY, e, "combine: expert outputs",
+                        10)  # combine_received
         self.engine.wait_writes()
-        self._reached(ShardWord.COMBINE_WRITES_DONE, e, "combine: writes done")
-        mark(11)  # combine_writes_done
-        if self.primary:
-            self.flags[F.COMBINE_WRITES_DONE] = e
+        self._step_done(ShardWord.COMBINE_WRITES_DONE, F.COMBINE_WRITES_DONE, e, "combine: writes done",
+                        11)  # combine_writes_done
 
     def run(self) -> None:
         if self.node_local:
