@@ -17,7 +17,7 @@ _LAZY = {
     "AllToAll": ("moe_a2a.all_to_all", "AllToAll"),
     "LocalCluster": ("moe_a2a.local", "LocalCluster"),
     "reference": ("moe_a2a.reference", None),
-    "plan": ("moe_a2a.plan", None),
+    "plan": ("moe_a2a.protocol.plan", None),
 }
 
 __all__ = sorted(_LAZY)

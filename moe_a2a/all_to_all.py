@@ -22,18 +22,22 @@ from typing import Any
 
 import torch
 
-from .config import MAX_PROXY_SHARDS, MODEL_TRACE_EVENTS, TRACE_EVENTS, A2AConfig, Flag, Layout, ShardWord, flag_word
-from .proxy import bootstrap, host_atomics, topology
+from .config import A2AConfig, Layout
+from .protocol import host_atomics
+from .protocol.segment import Flags, ShardWords, read_error, write_error
+from .protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, HALF_FLAGS, MAX_PROXY_SHARDS, MODEL_TRACE_EVENTS, TRACE_EVENTS,
+                             Flag, ShardWord, decode_abort, decode_bad_index, decode_capacity, decode_wait_status,
+                             flag_word)
+from .proxy import bootstrap, topology
 from .proxy import libfabric as lf
 from .proxy.engine import auto_provider
 from .proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, check_fits_in_memory, close_ipc_handle,
                            device_view, fd_from_process, open_ipc_handle, unique_name)
-from .proxy.worker import (ERROR_FAILED, ERROR_TIMEOUT, Flags, ProxyHandle, ProxySpec, ShardWords, read_error,
-                           write_error)
+from .proxy.handle import ProxyHandle, ProxySpec
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, sync
-from .triton_kernels.node_sync import HALF_FLAGS, NodeSync, failed_ranks, proxy_missing
+from .triton_kernels.node_sync import NodeSync
 
 log = logging.getLogger("moe_a2a")
 
@@ -874,15 +878,14 @@ class AllToAll:
     def _raise_recorded(self) -> None:
         """Raise, once each, what kernels recorded that leaves the instance usable: a peer's abort
         (CallAborted) and an out-of-range index dropped on the GPU (ValueError)."""
-        word = int(self._flags_np[flag_word(Flag.ABORTED)])
-        if word and word >> 16 > self._abort_seen:
-            self._abort_seen = word >> 16
-            raise CallAborted(self._aborted_message(word >> 16, [(word & 0xFFFF) - 1]))
-        bad = int(self._flags_np[flag_word(Flag.BAD_INDEX)])
+        aborted = decode_abort(self._flags_np[flag_word(Flag.ABORTED)])
+        if aborted and aborted[0] > self._abort_seen:
+            self._abort_seen = aborted[0]
+            raise CallAborted(self._aborted_message(aborted[0], [aborted[1]]))
+        bad = decode_bad_index(self._flags_np[flag_word(Flag.BAD_INDEX)], self.cfg.experts_per_token)
         if bad:
             self._flags_np[flag_word(Flag.BAD_INDEX)] = 0
-            K = self.cfg.experts_per_token
-            raise ValueError(f"indices[{(bad - 1) // K}, {(bad - 1) % K}] of an earlier dispatch (epoch <= "
+            raise ValueError(f"indices[{bad[0]}, {bad[1]}] of an earlier dispatch (epoch <= "
                              f"{self.epoch}): expected -1 (not routed) or a value in [0, {self.cfg.num_experts}) "
                              f"(checked on the GPU without a host sync; that route was not sent; the instance "
                              f"stays usable)")
@@ -953,11 +956,10 @@ class AllToAll:
             msg = read_error(self.segment, self.layout)
             raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)
         for _, _, _, status, what in HALF_FLAGS.values():
-            code = int(self._flags_np[flag_word(status)])
-            if code:
+            failed = decode_wait_status(self._flags_np[flag_word(status)], self._node.node_first)
+            if failed:
                 raise TimeoutError(f"rank {self.rank}: {what}: the GPU wait timed out after {self.timeout_s:g}s; "
-                                   f"missing peers {failed_ranks(code, self._node.node_first)}"
-                                   + (" and the proxy (remote peers)" if proxy_missing(code) else ""))
+                                   f"missing peers {failed[0]}" + (" and the proxy (remote peers)" if failed[1] else ""))
         dead = self._dead_proxy()
         if dead is not None:
             raise RuntimeError(f"rank {self.rank}: {dead}")
@@ -971,10 +973,10 @@ class AllToAll:
         return None
 
     def _raise_capacity_exceeded(self) -> None:
-        code = int(self._flags_np[flag_word(Flag.CAPACITY_EXCEEDED)])
-        if code:
-            L, cap = self.layout.num_local_experts, self.layout.expert_capacity
-            raise RuntimeError(f"rank {self.rank}: local expert {(code - 1) % L} received {(code - 1) // L} rows in "
+        over = decode_capacity(self._flags_np[flag_word(Flag.CAPACITY_EXCEEDED)], self.layout.num_local_experts)
+        if over:
+            cap = self.layout.expert_capacity
+            raise RuntimeError(f"rank {self.rank}: local expert {over[0]} received {over[1]} rows in "
                                f"one dispatch (epoch <= {self.epoch}), more than expert_capacity={cap}: the rows "
                                f"past it were not written and their combine is wrong; raise expert_capacity "
                                f"(at most world_size * max_num_tokens * experts_per_token rows can arrive)")

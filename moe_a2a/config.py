@@ -21,18 +21,18 @@ W*T*K rows (duplicates included).
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
+
+from .protocol.words import (ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, IMM_RANK_BITS, MAX_PROXY_SHARDS, MODEL_TRACE_EVENTS,
+                             TRACE_EVENTS, Flag, ShardWord)
 
 if TYPE_CHECKING:  # torch is imported lazily (see _dtypes)
     import torch
 
 PAGE_BYTES = 4096
 ROW_ALIGN_BYTES = 16  # rows start on 16-byte boundaries so kernels can use 16-byte accesses
-FLAG_SLOT_BYTES = 64  # one cache line per flag: writers on different sides never share a line
-WORDS_PER_FLAG = FLAG_SLOT_BYTES // 8  # flag f is int64 word f * WORDS_PER_FLAG of the flags area
 
 
 
@@ -59,106 +59,6 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-class Flag(enum.IntEnum):
-    """int64 slots at the start of a rank's shared segment. Values are epochs (call numbers,
-    starting at 1, never reset), so a flag is "raised for epoch e" when it reads >= e: no ABA.
-
-    The proxy only ever deals with remote peers (docs/protocol.md): the kernels raise the GPU -> proxy
-    flags in their epilogues and wait for the proxy -> GPU ones in their prologues."""
-
-    ROUTE_READY = 0           # GPU -> proxy: this rank's count row is in the routing area
-    SEND_READY = 1            # GPU -> proxy: dispatch send buffer packed
-    DISPATCH_RECV_READY = 2   # proxy -> GPU: remote count rows and remote dispatch rows have landed
-    DISPATCH_WRITES_DONE = 3  # proxy -> GPU: its dispatch writes completed (the send region is reusable)
-    COMBINE_SEND_READY = 4    # GPU -> proxy: expert outputs for remote homes staged
-    COMBINE_RECV_READY = 5    # proxy -> GPU: remote expert outputs for this rank's tokens have landed
-    COMBINE_WRITES_DONE = 6   # proxy -> GPU: its combine writes completed (the staging is reusable)
-    ERROR = 7                 # proxy -> model: nonzero when the proxy failed; message in the error area
-    HEARTBEAT = 8             # proxy: incremented while alive
-    PROXY_READY = 9           # proxy: 1 once it is bootstrapped and registered
-    SHUTDOWN = 10             # model -> proxy: 1 asks the proxy to exit
-    # Results of the kernels' waits (0 ok, else 1 + 2 * bitmask of the missing same-node peers, with
-    # PROXY_MISSING set when the proxy's flag was missing), one slot per wait, written only on failure
-    # (sticky); the host reads them at its next call without a sync.
-    STATUS_DISPATCH_SEND = 11
-    STATUS_DISPATCH_RECV = 12
-    STATUS_COMBINE_SEND = 13
-    STATUS_COMBINE_RECV = 14
-    TRACE = 15                # model -> proxy: nonzero = record TRACE_EVENTS times for each call
-    # GPU -> model: 1 + the first route (t*K + k) whose expert index was out of range, written by the
-    # routing kernel (sticky); the host raises a ValueError naming `indices` at its next call.
-    BAD_INDEX = 16
-    # GPU -> model, with A2AConfig.expert_capacity: 1 + l + L * n for a local expert l that received
-    # n > capacity rows (sticky; the rows past the capacity were not written).
-    CAPACITY_EXCEEDED = 17
-    # GPU -> model: `(epoch << 16) | (1 + s)` when source s (not this rank) aborted call `epoch`: its
-    # count row arrived as all -1 (its input was rejected; it sent nothing and its outputs are void).
-    # Written by the dispatch unpack kernel; the host raises once per epoch at the end of a combine
-    # or in check() (docs/protocol.md, "Aborted calls").
-    ABORTED = 18
-    # proxy -> model, cumulative over calls: RDMA writes this rank's proxy posted in the dispatch phase
-    # (routing rows, private and remainder writes) and in the combine phase (tests, benchmarks).
-    DISPATCH_WRITES_POSTED = 19
-    COMBINE_WRITES_POSTED = 20
-    NUM_FLAGS = 21
-
-
-# Bit of a wait's status word meaning "the proxy's flag (remote peers) was missing".
-PROXY_MISSING = 1 << 40
-
-
-# Several proxy processes per rank (`AllToAll(proxies=k)`): proxy j carries the remote peers p with
-# p % k == j. Each proxy publishes its progress in one 64-byte line of the segment's shard area
-# (`Layout.shard_offset_bytes`, MAX_PROXY_SHARDS lines, fixed so the layout does not depend on k); the
-# primary (j = 0) raises the flags the kernels read only once every shard's word reached the epoch.
-MAX_PROXY_SHARDS = 16
-
-
-class ShardWord(enum.IntEnum):
-    """int64 words of one proxy shard's line (epochs, except the cumulative *_POSTED counts). Written
-    by that shard only (release stores), read by the other shards (acquire loads) and the model."""
-
-    ROWS_COPIED = 0           # its remote sources' count rows are in the routing area
-    DISPATCH_RECV = 1         # every DISPATCH immediate of its sources has arrived
-    DISPATCH_WRITES_DONE = 2  # its dispatch writes completed
-    COMBINE_RECV = 3          # every COMBINE immediate of its sources has arrived
-    COMBINE_WRITES_DONE = 4   # its combine writes completed
-    DISPATCH_POSTED = 5       # writes posted in the dispatch phase, cumulative (shards j > 0; shard 0: the flag)
-    COMBINE_POSTED = 6        # the same for combine
-    NUM_WORDS = 7
-
-
-def flag_word(flag: "Flag | int") -> int:
-    """Index, in the int64 flags area, of a `Flag`'s word (one FLAG_SLOT_BYTES line per flag)."""
-    return int(flag) * WORDS_PER_FLAG
-
-
-class Imm(enum.IntEnum):
-    """Kinds of 32-bit RDMA immediates. The immediate also carries the sender and the epoch, so a
-    receiver counts exactly which peer delivered what for which call (see `plan.make_imm`)."""
-
-    # (1 was the count rows' own write: they now travel at the head of the private writes)
-    DISPATCH = 2
-    COMBINE = 3
-
-
-# Moments the proxy timestamps (CLOCK_MONOTONIC ns) when Flag.TRACE is set: one (epoch, t_ns) pair of
-# int64 per event in the trace area, overwritten each call (the last call stays readable).
-TRACE_EVENTS = (
-    "route_ready_seen", "private_planned", "send_ready_seen", "private_posted", "count_rows_received",
-    "remainder_posted", "dispatch_received", "dispatch_writes_done",
-    "combine_send_seen", "combine_posted", "combine_received", "combine_writes_done",
-)
-
-# The model's four halves, stamped at start and end while tracing: on a GPU by a one-program kernel on
-# the stream (%globaltimer, mapped to CLOCK_MONOTONIC by a calibration), on CPU from the host. Per half
-# two (epoch, t_ns) int64 pairs after the proxy's, then one pair for the calibration.
-MODEL_TRACE_EVENTS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-
-IMM_KIND_BITS = 4
-IMM_RANK_BITS = 12   # up to 4096 ranks
-IMM_EPOCH_BITS = 32 - IMM_KIND_BITS - IMM_RANK_BITS
-ERROR_MESSAGE_BYTES = 4096
 
 # Upper bounds of A2AConfig's sizes: far above any model (DeepSeek-V3: H=7168, E=256, K=8), low enough
 # that a typo (an extra zero or three) is refused at once with a message rather than as an allocation
@@ -552,20 +452,4 @@ class Layout:
         return first, first + per_node
 
 
-def sizes_table(cfg: A2AConfig, world_size: int) -> dict[str, int]:
-    """The derived sizes as a dict (for docs, the CLI and benchmarks)."""
-    lay = cfg.layout(world_size)
-    return {
-        "num_local_experts": lay.num_local_experts,
-        "num_scales": cfg.num_scales,
-        "dispatch_stride_bytes": cfg.dispatch_stride_bytes,
-        "combine_stride_bytes": cfg.combine_stride_bytes,
-        "private_rows": lay.private_rows,
-        "max_dispatch_rows": lay.max_dispatch_rows,
-        "send_bytes": lay.send_bytes,
-        "recv_bytes": lay.recv_bytes,
-        "segment_bytes": lay.segment_bytes(True),
-    }
-
-
-__all__ = ["A2AConfig", "Layout", "Flag", "Imm", "round_up", "ceil_div", "sizes_table"]
+__all__ = ["A2AConfig", "Layout", "round_up", "ceil_div", "next_power_of_2"]

@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from .config import MAX_PROXY_SHARDS, A2AConfig
+from .config import A2AConfig
+from .protocol.words import MAX_PROXY_SHARDS
 from .proxy.memory import check_fits_in_memory, remove_process_shm_files
 
 _TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs")  # AllToAll's; efa/verbs need their devices

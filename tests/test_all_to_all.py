@@ -226,7 +226,7 @@ def _traced_call(a2a, rank):
 
 @pytest.mark.timeout(600)
 def test_tracing_records_every_step_in_order(cluster):
-    from moe_a2a.config import TRACE_EVENTS
+    from moe_a2a.protocol.words import TRACE_EVENTS
     cfg, c, cl = cluster
     for t in cl.run(_traced_call):
         assert list(t["model"]) == ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]

@@ -4,7 +4,8 @@ import pickle
 import pytest
 import torch
 
-from moe_a2a.config import A2AConfig, Flag, round_up
+from moe_a2a.config import A2AConfig, round_up
+from moe_a2a.protocol.words import Flag
 
 
 def test_decode_sizes_match_the_design():

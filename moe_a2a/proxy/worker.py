@@ -32,7 +32,7 @@ only the remote peers p with p % k == j (it posts to them and counts their immed
 processes post in parallel. Shard 0, the primary, alone raises the proxy -> GPU flags, each once every
 shard has reached that step (`ShardWord`s in the segment); with k = 1 there is nothing to wait for.
 
-Started with `python -m moe_a2a.proxy.worker FD` by `ProxyHandle.start`; this module must not
+Started with `python -m moe_a2a.proxy.worker FD` by `handle.ProxyHandle`; this module must not
 import torch (the proxy would take seconds to start and hundreds of MB for nothing).
 """
 from __future__ import annotations
@@ -41,110 +41,20 @@ import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .. import plan
-from ..config import (ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, MAX_PROXY_SHARDS, TRACE_EVENTS, WORDS_PER_FLAG, Flag,
-                      Imm, Layout, ShardWord, flag_word)
-from . import host_atomics
+from ..protocol import plan
+from ..protocol.segment import Flags, ShardWords, write_error
+from ..protocol.words import ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, ShardWord, decode_imm, encode_imm
+from .handle import ProxySpec
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
-from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, send_fds
+from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds
 
-ERROR_TIMEOUT = 1  # values of Flag.ERROR
-ERROR_FAILED = 2
-
-
-@dataclass(frozen=True)
-class ProxySpec:
-    """Everything the proxy needs to start (picklable, torch-free)."""
-
-    layout: Layout
-    rank: int
-    segment: str
-    host_staged: bool      # send/recv buffers live in the segment (else: GPU memory)
-    provider: str
-    timeout_s: float
-    parent_pid: int
-    spin_s: float = 1e-3   # busy-poll this long before backing off to short sleeps
-    # Between calls a proxy with a core of its own busy-polls this long before sleeping: a sleep there
-    # delayed the next call's ROUTE_READY by up to 1.2 ms (2 x H200, graph replays back to back,
-    # 2026-11-30). A model step longer than this pays one wake-up (<= 1 ms) per call instead.
-    between_calls_spin_s: float = 0.2
-    idle_yield: bool = False  # sched_yield in the engine's waits (more busy processes than cores)
-    # (memory kind, device ordinal, send size, recv size) of the model's send/recv buffers when they
-    # are not in the segment: "cuda" (cuMem) or "host" (memfd). Their POSIX FDs follow the spec on
-    # the socket; the proxy maps them and registers them with the NIC ("cuda": FI_HMEM_CUDA).
-    fd_buffers: tuple[str, int, int, int] | None = None
-    domains: tuple[str, ...] | None = None  # the NICs (libfabric domains) to open; None: the first
-    # Every rank runs on this host: a socket provider (tcp) listens on 127.0.0.1 only, so other hosts
-    # cannot reach the proxy's endpoint (docs/threat-model.md). No effect on shm/efa/verbs.
-    local_only: bool = False
-    # This process is proxy `shard` of `shards` of its rank: it carries the remote peers p with
-    # p % shards == shard. Shard 0 (the primary) raises the flags the kernels read.
-    shard: int = 0
-    shards: int = 1
-
-
-class Flags:
-    """int64 epoch flags of one segment, one cache line apart.
-
-    Stores are release stores and loads acquire loads (`host_atomics`): a reader that sees a flag's
-    value also sees every write made before it by the thread that stored it (plain numpy accesses
-    give that on x86 only, not on Arm)."""
-
-    def __init__(self, seg: SharedSegment, lay: Layout) -> None:
-        n = flag_word(Flag.NUM_FLAGS)
-        self._words = seg.numpy(lay.flags_offset_bytes, n, np.int64)  # keeps the mapping alive
-        base = self._words.ctypes.data
-        # Only real flags have an address (a KeyError, never a stray store, for anything else).
-        self._addr = {f: base + 8 * flag_word(f) for f in Flag if f != Flag.NUM_FLAGS}
-
-    def __getitem__(self, flag: Flag) -> int:
-        return host_atomics.load_acquire(self._addr[flag])
-
-    def __setitem__(self, flag: Flag, value: int) -> None:
-        host_atomics.store_release(self._addr[flag], value)
-
-
-class ShardWords:
-    """The `ShardWord` lines of every proxy shard of one segment: release stores, acquire loads (as
-    `Flags`), so a shard that sees another's word also sees what that one wrote before it (count rows)."""
-
-    def __init__(self, seg: SharedSegment, lay: Layout) -> None:
-        assert ShardWord.NUM_WORDS <= WORDS_PER_FLAG
-        self._words = seg.numpy(lay.shard_offset_bytes, MAX_PROXY_SHARDS * WORDS_PER_FLAG, np.int64)
-        self._base = self._words.ctypes.data
-
-    def get(self, shard: int, word: ShardWord) -> int:
-        assert 0 <= shard < MAX_PROXY_SHARDS
-        return host_atomics.load_acquire(self._base + shard * FLAG_SLOT_BYTES + 8 * int(word))
-
-    def set(self, shard: int, word: ShardWord, value: int) -> None:
-        assert 0 <= shard < MAX_PROXY_SHARDS
-        host_atomics.store_release(self._base + shard * FLAG_SLOT_BYTES + 8 * int(word), value)
-
-
-def write_error(seg: SharedSegment, lay: Layout, code: int, message: str) -> None:
-    """Report an error to the model process: message first, then the flag, with a release store
-    (the reader trusts the message once the flag is nonzero)."""
-    data = message.encode()[: ERROR_MESSAGE_BYTES - 1] + b"\0"
-    seg.numpy(lay.error_offset_bytes, len(data))[:] = np.frombuffer(data, np.uint8)
-    Flags(seg, lay)[Flag.ERROR] = code
-
-
-def read_error(seg: SharedSegment, lay: Layout) -> str:
-    """The message `write_error` left. Call it once `Flag.ERROR` reads nonzero: its acquire load of
-    the flag orders the message reads after it, however the caller read the flag."""
-    Flags(seg, lay)[Flag.ERROR]  # the acquire load, before the message is read
-    raw = bytes(seg.numpy(lay.error_offset_bytes, ERROR_MESSAGE_BYTES))
-    return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
 class _Stop(Exception):
@@ -281,7 +191,7 @@ class Proxy:
             if not short and not slow:
                 break
             if time.monotonic() - start > self.spec.timeout_s:
-                missing = sorted({plan.split_imm(i)[1] for i in short} | set(slow))
+                missing = sorted({decode_imm(i)[1] for i in short} | set(slow))
                 raise TimeoutError(f"rank {self.rank}: {what} (epoch {epoch}) timed out after "
                                    f"{self.spec.timeout_s:g}s; missing peers {missing}")
             self._idle(start)
@@ -290,8 +200,8 @@ class Proxy:
 
     def _imms(self, kind: Imm, epoch: int, peers, count=1) -> dict[int, int]:
         if isinstance(count, dict):
-            return {plan.make_imm(kind, p, epoch): count[p] for p in peers}
-        return {plan.make_imm(kind, p, epoch): count for p in peers}
+            return {encode_imm(kind, p, epoch): count[p] for p in peers}
+        return {encode_imm(kind, p, epoch): count for p in peers}
 
     # ---- posting ------------------------------------------------------------------------------
     def _targets(self, writes: np.ndarray) -> np.ndarray:
@@ -346,7 +256,7 @@ class Proxy:
 
     def _post(self, targets: np.ndarray, kind: Imm, epoch: int, header=None) -> None:
         if len(targets):
-            self.engine.scatter(self.data_group, self.data_src, targets, plan.make_imm(kind, self.rank, epoch),
+            self.engine.scatter(self.data_group, self.data_src, targets, encode_imm(kind, self.rank, epoch),
                                 header=header)
 
     def _take_count_rows(self) -> None:
@@ -479,92 +389,6 @@ def main(fd: int) -> None:
             proxy.close()
 
 
-class ProxyHandle:
-    """The owner's side: starts the proxy process and finishes its bootstrap."""
-
-    def __init__(self, spec: ProxySpec, fds: tuple[int, ...] = ()) -> None:
-        self.spec = spec
-        ours, theirs = socket.socketpair()
-        self._sock = ours
-        self.conn = Connection(os.dup(ours.fileno()))
-        self.proc = subprocess.Popen([sys.executable, "-m", "moe_a2a.proxy.worker", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], close_fds=True)
-        theirs.close()
-        self.conn.send(spec)
-        if fds:
-            send_fds(ours, list(fds))
-
-    def _recv(self, what: str, timeout_s: float):
-        if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"rank {self.spec.rank}: proxy process did not answer ({what}) within {timeout_s:g}s")
-        msg = self.conn.recv()
-        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
-            raise RuntimeError(msg[1])
-        return msg
-
-    def address(self, timeout_s: float):
-        """(engine address, segment region descriptor, GPU recv region descriptor or None) of the
-        proxy, for the bootstrap exchange."""
-        return self._recv("address", timeout_s)
-
-    def finish(self, table, timeout_s: float, node_local: bool = False) -> None:
-        """Give the proxy every rank's (address, descriptor, segment name, GPU recv descriptor or None)
-        and whether the calls bypass it (`node_local`); wait until ready."""
-        self.conn.send((table, bool(node_local)))
-        self._recv("ready", timeout_s)
-
-    def stop(self, seg: SharedSegment | None, layout: Layout, timeout_s: float = 5.0) -> None:
-        """Ask the proxy to exit (SIGKILL after `timeout_s`), reap it and remove the files it left in
-        /dev/shm: libfabric's shm provider names its 16 MiB region `{pid}:...` after the proxy, and a
-        killed proxy cannot unlink it. The files go while the exited proxy is still an unreaped zombie,
-        so its pid cannot have been reused; a proxy already reaped elsewhere (`proc.poll()`) loses its
-        files only when no process holds its pid now. Idempotent."""
-        import select
-
-        from .memory import remove_process_shm_files
-
-        proc = self.proc
-
-        def exited_unreaped(wait_s: float | None) -> bool:
-            """Wait until the proxy has exited, without reaping it (pidfd; else waitid(WNOWAIT) polls)."""
-            try:
-                pidfd = os.pidfd_open(proc.pid)
-            except (AttributeError, OSError):
-                pidfd = None
-            if pidfd is not None:
-                try:
-                    return bool(select.select([pidfd], [], [], wait_s)[0])
-                finally:
-                    os.close(pidfd)
-            deadline = None if wait_s is None else time.monotonic() + wait_s
-            while True:
-                try:
-                    if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-                        return True
-                except ChildProcessError:
-                    return True
-                if deadline is not None and time.monotonic() > deadline:
-                    return False
-                time.sleep(0.01)
-
-        if seg is not None and seg._mmap is not None:
-            Flags(seg, layout)[Flag.SHUTDOWN] = 1
-        if proc.returncode is None:
-            if not exited_unreaped(timeout_s):
-                os.kill(proc.pid, signal.SIGKILL)  # not proc.kill(): its poll() could reap it first
-                exited_unreaped(timeout_s)  # SIGKILL ends it at once unless the kernel holds it (D state)
-            remove_process_shm_files(proc.pid, segments=False)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:  # unkillable for now: leave it rather than hang close()
-                pass
-        elif not os.path.exists(f"/proc/{proc.pid}"):
-            remove_process_shm_files(proc.pid, segments=False)
-        for closable in (self.conn, self._sock):
-            try:
-                closable.close()
-            except OSError:
-                pass
 
 if __name__ == "__main__":
     main(int(sys.argv[1]))

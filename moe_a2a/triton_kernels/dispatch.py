@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import A2AConfig, Flag, Layout, ceil_div, flag_word, next_power_of_2
+from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
+from ..protocol import device as protocol_device
+from ..protocol.words import Flag, flag_word
 from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_arrive_of, node_copy_count_row, node_publish, node_wait
 from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
                    _check_split,
@@ -235,13 +237,13 @@ def _unpack_tokens_by_expert_kernel(
     l_idx = tl.arange(0, L_PAD)
     tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where((pid == 0) & ok, L, 0))
     if NODE_SYNC:
-        tl.store(flags_ptr + ABORT_WORD, (tl.load(epoch_ptr) << 16) | (aborted + 1).to(tl.int64),
+        tl.store(flags_ptr + ABORT_WORD, protocol_device.encode_abort(tl.load(epoch_ptr), aborted),
                  mask=(pid == 0) & ok & (aborted < W))
     if CAPACITY > 0:
         if NODE_SYNC:
             over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
             n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
-            tl.store(flags_ptr + CAPACITY_WORD, 1 + over + L * n_over, mask=(pid == 0) & ok & (over < L))
+            tl.store(flags_ptr + CAPACITY_WORD, protocol_device.encode_capacity(over, n_over, L), mask=(pid == 0) & ok & (over < L))
             # Fail-stop, as after a failed wait: this rank's later kernels move and publish nothing, so
             # its peers stop at their combine (naming it) instead of summing outputs it never computed.
             tl.store(failed_ptr, 1, mask=(pid == 0) & ok & (over < L))

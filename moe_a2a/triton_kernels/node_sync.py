@@ -30,7 +30,7 @@ Failure: a wait that times out (`%globaltimer`, `timeout_s`), or sees the proxy'
 `1 + 2 * (bitmask of the late node ranks)` (+ PROXY_MISSING when the proxy's flag was late) in its
 `Flag.STATUS_*` word and sets a sticky device word; every later synchronised kernel of the rank then
 moves nothing and publishes nothing, so peers time out too instead of computing on stale data. The host
-raises a TimeoutError naming them at its next call (`failed_ranks`, `proxy_missing`); no sync.
+raises a TimeoutError naming them at its next call (`protocol.words.decode_wait_status`); no sync.
 
 Host waits (CPU; GPU ranks sharing a GPU): the host polls the same words and flags before each launch,
 so the kernel's own wait passes at its first poll. Under `TRITON_INTERPRET=1` loads and stores are plain
@@ -41,46 +41,19 @@ GPU -> proxy -> GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..config import PROXY_MISSING, Flag, flag_word, next_power_of_2
+from ..config import next_power_of_2
+from ..protocol import device as protocol_device
+from ..protocol.words import HALF_FLAGS, Flag, flag_word
 from .rows import LaunchCache
 from .sync import _globaltimer_ns, _load_acquire_sys
 
-_PROXY_MISSING: tl.constexpr = tl.constexpr(PROXY_MISSING)
-
 # Polls of a prologue spin under the interpreter (it has no clock; the host already waited).
 INTERPRETER_MAX_SPINS = 1 << 16
-
-
-class HalfFlags(NamedTuple):
-    """The flags of one half's kernel: the proxy flag it waits for (>= epoch + delta), the one it raises
-    in its epilogue (None: none), the status word of a failed wait and what that wait was for. The
-    host's waits (`AllToAll._host_wait`) and messages use the same table."""
-
-    wait: Flag
-    delta: int
-    signal: Flag | None
-    status: Flag
-    what: str
-
-
-# A producer waits until the proxy finished writing out of its buffer for the previous call (delta -1);
-# a consumer waits until the proxy says the remote data of this call has landed.
-HALF_FLAGS = {
-    "dispatch_send": HalfFlags(Flag.DISPATCH_WRITES_DONE, -1, Flag.SEND_READY, Flag.STATUS_DISPATCH_SEND,
-                               "dispatch send: the proxy's writes of the previous call"),
-    "dispatch_recv": HalfFlags(Flag.DISPATCH_RECV_READY, 0, None, Flag.STATUS_DISPATCH_RECV,
-                               "dispatch: count rows and tokens from peers"),
-    "combine_send": HalfFlags(Flag.COMBINE_WRITES_DONE, -1, Flag.COMBINE_SEND_READY, Flag.STATUS_COMBINE_SEND,
-                              "combine send: the proxy's writes of the previous call"),
-    "combine_recv": HalfFlags(Flag.COMBINE_RECV_READY, 0, None, Flag.STATUS_COMBINE_RECV,
-                              "combine: expert outputs from peers"),
-}
 
 
 @dataclass(frozen=True, eq=False)  # identity: it is a key of remembered launches, and holds tensors
@@ -232,7 +205,7 @@ def node_wait(
                 state = tl.where(n_late == 0, 0, tl.where(timed_out, 1, -1))
             if state != 0:
                 missing = tl.sum(tl.where(late, tl.full([NODE_PAD], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
-                tl.store(flags_ptr + STATUS_WORD, 1 + 2 * missing + tl.where(proxy_late, _PROXY_MISSING, 0))
+                tl.store(flags_ptr + STATUS_WORD, protocol_device.encode_wait_status(missing, proxy_late))
                 tl.store(failed_ptr, 1)
             ok = ok & (state == 0)
             # Every thread reads what the peers wrote; the acquire was done per element (per thread).
@@ -334,18 +307,6 @@ def launch_wait_apart(node: NodeSync | None, half: str, base: torch.Tensor) -> N
         STATUS_WORD=a["STATUS_WORD"], USE_PTX=a["USE_PTX"], BACKOFF_NS=WAIT_APART_BACKOFF_NS, num_warps=1)
 
 
-def failed_ranks(status: int, node_first: int) -> list[int]:
-    """The same-node ranks a failed wait's status word (`1 + 2 * bitmask [+ PROXY_MISSING]`) names."""
-    mask = ((int(status) & (PROXY_MISSING - 1)) - 1) // 2
-    return [node_first + i for i in range(mask.bit_length()) if mask >> i & 1]
-
-
-def proxy_missing(status: int) -> bool:
-    """Whether a failed wait's status word says the proxy's flag (remote peers) was missing."""
-    return bool(int(status) & PROXY_MISSING)
-
-
 _WAIT_APART = LaunchCache(_wait_apart_kernel)
 
-__all__ = ["NodeSync", "HalfFlags", "HALF_FLAGS", "node_wait", "launch_wait_apart", "node_arrive", "node_copy_count_row", "node_publish", "failed_ranks",
-           "proxy_missing"]
+__all__ = ["NodeSync", "node_wait", "launch_wait_apart", "node_arrive", "node_copy_count_row", "node_publish"]

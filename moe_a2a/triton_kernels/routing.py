@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..config import ceil_div, next_power_of_2
+from ..protocol import device as protocol_device
 from .node_sync import _fence_sys, _store_release_sys
 from .rows import LaunchCache, tensor_key
 
@@ -103,7 +104,7 @@ def _route_block_kernel(
     if CHECK:
         is_bad = in_range & (route // K < num_live_tokens) & ((raw < -1) | (raw >= num_experts))
         first_bad = tl.min(tl.where(is_bad, route, num_routes), axis=0)
-        tl.store(bad_index_ptr, first_bad + 1, mask=first_bad < num_routes)
+        tl.store(bad_index_ptr, protocol_device.encode_bad_index(first_bad), mask=first_bad < num_routes)
     expert = raw.to(tl.int32)
     expert = tl.where(is_live, expert, num_experts)
 

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import WORDS_PER_FLAG, Flag, flag_word
+from ..protocol.words import WORDS_PER_FLAG, Flag, flag_word
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1

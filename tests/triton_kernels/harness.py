@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import strategies as st
 import torch
 
-from moe_a2a import plan
+from moe_a2a.protocol import plan
 from moe_a2a.config import PAGE_BYTES, A2AConfig, Layout
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert

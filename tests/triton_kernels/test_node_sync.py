@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
-from moe_a2a.config import Flag, flag_word
-from moe_a2a.triton_kernels.node_sync import NodeSync, failed_ranks, proxy_missing
+from moe_a2a.protocol.words import Flag, flag_word
+from moe_a2a.protocol.words import decode_wait_status
+from moe_a2a.triton_kernels.node_sync import NodeSync
 from moe_a2a.triton_kernels.routing import route_tokens
 
 from ..conftest import TEST_DEVICE, examples
@@ -167,7 +168,7 @@ def test_a_missing_peer_is_named_and_stops_the_rank(wait_apart: bool) -> None:
     unpack_tokens_by_expert(n, ex, None, counts_view(world, 0), 0, world.arena,
                             world.peer_table(0, world.send_bytes), world.recv_bytes[0], cfg, lay, node=syncs[0])
     code = status(syncs[0], Flag.STATUS_DISPATCH_RECV)
-    assert failed_ranks(code, 0) == [2] and not proxy_missing(code), code
+    assert decode_wait_status(code, 0) == ([2], False), code
     assert int(syncs[0].failed) == 1
     assert bool((n.cpu() == -7).all()) and bool((ex.cpu() == 3.0).all())  # nothing written
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from moe_a2a.config import FLAG_SLOT_BYTES, Flag
+from moe_a2a.protocol.words import FLAG_SLOT_BYTES, Flag
 from moe_a2a.triton_kernels import sync
 from moe_a2a.triton_kernels.sync import PeerError, signal_flag, wait_flag
 

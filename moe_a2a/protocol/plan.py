@@ -2,7 +2,7 @@
 
 `counts` is the `[W, E]` matrix every rank holds once the count rows are in: row s = how many routes
 source rank s sends to each expert (a remote source's row arrives at the head of its private write). From it every rank derives, without further messages,
-who writes what where (docs/design.md, Protocol). The proxy uses these functions to post writes; the
+who writes what where (docs/protocol.md). The proxy uses these functions to post writes; the
 Triton kernels compute the same offsets on the device, and tests check that both agree.
 
 A *write* is `(peer, src_offset_bytes, length_bytes, dst_offset_bytes)`, offsets relative to the
@@ -16,28 +16,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from .config import IMM_EPOCH_BITS, IMM_KIND_BITS, IMM_RANK_BITS, Imm, Layout
+from ..config import Layout
 
 Write = tuple[int, int, int, int]
-WRITE_COLUMNS = ("peer", "src_offset_bytes", "length_bytes", "dst_offset_bytes")
-
-
-# ---- immediates ------------------------------------------------------------------------------
-def make_imm(kind: Imm, rank: int, epoch: int) -> int:
-    """32-bit immediate: kind | sender rank | epoch (low bits). Counting exact values tells a
-    receiver which peer is missing, and an early immediate of the next call is never confused
-    with one of this call."""
-    return (int(kind) << (IMM_RANK_BITS + IMM_EPOCH_BITS)) | (rank << IMM_EPOCH_BITS) | (
-        epoch & ((1 << IMM_EPOCH_BITS) - 1))
-
-
-def split_imm(imm: int) -> tuple[int, int, int]:
-    """Inverse of `make_imm`: (kind, rank, epoch low bits)."""
-    epoch = imm & ((1 << IMM_EPOCH_BITS) - 1)
-    rank = (imm >> IMM_EPOCH_BITS) & ((1 << IMM_RANK_BITS) - 1)
-    kind = imm >> (IMM_RANK_BITS + IMM_EPOCH_BITS)
-    assert IMM_KIND_BITS + IMM_RANK_BITS + IMM_EPOCH_BITS == 32
-    return kind, rank, epoch
 
 
 # ---- counts ------------------------------------------------------------------------------------

@@ -3,13 +3,14 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from moe_a2a import plan
-from moe_a2a.config import A2AConfig, Imm
+from moe_a2a.protocol import plan
+from moe_a2a.config import A2AConfig
+from moe_a2a.protocol.words import Imm, decode_imm, encode_imm
 
 
 @given(kind=st.sampled_from(list(Imm)), rank=st.integers(0, 4095), epoch=st.integers(1, 10**9))
 def test_imm_round_trip(kind, rank, epoch):
-    k, r, e = plan.split_imm(plan.make_imm(kind, rank, epoch))
+    k, r, e = decode_imm(encode_imm(kind, rank, epoch))
     assert (k, r) == (int(kind), rank) and e == epoch % (1 << 16)
 
 
@@ -132,13 +133,13 @@ def test_immediates_of_neighbouring_calls_differ_across_the_epoch_wrap():
     """The immediate carries the epoch's low IMM_EPOCH_BITS bits; counters are keyed by the exact value
     and purged when consumed, so only calls 2**IMM_EPOCH_BITS apart could share a key, and no peer runs
     that far ahead (each call needs every peer's data of the previous one)."""
-    from moe_a2a.config import IMM_EPOCH_BITS, Imm
+    from moe_a2a.protocol.words import IMM_EPOCH_BITS
 
     wrap = 1 << IMM_EPOCH_BITS
     for e in (wrap - 2, wrap - 1, wrap, wrap + 1):
         for kind in Imm:
             for rank in (0, 7, 4095):
-                a, b = plan.make_imm(kind, rank, e), plan.make_imm(kind, rank, e + 1)
+                a, b = encode_imm(kind, rank, e), encode_imm(kind, rank, e + 1)
                 assert a != b and 0 <= a < 2**32
-                assert plan.split_imm(a) == (int(kind), rank, e % wrap)
-    assert plan.make_imm(Imm.DISPATCH, 3, wrap) == plan.make_imm(Imm.DISPATCH, 3, 0)  # the only aliasing
+                assert decode_imm(a) == (int(kind), rank, e % wrap)
+    assert encode_imm(Imm.DISPATCH, 3, wrap) == encode_imm(Imm.DISPATCH, 3, 0)  # the only aliasing

@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from moe_a2a.config import Flag, Layout, flag_word
-from moe_a2a.proxy import host_atomics
+from moe_a2a.config import Layout
+from moe_a2a.protocol.words import Flag, flag_word
+from moe_a2a.protocol import host_atomics
 from moe_a2a.proxy.memory import SharedSegment, unique_name
-from moe_a2a.proxy.worker import Flags, read_error, write_error
+from moe_a2a.protocol.segment import Flags, read_error, write_error
 
 BACKENDS = ["libatomic"] + (["plain"] if host_atomics.PLAIN_IS_ORDERED else [])
 VALUES = [0, 1, -1, 7, -(2**31), 2**31, 2**32 + 5, 2**62 + 3, 2**63 - 1, -(2**63), -(2**63) + 1]
@@ -64,7 +65,7 @@ def test_round_trip_shared_segment(backend):
 def test_default_backend_and_forcing_it():
     env = dict(os.environ)
     env.pop(host_atomics.FORCE_ENV, None)
-    code = "from moe_a2a.proxy import host_atomics as h; print(h.backend)"
+    code = "from moe_a2a.protocol import host_atomics as h; print(h.backend)"
     default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
     assert default.stdout.strip() == ("plain" if host_atomics.PLAIN_IS_ORDERED else "libatomic"), default.stderr
     env[host_atomics.FORCE_ENV] = "libatomic"
