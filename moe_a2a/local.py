@@ -185,7 +185,7 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
             torch.cuda.set_device(dev)
         a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s,
                        **options)
-        conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in a2a._proxies]))
+        conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in a2a.proxies]))
         while True:
             msg = conn.recv()
             if msg is None:

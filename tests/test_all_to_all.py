@@ -186,7 +186,7 @@ def test_bad_input_is_refused_before_sending(cluster):
 
 
 def _proxy_pid(a2a, rank):
-    return a2a.proxy.proc.pid
+    return a2a.proxies[0].proc.pid
 
 
 def _die_or_dispatch(a2a, rank, victim):
@@ -331,7 +331,7 @@ def _kill_own_proxy_then_call(a2a, rank, victim):
     import signal
 
     if rank == victim:
-        os.kill(a2a.proxy.proc.pid, signal.SIGKILL)
+        os.kill(a2a.proxies[0].proc.pid, signal.SIGKILL)
         time.sleep(0.1)
     start = time.monotonic()
     try:

@@ -66,12 +66,12 @@ def _files_of(pids, names) -> list[str]:
 
 
 def _proxy_pid(a2a, rank):
-    return a2a.proxy.proc.pid
+    return a2a.proxies[0].proc.pid
 
 
 def _close_and_check(a2a, rank):
     """AllToAll.close(): its proxy's libfabric region and its segment are gone; trace() says closed."""
-    pid, seg = a2a.proxy.proc.pid, a2a.segment.path
+    pid, seg = a2a.proxies[0].proc.pid, a2a.segment.path
     a2a.close()
     a2a.close()  # idempotent
     try:

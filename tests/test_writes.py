@@ -110,7 +110,7 @@ def test_two_proxies_per_rank_match_the_reference_and_split_the_writes(node, tra
 
 
 def _proxy_pids(a2a, rank):
-    return [h.proc.pid for h in a2a._proxies]
+    return [h.proc.pid for h in a2a.proxies]
 
 
 def _clean_call(a2a, rank):

@@ -1,0 +1,169 @@
+"""What a rank's kernels and proxies report through the shared segment, turned into exceptions, and the
+host's own waits (CPU; ranks sharing a GPU). The words and their codecs are `protocol.words`.
+
+`Status` reads; `AllToAll` decides when (at the start of a call, at the end of a combine, in `check()`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+from ..protocol import host_atomics
+from ..protocol.segment import read_error, write_error
+from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, HALF_FLAGS, Flag, decode_abort, decode_bad_index,
+                              decode_capacity, decode_wait_status, flag_word)
+
+# How often a rank looks at its own proxy processes: a dead proxy is reported within this (and a kernel
+# waiting for one of its flags stops at once, through the ERROR flag). A sleeping thread costs the
+# model's launches nothing measurable; a busy-polling one would hold the GIL.
+PROXY_WATCH_S = 0.25
+
+
+class CallAborted(RuntimeError):
+    """A call was aborted on every rank because one rank's input was rejected (that rank raised a
+    ValueError). The outputs of that call are void; the instance stays usable and the next call
+    proceeds normally on every rank."""
+
+
+class Status:
+    """The host's side of one rank's status words (`w`: the rank's `Wiring`)."""
+
+    def __init__(self, w, cfg) -> None:
+        self.w, self.cfg = w, cfg
+        self.abort_seen = 0  # the last epoch whose abort this rank has reported (or made)
+        self._next_proxy_poll = 0.0
+
+    # ---- fatal: the proxy, a failed kernel wait, capacity -------------------------------------------
+    def raise_fatal(self, epoch: int, force: bool = False) -> None:
+        """Raise what makes the instance unusable: the proxy's error, a failed GPU wait, an expert over
+        capacity, a dead proxy. Without `force`, a cheap look first (one numpy gather)."""
+        w, flags = self.w, self.w.flags_np
+        if not force and not flags[w.alarm_words].any():
+            # Nothing raised: only a dead proxy is left to find, and it matters only when calls use it
+            # (polled at most every 20 ms: waitpid is a system call).
+            if not w.with_proxy or not w.proxies or time.monotonic() < self._next_proxy_poll:
+                return
+            self._next_proxy_poll = time.monotonic() + 0.02
+            dead = self.dead_proxy()
+            if dead is not None:
+                raise RuntimeError(f"rank {w.rank}: {dead}")
+            return
+        self.raise_capacity_exceeded(epoch)
+        code = int(flags[flag_word(Flag.ERROR)])
+        if code:  # the proxy's message names the remote peers it missed
+            msg = read_error(w.segment, w.layout)
+            raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)
+        for _, _, _, status, what in HALF_FLAGS.values():
+            failed = decode_wait_status(flags[flag_word(status)], w.node.node_first)
+            if failed:
+                raise TimeoutError(f"rank {w.rank}: {what}: the GPU wait timed out after {w.timeout_s:g}s; "
+                                   f"missing peers {failed[0]}" + (" and the proxy (remote peers)" if failed[1] else ""))
+        dead = self.dead_proxy()
+        if dead is not None:
+            raise RuntimeError(f"rank {w.rank}: {dead}")
+
+    def dead_proxy(self) -> str | None:
+        """What to say about the first of this rank's proxy processes that has exited, or None."""
+        proxies = self.w.proxies
+        for j, h in enumerate(proxies):
+            if h.proc.poll() is not None:
+                which = f" (proxy {j} of {len(proxies)}, pid {h.proc.pid})" if len(proxies) > 1 else ""
+                return f"proxy process exited with code {h.proc.returncode}{which}"
+        return None
+
+    def raise_capacity_exceeded(self, epoch: int) -> None:
+        over = decode_capacity(self.w.flags_np[flag_word(Flag.CAPACITY_EXCEEDED)], self.w.layout.num_local_experts)
+        if over:
+            cap = self.w.layout.expert_capacity
+            raise RuntimeError(f"rank {self.w.rank}: local expert {over[0]} received {over[1]} rows in "
+                               f"one dispatch (epoch <= {epoch}), more than expert_capacity={cap}: the rows "
+                               f"past it were not written and their combine is wrong; raise expert_capacity "
+                               f"(at most world_size * max_num_tokens * experts_per_token rows can arrive)")
+
+    # ---- not fatal: aborted calls, bad indices dropped on the device ---------------------------------
+    def raise_recorded(self, epoch: int) -> None:
+        """Raise, once each, what kernels recorded that leaves the instance usable: a peer's abort
+        (CallAborted) and an out-of-range index dropped on the GPU (ValueError)."""
+        flags = self.w.flags_np
+        aborted = decode_abort(flags[flag_word(Flag.ABORTED)])
+        if aborted and aborted[0] > self.abort_seen:
+            self.abort_seen = aborted[0]
+            raise CallAborted(self.aborted_message(aborted[0], [aborted[1]]))
+        bad = decode_bad_index(flags[flag_word(Flag.BAD_INDEX)], self.cfg.experts_per_token)
+        if bad:
+            flags[flag_word(Flag.BAD_INDEX)] = 0
+            raise ValueError(f"indices[{bad[0]}, {bad[1]}] of an earlier dispatch (epoch <= {epoch}): expected "
+                             f"-1 (not routed) or a value in [0, {self.cfg.num_experts}) (checked on the GPU "
+                             f"without a host sync; that route was not sent; the instance stays usable)")
+
+    def aborted_sources(self) -> list[int]:
+        """Host waits: the sources whose count row of this call is -1 (others than this rank)."""
+        w = self.w
+        if w.ready_words is None:
+            return []
+        col = w.counts_np[:, 0]
+        return [s for s in range(w.layout.world_size) if s != w.rank and col[s] < 0]
+
+    def aborted_message(self, epoch: int, sources: list[int]) -> str:
+        return (f"rank {self.w.rank}: call {epoch} was aborted by rank {', '.join(map(str, sources))}: its input "
+                f"was rejected (a ValueError there says why); every output of that call is void; the next call "
+                f"proceeds normally")
+
+    # ---- host waits -------------------------------------------------------------------------------
+    def host_wait(self, half: str, epoch: int) -> None:
+        """Host waits only (CPU, ranks sharing a GPU): poll what the half's kernel would wait for."""
+        w = self.w
+        if w.ready_words is None:
+            return
+        flag, delta, _, _, what = HALF_FLAGS[half]
+        words = w.ready_words[half.split("_")[0]] if half.endswith("recv") else None
+        first, n = w.node.node_first, w.node.node_size
+        deadline = time.monotonic() + w.timeout_s
+        spins = 0
+        while True:
+            missing = [p for p in range(first, first + n) if int(words[p]) < epoch] if words is not None else []
+            proxy_late = w.with_proxy and int(w.flags_np[flag_word(flag)]) < epoch + delta
+            if not missing and not proxy_late:
+                # Re-read what passed with acquire loads: the data the kernel reads next is ordered after
+                # them (plain loads are enough on x86, not on Arm).
+                if words is not None:
+                    at = words.ctypes.data
+                    for p in range(first, first + n):
+                        host_atomics.load_acquire(at + 8 * p)
+                if w.with_proxy:
+                    host_atomics.load_acquire(w.flags_np.ctypes.data + 8 * flag_word(flag))
+                return
+            if w.flags_np[flag_word(Flag.ERROR)]:
+                self.raise_fatal(epoch, force=True)
+            if time.monotonic() > deadline:
+                self.raise_fatal(epoch, force=True)
+                raise TimeoutError(f"rank {w.rank}: {what}: timed out after {w.timeout_s:g}s (epoch {epoch}); "
+                                   f"missing peers {missing}" + (" and the proxy (remote peers)" if proxy_late else ""))
+            spins += 1
+            time.sleep(0 if spins < 100 else 1e-4)  # yield: the peers and the proxy need the cores (2 on CI)
+
+
+def watch_proxies(a2a) -> None:
+    """Start a daemon thread that raises the ERROR flag, with the reason, when one of the rank's proxy
+    processes dies (so a kernel waiting for one of its flags stops at once)."""
+    threading.Thread(target=_watch, args=(weakref.ref(a2a),), daemon=True,
+                     name=f"moe_a2a-proxy-watch-{a2a.rank}").start()
+
+
+def _watch(ref) -> None:
+    while True:
+        time.sleep(PROXY_WATCH_S)
+        a2a = ref()
+        if a2a is None:
+            return
+        with a2a._watch_lock:  # close() takes it before unmapping the segment
+            w = a2a._w
+            if a2a._closed or not w.proxies:
+                return
+            dead = a2a._status.dead_proxy()
+            if dead is not None and not w.flags_np[flag_word(Flag.SHUTDOWN)]:
+                if not w.flags_np[flag_word(Flag.ERROR)]:
+                    write_error(w.segment, w.layout, ERROR_FAILED, f"rank {a2a.rank}: its {dead}")
+                return
+        del a2a

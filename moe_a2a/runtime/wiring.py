@@ -1,0 +1,270 @@
+"""One rank's construction, done collectively: the shared segment, the proxy processes, the buffers (a
+`Placement`), the bootstrap exchange, and the addresses and views the kernels take.
+
+`Wiring` holds what the four halves of `AllToAll` touch; it knows nothing of tokens. Every rank derives
+the same decisions from the same bootstrap table, so any refusal is raised on every rank alike.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import socket
+
+import torch
+
+from ..config import Layout
+from ..protocol.words import HALF_FLAGS, Flag, flag_word
+from ..proxy import bootstrap
+from ..proxy.handle import ProxyHandle, ProxySpec
+from ..proxy.memory import SharedSegment, device_view, unique_name
+from ..triton_kernels.node_sync import NodeSync
+from . import placement as placements
+
+log = logging.getLogger("moe_a2a")
+
+
+class Wiring:
+    """Built by `AllToAll`; see its docstring for the arguments. Attributes the halves use:
+
+    base: uint8 view from the lowest address any kernel touches; every offset below is from it.
+    send_offset_bytes / recv_offset_bytes: this rank's buffers; stage_*: where rows to and from other
+        nodes are (the same unless the placement splits by node).
+    peer_send_bytes / peer_recv_bytes: `[W]` int64 offsets of node peers' buffers (-1: remote peer).
+    node: the kernels' `NodeSync`.  counts: `[W, E]` int32 count matrix of the sync area.
+    flags / flags_host / flags_np: the flags area on the device, as a CPU tensor, as numpy.
+    ready_words / counts_np: host views of the sync area, for ranks that wait on the host (else None).
+    """
+
+    def __init__(self, layout: Layout, group, rank: int, device, transport: str, nics, num_proxies: int,
+                 buffers: str, gpu_wait: str, timeout_s: float, local_only: bool) -> None:
+        self.layout, self.group, self.rank, self.device = layout, group, rank, device
+        self.transport, self.nics, self.num_proxies = transport, nics, num_proxies
+        self.timeout_s, self.local_only, self._gpu_wait = timeout_s, local_only, gpu_wait
+        self.proxies: list[ProxyHandle] = []
+        self.peer_segments: list[SharedSegment] = []
+        self.segment = self.buffers = None
+        self.node_slots = None
+        self.with_proxy = layout.node_size < layout.world_size
+        name, self.placement_reason = placements.choose(buffers, device, transport,
+                                                        bool(layout.remote_peers(rank)))
+        try:
+            if name == "nic":
+                self._try_nic(strict=buffers != "auto")
+            else:
+                self._launch(name)
+            self._start()
+        except BaseException:
+            self.release()
+            raise
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _launch(self, name: str) -> None:
+        """This rank's part: the segment, the placement's buffers, the proxies up to their address."""
+        lay, r = self.layout, self.rank
+        cls = placements.PLACEMENTS[name]
+        self.segment = SharedSegment(unique_name(), lay.segment_bytes(cls.host_staged), create=True)
+        self.buffers = cls(lay, r, self.device, self.segment)
+        self.placement = cls.name
+        self.buffers.allocate()
+        fd_buffers, fds = self.buffers.proxy_buffers()
+        # The proxy gives up a little before the model does, so the model reports the proxy's message
+        # (which names the missing peers) rather than a bare timeout of its own. With fewer cores than
+        # busy processes (CI: 2 cores) spinning starves the peers that must make progress: yield instead.
+        k = self.num_proxies
+        for j in range(k):
+            domains = self.nics
+            if domains is not None and k > 1:
+                domains = domains[j::k] or (domains[j % len(domains)],)
+            spec = ProxySpec(lay, r, self.segment.name, cls.host_staged, self.transport, 0.8 * self.timeout_s,
+                             parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * (1 + k),
+                             fd_buffers=fd_buffers, domains=domains, local_only=self.local_only, shard=j, shards=k)
+            self.proxies.append(ProxyHandle(spec, fds))
+        self.proxy_address = [h.address(self.timeout_s) for h in self.proxies]
+
+    def _try_nic(self, strict: bool) -> None:
+        """Launch with buffers registered with the NIC; if any rank cannot, every rank falls back to
+        staged ones (collective: one exchange, whatever happened locally)."""
+        reason = None
+        try:
+            self._launch("nic")
+        except Exception as exc:  # cuMem, FD passing, FI_HMEM missing, registration refused
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            self.release()
+        reasons = bootstrap.exchange(self.group, reason)
+        failed = {i: m for i, m in enumerate(reasons) if m}
+        if not failed:
+            return
+        if reason is None:
+            self.release()
+        first = min(failed)
+        on_gpu = self.device.type == "cuda"
+        what = "GPU send/recv buffers" if on_gpu else "send/recv buffers"
+        why = (f"{what} cannot be registered with the NIC over {self.transport!r} "
+               f"(rank {first}: {failed[first]}; {len(failed)} of {self.layout.world_size} ranks failed)")
+        if strict:
+            raise RuntimeError(f"buffers={'gpu' if on_gpu else 'memfd'!r}: {why}")
+        log.warning("moe_a2a rank %d: %s: rows to and from other nodes are staged in pinned shared memory "
+                    "reached over PCIe", self.rank, why)
+        self.placement_reason = why
+        self._launch("staged" if on_gpu else "host")
+
+    def _start(self) -> None:
+        lay, r, seg, dev = self.layout, self.rank, self.segment, self.device
+        on_gpu, k, W = dev.type == "cuda", self.num_proxies, lay.world_size
+        addresses, regions, gpu_regions = (list(t) for t in zip(*self.proxy_address))
+        if on_gpu:
+            seg.register_cuda()
+        gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(dev).uuid)) if on_gpu else None
+        table = bootstrap.exchange(self.group, (addresses, regions, seg.name, self.buffers.share(), gpu,
+                                                gpu_regions, self._gpu_wait, k))
+        if any(t[7] != k for t in table):  # every rank sees the same table: every rank raises
+            raise ValueError(f"proxies: every rank must run the same number of proxy processes, got "
+                             f"{[t[7] for t in table]} (per rank)")
+
+        # Ranks sharing one GPU are time-sliced, not concurrent: a kernel spinning on a flag would hold
+        # the GPU while the peer it waits for cannot run. Such ranks wait on the host instead.
+        def waits_on_host(i: int) -> bool:
+            gpu_i, wait_i = table[i][4], table[i][6]
+            shared = gpu_i is not None and any(t[4] == gpu_i for j, t in enumerate(table) if j != i)
+            return gpu_i is not None and (wait_i == "host" or (wait_i == "auto" and shared))
+
+        self.host_waits = waits_on_host(r)
+        # The sync area is in device memory (end of the recv buffers) when every rank is on one node and
+        # waits in kernels; else in the segments, where the host and the proxy see it too.
+        self.device_sync = not self.with_proxy and not any(map(waits_on_host, range(W)))
+        # Kernel waits read the epoch from the device, so a replayed CUDA graph uses the replay's epoch.
+        self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=dev) if on_gpu else None
+        # Our proxy p % k carries peer p, and p's proxy r % k carries us: every one of our proxies gets
+        # entry r % k of each peer, and uses only its share.
+        mine = [(t[0][r % k], t[1][r % k], t[2], t[5][r % k]) for t in table]
+        for h in self.proxies:
+            h.finish(mine, self.timeout_s, not self.with_proxy)
+
+        send, recv = self.buffers.own()
+        send_at, recv_at, seg_at = {r: send}, {r: recv}, {r: seg.addr}
+        for p in lay.node_peers(r):
+            if p == r:
+                continue
+            other = None
+            if self.buffers.needs_peer_segments or not self.device_sync:
+                other = SharedSegment(table[p][2])
+                self.peer_segments.append(other)
+                if on_gpu:
+                    other.register_cuda()
+                seg_at[p] = other.addr
+            send_at[p], recv_at[p] = self.buffers.map_peer(table[p][3], other)
+        sync_at = ({p: a + lay.recv_sync_offset_bytes for p, a in recv_at.items()} if self.device_sync
+                   else {p: a + lay.segment_sync_offset_bytes for p, a in seg_at.items()})
+        # Kernels address everything as byte offsets >= 0 from the lowest address (a negative offset
+        # means "remote peer" in the peer tables).
+        spans = [(a, seg.nbytes) for a in seg_at.values()] + [(a, lay.send_bytes) for a in send_at.values()] + \
+                [(a, lay.recv_bytes) for a in recv_at.values()]
+        lo = min(a for a, _ in spans)
+        self.base = self.view(lo, max(a + n for a, n in spans) - lo)
+        self._base_addr = lo
+        stage_send, stage_recv = self.buffers.staging()
+        self.send_offset_bytes, self.recv_offset_bytes = send_at[r] - lo, recv_at[r] - lo
+        self.stage_send_offset_bytes, self.stage_recv_offset_bytes = stage_send - lo, stage_recv - lo
+        # Split by node: the route kernel reports this node's slot range; pack and reduce choose the
+        # buffer of each slot by it (docs/protocol.md, 3.6). Other placements: no extra arguments.
+        self.split = {"route": {}, "pack": {}, "reduce": {}}
+        if self.buffers.split_by_node:
+            self.node_slots = torch.zeros(2, dtype=torch.int32, device=dev)
+            self.split = {
+                "route": {"out_node_slots": self.node_slots, "node_experts": lay.node_experts(r)},
+                "pack": {"remote_send_offset_bytes": self.stage_send_offset_bytes, "node_slots": self.node_slots},
+                "reduce": {"remote_recv_offset_bytes": self.stage_recv_offset_bytes + lay.combine_recv_offset_bytes,
+                           "node_slots": self.node_slots}}
+        tables = {name: torch.full((W,), -1, dtype=torch.int64) for name in ("send", "recv", "sync")}
+        for p in send_at:
+            tables["send"][p], tables["recv"][p], tables["sync"][p] = send_at[p] - lo, recv_at[p] - lo, sync_at[p] - lo
+        self.peer_send_bytes = tables["send"].to(dev)
+        self.peer_recv_bytes = tables["recv"].to(dev)
+        self._views(sync_at[r], tables["sync"].to(dev))
+
+    def _views(self, sync_addr: int, peer_sync_bytes: torch.Tensor) -> None:
+        """The flags, trace and sync-area views, and the kernels' `NodeSync`."""
+        lay, r, seg, dev = self.layout, self.rank, self.segment, self.device
+        on_gpu, W, lo = dev.type == "cuda", lay.world_size, self._base_addr
+        nflags = flag_word(Flag.NUM_FLAGS)
+        self.flags = self.view(seg.addr + lay.flags_offset_bytes, nflags * 8).view(torch.int64)
+        self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
+        # What the host reads before every call, as one numpy gather (a torch index costs ~5 µs each).
+        self.flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
+        self.alarm_words = [flag_word(f) for f in (Flag.ERROR, Flag.CAPACITY_EXCEEDED)
+                            + tuple(h.status for h in HALF_FLAGS.values())]
+        ntrace = lay.model_trace_words
+        self.model_trace = self.view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
+        self.model_trace_host = seg.numpy(lay.model_trace_offset_bytes, ntrace, "int64")
+        # Rows of same-node sources are written by their kernels, rows of remote sources by the proxy.
+        self.counts = self.view(sync_addr + lay.node_counts_offset_bytes, lay.routing_bytes).view(
+            torch.int32).view(W, lay.num_experts)
+        self.bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
+        self.route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]
+        self.node = NodeSync(
+            epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
+            failed=torch.zeros(1, dtype=torch.int64, device=dev),
+            counter=torch.zeros(2, dtype=torch.int32, device=dev),
+            flags=self.flags, peer_sync_bytes=peer_sync_bytes, sync_bytes=sync_addr - lo,
+            rank=r, node_first=lay.node_of(r) * lay.node_size, node_size=lay.node_size,
+            dispatch_ready_bytes=lay.dispatch_ready_offset_bytes, combine_ready_bytes=lay.combine_ready_offset_bytes,
+            counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts, timeout_s=self.timeout_s,
+            # Ranks sharing a GPU wait on the host; their kernels must not spin at all.
+            with_proxy=self.with_proxy, kernel_waits=not self.host_waits,
+            # Words in pinned host memory: one small kernel polls them, not every program of a data kernel.
+            wait_apart=on_gpu and not self.host_waits and (not self.device_sync or self.placement == "host"))
+        # Host waits: the host polls the same words before it launches a kernel, whose own wait then
+        # passes at its first poll (the interpreter runs a kernel to the end before returning).
+        self.ready_words = self.counts_np = None
+        if not on_gpu or self.host_waits:
+            self.ready_words = {
+                half: torch.frombuffer((ctypes.c_int64 * W).from_address(sync_addr + off), dtype=torch.int64).numpy()
+                for half, off in (("dispatch", lay.dispatch_ready_offset_bytes),
+                                  ("combine", lay.combine_ready_offset_bytes))}
+            # A row of -1 is a source that aborted the call.
+            self.counts_np = torch.frombuffer(
+                (ctypes.c_int32 * (W * lay.num_experts)).from_address(sync_addr + lay.node_counts_offset_bytes),
+                dtype=torch.int32).numpy().reshape(W, lay.num_experts)
+
+    def view(self, addr: int, nbytes: int) -> torch.Tensor:
+        """uint8 tensor over [addr, addr+nbytes) on this rank's device (memory is not touched)."""
+        if self.device.type == "cuda":
+            return device_view(addr, nbytes, self.device)
+        base = getattr(self, "base", None)
+        if base is not None and self._base_addr <= addr and addr + nbytes <= self._base_addr + base.numel():
+            # One storage for every CPU view: the interpreter copies kernel arguments per storage, keyed by
+            # address, and two storages starting at one address (the segment and its flags) collide.
+            return base[addr - self._base_addr: addr - self._base_addr + nbytes]
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+
+    # ---- teardown ----------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Stop the proxies, unmap peers, free buffers and the segment (whatever exists so far). Every step
+        runs even when an earlier one raises (the first error is raised at the end)."""
+        errors: list[BaseException] = []
+
+        def step(fn, *args) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - collected, the first one re-raised below
+                errors.append(exc)
+
+        proxies, self.proxies = self.proxies, []
+        seg = self.segment
+        if seg is not None and seg._mmap is not None and proxies:
+            from ..protocol.segment import Flags
+
+            Flags(seg, self.layout)[Flag.SHUTDOWN] = 1  # every proxy starts exiting now, not one by one
+        for proxy in proxies:
+            step(proxy.stop, seg, self.layout)
+        buffers, self.buffers = self.buffers, None
+        peers, self.peer_segments = self.peer_segments, []
+        if buffers is not None:
+            step(buffers.release)
+        for other in peers:
+            step(other.close)
+        if seg is not None:
+            step(seg.close)  # idempotent; the object stays for error messages after close
+        if errors:
+            raise errors[0]
