@@ -16,12 +16,12 @@ import torch
 from .config import A2AConfig, Layout
 from .protocol.segment import ShardWords
 from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
-from .proxy import bootstrap, topology
+from .proxy import bootstrap
 from .proxy import libfabric as lf
-from .proxy.engine import auto_provider
 from .proxy.memory import check_fits_in_memory
 from .runtime.status import CallAborted, Status, watch_proxies
 from .runtime.tracing import Tracer
+from .runtime import wiring
 from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
@@ -63,17 +63,12 @@ class AllToAll:
             the stream: asynchronous, CUDA-graph safe), "host" (the CPU polls, then launches: for
             ranks that share one GPU, where a spinning kernel would block its time-sliced peers),
             or "auto" (host when another rank of this node uses the same GPU, else kernel).
-        buffers: where the send/recv buffers live. "staged": rows between ranks of this node stay in
-            their buffers (GPU memory, CUDA IPC; on a CPU a shared file of their own), and only rows to
-            and from other nodes are staged in pinned shared host memory that the kernels reach over
-            PCIe and the proxy's NIC reads and writes. "host": all rows host-staged, this node's too.
-            "gpu": GPU memory — CUDA IPC when every peer is on this node, else cuMem allocations
-            exported as POSIX FDs that the proxy maps and registers with the NIC (FI_HMEM_CUDA: EFA)
-            and same-node peers map; raises if that is impossible. "auto" (default): with remote peers
-            over efa or verbs, "gpu" where it works, else "staged" with one log line saying why; over
-            tcp and shm "staged" (they stage through host memory; "gpu" tries anyway); on a CPU "host".
-            "memfd": host memory of its own (memfd) shared and registered exactly as "gpu" buffers
-            with remote peers are: that path without a GPU (CI runs it).
+        buffers: where the send/recv buffers live (`runtime/placement.py`): "staged" (this node's rows in
+            GPU buffers shared by CUDA IPC, rows to and from other nodes staged in pinned shared host
+            memory), "host" (all rows host-staged), "gpu" (GPU memory: CUDA IPC on one node, else cuMem
+            FDs registered with the NIC, FI_HMEM_CUDA; raises if impossible), "memfd" (that path with
+            host memory, for CPUs), "auto" (default: "gpu" over efa/verbs where it works, else "staged"
+            with one log line saying why; "host" on a CPU).
         nics: the NICs (libfabric domains, `moe_a2a.proxy.libfabric.list_domains(provider)`) this
             rank's proxy drives; peers are sharded over them. "auto": on EFA this rank's equal share of
             the node's NICs (`proxy.topology.nics_for_rank`), elsewhere the provider's first domain.
@@ -141,30 +136,20 @@ class AllToAll:
         if buffers == "memfd" and self.device.type != "cpu":
             raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
         hosts = bootstrap.exchange(self.group, socket.gethostname())
-        self.layout: Layout = cfg.layout(self.world_size, self._node_size(node_group, hosts))
-        lay = self.layout
-        check_fits_in_memory(lay, ranks=1, host_staged=self.device.type != "cuda")
-        self.transport = transport
-        if transport == "auto":
-            # shm reaches only this host: between hosts without EFA, tcp is the provider that works.
-            self.transport = auto_provider()
-            if self.transport == "shm" and len(set(hosts)) > 1:
-                self.transport = "tcp"
-        self.nics = self._choose_nics(nics)
-        remote = len(lay.remote_peers(self.rank))  # the same on every rank: W - node_size
-        if proxies == "auto":
-            proxies = max(1, min(len(self.nics) if self.transport == "efa" and self.nics else 1, remote))
-        elif proxies > max(1, remote):
-            raise ValueError(f"proxies={proxies}: more proxies than remote peers ({remote}) per rank")
-        self.num_proxies = proxies
+        self.layout: Layout = cfg.layout(self.world_size, wiring.node_size(node_group, hosts, self.world_size))
+        check_fits_in_memory(self.layout, ranks=1, host_staged=self.device.type != "cuda")
+        self.transport = wiring.choose_transport(transport, hosts)
+        self.nics = wiring.choose_nics(nics, self.transport, self.rank, self.layout)
+        self.num_proxies = wiring.choose_proxies(proxies, self.transport, self.nics,
+                                                 len(self.layout.remote_peers(self.rank)))
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
         self._abort_scratch = None
         self._watch_lock = threading.Lock()
         # Every rank on this host: the proxies listen on loopback only (docs/threat-model.md), unless the
         # caller named the NICs to use.
-        self._w = Wiring(lay, group, self.rank, self.device, self.transport, self.nics, proxies, buffers, gpu_wait,
-                         self.timeout_s, local_only=len(set(hosts)) == 1 and nics == "auto")
+        self._w = Wiring(self.layout, group, self.rank, self.device, self.transport, self.nics, self.num_proxies,
+                         buffers, gpu_wait, self.timeout_s, local_only=len(set(hosts)) == 1 and nics == "auto")
         self._closed = False
         self._status, self._tracer = Status(self._w, cfg), Tracer(self._w)
         self.route_slot = torch.full((cfg.max_num_tokens, cfg.experts_per_token), -1, dtype=torch.int32,
@@ -196,7 +181,7 @@ class AllToAll:
     @property
     def host_staged(self) -> bool:
         """True when rows to and from other nodes go through send/recv buffers in the shared segment."""
-        return self._w.buffers.host_staged if self._w.buffers is not None else self.placement in ("host", "staged")
+        return self.placement in ("host", "staged")
 
     @property
     def proxies(self) -> list:
@@ -207,33 +192,6 @@ class AllToAll:
     def host_waits(self) -> bool:
         """True when this rank's host polls before each launch (CPU, or ranks sharing a GPU)."""
         return self._w.ready_words is not None
-
-    # ---- construction ---------------------------------------------------------------------------
-    def _node_size(self, node_group, hosts: list[str]) -> int:
-        import torch.distributed as dist
-
-        W = self.world_size
-        if isinstance(node_group, int) and not isinstance(node_group, bool):
-            n = node_group
-        elif node_group is None or node_group == "auto":
-            n = hosts.count(hosts[0])
-            if any(hosts[i] != hosts[i // n * n] for i in range(W)) or W % n:
-                raise ValueError(f"node_group='auto': ranks must be grouped contiguously by host in equal "
-                                 f"numbers, got hosts {hosts}")
-        else:
-            n = dist.get_world_size(node_group)
-        if n < 1 or W % n:
-            raise ValueError(f"node_group: node size {n} must divide world size {W}")
-        return n
-
-    def _choose_nics(self, nics) -> tuple[str, ...] | None:
-        """The domains this rank's proxy opens (None: the provider's first)."""
-        if nics != "auto":
-            return tuple(nics)
-        if self.transport != "efa":
-            return None
-        lay = self.layout
-        return tuple(topology.nics_for_rank(lf.list_domains("efa"), self.rank % lay.node_size, lay.node_size))
 
     # ---- public API ---------------------------------------------------------------------------
     def empty_dispatch_outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -278,21 +236,23 @@ class AllToAll:
         if do_send:
             self._expect(_IDLE, "dispatch(do_send=True)")
             try:
-                self._validate_dispatch(x, x_scale, indices, bound_m)
+                check_dispatch_inputs(self.cfg, self.device, x, x_scale, indices, bound_m)
                 if do_recv:
-                    self._validate_dispatch_out(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
+                    check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
+                                       out_expert_x_scale)
             except ValueError as exc:
                 self._abort_call(exc)  # raises exc, once the call is void on every rank
         elif do_recv:
             self._expect(_DISPATCH_SENT, "dispatch(do_recv=True)")
             # Nothing is lost: the send half is done, a corrected receive may follow.
-            self._validate_dispatch_out(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
+            check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
+                                       out_expert_x_scale)
         try:
             if do_send:
                 self._tracer.run("dispatch_send", self.epoch, self._dispatch_send, x, x_scale, indices, bound_m)
             if do_recv:
-                self._tracer.run("dispatch_recv", self.epoch, self._dispatch_recv, out_expert_num_tokens, out_expert_x,
-                             out_expert_x_scale)
+                self._tracer.run("dispatch_recv", self.epoch, self._dispatch_recv, out_expert_num_tokens,
+                                 out_expert_x, out_expert_x_scale)
         except CallAborted:
             raise
         except BaseException as exc:
@@ -314,23 +274,16 @@ class AllToAll:
         cfg = self.cfg
         if do_send:
             self._expect(_DISPATCH_DONE, "combine(do_send=True)")
-            _check("expert_y", expert_y, None, cfg.out_dtype, self.device)
-            if expert_y.dim() != 2 or expert_y.shape[1] != cfg.hidden_dim:
-                raise ValueError(f"expert_y: expected [rows, {cfg.hidden_dim}], got {tuple(expert_y.shape)}")
-            if expert_y.shape[0] < self.layout.max_dispatch_rows:
-                raise ValueError(f"expert_y: needs >= {self.layout.max_dispatch_rows} rows (as out_expert_x), "
-                                 f"got {expert_y.shape[0]}")
+            check_combine_send(cfg, self.layout, self.device, expert_y)
         if do_recv:
             self._expect(_COMBINE_SENT if not do_send else _DISPATCH_DONE, "combine(do_recv=True)")
-            T = self._T
-            _check("out_tokens", out_tokens, (T, cfg.hidden_dim), cfg.out_dtype, self.device)
-            _check("weights", weights, (T, cfg.experts_per_token), torch.float32, self.device)
-            _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), self.device)
+            check_combine_recv(cfg, self.device, self._T, out_tokens, weights, indices)
         try:
             if do_send:
                 self._tracer.run("combine_send", self.epoch, self._combine_send, expert_y)
             if do_recv:
-                self._tracer.run("combine_recv", self.epoch, self._combine_recv, out_tokens, weights, accumulate, bound_m)
+                self._tracer.run("combine_recv", self.epoch, self._combine_recv, out_tokens, weights, accumulate,
+                                 bound_m)
         except BaseException as exc:
             self._fail(exc)
         if do_recv:
@@ -541,44 +494,60 @@ class AllToAll:
         if self._state != state:
             raise ValueError(f"{call}: called out of order; the instance is {_STATE_NAMES[self._state]}")
 
-    def _validate_dispatch(self, x, x_scale, indices, bound_m) -> None:
-        cfg = self.cfg
-        _check("x", x, None, cfg.in_dtype, self.device)
-        if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
-            raise ValueError(f"x: expected [T, {cfg.hidden_dim}], got {tuple(x.shape)}")
-        T = x.shape[0]
-        if T > cfg.max_num_tokens:
-            raise ValueError(f"x: {T} tokens > max_num_tokens ({cfg.max_num_tokens})")
-        if cfg.has_scales:
-            if x_scale is None:
-                raise ValueError(f"x_scale: this config has scales (scale_block={cfg.block_size}); got None")
-            _check("x_scale", x_scale, (T, cfg.num_scales), torch.float32, self.device)
-        elif x_scale is not None:
-            raise ValueError("x_scale: this config has no scales; pass None")
-        _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), self.device)
-        if not indices.is_contiguous():
-            raise ValueError("indices: must be contiguous")
-        if bound_m is not None:
-            _check("bound_m", bound_m, (1,), torch.int32, self.device)
-        if self.device.type != "cuda":
-            # CPU: the check costs no device sync, so bad input is refused before anything is sent.
-            # GPU: the routing kernel checks on the device; the combine's end says it (no host sync).
-            routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
 
-    def _validate_dispatch_out(self, num, x, xs) -> None:
-        cfg, lay = self.cfg, self.layout
-        _check("out_expert_num_tokens", num, (lay.num_local_experts,), torch.int32, self.device)
-        _check("out_expert_x", x, None, cfg.in_dtype, self.device)
-        if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.shape[0] < lay.max_dispatch_rows:
-            raise ValueError(f"out_expert_x: expected [>= {lay.max_dispatch_rows}, {cfg.hidden_dim}], "
-                             f"got {tuple(x.shape)} (use empty_dispatch_outputs())")
-        if cfg.has_scales:
-            _check("out_expert_x_scale", xs, None, torch.float32, self.device, last_contig=False)
-            if xs.dim() != 2 or xs.shape[1] != cfg.num_scales or xs.shape[0] < lay.max_dispatch_rows:
-                raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {cfg.num_scales}], "
-                                 f"got {tuple(xs.shape)}")
-        elif xs is not None:
-            raise ValueError("out_expert_x_scale: this config has no scales; pass None")
+def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) -> None:
+    """The send half's tensor contracts (indices checked on the host on a CPU only)."""
+    _check("x", x, None, cfg.in_dtype, device)
+    if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
+        raise ValueError(f"x: expected [T, {cfg.hidden_dim}], got {tuple(x.shape)}")
+    T = x.shape[0]
+    if T > cfg.max_num_tokens:
+        raise ValueError(f"x: {T} tokens > max_num_tokens ({cfg.max_num_tokens})")
+    if cfg.has_scales:
+        if x_scale is None:
+            raise ValueError(f"x_scale: this config has scales (scale_block={cfg.block_size}); got None")
+        _check("x_scale", x_scale, (T, cfg.num_scales), torch.float32, device)
+    elif x_scale is not None:
+        raise ValueError("x_scale: this config has no scales; pass None")
+    _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
+    if not indices.is_contiguous():
+        raise ValueError("indices: must be contiguous")
+    if bound_m is not None:
+        _check("bound_m", bound_m, (1,), torch.int32, device)
+    if device.type != "cuda":
+        # CPU: the check costs no device sync, so bad input is refused before anything is sent.
+        # GPU: the routing kernel checks on the device; the combine's end says it (no host sync).
+        routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
+
+def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs) -> None:
+    """The receive half's output contracts."""
+    _check("out_expert_num_tokens", num, (lay.num_local_experts,), torch.int32, device)
+    _check("out_expert_x", x, None, cfg.in_dtype, device)
+    if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.shape[0] < lay.max_dispatch_rows:
+        raise ValueError(f"out_expert_x: expected [>= {lay.max_dispatch_rows}, {cfg.hidden_dim}], "
+                         f"got {tuple(x.shape)} (use empty_dispatch_outputs())")
+    if cfg.has_scales:
+        _check("out_expert_x_scale", xs, None, torch.float32, device, last_contig=False)
+        if xs.dim() != 2 or xs.shape[1] != cfg.num_scales or xs.shape[0] < lay.max_dispatch_rows:
+            raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {cfg.num_scales}], "
+                             f"got {tuple(xs.shape)}")
+    elif xs is not None:
+        raise ValueError("out_expert_x_scale: this config has no scales; pass None")
+
+
+def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
+    _check("expert_y", expert_y, None, cfg.out_dtype, device)
+    if expert_y.dim() != 2 or expert_y.shape[1] != cfg.hidden_dim:
+        raise ValueError(f"expert_y: expected [rows, {cfg.hidden_dim}], got {tuple(expert_y.shape)}")
+    if expert_y.shape[0] < lay.max_dispatch_rows:
+        raise ValueError(f"expert_y: needs >= {lay.max_dispatch_rows} rows (as out_expert_x), "
+                         f"got {expert_y.shape[0]}")
+
+
+def check_combine_recv(cfg: A2AConfig, device, T: int, out_tokens, weights, indices) -> None:
+    _check("out_tokens", out_tokens, (T, cfg.hidden_dim), cfg.out_dtype, device)
+    _check("weights", weights, (T, cfg.experts_per_token), torch.float32, device)
+    _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
 
 
 # The wiring's addresses and views, read-only on the instance (tests and benchmarks look at them).

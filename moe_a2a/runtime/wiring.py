@@ -15,13 +15,61 @@ import torch
 
 from ..config import Layout
 from ..protocol.words import HALF_FLAGS, Flag, flag_word
-from ..proxy import bootstrap
+from ..proxy import bootstrap, topology
+from ..proxy import libfabric as lf
+from ..proxy.engine import auto_provider
 from ..proxy.handle import ProxyHandle, ProxySpec
 from ..proxy.memory import SharedSegment, device_view, unique_name
 from ..triton_kernels.node_sync import NodeSync
 from . import placement as placements
 
 log = logging.getLogger("moe_a2a")
+
+
+# ---- decisions from the arguments and the hosts (the same on every rank) --------------------------
+def node_size(node_group, hosts: list[str], world_size: int) -> int:
+    """Ranks per node: an int, "auto"/None (ranks of one hostname, grouped contiguously) or a group."""
+    W = world_size
+    if isinstance(node_group, int) and not isinstance(node_group, bool):
+        n = node_group
+    elif node_group is None or node_group == "auto":
+        n = hosts.count(hosts[0])
+        if any(hosts[i] != hosts[i // n * n] for i in range(W)) or W % n:
+            raise ValueError(f"node_group='auto': ranks must be grouped contiguously by host in equal "
+                             f"numbers, got hosts {hosts}")
+    else:
+        import torch.distributed as dist
+
+        n = dist.get_world_size(node_group)
+    if n < 1 or W % n:
+        raise ValueError(f"node_group: node size {n} must divide world size {W}")
+    return n
+
+
+def choose_transport(transport: str, hosts: list[str]) -> str:
+    """"auto": efa if present, else shm on one host and tcp between hosts (shm reaches only this host)."""
+    if transport != "auto":
+        return transport
+    chosen = auto_provider()
+    return "tcp" if chosen == "shm" and len(set(hosts)) > 1 else chosen
+
+
+def choose_nics(nics, transport: str, rank: int, layout: Layout) -> tuple[str, ...] | None:
+    """The domains this rank's proxies open (None: the provider's first)."""
+    if nics != "auto":
+        return tuple(nics)
+    if transport != "efa":
+        return None
+    return tuple(topology.nics_for_rank(lf.list_domains("efa"), rank % layout.node_size, layout.node_size))
+
+
+def choose_proxies(proxies, transport: str, nics, remote_peers: int) -> int:
+    """Proxy processes per rank: "auto" is one per NIC on EFA (at most one per remote peer), else 1."""
+    if proxies == "auto":
+        return max(1, min(len(nics) if transport == "efa" and nics else 1, remote_peers))
+    if proxies > max(1, remote_peers):
+        raise ValueError(f"proxies={proxies}: more proxies than remote peers ({remote_peers}) per rank")
+    return proxies
 
 
 class Wiring:
