@@ -165,6 +165,16 @@ class SharedSegment:
             raise RuntimeError(f"cudaHostRegister({self.name}, {self.nbytes} B) failed: {err}")
         self._cuda_registered = True
 
+    def unlink(self) -> None:
+        """Remove the file; the mappings stay valid. Once every process that maps it has done so, nothing
+        is left in /dev/shm whatever happens to them later (a crash, SIGKILL)."""
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.owner = False
+
     def close(self) -> None:
         if self._cuda_registered:
             from cuda.bindings import runtime as rt
@@ -178,12 +188,7 @@ class SharedSegment:
             except BufferError:
                 pass  # views still alive: the mapping goes away with them
             self._mmap = None
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.owner = False
+        self.unlink()
 
     def __del__(self) -> None:  # best effort: never leave a file in /dev/shm
         try:

@@ -53,7 +53,7 @@ from ..protocol.segment import Flags, ShardWords, write_error
 from ..protocol.words import ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, ShardWord, decode_imm, encode_imm
 from .handle import ProxySpec
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
-from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds
+from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
 
 
 
@@ -348,10 +348,17 @@ class Proxy:
 
 
 def _die_with_parent() -> None:
-    """Ask the kernel to kill us when the owner dies (Linux), on top of the ppid check."""
+    """Ask the kernel to end us when the owner dies (Linux), on top of the ppid check: SIGTERM, whose
+    handler removes the provider's regions this process made in /dev/shm (`{pid}:*`) and exits, since
+    an owner killed outright cannot remove them for us."""
+    def on_term(signum, frame) -> None:
+        remove_process_shm_files(os.getpid(), segments=False)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 

@@ -61,6 +61,9 @@ class Placement:
         """(send, recv) addresses where rows to and from other nodes are (the proxy's view)."""
         return self.own()
 
+    def unlink(self) -> None:
+        """Remove the files of this rank's buffers once every node peer has mapped them (none by default)."""
+
     def release(self) -> None:
         errors = []
         closers, self._closers = self._closers, []
@@ -121,6 +124,9 @@ class _NodeFile(Placement):
     def share(self):
         return self._file.name
 
+    def unlink(self) -> None:
+        self._file.unlink()
+
     def own(self) -> tuple[int, int]:
         return self._file.addr, self._file.addr + self.layout.send_bytes
 
@@ -159,6 +165,9 @@ class StagedPlacement(Placement):
 
     def map_peer(self, token, peer_segment) -> tuple[int, int]:
         return self._node.map_peer(token, peer_segment)
+
+    def unlink(self) -> None:
+        self._node.unlink()
 
     @property
     def needs_peer_segments(self) -> bool:

@@ -230,6 +230,11 @@ class Wiring:
         self.peer_send_bytes = tables["send"].to(dev)
         self.peer_recv_bytes = tables["recv"].to(dev)
         self._views(sync_at[r], tables["sync"].to(dev))
+        # Every process that maps our files (node peers, our proxies) has now done so: unlink them, so that
+        # nothing outlives the processes whoever kills them (torchrun, SIGKILL, a segfault).
+        bootstrap.exchange(self.group, None)
+        seg.unlink()
+        self.buffers.unlink()
 
     def _views(self, sync_addr: int, peer_sync_bytes: torch.Tensor) -> None:
         """The flags, trace and sync-area views, and the kernels' `NodeSync`."""
