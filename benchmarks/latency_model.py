@@ -144,8 +144,10 @@ PROVENANCE = {
     "HALF_GAP_US": ("measured", "kernel timelines of docs/results/e2e_graph_x2.json and e2e_graph_x2_n1.json "
                                 "(2026-11-30): dispatch end -> combine start 4.0, 5.0, 3.4, 3.6 µs"),
     "HBM_COPY_GBPS": ("measured", f"{_KJ}: copy_bw_GBps (floor only)"),
-    "NVLINK_GBPS": ("measured", "docs/benchmarks.md, 2026-11-30 section (64 MiB copy_, GPU0 -> GPU1)"),
-    "PEER_FLAG_RTT_US": ("measured", "docs/benchmarks.md, 2026-11-30 section (GPU-to-GPU flag round trip)"),
+    "NVLINK_GBPS": ("measured", "docs/benchmarks.md, hardware table (2 x H200, 2026-11-30): 64 MiB copy_, "
+                                "GPU0 -> GPU1"),
+    "PEER_FLAG_RTT_US": ("measured", "docs/benchmarks.md, hardware table (2 x H200, 2026-11-30): GPU-to-GPU flag "
+                                  "round trip"),
     "FLAG_RTT_US": ("measured", "docs/results/flags.json (2026-11-29): median GPU -> proxy -> GPU"),
     "HOST_STAGED_GBPS": ("measured", f"{_RUN}: pack, unpack, combine pack, reduce spans of both ranks, "
                                      "bytes / (span - kernel time) = 50.4 GB/s"),
