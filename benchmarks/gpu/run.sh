@@ -10,8 +10,9 @@
 #                                                  2 GPUs as two simulated nodes (one rank each, shm between the
 #                                                  proxies): host vs staged placement, proxies per rank, transport
 #
-# Results (JSON, PNG, log.txt, env.txt) go to $OUT/<suite>/ when OUT is set (a runner that brings $OUT
-# back), else to docs/results/<suite>/, where the docs quote them. Exit status: the number of failed steps.
+# Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
+# runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
+# number of failed steps.
 set -u
 cd "$(dirname "$0")/../.."
 
