@@ -107,6 +107,9 @@ cross-node:all|cross-node:more)
     step 60 moe-a2a bench e2e --world 4 --node 1 --device cuda --iters 50 --warmup 5 --proxies "$k" \
          --json "$RES/e2e_w4n1_k$k.json"
   done
+  # one traced call across the two nodes: kernels and proxy steps on one time axis
+  step 60 moe-a2a bench timeline --world 2 --node 1 --device cuda --png "$RES/timeline_x2_n1.png" \
+       --json "$RES/timeline_x2_n1.json"
   # the proxy's own costs on this host: Python per write, scatters, round trips, the plan per world size
   step 90 moe-a2a bench transport --provider shm --iters 2000 --peers 1,7,63 --json "$RES/transport_gpu_host.json"
   ;;
