@@ -8,7 +8,7 @@ from moe_a2a.config import A2AConfig
 from moe_a2a.bench.demo import check_against_reference, make_inputs, toy_expert
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="CUDA graphs need a GPU; run on the GPU machine (docs/gpu/run.sh)")
+                               reason="CUDA graphs need a GPU; run on the GPU machine (benchmarks/gpu/run.sh)")
 
 
 def _graph_rank(a2a, rank, live_tokens):

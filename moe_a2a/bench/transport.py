@@ -163,7 +163,7 @@ def bench_python_post_cost(provider: str, num_peers: int, iters: int) -> dict:
         times = []
         perf = time.perf_counter
         # Untimed warm-up first: on the GPU host the first few thousand scatters of a fresh process cost
-        # up to 1.6x the steady state (docs/gpu/post_jitter.py), which the proxy, a long-lived process,
+        # up to 1.6x the steady state (benchmarks/gpu/post_jitter.py), which the proxy, a long-lived process,
         # pays once.
         warmup = max(WARMUP_SCATTERS, iters // 5)
         for i in range(warmup + iters):

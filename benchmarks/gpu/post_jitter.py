@@ -1,9 +1,10 @@
 """Why the Python cost per posted write has a median twice its minimum on the GPU host (docs/benchmarks.md):
 the same micro-benchmark as `moe_a2a.bench.transport` (fi_writemsg replaced by a no-op, 63 targets, shm),
-under variants that remove one suspect each: Python's cyclic GC, the process moving between cores, and a
-and a short run against a long one. Prints the median and minimum per write of each.
+under variants that remove one suspect each: Python's cyclic GC, the process moving between cores, and
+a short run against a long one. Prints the median and minimum per write of each (the result and its
+reading: docs/perf-notes.md).
 
-`python3 docs/gpu/post_jitter.py [out.json]` (2026-11-30, nvidia-h200-x2 host).
+`python3 benchmarks/gpu/post_jitter.py [out.json]`
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (commit 4a5e29b: every step through the proxy, two barriers) and after (kernels synchronise through
 peer memory, proxy idle), from the kernel-side stamps in docs/results/{before_graph_x2,e2e_graph_x2}.json.
 
-    python3 docs/gpu/plot_timelines.py docs/results/before_graph_x2.json docs/results/e2e_graph_x2.json out.png
+    python3 benchmarks/gpu/plot_timelines.py docs/results/before_graph_x2.json docs/results/e2e_graph_x2.json out.png
 """
 import json
 import sys

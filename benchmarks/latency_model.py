@@ -29,7 +29,9 @@ Before it predicts, :func:`calibration` reproduces two measured configurations (
 decode): node-local, and two simulated nodes over shm. Every constant below is in :data:`PROVENANCE`
 (measured, with file and date; derived from measured ones; the workload's configuration; or ASSUMPTION).
 
-    python -m moe_a2a.bench.latency_model --png docs/latency-model.png --json /tmp/latency-model.json
+Run from the repository root (the page docs/latency-model.md shows its three tables):
+
+    python -m benchmarks.latency_model --png docs/latency-model.png --json /tmp/latency-model.json
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ._util import fraction, nonneg_float
+from moe_a2a.bench._util import fraction, nonneg_float
 
 # ---- workload: the decode configuration (docs/design.md, Benchmarks) ----------------------------------
 TOKENS = 128                      # T, tokens per rank
@@ -54,7 +56,7 @@ GPUS_PER_NODE = 8                 # p5en / DGX H200
 
 # ---- GPU side, H200 (measured) ----------------------------------------------------------------------
 # Kernel GPU time inside a CUDA graph, rank 0 of a 64-rank layout, all rows in local memory
-# (docs/results/kernels.json, 2026-11-29). Under uniform routing a rank handles T*K rows at any W, so
+# (docs/results/kernels.json). Under uniform routing a rank handles T*K rows at any W, so
 # these do not scale with W; rows that cross NVLink or PCIe are charged on top (see _gpu).
 K_ROUTE_TOKENS = 4.58
 K_PACK_TOKENS = 3.26
@@ -65,16 +67,16 @@ LAUNCH_GPU_US = 1.43              # one empty launch in a graph: the one-warp wa
 HALF_GAP_US = 4.0                 # between one half's graph and the next on the kernel timeline: 4.0/5.0
                                   # (e2e_graph_x2.json trace), 3.4/3.6 µs (e2e_graph_x2_n1.json trace)
 HBM_COPY_GBPS = 4261.0            # device copy (kernels.json): the HBM floor, for reference only
-NVLINK_GBPS = 358.0               # GPU0 -> GPU1 copy of 64 MiB, 2 x H200 NV18 (docs/benchmarks.md 2026-11-30)
-PEER_FLAG_RTT_US = 2.7            # GPU <-> GPU flag through peer memory (docs/benchmarks.md 2026-11-30)
+NVLINK_GBPS = 358.0               # GPU0 -> GPU1 copy of 64 MiB, 2 x H200 NV18
+PEER_FLAG_RTT_US = 2.7            # GPU <-> GPU flag through peer memory
 FLAG_RTT_US = 6.14                # GPU -> proxy process -> GPU through pinned host memory (flags.json)
 # Host-staged buffers: the row kernels read / write pinned host memory over PCIe. Pooled over the four
 # row kernels of both ranks in the e2e_graph_x2_n1.json trace: 89.0 MB in 1767 µs (span - kernel time).
 HOST_STAGED_GBPS = 50.0
 
 # ---- the proxy (Python + ctypes libfabric shim), micro-benchmarks on the GPU host ---------------------
-# docs/results/transport_gpu_host.json (2026-11-30, 2 x H200 host, shm provider, fi_writemsg replaced
-# by a no-op for the Python cost).
+# docs/results/transport_gpu_host.json (2 x H200 host, shm provider, fi_writemsg replaced by a no-op for
+# the Python cost).
 POST_US = 1.49                    # engine Python per write, 63 targets, median
 POST_US_MIN = 0.78                # the same, minimum: the optimistic edge
 SCATTER_FIXED_US = 0.25           # per scatter call: 1-peer scatter post 2.52 - POST_US - SHM_POST_C_US
@@ -82,7 +84,7 @@ SHM_POST_C_US = 0.78              # shm provider's own C per write: scatter-63 p
 CQ_US = 0.25                      # per completion drained: scatter-63 "all completed" - "posted" = 15.8 µs
                                   # for 63 writes (an upper bound: includes the receivers' latency)
 PLAN_US_W8, PLAN_US_W64, PLAN_US_W256 = 46.8, 154.8, 276.3  # proxy arithmetic per call (medians)
-# The same proxy inside the run (e2e_graph_x2_n1.json trace, W=2, shm, 2026-11-30), per call:
+# The same proxy inside the run (e2e_graph_x2_n1.json trace, W=2, shm), per call:
 RUN_SCATTER1_US = 14.5            # one-write scatters: route 23.0/6.7, private 15.2/6.9, combine 7.9/27.5 µs
 RUN_PLAN_PRIVATE_US = 78.6        # route_posted -> send_ready_seen (SEND_READY already raised): 82.8/74.4
 RUN_PLAN_REMAINDER_US = 62.5      # routes_received -> remainder_posted: 58.1/67.0
@@ -124,7 +126,7 @@ _RUN = "docs/results/e2e_graph_x2_n1.json (trace, 2026-11-30)"
 _TGH = "docs/results/transport_gpu_host.json (2026-11-30)"
 _KJ = "docs/results/kernels.json (2026-11-29)"
 # Where every constant comes from: name -> (kind, source). kind: measured | derived (from measured
-# ones) | config (the workload's definition) | assumption. Checked by tests/bench/test_latency_model.py.
+# ones) | config (the workload's definition) | assumption. Checked by tests/benchmarks/test_latency_model.py.
 PROVENANCE = {
     "TOKENS": ("config", "decode: 128 tokens per rank (docs/design.md, Benchmarks)"),
     "TOPK": ("config", "decode: top-8"),
@@ -142,8 +144,10 @@ PROVENANCE = {
     "HALF_GAP_US": ("measured", "kernel timelines of docs/results/e2e_graph_x2.json and e2e_graph_x2_n1.json "
                                 "(2026-11-30): dispatch end -> combine start 4.0, 5.0, 3.4, 3.6 µs"),
     "HBM_COPY_GBPS": ("measured", f"{_KJ}: copy_bw_GBps (floor only)"),
-    "NVLINK_GBPS": ("measured", "docs/benchmarks.md, 2026-11-30 section (64 MiB copy_, GPU0 -> GPU1)"),
-    "PEER_FLAG_RTT_US": ("measured", "docs/benchmarks.md, 2026-11-30 section (GPU-to-GPU flag round trip)"),
+    "NVLINK_GBPS": ("measured", "docs/benchmarks.md, hardware table (2 x H200, 2026-11-30): 64 MiB copy_, "
+                                "GPU0 -> GPU1"),
+    "PEER_FLAG_RTT_US": ("measured", "docs/benchmarks.md, hardware table (2 x H200, 2026-11-30): GPU-to-GPU flag "
+                                  "round trip"),
     "FLAG_RTT_US": ("measured", "docs/results/flags.json (2026-11-29): median GPU -> proxy -> GPU"),
     "HOST_STAGED_GBPS": ("measured", f"{_RUN}: pack, unpack, combine pack, reduce spans of both ranks, "
                                      "bytes / (span - kernel time) = 50.4 GB/s"),
@@ -462,7 +466,7 @@ def back_to_back(r: dict) -> dict:
 
 # ---- calibration: the two configurations we measured ----------------------------------------------------
 # (configuration, quantity, measured µs, source). 2 x H200, decode, CUDA-graph replay, medians of
-# 200 (a) / 100 (b) calls per rank, 2026-11-30; (c), (d): 100-200 calls per run, several runs (the
+# 200 (a) / 100 (b) calls per rank; (c), (d): 100-200 calls per run, several runs (the
 # spread between runs of one configuration, ~10%, is larger than the difference between (c) and (d)).
 _E2E_A = "docs/results/e2e_graph_x2.json"
 _E2E_B = "docs/results/e2e_graph_x2_n1.json"
@@ -652,7 +656,7 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench.latency_model",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.latency_model",
                                  description="moe_a2a latency MODEL: calibration against 2 x H200, then "
                                              "EP16/32/64 predictions")
     ap.add_argument("--png", help="write the plot here")

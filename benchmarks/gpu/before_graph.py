@@ -2,9 +2,12 @@
 `moe-a2a bench e2e --graph` times today's: one CUDA graph per half, replayed back to back, decode sizes,
 2 ranks on 2 GPUs; then one traced graph call (the model's kernel-side stamps and the proxy's steps,
 read raw: that version's `trace()` matched stamps to the host's epoch, which graph replays do not
-advance). Run with the old package first on PYTHONPATH (docs/gpu/run.sh before):
+advance). It gave the "before" numbers of docs/benchmarks.md (docs/results/before_graph_x2.json). Run from
+inside old_pkg/, because the proxy is started with `python -m moe_a2a.proxy.worker`, which takes the
+package of the working directory first (2 GPUs):
 
-    git archive 4a5e29b moe_a2a | tar -x -C old_pkg && PYTHONPATH=old_pkg python3 docs/gpu/before_graph.py out.json
+    mkdir old_pkg && git archive 4a5e29b moe_a2a | tar -x -C old_pkg
+    cd old_pkg && PYTHONPATH=$PWD python3 ../benchmarks/gpu/before_graph.py out.json
 """
 import json
 import statistics

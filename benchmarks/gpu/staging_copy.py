@@ -1,7 +1,7 @@
 """Staging remote rows: copy engine (cudaMemcpyAsync into pinned host memory) vs SM stores (a Triton copy
 kernel writing pinned host memory through its device mapping, what the pack kernels do), both ways.
 
-Run on the GPU machine: `python3 docs/gpu/staging_copy.py [out.json]`. Sizes are one remote peer's run at
+Run on the GPU machine: `python3 benchmarks/gpu/staging_copy.py [out.json]`. Sizes are one remote peer's run at
 decode (T=128, K=8, fp8 H=7168 + scales, E=256: ~0.9 MB to each of 7 remote ranks at EP16, ~3.7 MB to the
 one peer of 2 simulated nodes) up to prefill runs. Events around each copy, median of 50 after 10 warm-up.
 """

@@ -1,4 +1,4 @@
-"""Checks of the latency MODEL (moe_a2a/bench/latency_model.py): its arithmetic against the numbers we
+"""Checks of the latency MODEL (benchmarks/latency_model.py): its arithmetic against the numbers we
 recorded in docs/results/, where each constant comes from, and its predictions' internal consistency.
 No GPU, no network."""
 import json
@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from moe_a2a.bench import latency_model as lm
+from benchmarks import latency_model as lm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"

@@ -1,7 +1,9 @@
 """Where an eager dispatch + combine spends its host time (2 ranks, one per GPU, decode sizes).
 
 For each half: the host time of the Python call (perf_counter, no device sync inside the loop), then a
-cProfile of 50 calls on rank 0 (top entries by own time). Run by docs/gpu/run.sh eager.
+cProfile of 50 calls on rank 0 (top entries by own time). Needs 2 GPUs:
+
+    python3 benchmarks/gpu/profile_eager.py [calls, default 200]
 """
 import cProfile
 import io

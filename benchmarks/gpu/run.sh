@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU suites: the commands behind the numbers in docs/benchmarks.md, run from the repository root on a
+# machine with NVIDIA GPUs.
+#
+#   bash benchmarks/gpu/run.sh quick               1 GPU, ~5 min: kernel tests compiled, kernel and flag benchmarks
+#   bash benchmarks/gpu/run.sh full [tests|bench]  2 GPUs (1 works, multi-GPU cases skip): the whole test suite
+#                                                  on the GPU, then the benchmarks of one node (a runner with a
+#                                                  time limit per command can call the two parts apart)
+#   bash benchmarks/gpu/run.sh cross-node [decode|more]
+#                                                  2 GPUs as two simulated nodes (one rank each, shm between the
+#                                                  proxies): host vs staged placement, proxies per rank, transport
+#
+# Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
+# runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
+# number of failed steps.
+set -u
+cd "$(dirname "$0")/../.."
+
+suite=${1:-}
+part=${2:-all}
+case "$suite:$part" in
+  quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more) ;;
+  *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more]" >&2; exit 2 ;;
+esac
+RES=${OUT:+$OUT/$suite}
+RES=${RES:-docs/results/$suite}
+mkdir -p "$RES"
+
+# The working tree's package first (also in the proxy processes it starts); compiled kernels, not the
+# interpreter; NVLink multicast off (not lent on the shared machines).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset TRITON_INTERPRET
+
+# Set-up: a no-op where `moe-a2a` is installed; otherwise this checkout, editable, without downloads (the
+# GPU image has torch and triton and may have no network).
+command -v moe-a2a >/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . \
+  || { echo "run.sh: 'pip install -e .' failed; install the package first" >&2; exit 1; }
+
+failed=0
+# step SECONDS COMMAND...: run with a time limit, log everything, show the tail, count a failure.
+step() {
+  local limit=$1; shift
+  echo "=== $* (limit ${limit}s)" | tee -a "$RES/log.txt"
+  local start=$SECONDS
+  timeout "$limit" "$@" >>"$RES/log.txt" 2>&1
+  local rc=$?
+  tail -n 15 "$RES/log.txt"
+  echo "=== rc=$rc in $((SECONDS - start)) s" | tee -a "$RES/log.txt"
+  [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+gpu_tests=(env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider)  # the tests, compiled kernels
+
+# What the docs' hardware and date columns are read from.
+{
+  echo "suite: $suite $part"; date -u +"date: %Y-%m-%d %H:%M UTC"; echo "commit: $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -4
+  lscpu | grep -iE "^model name|^cpu\(s\)|numa node\(s\)"
+  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+  fi_info --version 2>/dev/null | head -1
+} >"$RES/env.txt" 2>&1
+cat "$RES/env.txt"
+
+case "$suite:$part" in
+quick:all)
+  step 300 "${gpu_tests[@]}" tests/triton_kernels
+  step 150 moe-a2a bench kernels --preset both --json "$RES/kernels.json" --png "$RES/kernels.png"
+  step 60  moe-a2a bench flags --iters 2000 --reps 10 --json "$RES/flags.json"
+  ;;
+full:all|full:tests)
+  step 900 "${gpu_tests[@]}" --timeout 300 tests
+  ;;&
+full:all|full:bench)
+  step 150 moe-a2a bench kernels --preset both --json "$RES/kernels.json" --png "$RES/kernels.png"
+  step 60  moe-a2a bench flags --iters 2000 --reps 10 --json "$RES/flags.json"
+  # one rank per GPU on one node: graph replay, eager, the NCCL baseline and the floor, decode and prefill,
+  # plus one traced graph call drawn as the timeline
+  step 240 moe-a2a bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
+       --json "$RES/e2e_graph_x2.json" --png "$RES/timeline_graph_x2.png"
+  # four ranks sharing one GPU (host waits), on one node and as two simulated nodes
+  step 60  env CUDA_VISIBLE_DEVICES=0 moe-a2a bench e2e --world 4 --node 4 --device cuda --iters 50 --warmup 5 \
+       --json "$RES/e2e_w4n4_one_gpu.json"
+  step 60  env CUDA_VISIBLE_DEVICES=0 moe-a2a bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 \
+       --json "$RES/e2e_w4n2_one_gpu.json"
+  step 60  moe-a2a bench timeline --world 4 --node 2 --device cuda --png "$RES/timeline.png" --json "$RES/timeline.json"
+  step 120 moe-a2a demo --device cuda --iters 5
+  ;;
+cross-node:all|cross-node:decode)
+  # decode, the two placements alternating: runs of one configuration spread by ~10%, so medians of three
+  for i in 1 2 3; do for b in staged host; do
+    step 60 moe-a2a bench e2e --graph --no-nccl --preset decode --world 2 --node 1 --iters 200 --warmup 20 \
+         --buffers "$b" --json "$RES/e2e_graph_x2_n1_decode_${b}_$i.json"
+  done; done
+  ;;&
+cross-node:all|cross-node:more)
+  # decode and prefill once per placement (the decode run carries one traced call)
+  for b in staged host; do
+    step 150 moe-a2a bench e2e --graph --no-nccl --world 2 --node 1 --iters 100 --warmup 10 --buffers "$b" \
+         --json "$RES/e2e_graph_x2_n1_${b}.json"
+  done
+  # four ranks on two GPUs as two nodes of two (node peers over NVLink when staged), eager
+  for b in staged host; do
+    step 60 moe-a2a bench e2e --world 4 --node 2 --device cuda --iters 50 --warmup 5 --buffers "$b" \
+         --json "$RES/e2e_w4n2_${b}.json"
+  done
+  # four ranks, each its own node: one proxy per rank against one per remote peer
+  for k in 1 3; do
+    step 60 moe-a2a bench e2e --world 4 --node 1 --device cuda --iters 50 --warmup 5 --proxies "$k" \
+         --json "$RES/e2e_w4n1_k$k.json"
+  done
+  # one traced call across the two nodes: kernels and proxy steps on one time axis
+  step 60 moe-a2a bench timeline --world 2 --node 1 --device cuda --png "$RES/timeline_x2_n1.png" \
+       --json "$RES/timeline_x2_n1.json"
+  # the proxy's own costs on this host: Python per write, scatters, round trips, the plan per world size
+  step 90 moe-a2a bench transport --provider shm --iters 2000 --peers 1,7,63 --json "$RES/transport_gpu_host.json"
+  ;;
+esac
+echo "=== $suite $part: $failed step(s) failed; results in $RES"
+exit "$failed"
