@@ -33,7 +33,7 @@ def _resources(pid: int) -> dict:
 
 
 def _sample(a2a, call: int) -> dict:
-    proxy = a2a.proxy.proc.pid if a2a.proxy is not None else None
+    proxy = a2a.proxies[0].proc.pid if a2a.proxies else None
     return {"call": call, "rank": _resources(os.getpid()), "proxy": _resources(proxy) if proxy else None,
             "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else None}
 
