@@ -274,9 +274,15 @@ class AllToAll:
         cfg = self.cfg
         if do_send:
             self._expect(_DISPATCH_DONE, "combine(do_send=True)")
-            check_combine_send(cfg, self.layout, self.device, expert_y)
-        if do_recv:
-            self._expect(_COMBINE_SENT if not do_send else _DISPATCH_DONE, "combine(do_recv=True)")
+            try:
+                check_combine_send(cfg, self.layout, self.device, expert_y)
+                if do_recv:
+                    check_combine_recv(cfg, self.device, self._T, out_tokens, weights, indices)
+            except ValueError as exc:
+                self._abort_at_combine(exc)  # raises exc, once the call is void on every rank
+        elif do_recv:
+            self._expect(_COMBINE_SENT, "combine(do_recv=True)")
+            # The send half is done and its rows are with their homes: a corrected receive may follow.
             check_combine_recv(cfg, self.device, self._T, out_tokens, weights, indices)
         try:
             if do_send:
@@ -397,16 +403,28 @@ class AllToAll:
             out_num, out_x, out_x_scale, w.counts, self.rank, w.base, w.peer_send_bytes,
             w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node)  # remote sources' rows
         self._state = _DISPATCH_DONE
-        if self.device.type != "cuda" and self.layout.expert_capacity:
-            self._status.raise_capacity_exceeded(self.epoch)  # CPU kernels have run: say it now
-        if aborted and not aborting:
+        if aborting:
+            return
+        # CPU kernels have run: an expert over capacity is known now (a GPU says it at the end of combine).
+        over = self._status.capacity_exceeded() if self.device.type != "cuda" and self.layout.expert_capacity else None
+        if over or aborted:
             # A host that waits knows now: finish the call's combine half here (it moves nothing that
-            # counts), so every rank ends the call together and the next one starts clean.
-            scratch = self._scratch()
-            self._combine_send(scratch["y"])
-            self._combine_recv(scratch["out"][: self._T], scratch["w"][: self._T], False, self._bound_m)
+            # counts; over capacity, it tells every peer the call is void), so every rank ends the call
+            # together and the next one starts clean.
+            if over:
+                w.segment_flags[Flag.CALL_ABORTED] = self.epoch
+            self._finish_void()
             self._status.abort_seen = self.epoch
+            if over:
+                raise RuntimeError(f"{over} (epoch {self.epoch}: the call was aborted on every rank; the next "
+                                   f"proceeds normally)")
             raise CallAborted(self._status.aborted_message(self.epoch, aborted))
+
+    def _finish_void(self) -> None:
+        """The combine half of a void call, into scratch buffers: peers' waits are met, nothing counts."""
+        scratch = self._scratch()
+        self._combine_send(scratch["y"])
+        self._combine_recv(scratch["out"][: self._T], scratch["w"][: self._T], False, self._bound_m)
 
     def _combine_send(self, expert_y) -> None:
         w = self._w
@@ -441,6 +459,19 @@ class AllToAll:
         self._status.abort_seen = self.epoch
         raise ValueError(f"{exc} (rank {self.rank} aborted this call, epoch {self.epoch}, on every rank: it sent "
                          f"nothing; the next call proceeds normally)") from None
+
+    def _abort_at_combine(self, exc: ValueError) -> None:
+        """This rank's combine input was rejected: finish the call with scratch buffers, telling every peer
+        the call is void (CALL_ABORTED: node peers through the combine pack, remote ones through the
+        proxy's immediates), then raise `exc`."""
+        self._w.segment_flags[Flag.CALL_ABORTED] = self.epoch  # before the combine pack reads it
+        try:
+            self._finish_void()
+        except BaseException as inner:
+            self._fail(inner)
+        self._status.abort_seen = self.epoch
+        raise ValueError(f"{exc} (rank {self.rank} aborted this call, epoch {self.epoch}, on every rank at its "
+                         f"combine; the next call proceeds normally)") from None
 
     def _scratch(self) -> dict:
         """Buffers of an aborted call (made on the first one): no tokens in; one row out, since the

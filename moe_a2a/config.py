@@ -330,8 +330,8 @@ class Layout:
     # wait on the GPU for same-node peers only (device memory: fastest), else in the shared segment
     # (host memory: the host and the proxy can read it too), where its count rows are the routing
     # area. Epoch words are int64, one per source rank; a source writes only its own word and its own
-    # count row, so no two writers share a word. Cost: 2 * round_up(8W, 64) + 4*W*E bytes (W=64,
-    # E=256: 66 KB). Offsets below are relative to the area's start.
+    # count row, so no two writers share a word. Cost: 3 * round_up(8W, 64) + 4*W*E bytes (W=64,
+    # E=256: 67 KB). Offsets below are relative to the area's start.
     @cached_property
     def dispatch_ready_offset_bytes(self) -> int:
         """int64 [W]: word s = last epoch whose count row and send buffer source s published here."""
@@ -344,9 +344,15 @@ class Layout:
         return round_up(8 * self.world_size, FLAG_SLOT_BYTES)
 
     @cached_property
+    def combine_aborted_offset_bytes(self) -> int:
+        """int64 [W]: word s = last epoch source s aborted at its combine (written before its
+        combine_ready word: bad combine input there, or an expert over capacity)."""
+        return 2 * round_up(8 * self.world_size, FLAG_SLOT_BYTES)
+
+    @cached_property
     def node_counts_offset_bytes(self) -> int:
         """int32 [W, E]: row s = source s's per-expert counts."""
-        return 2 * round_up(8 * self.world_size, FLAG_SLOT_BYTES)
+        return 3 * round_up(8 * self.world_size, FLAG_SLOT_BYTES)
 
     @cached_property
     def sync_bytes(self) -> int:

@@ -36,3 +36,9 @@ def encode_bad_index(route):
 def encode_wait_status(late_mask, proxy_late):
     """A failed wait's STATUS_* word: `late_mask` bit i = node rank node_first + i was late."""
     return 1 + 2 * late_mask.to(tl.int64) + tl.where(proxy_late, _PROXY_MISSING, 0)
+
+
+@triton.jit
+def encode_bad_bound_m(bound_m):
+    """Flag.BAD_BOUND_M: a call's device-side token count outside [0, T]."""
+    return (1 << 32) | (bound_m.to(tl.int64) & 0xFFFFFFFF)

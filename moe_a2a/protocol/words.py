@@ -57,7 +57,14 @@ class Flag(enum.IntEnum):
     # (routing rows, private and remainder writes) and in the combine phase (tests, benchmarks).
     DISPATCH_WRITES_POSTED = 19
     COMBINE_WRITES_POSTED = 20
-    NUM_FLAGS = 21
+    # model -> kernels, proxy: the last epoch this rank aborts at its combine (bad combine input, set by
+    # the host; an expert over capacity, set by the unpack kernel). The combine pack then tells the node
+    # peers (their combine_aborted word) and the proxy sends COMBINE_ABORTED immediates instead.
+    CALL_ABORTED = 21
+    # GPU -> model: 1 + bound_m of a call whose device-side token count was outside [0, T] (sticky until
+    # the host reports it); that call was aborted on every rank.
+    BAD_BOUND_M = 22
+    NUM_FLAGS = 23
 
 
 # Several proxy processes per rank (`AllToAll(proxies=k)`): proxy j carries the remote peers p with
@@ -92,6 +99,7 @@ class Imm(enum.IntEnum):
 
     DISPATCH = 2
     COMBINE = 3
+    COMBINE_ABORTED = 4  # a combine write of a call its sender aborted (counted as COMBINE)
 
 
 # Moments the proxy timestamps (CLOCK_MONOTONIC ns) when Flag.TRACE is set: one (epoch, t_ns) pair of
@@ -176,6 +184,20 @@ def decode_bad_index(word: int, experts_per_token: int) -> tuple[int, int] | Non
     if not word:
         return None
     return (word - 1) // experts_per_token, (word - 1) % experts_per_token
+
+
+def encode_bad_bound_m(bound_m: int) -> int:
+    """Flag.BAD_BOUND_M: the device-side token count of a call was outside [0, T] (any int32)."""
+    return (1 << 32) | (int(bound_m) & 0xFFFFFFFF)
+
+
+def decode_bad_bound_m(word: int) -> int | None:
+    """The bound_m a Flag.BAD_BOUND_M word recorded, or None."""
+    word = int(word)
+    if not word:
+        return None
+    low = word & 0xFFFFFFFF
+    return low - (1 << 32) if low >= 1 << 31 else low
 
 
 def encode_wait_status(late_node_ranks: list[int], node_first: int, proxy_late: bool) -> int:

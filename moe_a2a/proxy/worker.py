@@ -50,7 +50,8 @@ import numpy as np
 
 from ..protocol import plan
 from ..protocol.segment import Flags, ShardWords, write_error
-from ..protocol.words import ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, ShardWord, decode_imm, encode_imm
+from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, ShardWord, decode_imm,
+                              encode_abort, encode_imm)
 from .handle import ProxySpec
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
@@ -175,13 +176,22 @@ class Proxy:
         while self.flags[flag] < epoch:
             self._idle(start)
 
-    def wait_peers(self, epoch: int, what: str, imms: dict[int, int], node_rows: bool = False) -> None:
+    def wait_peers(self, epoch: int, what: str, imms: dict[int, int], node_rows: bool = False,
+                   alternates: dict[int, int] | None = None) -> list[int]:
         """Wait for immediates (keyed by exact value) and, with `node_rows`, the same-node peers' count
-        rows of this epoch (their dispatch_ready words in our sync area)."""
+        rows of this epoch (their dispatch_ready words in our sync area). `alternates` maps an expected
+        immediate to another that counts for it (an aborted call's kind); returns the keys for which
+        alternates arrived."""
         start = time.monotonic()
         # Counts and flags only grow until consumed, so what is satisfied is dropped: each poll looks
         # only at what is still missing (63 lookups per poll at 64 ranks otherwise).
-        count = self.engine.imm_count
+        if alternates:
+            one = self.engine.imm_count
+
+            def count(i: int) -> int:
+                return one(i) + one(alternates[i])
+        else:
+            count = self.engine.imm_count
         short = dict(imms)
         slow = list(self.node_peers) if node_rows else []
         while True:
@@ -195,8 +205,17 @@ class Proxy:
                 raise TimeoutError(f"rank {self.rank}: {what} (epoch {epoch}) timed out after "
                                    f"{self.spec.timeout_s:g}s; missing peers {missing}")
             self._idle(start)
+        took_alternates = []
         for i, n in imms.items():
-            self.engine.take_imm(i, n)
+            if alternates:
+                alt = min(self.engine.imm_count(alternates[i]), n)
+                if alt:
+                    self.engine.take_imm(alternates[i], alt)
+                    took_alternates.append(i)
+                n -= alt
+            if n:
+                self.engine.take_imm(i, n)
+        return took_alternates
 
     def _imms(self, kind: Imm, epoch: int, peers, count=1) -> dict[int, int]:
         if isinstance(count, dict):
@@ -278,6 +297,7 @@ class Proxy:
         # count. What depends on counts is computed while waiting for the next step, never after it.
         private_imms = self._imms(Imm.DISPATCH, e, self.remote)  # one private write from every remote peer
         combine_imms = self._imms(Imm.COMBINE, e, self.remote)
+        combine_aborted = {encode_imm(Imm.COMBINE, p, e): encode_imm(Imm.COMBINE_ABORTED, p, e) for p in self.remote}
         self._in_call = False  # between calls the model may compute for long: sleeping is fine
         self.wait_local(F.ROUTE_READY, e)
         self._in_call = True
@@ -317,10 +337,13 @@ class Proxy:
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(8)  # combine_send_seen
         posted = self.engine.writes_posted
-        self._post(combine, Imm.COMBINE, e)
+        # This rank aborts the call at its combine: its peers learn it from the immediates' kind.
+        self._post(combine, Imm.COMBINE_ABORTED if self.flags[F.CALL_ABORTED] >= e else Imm.COMBINE, e)
         self._count_posted(F.COMBINE_WRITES_POSTED, ShardWord.COMBINE_POSTED, self.engine.writes_posted - posted)
         mark(9)  # combine_posted
-        self.wait_peers(e, "combine: expert outputs", combine_imms)
+        aborted = self.wait_peers(e, "combine: expert outputs", combine_imms, alternates=combine_aborted)
+        if aborted:  # before COMBINE_RECV_READY: the model reads it once the flag is up
+            self.flags[F.ABORTED] = encode_abort(e, decode_imm(aborted[0])[1])
         self._step_done(ShardWord.COMBINE_RECV, F.COMBINE_RECV_READY, e, "combine: expert outputs",
                         10)  # combine_received
         self.engine.wait_writes()

@@ -11,8 +11,8 @@ import weakref
 
 from ..protocol import host_atomics
 from ..protocol.segment import read_error, write_error
-from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, HALF_FLAGS, Flag, decode_abort, decode_bad_index,
-                              decode_capacity, decode_wait_status, flag_word)
+from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, HALF_FLAGS, Flag, decode_abort, decode_bad_bound_m,
+                              decode_bad_index, decode_capacity, decode_wait_status, flag_word)
 
 # How often a rank looks at its own proxy processes: a dead proxy is reported within this (and a kernel
 # waiting for one of its flags stops at once, through the ERROR flag). A sleeping thread costs the
@@ -36,8 +36,7 @@ class Status:
 
     # ---- fatal: the proxy, a failed kernel wait, capacity -------------------------------------------
     def raise_fatal(self, epoch: int, force: bool = False) -> None:
-        """Raise what makes the instance unusable: the proxy's error, a failed GPU wait, an expert over
-        capacity, a dead proxy. Without `force`, a cheap look first (one numpy gather)."""
+        """Raise what makes the instance unusable: the proxy's error, a failed GPU wait, a dead proxy. Without `force`, a cheap look first (one numpy gather)."""
         w, flags = self.w, self.w.flags_np
         if not force and not flags[w.alarm_words].any():
             # Nothing raised: only a dead proxy is left to find, and it matters only when calls use it
@@ -49,7 +48,6 @@ class Status:
             if dead is not None:
                 raise RuntimeError(f"rank {w.rank}: {dead}")
             return
-        self.raise_capacity_exceeded(epoch)
         code = int(flags[flag_word(Flag.ERROR)])
         if code:  # the proxy's message names the remote peers it missed
             msg = read_error(w.segment, w.layout)
@@ -72,20 +70,35 @@ class Status:
                 return f"proxy process exited with code {h.proc.returncode}{which}"
         return None
 
-    def raise_capacity_exceeded(self, epoch: int) -> None:
-        over = decode_capacity(self.w.flags_np[flag_word(Flag.CAPACITY_EXCEEDED)], self.w.layout.num_local_experts)
-        if over:
-            cap = self.w.layout.expert_capacity
-            raise RuntimeError(f"rank {self.w.rank}: local expert {over[0]} received {over[1]} rows in "
-                               f"one dispatch (epoch <= {epoch}), more than expert_capacity={cap}: the rows "
-                               f"past it were not written and their combine is wrong; raise expert_capacity "
-                               f"(at most world_size * max_num_tokens * experts_per_token rows can arrive)")
+    def capacity_exceeded(self) -> str | None:
+        """What to say of an expert that received more rows than its capacity (the word is cleared:
+        said once), or None."""
+        w = self.w
+        over = decode_capacity(w.flags_np[flag_word(Flag.CAPACITY_EXCEEDED)], w.layout.num_local_experts)
+        if not over:
+            return None
+        w.flags_np[flag_word(Flag.CAPACITY_EXCEEDED)] = 0
+        return (f"rank {w.rank}: local expert {over[0]} (expert {w.rank * w.layout.num_local_experts + over[0]}) "
+                f"received {over[1]} rows in one dispatch, more than expert_capacity={w.layout.expert_capacity}: "
+                f"the rows past it were not written; raise expert_capacity (at most world_size * max_num_tokens "
+                f"* experts_per_token rows can arrive)")
 
     # ---- not fatal: aborted calls, bad indices dropped on the device ---------------------------------
     def raise_recorded(self, epoch: int) -> None:
-        """Raise, once each, what kernels recorded that leaves the instance usable: a peer's abort
-        (CallAborted) and an out-of-range index dropped on the GPU (ValueError)."""
+        """Raise, once each, what kernels recorded that leaves the instance usable: this rank's expert over
+        capacity and a bad `bound_m` (the call was aborted on every rank), a peer's abort (CallAborted)
+        and an out-of-range index dropped on the GPU (ValueError)."""
         flags = self.w.flags_np
+        over = self.capacity_exceeded()
+        if over:
+            self.abort_seen = max(self.abort_seen, epoch)
+            raise RuntimeError(f"{over} (epoch <= {epoch}; the call was aborted on every rank, the next proceeds)")
+        bound = decode_bad_bound_m(flags[flag_word(Flag.BAD_BOUND_M)])
+        if bound is not None:
+            flags[flag_word(Flag.BAD_BOUND_M)] = 0
+            self.abort_seen = max(self.abort_seen, epoch)
+            raise ValueError(f"bound_m: expected a token count in [0, T] on the device, got {bound} (a call of "
+                             f"epoch <= {epoch}, checked on the GPU; it was aborted on every rank, the next proceeds)")
         aborted = decode_abort(flags[flag_word(Flag.ABORTED)])
         if aborted and aborted[0] > self.abort_seen:
             self.abort_seen = aborted[0]

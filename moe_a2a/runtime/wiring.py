@@ -14,6 +14,7 @@ import socket
 import torch
 
 from ..config import Layout
+from ..protocol.segment import Flags
 from ..protocol.words import HALF_FLAGS, Flag, flag_word
 from ..proxy import bootstrap, topology
 from ..proxy import libfabric as lf
@@ -245,7 +246,8 @@ class Wiring:
         self.flags_host = seg.tensor(lay.flags_offset_bytes, nflags, torch.int64)
         # What the host reads before every call, as one numpy gather (a torch index costs ~5 µs each).
         self.flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
-        self.alarm_words = [flag_word(f) for f in (Flag.ERROR, Flag.CAPACITY_EXCEEDED)
+        self.segment_flags = Flags(seg, lay)  # release stores, for words kernels and proxies read
+        self.alarm_words = [flag_word(f) for f in (Flag.ERROR,)
                             + tuple(h.status for h in HALF_FLAGS.values())]
         ntrace = lay.model_trace_words
         self.model_trace = self.view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
@@ -306,8 +308,6 @@ class Wiring:
         proxies, self.proxies = self.proxies, []
         seg = self.segment
         if seg is not None and seg._mmap is not None and proxies:
-            from ..protocol.segment import Flags
-
             Flags(seg, self.layout)[Flag.SHUTDOWN] = 1  # every proxy starts exiting now, not one by one
         for proxy in proxies:
             step(proxy.stop, seg, self.layout)

@@ -33,28 +33,39 @@ def test_wait_status_round_trips(first, late, proxy):
     assert word != 0 and w.decode_wait_status(word, first) == (ranks, proxy)
 
 
+@given(bound=st.integers(-2**31, 2**31 - 1))
+def test_bad_bound_m_round_trips(bound):
+    word = w.encode_bad_bound_m(bound)
+    assert word != 0 and w.decode_bad_bound_m(word) == bound
+
+
 def test_zero_words_decode_to_nothing():
     assert w.decode_abort(0) is None and w.decode_capacity(0, 4) is None
     assert w.decode_bad_index(0, 8) is None and w.decode_wait_status(0, 0) is None
+    assert w.decode_bad_bound_m(0) is None
 
 
 @triton.jit
-def _encode_all(out_ptr, epoch, source, expert, rows, L, route, mask, proxy_late):
+def _encode_all(out_ptr, epoch, source, expert, rows, L, route, mask, proxy_late, bound):
     tl.store(out_ptr + 0, device.encode_abort(epoch, source))
     tl.store(out_ptr + 1, device.encode_capacity(expert, rows, L))
     tl.store(out_ptr + 2, device.encode_bad_index(route))
     tl.store(out_ptr + 3, device.encode_wait_status(mask, proxy_late != 0))
+    tl.store(out_ptr + 4, device.encode_bad_bound_m(tl.load(bound)))
 
 
 @settings(max_examples=20, deadline=None)
 @given(epoch=st.integers(1, 2**31 - 1), source=st.integers(0, 4095), L=st.integers(1, 512), rows=st.integers(1, 2**20),
-       route=st.integers(0, 2**30), mask=st.integers(0, 2**31 - 1), proxy=st.booleans(), data=st.data())
-def test_device_encoders_match_the_host(epoch, source, L, rows, route, mask, proxy, data):
+       route=st.integers(0, 2**30), mask=st.integers(0, 2**31 - 1), proxy=st.booleans(),
+       bound=st.integers(-2**31, 2**31 - 1), data=st.data())
+def test_device_encoders_match_the_host(epoch, source, L, rows, route, mask, proxy, bound, data):
     expert = data.draw(st.integers(0, L - 1))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    out = torch.zeros(4, dtype=torch.int64, device=dev)
-    _encode_all[(1,)](out, epoch, source, expert, rows, L, route, mask, int(proxy))
+    out = torch.zeros(5, dtype=torch.int64, device=dev)
+    bound_m = torch.tensor([bound], dtype=torch.int32, device=dev)
+    _encode_all[(1,)](out, epoch, source, expert, rows, L, route, mask, int(proxy), bound_m)
     K = 1 << 10
     late = [i for i in range(31) if mask >> i & 1]
     assert out.tolist() == [w.encode_abort(epoch, source), w.encode_capacity(expert, rows, L),
-                            w.encode_bad_index(route // K, route % K, K), w.encode_wait_status(late, 0, proxy)]
+                            w.encode_bad_index(route // K, route % K, K), w.encode_wait_status(late, 0, proxy),
+                            w.encode_bad_bound_m(bound)]
