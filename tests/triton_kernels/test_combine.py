@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_a2a.protocol import plan, reference
+from moe_a2a import reference
+from moe_a2a.protocol import plan
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 
 from ..conftest import TEST_DEVICE, examples

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from moe_a2a.protocol import plan, reference
+from moe_a2a import reference
+from moe_a2a.protocol import plan
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 
 from ..conftest import TEST_DEVICE, examples
