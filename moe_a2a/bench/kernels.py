@@ -161,7 +161,7 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     device = torch.device(device)
     cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
     lay = cfg.layout(world, node)
-    r, L, W = 0, lay.num_local_experts, world
+    r, L = 0, lay.num_local_experts
     T, K, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim
     sets, counts_cpu, max_rows, buf = _rank_setup(cfg, lay, r, rotate, device)
     base, send_off, recv_off, peer_send, peer_recv = buf.base, buf.send_off, buf.recv_off, buf.peer_send, buf.peer_recv
