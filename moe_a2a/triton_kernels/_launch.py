@@ -98,6 +98,11 @@ def tensor_key(t: torch.Tensor | None):
     return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
+def key(*args) -> tuple:
+    """The key of a launch from every argument of its launcher: tensors by `tensor_key`, the rest as is."""
+    return tuple(tensor_key(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 class LaunchCache:
     """Launches of one kernel remembered by a key the launcher computes from its own arguments.
 

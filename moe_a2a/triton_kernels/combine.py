@@ -86,11 +86,11 @@ def _pack_combine_by_source_kernel(
         go = tl.load(failed_ptr, volatile=True) == 0
         if HAS_PROXY:
             go = d.node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
-                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
+                             PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_rows = tl.where(go, num_rows, 0)
 
     peer_recv, is_push, send_off = d.node_peer_tables(peer_recv_bytes_ptr, counts_ptr, stride_counts_w, rank,
-                                                     W, L, W_PAD, BLOCK_E)
+                                                      W, L, W_PAD, BLOCK_E)
     stage_row = tl.cumsum(n_src, axis=0) - n_src
     first_bytes = tl.where(is_push[None, :],
                            peer_recv[None, :] + COMBINE_RECV_BYTES + (send_off[None, :] + block_start) * SC_BYTES,
@@ -108,7 +108,7 @@ def _pack_combine_by_source_kernel(
     num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
     for tile in range(pid, num_tiles, num_programs):
         is_row, y_row, dst_bytes = d.tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
-                                              first_bytes, cnt, SC_BYTES, BLOCK_R, False, fit, CAPACITY > 0)
+                                               first_bytes, cnt, SC_BYTES, BLOCK_R, False, fit, CAPACITY > 0)
         is_row = is_row & (y_row < num_y_rows)
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
         src_words = y_row * stride_y_r
@@ -117,7 +117,7 @@ def _pack_combine_by_source_kernel(
         if d.node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
                 d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
-                             NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+                               NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -160,8 +160,8 @@ def _reduce_combined_tokens_kernel(
     Tokens t >= bound_m are not touched; masked routes (slot -1) are skipped, their weight unread."""
     if NODE_SYNC:
         ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
-                       timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                       STATUS_WORD, USE_PTX, KERNEL_WAIT)
+                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(ok, num_tokens, 0)  # (a scalar folded into the bound, not into a mask)
     tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
@@ -230,8 +230,7 @@ def pack_combine_by_source(
     launch_wait_apart(node, "combine_send", base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(expert_y, torch.Tensor) and expert_y.is_cuda:
-        key = (launch.tensor_key(expert_y), launch.tensor_key(counts), rank, launch.tensor_key(base), launch.tensor_key(peer_recv_bytes),
-               stage_bytes, cfg, layout, node)
+        key = launch.key(expert_y, counts, rank, base, peer_recv_bytes, stage_bytes, cfg, layout, node)
         if _PACK_COMBINE.hit(key):
             return
     check.config(cfg)
@@ -248,7 +247,7 @@ def pack_combine_by_source(
 
     y_row_bytes = expert_y.stride(0) * expert_y.element_size() if R else 0
     word_bytes, word_dtype = launch.word_bytes(cfg.y_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes,
-                                         base.data_ptr(), cfg.combine_stride_bytes)
+                                               base.data_ptr(), cfg.combine_stride_bytes)
     align = launch.align_words(word_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes, base.data_ptr())
     y_words = launch.as_words(expert_y, word_dtype)
     row_words = cfg.y_bytes // word_bytes
@@ -304,9 +303,8 @@ def reduce_combined_tokens(
     launch_wait_apart(node, "combine_recv", recv_base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(out_tokens, torch.Tensor) and out_tokens.is_cuda:
-        key = (launch.tensor_key(out_tokens), launch.tensor_key(route_slot), launch.tensor_key(weights), launch.tensor_key(recv_base),
-               recv_offset_bytes, cfg, accumulate, launch.tensor_key(bound_m), node, remote_recv_offset_bytes,
-               launch.tensor_key(node_slots))
+        key = launch.key(out_tokens, route_slot, weights, recv_base, recv_offset_bytes, cfg, accumulate, bound_m, node,
+                         remote_recv_offset_bytes, node_slots)
         if _REDUCE.hit(key):
             return
     check.config(cfg)
@@ -316,7 +314,7 @@ def reduce_combined_tokens(
     if T > cfg.max_num_tokens:
         check.fail("out_tokens", f"at most max_num_tokens={cfg.max_num_tokens} rows", str(T))
     check.tensor("route_slot", route_slot, dtypes=(torch.int32, torch.int64), shape=(T, K), device=device,
-                  strides="any")
+                 strides="any")
     check.tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=device, strides="any")
     check.tensor("recv_base", recv_base, dtypes=(torch.uint8,), shape=(None,), device=device)
     check.integer("recv_offset_bytes", recv_offset_bytes)
@@ -336,7 +334,7 @@ def reduce_combined_tokens(
         return
 
     align = launch.align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
-                         recv_offset_bytes, remote)
+                               recv_offset_bytes, remote)
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H)
     block_t = launch.tokens_per_program(device, T)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(H, block_h))

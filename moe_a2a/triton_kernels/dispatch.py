@@ -90,7 +90,7 @@ def _pack_tokens_by_expert_kernel(
         go = tl.load(failed_ptr, volatile=True) == 0
         if HAS_PROXY:
             go = d.node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
-                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
+                             PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(go, num_tokens, 0)
     tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
@@ -142,20 +142,20 @@ def _pack_tokens_by_expert_kernel(
             if d.node_arrive_of(counter_ptr + 1, half_programs, USE_PTX):
                 if tl.load(failed_ptr, volatile=True) == 0:
                     d.node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD,
-                                        NODE)
+                                          NODE)
                     d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
-                                 node_first, NODE, False, PROXY_SIGNAL_WORD, USE_PTX)
+                                   node_first, NODE, False, PROXY_SIGNAL_WORD, USE_PTX)
         else:
             if d.node_arrive_of(counter_ptr, half_programs, USE_PTX):
                 if tl.load(failed_ptr, volatile=True) == 0:
                     d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
-                                 node_first, 0, True, PROXY_SIGNAL_WORD, USE_PTX)
+                                   node_first, 0, True, PROXY_SIGNAL_WORD, USE_PTX)
     elif NODE_SYNC:
         if d.node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
                 d.node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD, NODE)
                 d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
-                             NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+                               NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 @triton.jit(do_not_specialize=["num_out_rows"])
@@ -208,15 +208,15 @@ def _unpack_tokens_by_expert_kernel(
     ok = pid >= 0
     if NODE_SYNC:
         ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
-                       timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                       STATUS_WORD, USE_PTX, KERNEL_WAIT)
+                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, aborted = d.recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
 
     # Where the pair's rows are: a same-node source is pulled from its send buffer (rows contiguous);
     # a remote one sits in this rank's private slot (rows < P of its block) then in its remainder run.
     peer_send, is_pull, send_off = d.node_peer_tables(peer_send_bytes_ptr, counts_ptr, stride_counts_w, rank,
-                                                     W, L, W_PAD, BLOCK_E)
+                                                      W, L, W_PAD, BLOCK_E)
     rest = tl.maximum(n_src - P, 0)
     remainder_row = W * (HEADER_ROWS + P) + tl.cumsum(rest, axis=0) - rest     # plan.remainder_offsets
     s_row = tl.arange(0, W_PAD)[None, :].to(tl.int64)
@@ -257,7 +257,7 @@ def _unpack_tokens_by_expert_kernel(
     num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
     for tile in range(pid, num_tiles, num_programs):
         is_row, out_row, src_bytes = d.tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
-                                                rest_bytes, split, SD_BYTES, BLOCK_R, True, fit, CAPACITY > 0)
+                                                 rest_bytes, split, SD_BYTES, BLOCK_R, True, fit, CAPACITY > 0)
         is_row = is_row & (out_row < num_out_rows)
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
@@ -311,8 +311,8 @@ def pack_tokens_by_expert(
     launch_wait_apart(node, "dispatch_send", send_base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(x, torch.Tensor) and x.is_cuda:
-        key = (launch.tensor_key(x), launch.tensor_key(x_scale), launch.tensor_key(route_slot), launch.tensor_key(send_base), send_offset_bytes,
-               cfg, launch.tensor_key(bound_m), node, remote_send_offset_bytes, launch.tensor_key(node_slots))
+        key = launch.key(x, x_scale, route_slot, send_base, send_offset_bytes, cfg, bound_m, node,
+                         remote_send_offset_bytes, node_slots)
         if _PACK.hit(key):
             return
     check.config(cfg)
@@ -323,11 +323,11 @@ def pack_tokens_by_expert(
         check.fail("x", f"at most max_num_tokens={cfg.max_num_tokens} rows", str(T))
     if cfg.has_scales:
         check.tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(T, cfg.num_scales), device=device,
-                      strides="any")
+                     strides="any")
     elif x_scale is not None:
         check.fail("x_scale", "None (this config has no scales)", f"a tensor {tuple(x_scale.shape)}")
     check.tensor("route_slot", route_slot, dtypes=(torch.int32, torch.int64), shape=(T, K), device=device,
-                  strides="any")
+                 strides="any")
     check.tensor("send_base", send_base, dtypes=(torch.uint8,), shape=(None,), device=device)
     check.integer("send_offset_bytes", send_offset_bytes)
     check.bound_m(bound_m, device)
@@ -338,7 +338,7 @@ def pack_tokens_by_expert(
     x_row_bytes = x.stride(0) * x.element_size()
     remote = remote_send_offset_bytes if split else send_offset_bytes
     word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
-                                         send_offset_bytes, remote, cfg.dispatch_stride_bytes)
+                                               send_offset_bytes, remote, cfg.dispatch_stride_bytes)
     # The hint is on the offset from base, so base and offset must each be 16-byte aligned.
     align = launch.align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes, remote)
     x_words = launch.as_words(x, word_dtype)
@@ -410,8 +410,8 @@ def unpack_tokens_by_expert(
     launch_wait_apart(node, "dispatch_recv", base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(out_expert_x, torch.Tensor) and out_expert_x.is_cuda:
-        key = (launch.tensor_key(out_expert_num_tokens), launch.tensor_key(out_expert_x), launch.tensor_key(out_expert_x_scale),
-               launch.tensor_key(counts), rank, launch.tensor_key(base), launch.tensor_key(peer_send_bytes), recv_bytes, cfg, layout, node)
+        key = launch.key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank, base, peer_send_bytes,
+                         recv_bytes, cfg, layout, node)
         if _UNPACK.hit(key):
             return
     check.config(cfg)
@@ -421,10 +421,10 @@ def unpack_tokens_by_expert(
     device = out_expert_x.device
     R = out_expert_x.shape[0]
     check.tensor("out_expert_num_tokens", out_expert_num_tokens, dtypes=(torch.int32,), shape=(L,),
-                  device=device)
+                 device=device)
     if cfg.has_scales:
         check.tensor("out_expert_x_scale", out_expert_x_scale, dtypes=(torch.float32,),
-                      shape=(R, cfg.num_scales), device=device, strides="any")
+                     shape=(R, cfg.num_scales), device=device, strides="any")
     elif out_expert_x_scale is not None:
         check.fail("out_expert_x_scale", "None (this config has no scales)", "a tensor")
     check.counts(counts, W, E, device)
@@ -437,8 +437,8 @@ def unpack_tokens_by_expert(
     # Sources' rows start at base + (recv_bytes or peer_send_bytes[s]) + multiples of Sd (16-aligned);
     # the hint is on the offset from base, so base and recv_bytes must each be 16-byte aligned.
     word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes,
-                                         base.data_ptr(), layout.private_offset_bytes,
-                                         cfg.dispatch_stride_bytes)
+                                               base.data_ptr(), layout.private_offset_bytes,
+                                               cfg.dispatch_stride_bytes)
     align = launch.align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes, base.data_ptr())
     x_words = launch.as_words(out_expert_x, word_dtype)
     row_words = cfg.x_bytes // word_bytes

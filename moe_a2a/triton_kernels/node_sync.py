@@ -27,8 +27,8 @@ each arriving on its own counter word (`node_arrive_of`): the remote half's last
 only, the node half's last program copies the count row and publishes to the node (docs/protocol.md, 3.6).
 
 Failure: a wait that times out (`%globaltimer`, `timeout_s`), or sees the proxy's ERROR flag, stores
-`1 + 2 * (bitmask of the late node ranks)` (+ PROXY_MISSING when the proxy's flag was late) in its
-`Flag.STATUS_*` word and sets a sticky device word; every later synchronised kernel of the rank then
+which node ranks (and whether the proxy) were late in its `Flag.STATUS_*` word
+(`protocol.words.encode_wait_status`) and sets a sticky device word; every later synchronised kernel of the rank then
 moves nothing and publishes nothing, so peers time out too instead of computing on stale data. The host
 raises a TimeoutError naming them at its next call (`protocol.words.decode_wait_status`); no sync.
 

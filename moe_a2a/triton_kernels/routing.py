@@ -251,10 +251,8 @@ def route_tokens(
     """
     key = None
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
-        key = (launch.tensor_key(indices), num_experts, launch.tensor_key(out_counts),
-               launch.tensor_key(out_route_slot), launch.tensor_key(bound_m), launch.tensor_key(epoch),
-               launch.tensor_key(bad_index), launch.tensor_key(ready), _single_max_routes, _block_routes,
-               bool(abort), launch.tensor_key(out_node_slots), tuple(node_experts))
+        key = launch.key(indices, num_experts, out_counts, out_route_slot, bound_m, epoch, bad_index, ready,
+                         _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts))
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
