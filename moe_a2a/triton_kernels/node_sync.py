@@ -70,7 +70,7 @@ class NodeSync:
         failed: `[1]` int64 on the device, sticky: nonzero after any failed wait of this rank.
         counter: `[2]` int32 on the device, zero between launches: programs arrived in an epilogue (the
             second word: the node half of a pack that packs remote rows first, `dispatch.py`).
-        flags: `[N]` int64, this rank's flags area (`config.Flag`) as the kernels reach it (pinned host
+        flags: `[N]` int64, this rank's flags area (`protocol.words.Flag`) as the kernels reach it (pinned host
             memory seen through UVA on a GPU): the proxy flags and the status words of failed waits.
         peer_sync_bytes: `[W]` int64, each same-node rank's sync area as an offset from `base` (-1 for
             other ranks); `sync_bytes`: this rank's.

@@ -149,10 +149,8 @@ def dequantize_fp8(
     x_fp8: torch.Tensor, scale: torch.Tensor, block: int = 128, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Plain-torch inverse for tests and debugging: `x_fp8 * scale` per block, cast to out_dtype."""
-    if x_fp8.dim() != 2 or scale.dim() != 2 or scale.shape[0] != x_fp8.shape[0] \
-            or scale.shape[1] != ceil_div(x_fp8.shape[1], block):
-        raise ValueError(f"scale: expected [{x_fp8.shape[0]}, ceil({x_fp8.shape[1]} / {block})] for x_fp8 "
-                         f"{tuple(x_fp8.shape)}, got {tuple(scale.shape)}")
+    check.tensor("x_fp8", x_fp8, shape=("T", "H"), strides="any")
+    check.tensor("scale", scale, shape=(x_fp8.shape[0], ceil_div(x_fp8.shape[1], block)), strides="any")
     H = x_fp8.shape[1]
     full = scale.float().repeat_interleave(block, dim=1)[:, :H]
     return (x_fp8.float() * full).to(out_dtype)
