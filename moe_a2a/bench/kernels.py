@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import A2AConfig
+from ..config import PAGE_BYTES, A2AConfig, round_up
 
 PRESETS = {
     # DeepSeek-V3 / Kimi-K2 sizes: fp8 payload with 56 fp32 scales per token, bf16 combine
@@ -106,6 +106,51 @@ def _inputs(cfg: A2AConfig, world: int, seed: int, device):
     return x, xs, idx, w, counts
 
 
+@dataclass
+class RankBuffers:
+    """Rank r's buffers in GPU memory (the EFA / single-node layout) as the kernels address them: byte
+    offsets from one `base` of its send and recv buffers, and of one send / recv pair that every
+    same-node peer aliases."""
+    base: torch.Tensor        # [send | recv | peers' send | peers' recv] uint8
+    send_off: int
+    recv_off: int
+    stage_off: int            # combine staging: send buffer + layout.combine_stage_offset_bytes
+    peer_send: torch.Tensor   # [W] int64: a same-node source's send buffer, -1 for remote sources
+    peer_recv: torch.Tensor   # [W] int64: a same-node home's recv buffer, -1 for remote homes
+
+
+def _rank_setup(cfg: A2AConfig, lay, r: int, rotate: int, device):
+    """`rotate` input sets of rank r (`_inputs`), their [W, E] count matrices (CPU), the most rows any
+    of them sends to r's experts, and the buffers all of them move through."""
+    sets = [_inputs(cfg, lay.world_size, s, device) for s in range(rotate)]
+    counts_cpu = [s_[4].clone() for s_ in sets]
+    for c, s_ in zip(counts_cpu, sets):  # our own row must match our indices
+        c[r] = torch.bincount(s_[2].flatten().long().cpu(), minlength=cfg.num_experts).int()
+    L = lay.num_local_experts
+    max_rows = max(int(c[:, r * L:(r + 1) * L].sum()) for c in counts_cpu) + L * (cfg.expert_padding - 1)
+    return sets, counts_cpu, max_rows, _rank_buffers(cfg, lay, r, max_rows, device)
+
+
+def _rank_buffers(cfg: A2AConfig, lay, r: int, max_rows: int, device) -> RankBuffers:
+    W = lay.world_size
+    # Sized for the rows this benchmark moves, not the worst case (W*T*K rows: 30 GB of send buffer at
+    # prefill): T*K dispatch rows, then the staged combine rows. Only the recv buffers keep the layout's
+    # length, because a same-node home receives its combine rows (T*K at most) at
+    # `lay.combine_recv_offset_bytes`, behind the worst-case dispatch regions (16 GB at W=64 prefill).
+    send_b = round_up(lay.combine_stage_offset_bytes + max_rows * cfg.combine_stride_bytes, PAGE_BYTES)
+    recv_b = round_up(lay.combine_recv_offset_bytes + lay.max_routes * cfg.combine_stride_bytes, PAGE_BYTES)
+    base = torch.zeros(2 * (send_b + recv_b), dtype=torch.uint8, device=device)
+    send_off, recv_off = 0, send_b
+    peer_send = torch.full((W,), -1, dtype=torch.int64)
+    peer_recv = torch.full((W,), -1, dtype=torch.int64)
+    for p in lay.node_peers(r):  # same-node peers all alias one mapped "peer" buffer pair
+        peer_send[p] = send_off if p == r else send_b + recv_b
+        peer_recv[p] = recv_off if p == r else 2 * send_b + recv_b
+    base.view(torch.int8)[: base.numel() // 2].random_(-64, 64)
+    return RankBuffers(base, send_off, recv_off, send_off + lay.combine_stage_offset_bytes, peer_send.to(device),
+                       peer_recv.to(device))
+
+
 def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters: int = 200, rotate: int = 4,
                   device="cuda") -> dict:
     """Time each kernel of one rank (rank 0 of `world`, `node` per node) and its torch twin."""
@@ -116,28 +161,10 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     device = torch.device(device)
     cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
     lay = cfg.layout(world, node)
-    r, L, W = 0, lay.num_local_experts, world
+    r, L = 0, lay.num_local_experts
     T, K, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim
-    sets = [_inputs(cfg, world, s, device) for s in range(rotate)]
-    # Buffers in GPU memory (the EFA / single-node layout): send | recv | peers' send | peers' recv
-    # for same-node peers, all as offsets from one base.
-    counts_cpu = [s_[4].clone() for s_ in sets]
-    for c, s_ in zip(counts_cpu, sets):  # our own row must match our indices
-        c[r] = torch.bincount(s_[2].flatten().long().cpu(), minlength=cfg.num_experts).int()
-    max_rows = max(int(c[:, :L].sum()) for c in counts_cpu) + L * (cfg.expert_padding - 1)
-    # Sized for the rows this benchmark moves, not the worst case (W*T*K rows: 30 GB at prefill).
-    send_b = -(-max(T * K * cfg.dispatch_stride_bytes, max_rows * cfg.combine_stride_bytes) // 4096) * 4096
-    recv_b = -(-(lay.remainder_offset_bytes + max_rows * cfg.dispatch_stride_bytes) // 4096) * 4096
-    base = torch.zeros(2 * (send_b + recv_b), dtype=torch.uint8, device=device)
-    send_off, recv_off = 0, send_b
-    peer_send = torch.full((W,), -1, dtype=torch.int64)
-    peer_recv = torch.full((W,), -1, dtype=torch.int64)
-    for p in lay.node_peers(r):  # same-node peers all alias one mapped "peer" buffer pair
-        peer_send[p] = send_off if p == r else send_b + recv_b
-        peer_recv[p] = recv_off if p == r else 2 * send_b + recv_b
-    peer_send, peer_recv = peer_send.to(device), peer_recv.to(device)
-    base.view(torch.int8)[: base.numel() // 2].random_(-64, 64)
-
+    sets, counts_cpu, max_rows, buf = _rank_setup(cfg, lay, r, rotate, device)
+    base, send_off, recv_off, peer_send, peer_recv = buf.base, buf.send_off, buf.recv_off, buf.peer_send, buf.peer_recv
     counts_dev = [c.to(device) for c in counts_cpu]
     rows = [int(c[:, :L].sum()) for c in counts_dev]
     num, ex, exs = (torch.zeros(L, dtype=torch.int32, device=device),
@@ -182,9 +209,9 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
         [(c,) for c in counts_dev], 2 * recv_rows * tok,
         lambda c: _torch_unpack(c, r, L, base, recv_off, ex, exs, cfg), [(c,) for c in counts_dev])
     row("pack_combine_by_source",
-        lambda c: ck.pack_combine_by_source(ey, c, r, base, peer_recv, send_off, cfg, lay),
+        lambda c: ck.pack_combine_by_source(ey, c, r, base, peer_recv, buf.stage_off, cfg, lay),
         [(c,) for c in counts_dev], 2 * recv_rows * cfg.y_bytes,
-        lambda c: _torch_combine_pack(c, r, L, ey, base, send_off, cfg), [(c,) for c in counts_dev])
+        lambda c: _torch_combine_pack(c, r, L, ey, base, buf.stage_off, cfg), [(c,) for c in counts_dev])
     row("reduce_combined_tokens",
         lambda sl, w: ck.reduce_combined_tokens(out, sl, w, base, recv_off, cfg),
         [(sl, s[3]) for s, sl in zip(sets, slots)], routes * cfg.y_bytes + T * cfg.y_bytes,

@@ -5,7 +5,8 @@
   opaque bytes, to where its home rank expects it: a same-node home's recv buffer directly, at the
   slot its dispatch send used; for a remote home, this rank's staging area, grouped by source, from
   which the proxy sends one block per peer (`plan.combine_writes`). The walk over rows and every
-  offset come from the shared helpers of dispatch.py, on the device (no sync, CUDA-graph safe).
+  offset come from the helpers unpack uses too (`_details.py`), on the device (no sync, CUDA-graph
+  safe).
 - `reduce_combined_tokens` (home side): out[t] = sum_k weights[t, k] * row(route_slot[t, k]),
   accumulated in fp32 in k order (the old out[t] first when accumulating) and cast once, like
   `reference.combine`. Deterministic: each output element is owned by one program, no atomics.
@@ -17,31 +18,10 @@ import triton
 import triton.language as tl
 
 from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
-from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_publish, node_wait
-from .rows import (
-    LaunchCache,
-    tensor_key,
-    CPU_TOKENS_PER_PROGRAM,
-    _align_words,
-    _check_split,
-    _as_words,
-    _check_bound_m,
-    _check_counts,
-    _check_int,
-    _check_layout,
-    _check_peer_table,
-    _check_tensor,
-    _chunk_words,
-    _fail,
-    _num_warps,
-    _persistent_grid,
-    _copy_row_words,
-    _live_token_block,
-    _recv_pair_tables,
-    _tile_rows,
-    _node_peer_tables,
-    _word_bytes,
-)
+from . import _checks as check
+from . import _details as d
+from . import _launch as launch
+from .node_sync import NodeSync, launch_wait_apart
 
 # Hidden elements per program of the reduce: 1024 bf16 = 2 KB per route row per program.
 MAX_REDUCE_BLOCK_H = 1024
@@ -61,14 +41,16 @@ def _f32_to_bf16_rtne(x):
 # As in dispatch.py: counts not specialised, so an aborted call compiles nothing new.
 @triton.jit(do_not_specialize=["num_y_rows"])
 def _pack_combine_by_source_kernel(
-    expert_y_ptr,        # (R, Y_WORDS) words, row stride `stride_y_r`: expert outputs, dispatch rows
-    counts_ptr,          # (W, E) int32: the routing matrix of this call's dispatch
-    base_ptr,            # uint8: byte address space of the staging area and peers' recv buffers
-    peer_recv_bytes_ptr,  # (W,) int64: home s's recv buffer - base (same node), -1 = remote home
+    expert_y_ptr,        # in: (R, Y_WORDS) words, row stride `stride_y_r`: expert outputs, dispatch rows
+    counts_ptr,          # in: (W, E) int32: the routing matrix of this call's dispatch
+    base_ptr,            # out: uint8, byte address space of the staging area and peers' recv buffers
+    peer_recv_bytes_ptr,  # in: (W,) int64: home s's recv buffer - base (same node), -1 = remote home
     stage_bytes,         # int: staging area of this rank (send buffer + combine_stage_offset) - base
     rank,
     num_y_rows,          # R: rows of expert_y (a row past it is never read)
+    # strides, in elements
     stride_counts_w, stride_y_r,
+    # meta-parameters
     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
     PAD: tl.constexpr,
     Y_WORDS: tl.constexpr,          # payload words per row (H * out_itemsize / WORD_BYTES)
@@ -98,17 +80,17 @@ def _pack_combine_by_source_kernel(
     proxy's writes out of the staging area for the previous call completed."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, _ = _recv_pair_tables(
+    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, _ = d.recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
     if NODE_SYNC:
         go = tl.load(failed_ptr, volatile=True) == 0
         if HAS_PROXY:
-            go = node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
-                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
+            go = d.node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
+                             PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_rows = tl.where(go, num_rows, 0)
 
-    peer_recv, is_push, send_off = _node_peer_tables(peer_recv_bytes_ptr, counts_ptr, stride_counts_w, rank,
-                                                     W, L, W_PAD, BLOCK_E)
+    peer_recv, is_push, send_off = d.node_peer_tables(peer_recv_bytes_ptr, counts_ptr, stride_counts_w, rank,
+                                                      W, L, W_PAD, BLOCK_E)
     stage_row = tl.cumsum(n_src, axis=0) - n_src
     first_bytes = tl.where(is_push[None, :],
                            peer_recv[None, :] + COMBINE_RECV_BYTES + (send_off[None, :] + block_start) * SC_BYTES,
@@ -125,29 +107,32 @@ def _pack_combine_by_source_kernel(
     base_words = base_ptr.to(tl.pointer_type(word_ty))
     num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
     for tile in range(pid, num_tiles, num_programs):
-        is_row, y_row, dst_bytes = _tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
-                                              first_bytes, cnt, SC_BYTES, BLOCK_R, False, fit, CAPACITY > 0)
+        is_row, y_row, dst_bytes = d.tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
+                                               first_bytes, cnt, SC_BYTES, BLOCK_R, False, fit, CAPACITY > 0)
         is_row = is_row & (y_row < num_y_rows)
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
         src_words = y_row * stride_y_r
-        _copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
+        d.copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
     if NODE_SYNC:
-        if node_arrive(counter_ptr, USE_PTX):
+        if d.node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
-                node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
-                             NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+                d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
+                               NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _reduce_combined_tokens_kernel(
-    out_tokens_ptr,      # (T, H) out_dtype, row stride `stride_out_t`: out (and input when ACCUMULATE)
+    out_tokens_ptr,      # out: (T, H) out_dtype, row stride `stride_out_t` (also in when ACCUMULATE)
+    # inputs
     route_slot_ptr,      # (T, K) int32/int64, strides (stride_slot_t, stride_slot_k); -1 = no route
     weights_ptr,         # (T, K) float32, strides (stride_w_t, stride_w_k)
     base_ptr,            # uint8: byte address space of the recv buffer
     bound_m_ptr,         # (1,) int32 live tokens; read only when HAS_BOUND_M
     recv_bytes,          # int: this rank's recv buffer - base
     num_tokens,          # T
+    # strides, in elements
     stride_out_t, stride_slot_t, stride_slot_k, stride_w_t, stride_w_k,
+    # meta-parameters
     K: tl.constexpr,
     MAX_SLOTS: tl.constexpr,       # T*K slots in the recv buffer: a bad slot is skipped, never read
     H: tl.constexpr,               # constexpr: the tail mask of the last chunk is then provable
@@ -174,11 +159,11 @@ def _reduce_combined_tokens_kernel(
     Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs) and writes one.
     Tokens t >= bound_m are not touched; masked routes (slot -1) are skipped, their weight unread."""
     if NODE_SYNC:
-        ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
-                       timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                       STATUS_WORD, USE_PTX, KERNEL_WAIT)
+        ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
+                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(ok, num_tokens, 0)  # (a scalar folded into the bound, not into a mask)
-    tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
+    tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
 
     y_ty: tl.constexpr = out_tokens_ptr.dtype.element_ty
@@ -245,31 +230,29 @@ def pack_combine_by_source(
     launch_wait_apart(node, "combine_send", base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(expert_y, torch.Tensor) and expert_y.is_cuda:
-        key = (tensor_key(expert_y), tensor_key(counts), rank, tensor_key(base), tensor_key(peer_recv_bytes),
-               stage_bytes, cfg, layout, node)
+        key = launch.key(expert_y, counts, rank, base, peer_recv_bytes, stage_bytes, cfg, layout, node)
         if _PACK_COMBINE.hit(key):
             return
-    if not isinstance(cfg, A2AConfig):
-        _fail("cfg", "an A2AConfig", type(cfg).__name__)
-    _check_layout(layout, cfg)
+    check.config(cfg)
+    check.layout(layout, cfg)
     W, L, E = layout.world_size, layout.num_local_experts, cfg.num_experts
-    _check_tensor("expert_y", expert_y, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
+    check.tensor("expert_y", expert_y, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
     device = expert_y.device
     R = expert_y.shape[0]
-    _check_counts(counts, W, E, device)
-    _check_int("rank", rank, 0, W)
-    _check_tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
-    _check_peer_table("peer_recv_bytes", peer_recv_bytes, W, device)
-    _check_int("stage_bytes", stage_bytes)
+    check.counts(counts, W, E, device)
+    check.integer("rank", rank, 0, W)
+    check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
+    check.peer_table("peer_recv_bytes", peer_recv_bytes, W, device)
+    check.integer("stage_bytes", stage_bytes)
 
     y_row_bytes = expert_y.stride(0) * expert_y.element_size() if R else 0
-    word_bytes, word_dtype = _word_bytes(cfg.y_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes,
-                                         base.data_ptr(), cfg.combine_stride_bytes)
-    align = _align_words(word_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes, base.data_ptr())
-    y_words = _as_words(expert_y, word_dtype)
+    word_bytes, word_dtype = launch.word_bytes(cfg.y_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes,
+                                               base.data_ptr(), cfg.combine_stride_bytes)
+    align = launch.align_words(word_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes, base.data_ptr())
+    y_words = launch.as_words(expert_y, word_dtype)
     row_words = cfg.y_bytes // word_bytes
-    block_w = _chunk_words(row_words, word_bytes)
-    grid, block_r = _persistent_grid(device, layout)
+    block_w = launch.chunk_words(row_words, word_bytes)
+    grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _PACK_COMBINE.launch(
         key, grid, y_words, counts, base, peer_recv_bytes, stage_bytes, rank, R,
@@ -279,7 +262,7 @@ def pack_combine_by_source(
         COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, CAPACITY=layout.expert_capacity,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
-        num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
+        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args,
     )
 
 
@@ -320,44 +303,40 @@ def reduce_combined_tokens(
     launch_wait_apart(node, "combine_recv", recv_base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(out_tokens, torch.Tensor) and out_tokens.is_cuda:
-        key = (tensor_key(out_tokens), tensor_key(route_slot), tensor_key(weights), tensor_key(recv_base),
-               recv_offset_bytes, cfg, accumulate, tensor_key(bound_m), node, remote_recv_offset_bytes,
-               tensor_key(node_slots))
+        key = launch.key(out_tokens, route_slot, weights, recv_base, recv_offset_bytes, cfg, accumulate, bound_m, node,
+                         remote_recv_offset_bytes, node_slots)
         if _REDUCE.hit(key):
             return
-    if not isinstance(cfg, A2AConfig):
-        _fail("cfg", "an A2AConfig", type(cfg).__name__)
-    _check_tensor("out_tokens", out_tokens, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
+    check.config(cfg)
+    check.tensor("out_tokens", out_tokens, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
     device = out_tokens.device
     T, K, H = out_tokens.shape[0], cfg.experts_per_token, cfg.hidden_dim
     if T > cfg.max_num_tokens:
-        _fail("out_tokens", f"at most max_num_tokens={cfg.max_num_tokens} rows", str(T))
-    _check_tensor("route_slot", route_slot, dtypes=(torch.int32, torch.int64), shape=(T, K), device=device,
-                  last_contig=False)
-    _check_tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=device, last_contig=False)
-    _check_tensor("recv_base", recv_base, dtypes=(torch.uint8,), shape=(None,), device=device)
-    _check_int("recv_offset_bytes", recv_offset_bytes)
+        check.fail("out_tokens", f"at most max_num_tokens={cfg.max_num_tokens} rows", str(T))
+    check.tensor("route_slot", route_slot, dtypes=(torch.int32, torch.int64), shape=(T, K), device=device,
+                 strides="any")
+    check.tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=device, strides="any")
+    check.tensor("recv_base", recv_base, dtypes=(torch.uint8,), shape=(None,), device=device)
+    check.integer("recv_offset_bytes", recv_offset_bytes)
     if not isinstance(accumulate, bool):
-        _fail("accumulate", "a bool", repr(accumulate))
-    _check_bound_m(bound_m, device)
-    split = _check_split("remote_recv_offset_bytes", remote_recv_offset_bytes, node_slots, device)
+        check.fail("accumulate", "a bool", repr(accumulate))
+    check.bound_m(bound_m, device)
+    split = check.split("remote_recv_offset_bytes", remote_recv_offset_bytes, node_slots, device)
     remote = remote_recv_offset_bytes if split else recv_offset_bytes
     item = cfg.out_itemsize
     # Rows are read as out_dtype elements at base + offset: both must be element-aligned.
     for name, off in (("recv_offset_bytes", recv_offset_bytes), ("remote_recv_offset_bytes", remote)):
         if off % item:
-            _fail(name, f"a multiple of out itemsize {item}", str(off))
+            check.fail(name, f"a multiple of out itemsize {item}", str(off))
     if recv_base.data_ptr() % item:
-        _fail("recv_base", f"data_ptr aligned to {item} bytes", hex(recv_base.data_ptr()))
+        check.fail("recv_base", f"data_ptr aligned to {item} bytes", hex(recv_base.data_ptr()))
     if T == 0 and node is None:
         return
 
-    align = _align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
-                         recv_offset_bytes, remote)
+    align = launch.align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
+                               recv_offset_bytes, remote)
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H)
-    # GPU: one token per program (decode T=128 x 7 chunks of 1024 = 896 programs). Interpreter: it pays
-    # per operation, not per element, so all tokens in one program.
-    block_t = 1 if device.type == "cuda" else min(next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
+    block_t = launch.tokens_per_program(device, T)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(H, block_h))
     sync_args = {} if node is None else node.kernel_args("combine_recv", device)
     if split:
@@ -369,11 +348,11 @@ def reduce_combined_tokens(
         out_tokens.stride(0), route_slot.stride(0), route_slot.stride(1), weights.stride(0), weights.stride(1),
         K=K, MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes, ITEM_BYTES=item,
         ALIGN_ELEMS=align, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
-        num_warps=_num_warps(block_t * block_h, item), **sync_args,
+        num_warps=launch.num_warps(block_t * block_h, item), **sync_args,
     )
 
 
-_PACK_COMBINE = LaunchCache(_pack_combine_by_source_kernel)
-_REDUCE = LaunchCache(_reduce_combined_tokens_kernel)
+_PACK_COMBINE = launch.LaunchCache(_pack_combine_by_source_kernel)
+_REDUCE = launch.LaunchCache(_reduce_combined_tokens_kernel)
 
 __all__ = ["pack_combine_by_source", "reduce_combined_tokens"]

@@ -16,12 +16,10 @@ one UVA space, and under `TRITON_INTERPRET=1` raw host addresses work the same w
   `reference.dispatch`. All offsets come from the `[W, E]` count matrix, on the device: no host sync,
   nothing computed on the host per call, so it can be captured in a CUDA graph.
 
-The per-(source, local expert) tables and the row walk live in `rows.py`, shared with
+The per-(source, local expert) tables and the row walk are helpers of `_details.py`, shared with
 `combine.pack_combine_by_source`, so both directions agree on every row by construction.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -30,12 +28,10 @@ import triton.language as tl
 from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
 from ..protocol import device as protocol_device
 from ..protocol.words import Flag, flag_word
-from .node_sync import NodeSync, launch_wait_apart, node_arrive, node_arrive_of, node_copy_count_row, node_publish, node_wait
-from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words, _as_words, _check_bound_m, _check_counts, _check_int,
-                   _check_split,
-                   _check_layout, _check_peer_table, _check_tensor, _chunk_words, _copy_row_words, _fail,
-                   _live_token_block, _node_peer_tables, _num_warps, _persistent_grid, _recv_pair_tables,
-                   _tile_rows, _word_bytes)
+from . import _checks as check
+from . import _details as d
+from . import _launch as launch
+from .node_sync import NodeSync, launch_wait_apart
 
 # ================================================================================================
 # Kernels
@@ -44,14 +40,16 @@ from .rows import (CPU_TOKENS_PER_PROGRAM, LaunchCache, tensor_key, _align_words
 # compile new variants while its peers wait for it.
 @triton.jit(do_not_specialize=["num_tokens"])
 def _pack_tokens_by_expert_kernel(
-    x_ptr,               # (T, X_WORDS) words, row stride `stride_x_t`: the payload bytes of x
-    x_scale_ptr,         # (T, S) int32 (fp32 bits), strides (stride_scale_t, stride_scale_s)
-    route_slot_ptr,      # (T, K) int32/int64, strides (stride_slot_t, stride_slot_k); -1 = no route
-    base_ptr,            # uint8: the byte address space of the send buffer
-    bound_m_ptr,         # (1,) int32 live tokens; read only when HAS_BOUND_M
+    x_ptr,               # in: (T, X_WORDS) words, row stride `stride_x_t`: the payload bytes of x
+    x_scale_ptr,         # in: (T, S) int32 (fp32 bits), strides (stride_scale_t, stride_scale_s)
+    route_slot_ptr,      # in: (T, K) int32/int64, strides (stride_slot_t, stride_slot_k); -1 = no route
+    base_ptr,            # out: uint8, the byte address space of the send buffer
+    bound_m_ptr,         # in: (1,) int32 live tokens; read only when HAS_BOUND_M
     send_bytes,          # int: send buffer - base, in bytes
     num_tokens,          # T
+    # strides, in elements
     stride_x_t, stride_scale_t, stride_scale_s, stride_slot_t, stride_slot_k,
+    # meta-parameters
     K: tl.constexpr,
     MAX_SLOTS: tl.constexpr,       # T*K slots in the send buffer: a bad slot is dropped, never written
     X_WORDS: tl.constexpr,         # payload words per row; constexpr so tail masks are provable
@@ -91,10 +89,10 @@ def _pack_tokens_by_expert_kernel(
     if NODE_SYNC:  # folded into the bound: the interpreter mishandles a scalar broadcast into a mask
         go = tl.load(failed_ptr, volatile=True) == 0
         if HAS_PROXY:
-            go = node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
-                           PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
+            go = d.node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
+                             PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(go, num_tokens, 0)
-    tokens, is_live = _live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
+    tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
     if REMOTE_FIRST:
         # Axis 1 is the slowest in the launch order: programs of the first half (remote rows) start first.
@@ -141,37 +139,41 @@ def _pack_tokens_by_expert_kernel(
         # proxy, the node half's publishes to the node peers (as below, without the proxy's flag).
         half_programs = tl.num_programs(0) * n_chunks
         if node_half:
-            if node_arrive_of(counter_ptr + 1, half_programs, USE_PTX):
+            if d.node_arrive_of(counter_ptr + 1, half_programs, USE_PTX):
                 if tl.load(failed_ptr, volatile=True) == 0:
-                    node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD,
-                                        NODE)
-                    node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
-                                 node_first, NODE, False, PROXY_SIGNAL_WORD, USE_PTX)
+                    d.node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD,
+                                          NODE)
+                    d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
+                                   node_first, NODE, False, PROXY_SIGNAL_WORD, USE_PTX)
         else:
-            if node_arrive_of(counter_ptr, half_programs, USE_PTX):
+            if d.node_arrive_of(counter_ptr, half_programs, USE_PTX):
                 if tl.load(failed_ptr, volatile=True) == 0:
-                    node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
-                                 node_first, 0, True, PROXY_SIGNAL_WORD, USE_PTX)
+                    d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank,
+                                   node_first, 0, True, PROXY_SIGNAL_WORD, USE_PTX)
     elif NODE_SYNC:
-        if node_arrive(counter_ptr, USE_PTX):
+        if d.node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
-                node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD, NODE)
-                node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
-                             NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+                d.node_copy_count_row(base_ptr, peer_sync_bytes_ptr, COUNTS_BYTES, rank, node_first, E, E_PAD, NODE)
+                d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
+                               NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 @triton.jit(do_not_specialize=["num_out_rows"])
 def _unpack_tokens_by_expert_kernel(
-    out_num_tokens_ptr,  # (L,) int32: out, rows per local expert
-    out_x_ptr,           # (R, X_WORDS) words, row stride `stride_out_x_r`: out, expert-major rows
+    # outputs
+    out_num_tokens_ptr,  # (L,) int32: rows per local expert
+    out_x_ptr,           # (R, X_WORDS) words, row stride `stride_out_x_r`: expert-major rows
     out_scale_ptr,       # (R, S) int32 (fp32 bits), strides (stride_out_scale_r, stride_out_scale_s)
+    # inputs
     counts_ptr,          # (W, E) int32: row s = source s's routes per expert
     base_ptr,            # uint8: byte address space of this rank's recv buffer and peers' send buffers
     peer_send_bytes_ptr,  # (W,) int64: peer s's send buffer - base (same node), -1 = remote source
     recv_bytes,          # int: this rank's recv buffer - base
     rank,
     num_out_rows,        # R: rows of out_expert_x (a row past it is dropped, never written)
+    # strides, in elements
     stride_counts_w, stride_out_x_r, stride_out_scale_r, stride_out_scale_s,
+    # meta-parameters
     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
     PAD: tl.constexpr,                  # expert_padding
     P: tl.constexpr,                    # private rows per source
@@ -205,16 +207,16 @@ def _unpack_tokens_by_expert_kernel(
     num_programs = tl.num_programs(0)
     ok = pid >= 0
     if NODE_SYNC:
-        ok = node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
-                       timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                       STATUS_WORD, USE_PTX, KERNEL_WAIT)
-    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, aborted = _recv_pair_tables(
+        ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
+                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
+    cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, aborted = d.recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
 
     # Where the pair's rows are: a same-node source is pulled from its send buffer (rows contiguous);
     # a remote one sits in this rank's private slot (rows < P of its block) then in its remainder run.
-    peer_send, is_pull, send_off = _node_peer_tables(peer_send_bytes_ptr, counts_ptr, stride_counts_w, rank,
-                                                     W, L, W_PAD, BLOCK_E)
+    peer_send, is_pull, send_off = d.node_peer_tables(peer_send_bytes_ptr, counts_ptr, stride_counts_w, rank,
+                                                      W, L, W_PAD, BLOCK_E)
     rest = tl.maximum(n_src - P, 0)
     remainder_row = W * (HEADER_ROWS + P) + tl.cumsum(rest, axis=0) - rest     # plan.remainder_offsets
     s_row = tl.arange(0, W_PAD)[None, :].to(tl.int64)
@@ -254,12 +256,12 @@ def _unpack_tokens_by_expert_kernel(
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
     num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
     for tile in range(pid, num_tiles, num_programs):
-        is_row, out_row, src_bytes = _tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
-                                                rest_bytes, split, SD_BYTES, BLOCK_R, True, fit, CAPACITY > 0)
+        is_row, out_row, src_bytes = d.tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
+                                                 rest_bytes, split, SD_BYTES, BLOCK_R, True, fit, CAPACITY > 0)
         is_row = is_row & (out_row < num_out_rows)
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
-        _copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
+        d.copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
         if HAS_SCALES:
             s_cols = tl.arange(0, S_PAD)
             mask = is_row[:, None] & (s_cols < S)[None, :]
@@ -309,43 +311,40 @@ def pack_tokens_by_expert(
     launch_wait_apart(node, "dispatch_send", send_base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(x, torch.Tensor) and x.is_cuda:
-        key = (tensor_key(x), tensor_key(x_scale), tensor_key(route_slot), tensor_key(send_base), send_offset_bytes,
-               cfg, tensor_key(bound_m), node, remote_send_offset_bytes, tensor_key(node_slots))
+        key = launch.key(x, x_scale, route_slot, send_base, send_offset_bytes, cfg, bound_m, node,
+                         remote_send_offset_bytes, node_slots)
         if _PACK.hit(key):
             return
-    if not isinstance(cfg, A2AConfig):
-        _fail("cfg", "an A2AConfig", type(cfg).__name__)
-    _check_tensor("x", x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
+    check.config(cfg)
+    check.tensor("x", x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
     device = x.device
     T, K = x.shape[0], cfg.experts_per_token
     if T > cfg.max_num_tokens:
-        _fail("x", f"at most max_num_tokens={cfg.max_num_tokens} rows", str(T))
+        check.fail("x", f"at most max_num_tokens={cfg.max_num_tokens} rows", str(T))
     if cfg.has_scales:
-        _check_tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(T, cfg.num_scales), device=device,
-                      last_contig=False)
+        check.tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(T, cfg.num_scales), device=device,
+                     strides="any")
     elif x_scale is not None:
-        _fail("x_scale", "None (this config has no scales)", f"a tensor {tuple(x_scale.shape)}")
-    _check_tensor("route_slot", route_slot, dtypes=(torch.int32, torch.int64), shape=(T, K), device=device,
-                  last_contig=False)
-    _check_tensor("send_base", send_base, dtypes=(torch.uint8,), shape=(None,), device=device)
-    _check_int("send_offset_bytes", send_offset_bytes)
-    _check_bound_m(bound_m, device)
-    split = _check_split("remote_send_offset_bytes", remote_send_offset_bytes, node_slots, device)
+        check.fail("x_scale", "None (this config has no scales)", f"a tensor {tuple(x_scale.shape)}")
+    check.tensor("route_slot", route_slot, dtypes=(torch.int32, torch.int64), shape=(T, K), device=device,
+                 strides="any")
+    check.tensor("send_base", send_base, dtypes=(torch.uint8,), shape=(None,), device=device)
+    check.integer("send_offset_bytes", send_offset_bytes)
+    check.bound_m(bound_m, device)
+    split = check.split("remote_send_offset_bytes", remote_send_offset_bytes, node_slots, device)
     if T == 0 and node is None:
         return
 
     x_row_bytes = x.stride(0) * x.element_size()
     remote = remote_send_offset_bytes if split else send_offset_bytes
-    word_bytes, word_dtype = _word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
-                                         send_offset_bytes, remote, cfg.dispatch_stride_bytes)
+    word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
+                                               send_offset_bytes, remote, cfg.dispatch_stride_bytes)
     # The hint is on the offset from base, so base and offset must each be 16-byte aligned.
-    align = _align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes, remote)
-    x_words = _as_words(x, word_dtype)
+    align = launch.align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes, remote)
+    x_words = launch.as_words(x, word_dtype)
     row_words = cfg.x_bytes // word_bytes
-    block_w = _chunk_words(row_words, word_bytes)
-    # GPU: one token per program (decode T=128 x 4 chunks = 512 programs fill 132 SMs). Interpreter:
-    # it pays per operation, not per element, so all tokens in one program.
-    block_t = 1 if device.type == "cuda" else min(next_power_of_2(T), CPU_TOKENS_PER_PROGRAM)
+    block_w = launch.chunk_words(row_words, word_bytes)
+    block_t = launch.tokens_per_program(device, T)
     S = cfg.num_scales
     scale_i32 = x_scale.view(torch.int32) if cfg.has_scales else x_words  # dummy pointer without scales
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
@@ -354,7 +353,7 @@ def pack_tokens_by_expert(
     if split:
         # With a proxy the remote rows are packed first (their own half of the grid), so the wire starts
         # while this node's rows are still being packed.
-        remote_first = node is not None and node.with_proxy and _REMOTE_FIRST
+        remote_first = node is not None and node.with_proxy
         sync_args = {**sync_args, "node_slots_ptr": node_slots, "remote_send_bytes": remote_send_offset_bytes,
                      "SPLIT": True, "REMOTE_FIRST": remote_first}
         if remote_first:
@@ -367,7 +366,7 @@ def pack_tokens_by_expert(
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_T=block_t, BLOCK_W=block_w,
         HAS_SCALES=cfg.has_scales, HAS_BOUND_M=bound_m is not None,
-        num_warps=_num_warps(block_t * block_w, word_bytes), **sync_args,
+        num_warps=launch.num_warps(block_t * block_w, word_bytes), **sync_args,
     )
 
 
@@ -411,44 +410,43 @@ def unpack_tokens_by_expert(
     launch_wait_apart(node, "dispatch_recv", base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(out_expert_x, torch.Tensor) and out_expert_x.is_cuda:
-        key = (tensor_key(out_expert_num_tokens), tensor_key(out_expert_x), tensor_key(out_expert_x_scale),
-               tensor_key(counts), rank, tensor_key(base), tensor_key(peer_send_bytes), recv_bytes, cfg, layout, node)
+        key = launch.key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank, base, peer_send_bytes,
+                         recv_bytes, cfg, layout, node)
         if _UNPACK.hit(key):
             return
-    if not isinstance(cfg, A2AConfig):
-        _fail("cfg", "an A2AConfig", type(cfg).__name__)
-    _check_layout(layout, cfg)
+    check.config(cfg)
+    check.layout(layout, cfg)
     W, L, E = layout.world_size, layout.num_local_experts, cfg.num_experts
-    _check_tensor("out_expert_x", out_expert_x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
+    check.tensor("out_expert_x", out_expert_x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
     device = out_expert_x.device
     R = out_expert_x.shape[0]
-    _check_tensor("out_expert_num_tokens", out_expert_num_tokens, dtypes=(torch.int32,), shape=(L,),
-                  device=device)
+    check.tensor("out_expert_num_tokens", out_expert_num_tokens, dtypes=(torch.int32,), shape=(L,),
+                 device=device)
     if cfg.has_scales:
-        _check_tensor("out_expert_x_scale", out_expert_x_scale, dtypes=(torch.float32,),
-                      shape=(R, cfg.num_scales), device=device, last_contig=False)
+        check.tensor("out_expert_x_scale", out_expert_x_scale, dtypes=(torch.float32,),
+                     shape=(R, cfg.num_scales), device=device, strides="any")
     elif out_expert_x_scale is not None:
-        _fail("out_expert_x_scale", "None (this config has no scales)", "a tensor")
-    _check_counts(counts, W, E, device)
-    _check_int("rank", rank, 0, W)
-    _check_tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
-    _check_peer_table("peer_send_bytes", peer_send_bytes, W, device)
-    _check_int("recv_bytes", recv_bytes)
+        check.fail("out_expert_x_scale", "None (this config has no scales)", "a tensor")
+    check.counts(counts, W, E, device)
+    check.integer("rank", rank, 0, W)
+    check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
+    check.peer_table("peer_send_bytes", peer_send_bytes, W, device)
+    check.integer("recv_bytes", recv_bytes)
 
     out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
     # Sources' rows start at base + (recv_bytes or peer_send_bytes[s]) + multiples of Sd (16-aligned);
     # the hint is on the offset from base, so base and recv_bytes must each be 16-byte aligned.
-    word_bytes, word_dtype = _word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes,
-                                         base.data_ptr(), layout.private_offset_bytes,
-                                         cfg.dispatch_stride_bytes)
-    align = _align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes, base.data_ptr())
-    x_words = _as_words(out_expert_x, word_dtype)
+    word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes,
+                                               base.data_ptr(), layout.private_offset_bytes,
+                                               cfg.dispatch_stride_bytes)
+    align = launch.align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes, base.data_ptr())
+    x_words = launch.as_words(out_expert_x, word_dtype)
     row_words = cfg.x_bytes // word_bytes
-    block_w = _chunk_words(row_words, word_bytes)
+    block_w = launch.chunk_words(row_words, word_bytes)
     S = cfg.num_scales
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
     stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
-    grid, block_r = _persistent_grid(device, layout)
+    grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
     _UNPACK.launch(
         key, grid, out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
@@ -462,13 +460,11 @@ def unpack_tokens_by_expert(
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
         ABORT_WORD=flag_word(Flag.ABORTED),
-        num_warps=_num_warps(block_r * block_w, word_bytes), **sync_args,
+        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args,
     )
 
 
-# Benchmarks only: MOE_A2A_PACK_REMOTE_FIRST=0 packs every row in one half (the A/B of docs/benchmarks.md).
-_REMOTE_FIRST = os.environ.get("MOE_A2A_PACK_REMOTE_FIRST", "1") != "0"
-_PACK = LaunchCache(_pack_tokens_by_expert_kernel)
-_UNPACK = LaunchCache(_unpack_tokens_by_expert_kernel)
+_PACK = launch.LaunchCache(_pack_tokens_by_expert_kernel)
+_UNPACK = launch.LaunchCache(_unpack_tokens_by_expert_kernel)
 
 __all__ = ["pack_tokens_by_expert", "unpack_tokens_by_expert"]

@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from ..config import ceil_div, next_power_of_2
+from . import _checks as check
 
 FP8_E4M3_MAX = 448.0
-_MIN_NORMAL_FP32 = 2.0**-126
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one binary for every T (decode/prefill alike)
@@ -113,32 +113,20 @@ def quantize_fp8(
     One launch, no CPU sync; safe in a CUDA graph when the outputs are given.
     `_fp8_via_bits` forces the integer encoding (default: on CPU only); for tests.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x: expected a [T, H] tensor, got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        raise ValueError(f"x: expected last stride 1, got strides {x.stride()}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block: expected a positive int, got {block!r}")
+    check.tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), shape=("T", "H"))
+    check.integer("block", block, lo=1)
     T, H = x.shape
     S = ceil_div(H, block)
     device = x.device
     if out is None:
         out = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=device)
-    elif tuple(out.shape) != (T, H) or out.dtype != torch.float8_e4m3fn or out.device != device \
-            or (H > 1 and out.stride(1) != 1):
-        raise ValueError(f"out: expected [{T}, {H}] float8_e4m3fn on {device} with last stride 1, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}")
+    else:
+        check.tensor("out", out, dtypes=(torch.float8_e4m3fn,), shape=(T, H), device=device)
     if out_scale is None:
         out_scale = torch.empty(T, S, dtype=torch.float32, device=device)
-    elif tuple(out_scale.shape) != (T, S) or out_scale.dtype != torch.float32 or out_scale.device != device:
-        raise ValueError(f"out_scale: expected [{T}, {S}] float32 on {device}, got "
-                         f"{tuple(out_scale.shape)} {out_scale.dtype} on {out_scale.device}")
-    if bound_m is not None and (bound_m.numel() != 1 or bound_m.dtype != torch.int32 or bound_m.device != device):
-        raise ValueError(f"bound_m: expected a 1-element int32 tensor on {device}, got "
-                         f"{tuple(bound_m.shape)} {bound_m.dtype} on {bound_m.device}")
+    else:
+        check.tensor("out_scale", out_scale, dtypes=(torch.float32,), shape=(T, S), device=device, strides="any")
+    check.bound_m(bound_m, device)
     if T == 0 or H == 0:
         return out, out_scale
 
@@ -161,10 +149,8 @@ def dequantize_fp8(
     x_fp8: torch.Tensor, scale: torch.Tensor, block: int = 128, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Plain-torch inverse for tests and debugging: `x_fp8 * scale` per block, cast to out_dtype."""
-    if x_fp8.dim() != 2 or scale.dim() != 2 or scale.shape[0] != x_fp8.shape[0] \
-            or scale.shape[1] != ceil_div(x_fp8.shape[1], block):
-        raise ValueError(f"scale: expected [{x_fp8.shape[0]}, ceil({x_fp8.shape[1]} / {block})] for x_fp8 "
-                         f"{tuple(x_fp8.shape)}, got {tuple(scale.shape)}")
+    check.tensor("x_fp8", x_fp8, shape=("T", "H"), strides="any")
+    check.tensor("scale", scale, shape=(x_fp8.shape[0], ceil_div(x_fp8.shape[1], block)), strides="any")
     H = x_fp8.shape[1]
     full = scale.float().repeat_interleave(block, dim=1)[:, :H]
     return (x_fp8.float() * full).to(out_dtype)

@@ -29,28 +29,25 @@ import triton.language as tl
 
 from ..config import ceil_div, next_power_of_2
 from ..protocol import device as protocol_device
-from .node_sync import _fence_sys, _store_release_sys
-from .rows import LaunchCache, tensor_key
+from . import _checks as check
+from . import _details as d
+from . import _launch as launch
 
-# Measured on an H200 (triton 3.6, E=256, CUDA-graph replay, both kernels): one program sorting
-# 1024 keys takes 14.6 µs and 4096 keys 92 µs (tl.sort is a bitonic network, ~log2(N)^2/2 layout
-# shuffles), while two launches with small blocks take 8.2 µs (T*K=1024, 64-route blocks), 9.5 µs
-# (4096, 256) and 13.6 µs (32768, 512). So one program only for tiny inputs (not measured there).
+# One program sorts all routes only for tiny inputs: tl.sort is a bitonic network (~log2(N)^2/2 layout
+# shuffles), so one program sorting 1024 keys is slower than two launches over small blocks
+# (docs/perf-notes.md, "Routing").
 SINGLE_PROGRAM_MAX_ROUTES = 128
 
 
-def _block_routes_for(num_routes: int) -> int:
-    """Routes per program on the two-launch path: ~16 blocks, within [64, 512] (fits the sweep above:
-    1024 -> 64, 2048 -> 128, 4096 -> 256, >= 8192 -> 512; E=256 histogram re-read from L2 <= 64 KB)."""
-    return min(512, max(64, next_power_of_2(max(1, num_routes // 16))))
-
-
 @triton.jit
-def _publish_ready(ready_ptr, epoch_ptr, USE_PTX: tl.constexpr):
-    """ready = this call's epoch, released after the counts this program wrote (the proxy sends them)."""
-    _fence_sys(USE_PTX)
-    tl.debug_barrier()
-    _store_release_sys(ready_ptr, tl.load(epoch_ptr), USE_PTX)
+def _store_node_slots(node_slots_ptr, counts, experts, node_lo, node_hi):
+    """Slots are expert-major, so the routes to one node's experts hold one contiguous run of slots:
+    [sum of counts before node_lo, + sum of counts in [node_lo, node_hi)). Kernels that keep a node's
+    rows apart from the rest (staging only remote rows) tell them apart by it."""
+    first = tl.sum(tl.where(experts < node_lo, counts, 0), axis=0)
+    n = tl.sum(tl.where((experts >= node_lo) & (experts < node_hi), counts, 0), axis=0)
+    tl.store(node_slots_ptr, first)
+    tl.store(node_slots_ptr + 1, first + n)
 
 
 # num_tokens is not specialised: T=1 would make it a constexpr int (no .to()) and every T a recompile;
@@ -125,21 +122,10 @@ def _route_block_kernel(
         tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where(abort != 0, -1, hist), mask=bins < num_experts)
         if HAS_NODE_SLOTS:
             _store_node_slots(node_slots_ptr, hist, bins, node_lo, node_hi)
-        if HAS_READY:
-            _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
+        if HAS_READY:  # the proxy sends the counts once it sees the epoch
+            d.publish_epoch(ready_ptr, epoch_ptr, USE_PTX)
     else:
         tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
-
-
-@triton.jit
-def _store_node_slots(node_slots_ptr, counts, experts, node_lo, node_hi):
-    """Slots are expert-major, so the routes to one node's experts hold one contiguous run of slots:
-    [sum of counts before node_lo, + sum of counts in [node_lo, node_hi)). Kernels that keep a node's
-    rows apart from the rest (staging only remote rows) tell them apart by it."""
-    first = tl.sum(tl.where(experts < node_lo, counts, 0), axis=0)
-    n = tl.sum(tl.where((experts >= node_lo) & (experts < node_hi), counts, 0), axis=0)
-    tl.store(node_slots_ptr, first)
-    tl.store(node_slots_ptr + 1, first + n)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -182,7 +168,7 @@ def _route_fixup_kernel(
         if HAS_NODE_SLOTS:
             _store_node_slots(node_slots_ptr, total, experts, node_lo, node_hi)
         if HAS_READY:
-            _publish_ready(ready_ptr, epoch_ptr, USE_PTX)
+            d.publish_epoch(ready_ptr, epoch_ptr, USE_PTX)
 
     route = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = route < num_tokens.to(tl.int64) * K
@@ -191,6 +177,12 @@ def _route_fixup_kernel(
     expert = tl.load(indices_ptr + route, mask=in_range & is_live, other=0).to(tl.int32)
     slot = position + tl.gather(delta, expert, 0)
     tl.store(route_slot_ptr + route, tl.where(is_live, slot, -1), mask=in_range)
+
+
+def _block_routes_for(num_routes: int) -> int:
+    """Routes per program on the two-launch path: ~16 blocks, within [64, 512] (1024 -> 64, 2048 -> 128,
+    4096 -> 256, >= 8192 -> 512; the E=256 histogram each program re-reads from L2 stays <= 64 KB)."""
+    return min(512, max(64, next_power_of_2(max(1, num_routes // 16))))
 
 
 def validate_indices(indices: torch.Tensor, num_experts: int) -> None:
@@ -252,67 +244,49 @@ def route_tokens(
         e), -1 for dead routes. Per-rank send offsets follow from counts (`plan.send_offsets`).
 
     One launch when T*K <= SINGLE_PROGRAM_MAX_ROUTES, two otherwise (plus a [blocks, E] int32 scratch
-    allocation from the caching allocator). H200, CUDA graph: 8.2 µs at T=128, K=8, E=256; 13.6 µs at
-    T=4096.
+    allocation from the caching allocator).
     Does not sync the CPU; safe in a CUDA graph when the outputs are given. `_single_max_routes` and
     `_block_routes` (a power of two) exist so tests can reach the two-launch path with small inputs
     (the interpreter's tl.sort costs seconds per 1024 keys).
     """
     key = None
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
-        key = (tensor_key(indices), num_experts, tensor_key(out_counts), tensor_key(out_route_slot),
-               tensor_key(bound_m), tensor_key(epoch), tensor_key(bad_index), tensor_key(ready), _single_max_routes,
-               _block_routes, bool(abort), tensor_key(out_node_slots), tuple(node_experts))
+        key = launch.key(indices, num_experts, out_counts, out_route_slot, bound_m, epoch, bad_index, ready,
+                         _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts))
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
                 raise RuntimeError("route_tokens: the remembered second launch failed after the first ran")
             return out_counts, out_route_slot
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 2:
-        raise ValueError(f"indices: expected a [T, K] tensor, got "
-                         f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices)}")
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"indices: expected dtype int32 or int64, got {indices.dtype}")
-    if not indices.is_contiguous():
-        raise ValueError(f"indices: expected a contiguous tensor, got strides {indices.stride()}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
+    check.integer("num_experts", num_experts, lo=1)
     T, K = indices.shape
     if K < 1:
-        raise ValueError(f"indices: expected at least one column (K >= 1), got shape {(T, K)}")
+        check.fail("indices", "at least one column (K >= 1)", f"shape {[T, K]}")
     device = indices.device
     if out_counts is None:
         out_counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    elif out_counts.dim() != 1 or out_counts.shape[0] != num_experts or out_counts.dtype != torch.int32 \
-            or not (out_counts.device == device or (device.type == "cuda" and out_counts.is_pinned())):
-        raise ValueError(f"out_counts: expected [{num_experts}] int32 on {device} (or pinned host memory), got "
-                         f"{tuple(out_counts.shape)} {out_counts.dtype} on {out_counts.device}")
+    else:  # any stride: a column of the [W, E] routing matrix, or its row in pinned host memory
+        check.tensor("out_counts", out_counts, dtypes=(torch.int32,), shape=(num_experts,), device=device,
+                     host_ok=True, strides="any")
     if out_route_slot is None:
         out_route_slot = torch.empty(T, K, dtype=torch.int32, device=device)
-    elif tuple(out_route_slot.shape) != (T, K) or out_route_slot.dtype != torch.int32 \
-            or out_route_slot.device != device or not out_route_slot.is_contiguous():
-        raise ValueError(f"out_route_slot: expected contiguous [{T}, {K}] int32 on {device}, got "
-                         f"{tuple(out_route_slot.shape)} {out_route_slot.dtype} on {out_route_slot.device}")
-    if bound_m is not None and (bound_m.numel() != 1 or bound_m.dtype != torch.int32 or bound_m.device != device):
-        raise ValueError(f"bound_m: expected a 1-element int32 tensor on {device}, got "
-                         f"{tuple(bound_m.shape)} {bound_m.dtype} on {bound_m.device}")
-
+    else:
+        check.tensor("out_route_slot", out_route_slot, dtypes=(torch.int32,), shape=(T, K), device=device,
+                     strides="contiguous")
+    check.bound_m(bound_m, device)
     if ready is not None and epoch is None:
-        raise ValueError("ready: needs epoch (the value it publishes)")
+        check.fail("ready", "together with epoch (the value it publishes)", "epoch=None")
     for name, t in (("epoch", epoch), ("bad_index", bad_index), ("ready", ready)):
-        if t is not None and (t.numel() != 1 or t.dtype != torch.int64 or not (
-                t.device == device or (device.type == "cuda" and t.is_pinned()))):
-            raise ValueError(f"{name}: expected a 1-element int64 tensor on {device}, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        if t is not None:
+            check.scalar(name, t, torch.int64, device, host_ok=True)
     if abort and T != 0:
-        raise ValueError(f"abort: only with no tokens (T == 0), got T = {T}")
+        check.fail("abort", "T == 0 (an aborting rank sends no tokens)", f"T = {T}")
     if out_node_slots is not None:
-        if out_node_slots.shape != (2,) or out_node_slots.dtype != torch.int32 or out_node_slots.device != device:
-            raise ValueError(f"out_node_slots: expected a [2] int32 tensor on {device}, got "
-                             f"{tuple(out_node_slots.shape)} {out_node_slots.dtype} on {out_node_slots.device}")
+        check.tensor("out_node_slots", out_node_slots, dtypes=(torch.int32,), shape=(2,), device=device)
         lo_e, hi_e = node_experts
         if not 0 <= lo_e <= hi_e <= num_experts:
-            raise ValueError(f"node_experts: expected 0 <= lo <= hi <= {num_experts}, got {node_experts}")
+            check.fail("node_experts", f"0 <= lo <= hi <= {num_experts}", str(node_experts))
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
                  CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
@@ -321,10 +295,16 @@ def route_tokens(
     num_routes = T * K
     e_bins = next_power_of_2(num_experts + 1)
     bound_arg = bound_m if bound_m is not None else out_counts  # never read without HAS_BOUND_M
-    if num_routes <= _single_max_routes:
+    single = num_routes <= _single_max_routes
+    if single:
         block_r = max(16, next_power_of_2(num_routes))
-        if (num_experts + 1) * block_r >= 2**31:
-            raise ValueError(f"num_experts: {num_experts} too large for int32 sort keys")
+    else:
+        block_r = _block_routes_for(num_routes) if _block_routes is None else _block_routes
+        if block_r < 16 or block_r & (block_r - 1):
+            check.fail("_block_routes", "a power of two >= 16", str(block_r))
+    if (num_experts + 1) * block_r >= 2**31:  # sort keys are int32: expert * BLOCK_R + position
+        check.fail("num_experts", f"(num_experts + 1) * {block_r} < 2**31 (int32 sort keys)", str(num_experts))
+    if single:
         _BLOCK.launch(
             key, (1,), indices, bound_arg, out_route_slot, out_counts, out_counts,
             T, num_experts, out_counts.stride(0),
@@ -333,11 +313,6 @@ def route_tokens(
         )
         return out_counts, out_route_slot
 
-    block_r = _block_routes_for(num_routes) if _block_routes is None else _block_routes
-    if block_r < 16 or block_r & (block_r - 1):
-        raise ValueError(f"_block_routes: expected a power of two >= 16, got {block_r}")
-    if (num_experts + 1) * block_r >= 2**31:
-        raise ValueError(f"num_experts: {num_experts} too large for int32 sort keys")
     num_blocks = ceil_div(num_routes, block_r)
     if key is not None:  # a remembered launch keeps its scratch address: one per shape, kept here
         hist = _HIST.setdefault((device, num_blocks, num_experts), torch.empty(
@@ -366,8 +341,8 @@ def route_tokens(
     return out_counts, out_route_slot
 
 
-_BLOCK = LaunchCache(_route_block_kernel)
-_FIXUP = LaunchCache(_route_fixup_kernel)
+_BLOCK = launch.LaunchCache(_route_block_kernel)
+_FIXUP = launch.LaunchCache(_route_fixup_kernel)
 _FIXUP_KEYS: set = set()  # keys whose launch has the second kernel
 _HIST: dict = {}
 

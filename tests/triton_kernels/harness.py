@@ -6,6 +6,10 @@ byte offset. What the proxy would do over the network (`plan.private_writes`, `p
 `plan.combine_writes`) is done here with torch slice copies. This harness exists only for tests (the
 kernels' and, later, a whole-pipeline one); it is not a transport.
 
+Buffers live on the device the tests run on (`TEST_DEVICE`: the CPU under the interpreter, `cuda` with
+MOE_A2A_TEST_DEVICE=cuda), since compiled kernels cannot reach CPU tensors; `make_inputs` builds the
+seeded inputs on the CPU, where the reference computes, and the callers move them.
+
     world = SimWorld.create(cfg, world_size=4, node_size=2)
     result = run_dispatch(world, xs, x_scales, indices, bound_ms)    # pack, transport, unpack
     outs = run_combine(world, result, weights, expert_ys)             # pack, transport, reduce
@@ -24,6 +28,8 @@ from moe_a2a.config import PAGE_BYTES, A2AConfig, Layout
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 
+from ..conftest import TEST_DEVICE
+
 # Fill byte of fresh buffers and outputs: a row the kernels should not write keeps it, so tests can
 # tell "left untouched" from "written with zeros".
 POISON = 0xA5
@@ -41,7 +47,7 @@ class SimWorld:
     recv_bytes: list[int]
 
     @classmethod
-    def create(cls, cfg: A2AConfig, world_size: int, node_size: int, device="cpu") -> "SimWorld":
+    def create(cls, cfg: A2AConfig, world_size: int, node_size: int, device=TEST_DEVICE) -> "SimWorld":
         lay = cfg.layout(world_size, node_size)
         per_rank = lay.send_bytes + lay.recv_bytes
         lead = PAGE_BYTES  # nothing at offset 0, so a forgotten offset shows up as a wrong row
@@ -91,7 +97,7 @@ def live_indices(indices: torch.Tensor, bound_m: int | None) -> torch.Tensor:
     return out
 
 
-def bound_tensor(bound_m: int | None, device="cpu") -> torch.Tensor | None:
+def bound_tensor(bound_m: int | None, device=TEST_DEVICE) -> torch.Tensor | None:
     return None if bound_m is None else torch.tensor([bound_m], dtype=torch.int32, device=device)
 
 
@@ -228,7 +234,7 @@ class Case:
             scale_block=self.scale_block, out_dtype=self.out_dtype, expert_padding=self.expert_padding,
             max_private_tokens=self.max_private_tokens, expert_capacity=self.expert_capacity)
 
-    def world(self, device="cpu") -> SimWorld:
+    def world(self, device=TEST_DEVICE) -> SimWorld:
         return SimWorld.create(self.cfg, self.world_size, self.node_size, device)
 
 

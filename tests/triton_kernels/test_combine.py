@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_a2a.protocol import plan, reference
+from moe_a2a import reference
+from moe_a2a.protocol import plan
 from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combined_tokens
 
 from ..conftest import TEST_DEVICE, examples
@@ -124,9 +125,10 @@ def test_combine_edge_cases_gpu(case: Case, accumulate: bool) -> None:
 # ---- validation ---------------------------------------------------------------------------------
 def _reduce_args(case: Case = Case()):
     cfg, world = case.cfg, case.world()
+    dev = world.arena.device
     _, slot = route_slots(make_inputs(case)[2][0], cfg.num_experts)
-    return dict(out_tokens=torch.zeros(4, cfg.hidden_dim, dtype=cfg.out_dtype), route_slot=slot,
-                weights=torch.ones(4, cfg.experts_per_token), recv_base=world.arena,
+    return dict(out_tokens=torch.zeros(4, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev), route_slot=slot.to(dev),
+                weights=torch.ones(4, cfg.experts_per_token, device=dev), recv_base=world.arena,
                 recv_offset_bytes=world.recv_bytes[0], cfg=cfg)
 
 
@@ -151,9 +153,9 @@ def test_reduce_rejects_bad_input(name, bad) -> None:
 
 def _pack_combine_args(case: Case = Case()):
     cfg, world = case.cfg, case.world()
-    lay = world.layout
-    return dict(expert_y=torch.zeros(lay.max_dispatch_rows, cfg.hidden_dim, dtype=cfg.out_dtype),
-                counts=torch.zeros(2, cfg.num_experts, dtype=torch.int32), rank=1, base=world.arena,
+    lay, dev = world.layout, world.arena.device
+    return dict(expert_y=torch.zeros(lay.max_dispatch_rows, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev),
+                counts=torch.zeros(2, cfg.num_experts, dtype=torch.int32, device=dev), rank=1, base=world.arena,
                 peer_recv_bytes=world.peer_table(1, world.recv_bytes), stage_bytes=world.send_bytes[1],
                 cfg=cfg, layout=lay)
 

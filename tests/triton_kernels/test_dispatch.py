@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from moe_a2a.protocol import plan, reference
+from moe_a2a import reference
+from moe_a2a.protocol import plan
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 
 from ..conftest import TEST_DEVICE, examples
@@ -108,12 +109,14 @@ def test_dispatch_edge_cases_gpu(case: Case) -> None:
 
 # ---- validation: bad input is refused with a ValueError naming the argument ---------------------
 def _pack_args(cfg_case: Case = Case()):
+    """Arguments of one rank's pack, every tensor on the test device (the arena's)."""
     cfg = cfg_case.cfg
     world = cfg_case.world()
+    dev = world.arena.device
     xs, scales, indices = make_inputs(cfg_case)
     _, slot = route_slots(indices[0], cfg.num_experts)
-    return dict(x=xs[0], x_scale=scales[0], route_slot=slot, send_base=world.arena,
-                send_offset_bytes=world.send_bytes[0], cfg=cfg)
+    return dict(x=xs[0].to(dev), x_scale=None if scales[0] is None else scales[0].to(dev), route_slot=slot.to(dev),
+                send_base=world.arena, send_offset_bytes=world.send_bytes[0], cfg=cfg)
 
 
 @pytest.mark.timeout(60)
@@ -143,19 +146,19 @@ def test_pack_rejects_scales_mismatch() -> None:
     with pytest.raises(ValueError, match="x_scale"):
         pack_tokens_by_expert(**args)
     args = _pack_args()
-    args["x_scale"] = torch.zeros(4, 3)
+    args["x_scale"] = torch.zeros(4, 3, device=args["x"].device)
     with pytest.raises(ValueError, match="x_scale"):
         pack_tokens_by_expert(**args)
 
 
 def _unpack_args(case: Case = Case(in_dtype=FP8, scale_block=16)):
     cfg, world = case.cfg, case.world()
-    lay = world.layout
+    lay, dev = world.layout, world.arena.device
     R = lay.max_dispatch_rows
-    return dict(out_expert_num_tokens=torch.zeros(lay.num_local_experts, dtype=torch.int32),
-                out_expert_x=torch.zeros(R, cfg.hidden_dim, dtype=cfg.in_dtype),
-                out_expert_x_scale=torch.zeros(R, cfg.num_scales), counts=torch.zeros(2, cfg.num_experts,
-                                                                                         dtype=torch.int32),
+    return dict(out_expert_num_tokens=torch.zeros(lay.num_local_experts, dtype=torch.int32, device=dev),
+                out_expert_x=torch.zeros(R, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev),
+                out_expert_x_scale=torch.zeros(R, cfg.num_scales, device=dev),
+                counts=torch.zeros(2, cfg.num_experts, dtype=torch.int32, device=dev),
                 rank=0, base=world.arena, peer_send_bytes=world.peer_table(0, world.send_bytes),
                 recv_bytes=world.recv_bytes[0], cfg=cfg, layout=lay)
 

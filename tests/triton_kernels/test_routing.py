@@ -13,7 +13,8 @@ import torch
 from ..conftest import TEST_DEVICE, examples
 from hypothesis import given, settings, strategies as st
 
-from moe_a2a.protocol import plan, reference
+from moe_a2a import reference
+from moe_a2a.protocol import plan
 from moe_a2a.config import A2AConfig
 from moe_a2a.triton_kernels.routing import route_tokens, validate_indices
 

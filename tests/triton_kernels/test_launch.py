@@ -1,10 +1,12 @@
-"""`rows.LaunchCache`: remembered launches, checked with a stand-in kernel (the real ones are exercised
+"""`_launch.LaunchCache`: remembered launches, checked with a stand-in kernel (the real ones are exercised
 on the GPU by every kernel test: the launchers remember their launches there)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from moe_a2a.triton_kernels import rows
+from moe_a2a.triton_kernels import _launch as launch
 
 
 class _Compiled:
@@ -42,12 +44,12 @@ class _Kernel:
 
 
 def test_remembered_launch_replays_arguments_in_order_with_pointers_as_ints(monkeypatch):
-    monkeypatch.setattr(rows.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(rows, "_current_stream", lambda index: 1234)
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_stream", lambda index: 1234)
     kernel = _Kernel()
-    cache = rows.LaunchCache(kernel, size=2)
+    cache = launch.LaunchCache(kernel, size=2)
     a = torch.zeros(8)
-    key = ("k", rows.tensor_key(a))
+    key = ("k", launch.tensor_key(a))
     assert not cache.has(key) and not cache.hit(key)
     cache.launch(key, (3,), a, 5, BLOCK=32, num_warps=4)
     assert len(kernel.calls) == 1 and cache.has(key)
@@ -64,23 +66,34 @@ def test_remembered_launch_replays_arguments_in_order_with_pointers_as_ints(monk
     assert not cache.has(None)
 
 
-def test_a_launcher_that_refuses_the_call_turns_the_cache_off(monkeypatch):
-    monkeypatch.setattr(rows.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(rows, "_current_stream", lambda index: 0)
+def test_a_launcher_that_refuses_the_call_turns_the_cache_off(monkeypatch, caplog):
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_stream", lambda index: 0)
+    monkeypatch.setattr(launch, "_warned", False)
     kernel = _Kernel(fail_on_run=True)
-    cache = rows.LaunchCache(kernel)
+    cache = launch.LaunchCache(kernel)
     cache.launch("k", (1,), torch.zeros(1), 1)
     assert cache.has("k")
-    assert not cache.hit("k")           # the caller then launches through Triton
+    with caplog.at_level(logging.WARNING, logger="moe_a2a"):
+        assert not cache.hit("k")           # the caller then launches through Triton
     assert not cache.enabled and not cache.has("k")
     cache.launch("k", (1,), torch.zeros(1), 1)
     assert not cache.has("k")
+    # Said loudly, once per process: a second cache that falls back logs nothing more.
+    warnings = [r for r in caplog.records if r.name == "moe_a2a" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "remembered kernel launches are OFF" in warnings[0].getMessage()
+    assert "a launcher of another shape" in warnings[0].getMessage()
+    other = launch.LaunchCache(_Kernel(fail_on_run=True))
+    other.launch("k", (1,), torch.zeros(1), 1)
+    with caplog.at_level(logging.WARNING, logger="moe_a2a"):
+        assert not other.hit("k")
+    assert len([r for r in caplog.records if r.name == "moe_a2a"]) == 1
 
 
 def test_interpreted_launches_are_not_remembered():
     class Interpreted(_Kernel):
         def __getitem__(self, grid):
             return lambda *a, **k: None  # TRITON_INTERPRET=1 launches return nothing
-    cache = rows.LaunchCache(Interpreted())
+    cache = launch.LaunchCache(Interpreted())
     cache.launch("k", (1,), torch.zeros(1), 1)
     assert not cache.has("k")

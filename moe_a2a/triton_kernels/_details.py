@@ -1,0 +1,350 @@
+"""The `@triton.jit` helpers the public kernels share (private: kernel files import it as a module,
+`from . import _details as d`, and call `d.node_wait(...)`).
+
+- memory order and clock: system-scope fence, release store and acquire load, `%globaltimer`,
+  nanosleep. On a GPU (`USE_PTX`) they are PTX; under `TRITON_INTERPRET=1` plain loads and atomics
+  (x86 keeps stores in order) and no clock (a spin is capped by a count instead);
+- same-node synchronisation: the prologue (`node_wait`) and epilogue (`node_arrive`,
+  `node_copy_count_row`, `node_publish`) of the data kernels, and `publish_epoch` of the route kernel.
+  What each word means and why the order is safe: `node_sync.py` and docs/protocol.md;
+- the walk over received rows: dispatch unpack (rows in, expert-major out) and combine pack (the same
+  rows back out, by source) walk exactly the same rows with `recv_pair_tables`, `node_peer_tables` and
+  `tile_rows`, so both directions agree on every row by construction; `copy_row_words` moves them;
+- `live_token_block`: the token ids of a pack / reduce program and which of them are live.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..protocol import device as protocol_device
+
+
+# ================================================================================================
+# Memory order and clock
+# ================================================================================================
+@triton.jit
+def fence_sys(USE_PTX: tl.constexpr):
+    if USE_PTX:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def store_release_sys(ptr, value, USE_PTX: tl.constexpr):
+    if USE_PTX:
+        # A store, not an atomic: a posted PCIe write when the word is in host memory.
+        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                  [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def load_acquire_sys(ptr, USE_PTX: tl.constexpr):
+    if USE_PTX:
+        # A system-scope acquire: sees the host's (or the NIC's) store, and orders our later reads of
+        # the data it guards after it. A plain load could be served from L1 forever.
+        return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.load(ptr, volatile=True)
+
+
+@triton.jit
+def globaltimer_ns():
+    """The GPU's nanosecond clock (GPU only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def nanosleep(ns):
+    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+# ================================================================================================
+# Same-node synchronisation: prologue and epilogue of the data kernels
+# ================================================================================================
+@triton.jit
+def node_wait(
+    base_ptr,            # uint8: byte address space of this rank's sync area
+    ready_bytes,         # int64: this rank's ready words (sync area + dispatch/combine_ready) - base
+    epoch_ptr,           # (1,) int64: the epoch to wait for
+    failed_ptr,          # (1,) int64 sticky failure word (device)
+    flags_ptr,           # (N,) int64 this rank's flags area: the proxy's flags and the status words
+    node_first,          # first rank of this node
+    timeout_ns,          # int64, GPU: give up after this long
+    max_spins,           # int64, interpreter: give up after this many polls (0: no cap)
+    NODE: tl.constexpr,  # same-node ranks to wait for (0: none, only the proxy)
+    NODE_PAD: tl.constexpr,
+    HAS_PROXY: tl.constexpr,     # also wait until flags[PROXY_WAIT_WORD] >= epoch + PROXY_DELTA
+    PROXY_WAIT_WORD: tl.constexpr, PROXY_DELTA: tl.constexpr, ERROR_WORD: tl.constexpr,
+    STATUS_WORD: tl.constexpr,   # flags word that records a failed wait
+    USE_PTX: tl.constexpr,
+    SPIN: tl.constexpr = True,   # False: the host already waited for all of it (host waits): no spin
+    BACKOFF_NS: tl.constexpr = 0,  # GPU: sleep this long between polls (host memory: each poll crosses PCIe)
+):
+    """Prologue: spin until ready[s] >= epoch for every s of this node (and the proxy's flag is up).
+    Returns True when the caller may proceed (False after an earlier failure, a timeout or a proxy
+    error, which it records: `protocol_device.encode_wait_status`)."""
+    ok = tl.load(failed_ptr, volatile=True) == 0
+    if SPIN:
+        if ok:
+            i = tl.arange(0, NODE_PAD)
+            words = base_ptr.to(tl.pointer_type(tl.int64)) + ready_bytes // 8 + node_first + tl.where(i < NODE, i, 0)
+            target = tl.load(epoch_ptr)
+            if USE_PTX:
+                start = globaltimer_ns()
+            else:
+                start = tl.zeros([], dtype=tl.int64)
+            spins = tl.zeros([], dtype=tl.int64)
+            late = i < NODE
+            proxy_late = tl.zeros([], dtype=tl.int1)
+            state = tl.full([], -1, dtype=tl.int32)
+            while state < 0:
+                seen = load_acquire_sys(words, USE_PTX)
+                late = (seen < target) & (i < NODE)
+                n_late = tl.sum(late.to(tl.int32), axis=0)
+                broken = tl.zeros([], dtype=tl.int1)
+                if HAS_PROXY:
+                    proxy_late = load_acquire_sys(flags_ptr + PROXY_WAIT_WORD, USE_PTX) < target + PROXY_DELTA
+                    broken = load_acquire_sys(flags_ptr + ERROR_WORD, USE_PTX) != 0
+                    n_late += proxy_late.to(tl.int32)
+                spins += 1
+                if USE_PTX:
+                    if BACKOFF_NS > 0:
+                        if n_late > 0:
+                            nanosleep(tl.full([], BACKOFF_NS, tl.int32))
+                    elapsed = globaltimer_ns() - start
+                else:
+                    elapsed = tl.zeros([], dtype=tl.int64)
+                timed_out = (elapsed > timeout_ns) | ((max_spins > 0) & (spins >= max_spins)) | broken
+                state = tl.where(n_late == 0, 0, tl.where(timed_out, 1, -1))
+            if state != 0:
+                missing = tl.sum(tl.where(late, tl.full([NODE_PAD], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
+                tl.store(flags_ptr + STATUS_WORD, protocol_device.encode_wait_status(missing, proxy_late))
+                tl.store(failed_ptr, 1)
+            ok = ok & (state == 0)
+            # Every thread reads what the peers wrote; the acquire was done per element (per thread).
+            tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def node_arrive(counter_ptr, USE_PTX: tl.constexpr):
+    """Epilogue, first half: fence this program's writes and arrive. True in the last program to arrive
+    (every program's writes are then done and visible system-wide); it resets the counter."""
+    return node_arrive_of(counter_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), USE_PTX)
+
+
+@triton.jit
+def node_arrive_of(counter_ptr, num, USE_PTX: tl.constexpr):
+    """`node_arrive` among `num` programs of the grid (those that arrive on this counter)."""
+    fence_sys(USE_PTX)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    last = arrived == num - 1
+    if last:
+        tl.store(counter_ptr, 0)  # the next launch on this stream starts after this one ends
+    return last
+
+
+@triton.jit
+def node_copy_count_row(
+    base_ptr, peer_sync_bytes_ptr, counts_bytes, rank, node_first,
+    E: tl.constexpr, E_PAD: tl.constexpr, NODE: tl.constexpr,
+):
+    """Epilogue of dispatch pack (last program only): this rank's count row, already in its own sync
+    area (route_tokens wrote it there), into the same row of every same-node peer's sync area."""
+    base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
+    e = tl.arange(0, E_PAD)
+    own = tl.load(peer_sync_bytes_ptr + rank)
+    row = tl.load(base_i32 + (own + counts_bytes) // 4 + rank * E + e, mask=e < E)
+    for j in range(NODE):
+        p = node_first + j
+        peer = tl.load(peer_sync_bytes_ptr + p)
+        tl.store(base_i32 + (peer + counts_bytes) // 4 + rank * E + e, row, mask=e < tl.where(p != rank, E, 0))
+
+
+@triton.jit
+def node_publish(
+    base_ptr, peer_sync_bytes_ptr, ready_bytes, epoch_ptr, flags_ptr, rank, node_first,
+    NODE: tl.constexpr, HAS_PROXY: tl.constexpr, PROXY_SIGNAL_WORD: tl.constexpr, USE_PTX: tl.constexpr,
+):
+    """Epilogue, second half (last program only): ready[rank] = epoch in every same-node rank's sync
+    area (this one too), and the proxy's flag, each a system-scope release after everything this
+    program wrote or saw arrive."""
+    fence_sys(USE_PTX)
+    tl.debug_barrier()
+    epoch = tl.load(epoch_ptr)
+    base_i64 = base_ptr.to(tl.pointer_type(tl.int64))
+    for j in range(NODE):
+        peer = tl.load(peer_sync_bytes_ptr + node_first + j)
+        store_release_sys(base_i64 + (peer + ready_bytes) // 8 + rank, epoch, USE_PTX)
+    if HAS_PROXY:
+        store_release_sys(flags_ptr + PROXY_SIGNAL_WORD, epoch, USE_PTX)
+
+
+@triton.jit
+def publish_epoch(ready_ptr, epoch_ptr, USE_PTX: tl.constexpr):
+    """ready = this call's epoch, released after everything this program wrote (one program only)."""
+    fence_sys(USE_PTX)
+    tl.debug_barrier()
+    store_release_sys(ready_ptr, tl.load(epoch_ptr), USE_PTX)
+
+
+# ================================================================================================
+# The walk over received rows (dispatch unpack and combine pack)
+# ================================================================================================
+@triton.jit
+def recv_pair_tables(
+    counts_ptr,          # (W, E) int32, row stride `stride_counts_w`, last stride 1
+    stride_counts_w,     # elements between rows of counts
+    rank,                # this rank ("me"): its experts are [rank*L, rank*L + L)
+    PAD: tl.constexpr,   # expert_padding
+    W: tl.constexpr,
+    L: tl.constexpr,
+    W_PAD: tl.constexpr,  # next_pow2(W)
+    L_PAD: tl.constexpr,  # next_pow2(L)
+    CAPACITY: tl.constexpr,  # 0: compact output; C > 0: expert l's rows start at l * C (A2AConfig.expert_capacity)
+):
+    """Tables over the (local expert l, source s) pairs, as [L_PAD, W_PAD] int64 tiles.
+
+    Received rows are numbered densely, l-major then s then the source's order: `q` = dense row.
+    Returns
+      cnt[l, s]          rows source s sends to local expert l (counts[s, rank*L + l])
+      dense_start[l, s]  first dense row of the pair (exclusive prefix in (l, s) order)
+      out_start[l, s]    first row of out_expert_x: sum_{j<l} round_up(tot_j, PAD) (or l * CAPACITY)
+                         + sum_{s'<s} cnt[l, s']
+      block_start[l, s]  position of the pair's first row in source s's block: sum_{j<l} cnt[j, s]
+      n_src[s]           rows source s sends to this rank
+      tot[l]             rows local expert l receives (out_expert_num_tokens)
+      num_rows           total received rows
+      fit[l, s]          rows of the pair that fit within CAPACITY (cnt without a capacity)
+      aborted            the first source s != rank whose row is -1 (it aborted the call), else W_PAD
+    Padding entries (l >= L or s >= W) have cnt == 0, so no dense row ever selects them.
+    Reads W*L int32 (1 KB at E=256).
+    """
+    l_idx = tl.arange(0, L_PAD)[:, None]
+    s_idx = tl.arange(0, W_PAD)[None, :]
+    valid = (l_idx < L) & (s_idx < W)
+    raw = tl.load(counts_ptr + s_idx.to(tl.int64) * stride_counts_w + rank * L + l_idx,
+                  mask=valid, other=0).to(tl.int64)
+    # A source that aborted the call sends a row of -1 (routing.route_tokens(abort=True)): it moves
+    # nothing. The first such source other than this rank is reported (`aborted`, W_PAD when none).
+    s_flat = tl.arange(0, W_PAD)
+    neg = tl.max(tl.where(raw < 0, 1, 0), axis=0)                # [W_PAD]
+    aborted = tl.min(tl.where((neg > 0) & (s_flat != rank), s_flat, W_PAD), axis=0)
+    cnt = tl.maximum(raw, 0)
+    tot = tl.sum(cnt, axis=1)                                   # [L_PAD]
+    padded = (tot + PAD - 1) // PAD * PAD
+    if CAPACITY > 0:
+        seg_start = tl.arange(0, L_PAD).to(tl.int64) * CAPACITY  # fixed segments
+    else:
+        seg_start = tl.cumsum(padded, axis=0) - padded          # exclusive, padded segments
+    expert_dense_start = tl.cumsum(tot, axis=0) - tot           # exclusive, unpadded
+    before = tl.cumsum(cnt, axis=1) - cnt                       # earlier sources, same expert
+    dense_start = expert_dense_start[:, None] + before
+    out_start = seg_start[:, None] + before
+    block_start = tl.cumsum(cnt, axis=0) - cnt                  # earlier experts, same source
+    n_src = tl.sum(cnt, axis=0)                                 # [W_PAD]
+    num_rows = tl.sum(tot, axis=0)
+    if CAPACITY > 0:
+        fit = tl.minimum(tl.maximum(CAPACITY - before, 0), cnt)
+    else:
+        fit = cnt
+    return cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, aborted
+
+
+@triton.jit
+def send_offsets_of(
+    counts_ptr,          # (W, E) int32
+    stride_counts_w,
+    rank,
+    is_peer,             # [W_PAD] int1: only these sources are summed (same-node ones)
+    L: tl.constexpr,
+    W_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """[W_PAD] int64: for each source s with is_peer[s], where its run of rows for this rank starts in
+    its send buffer, sum_{e < rank*L} counts[s, e] (plan.send_offsets(counts[s])[rank]); 0 elsewhere.
+    Masked loads fetch nothing, so only the node's <= 8 rows are read (8 KB at most for E=256)."""
+    s_idx = tl.arange(0, W_PAD)
+    acc = tl.zeros([W_PAD], dtype=tl.int64)
+    end = rank * L
+    for e0 in range(0, end, BLOCK_E):
+        e_idx = e0 + tl.arange(0, BLOCK_E)
+        mask = is_peer[:, None] & (e_idx[None, :] < end)
+        part = tl.load(counts_ptr + s_idx[:, None].to(tl.int64) * stride_counts_w + e_idx[None, :],
+                       mask=mask, other=0)
+        acc += tl.sum(tl.maximum(part, 0).to(tl.int64), axis=1)  # an aborted source's row is -1
+    return acc
+
+
+@triton.jit
+def node_peer_tables(peer_bytes_ptr, counts_ptr, stride_counts_w, rank,
+                     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    """([W_PAD] peer buffer - base in bytes or -1, [W_PAD] same-node flag, [W_PAD] `send_offsets_of`)
+    from a (W,) int64 peer table: the sources (dispatch) or homes (combine) reached in memory."""
+    s_idx = tl.arange(0, W_PAD)
+    peer = tl.load(peer_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
+    is_peer = (peer >= 0) & (s_idx < W)
+    return peer, is_peer, send_offsets_of(counts_ptr, stride_counts_w, rank, is_peer, L, W_PAD, BLOCK_E)
+
+
+@triton.jit
+def tile_rows(
+    tile,                # int32: tile number; rows tile*BLOCK_R .. +BLOCK_R of the dense numbering
+    num_rows,            # int64: received rows in total
+    cnt, dense_start, out_start,  # [NPAIR] int64 pair tables of `recv_pair_tables`, flattened
+    first_bytes,         # [NPAIR] int64: byte offset (from base) of the pair's row 0 in the other buffer
+    rest_bytes,          # [NPAIR] int64: ... of a virtual row 0 for rows i >= split (only when HAS_SPLIT)
+    split,               # [NPAIR] int64: rows i < split use first_bytes, the others rest_bytes
+    STRIDE_BYTES: tl.constexpr,   # slot stride of the other buffer
+    BLOCK_R: tl.constexpr,
+    HAS_SPLIT: tl.constexpr,      # dispatch from a remote source: private region, then remainder
+    fit=None,                     # [NPAIR] int64: rows i >= fit of a pair do not exist here (HAS_FIT)
+    HAS_FIT: tl.constexpr = False,  # a fixed expert capacity: rows past it are dropped
+):
+    """For the BLOCK_R dense rows q of a tile: (is_row, row of the expert-major tensor, byte offset of
+    the row's slot from base). The pair of each row is found by a one-hot [BLOCK_R, NPAIR] compare and
+    the pair's table entries by masked sums: a register gather that needs no scratch memory, cheap
+    because NPAIR = E is small (256) next to the BLOCK_R rows of kilobytes each tile moves."""
+    q = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # rows < W*T*K < 2**31: int32 tile is safe
+    is_row = q < num_rows
+    sel = (q[:, None] >= dense_start[None, :]) & (q[:, None] < dense_start[None, :] + cnt[None, :])
+    i = q - tl.sum(tl.where(sel, dense_start[None, :], 0), axis=1)
+    if HAS_FIT:
+        is_row = is_row & (i < tl.sum(tl.where(sel, fit[None, :], 0), axis=1))
+    row = tl.sum(tl.where(sel, out_start[None, :], 0), axis=1) + i
+    addr = tl.sum(tl.where(sel, first_bytes[None, :], 0), axis=1)
+    if HAS_SPLIT:
+        use_first = i < tl.sum(tl.where(sel, split[None, :], 0), axis=1)
+        addr = tl.where(use_first, addr, tl.sum(tl.where(sel, rest_bytes[None, :], 0), axis=1))
+    return is_row, row, addr + i * STRIDE_BYTES
+
+
+@triton.jit
+def copy_row_words(src_ptr, src_words, dst_ptr, dst_words, is_row, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Copy WORDS words of every row i with is_row[i] from src_ptr + src_words[i] to dst_ptr + dst_words[i],
+    BLOCK_W words at a time (the data movement of unpack and of combine pack, in opposite directions)."""
+    for c0 in range(0, WORDS, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)
+        mask = is_row[:, None] & (cols < WORDS)[None, :]
+        v = tl.load(src_ptr + src_words[:, None] + cols[None, :], mask=mask)
+        tl.store(dst_ptr + dst_words[:, None] + cols[None, :], v, mask=mask)
+
+
+# ================================================================================================
+# Tokens of a pack / reduce program
+# ================================================================================================
+@triton.jit
+def live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M: tl.constexpr):
+    """(this program's BLOCK_T token ids along grid axis 0, which of them are < min(T, bound_m))."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    num_live = num_tokens
+    if HAS_BOUND_M:
+        num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)
+    return tokens, tokens < num_live
