@@ -19,7 +19,7 @@ from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
 from .proxy import bootstrap
 from .proxy import libfabric as lf
 from .proxy.memory import check_fits_in_memory
-from .runtime.status import CallAborted, Status, watch_proxies
+from .runtime.status import CallAborted, CapacityExceeded, Status, watch_proxies
 from .runtime.tracing import Tracer
 from .runtime import wiring
 from .runtime.wiring import Wiring
@@ -253,7 +253,7 @@ class AllToAll:
             if do_recv:
                 self._tracer.run("dispatch_recv", self.epoch, self._dispatch_recv, out_expert_num_tokens,
                                  out_expert_x, out_expert_x_scale)
-        except CallAborted:
+        except (CallAborted, CapacityExceeded):  # the call ended on every rank: the instance stays usable
             raise
         except BaseException as exc:
             self._fail(exc)
@@ -390,7 +390,8 @@ class AllToAll:
         on_gpu = self.device.type == "cuda"
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=w.counts[self.rank], out_route_slot=slot,
                              bound_m=bound_m, epoch=w.node.epoch, bad_index=w.bad_index if on_gpu else None,
-                             ready=w.route_ready if self.with_proxy else None, abort=abort, **w.split["route"])
+                             ready=w.route_ready if self.with_proxy else None, abort=abort,
+                             bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"])
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, w.base, w.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=w.node, **w.split["pack"])
         self._state = _DISPATCH_SENT
@@ -412,12 +413,12 @@ class AllToAll:
             # counts; over capacity, it tells every peer the call is void), so every rank ends the call
             # together and the next one starts clean.
             if over:
-                w.segment_flags[Flag.CALL_ABORTED] = self.epoch
+                self._mark_aborted()
             self._finish_void()
             self._status.abort_seen = self.epoch
             if over:
-                raise RuntimeError(f"{over} (epoch {self.epoch}: the call was aborted on every rank; the next "
-                                   f"proceeds normally)")
+                raise CapacityExceeded(f"{over} (epoch {self.epoch}: the call was aborted on every rank; the "
+                                       f"next proceeds normally)")
             raise CallAborted(self._status.aborted_message(self.epoch, aborted))
 
     def _finish_void(self) -> None:
@@ -464,7 +465,7 @@ class AllToAll:
         """This rank's combine input was rejected: finish the call with scratch buffers, telling every peer
         the call is void (CALL_ABORTED: node peers through the combine pack, remote ones through the
         proxy's immediates), then raise `exc`."""
-        self._w.segment_flags[Flag.CALL_ABORTED] = self.epoch  # before the combine pack reads it
+        self._mark_aborted()
         try:
             self._finish_void()
         except BaseException as inner:
@@ -472,6 +473,12 @@ class AllToAll:
         self._status.abort_seen = self.epoch
         raise ValueError(f"{exc} (rank {self.rank} aborted this call, epoch {self.epoch}, on every rank at its "
                          f"combine; the next call proceeds normally)") from None
+
+    def _mark_aborted(self) -> None:
+        """This call is void from this rank: its combine pack tells the node peers (the device word), its
+        proxy the remote ones (the flag). Both before the combine pack is launched."""
+        self._w.node.aborted.fill_(self.epoch)
+        self._w.segment_flags[Flag.CALL_ABORTED] = self.epoch
 
     def _scratch(self) -> dict:
         """Buffers of an aborted call (made on the first one): no tokens in; one row out, since the
@@ -546,8 +553,11 @@ def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) 
     if bound_m is not None:
         _check("bound_m", bound_m, (1,), torch.int32, device)
     if device.type != "cuda":
-        # CPU: the check costs no device sync, so bad input is refused before anything is sent.
+        # CPU: the checks cost no device sync, so bad input is refused before anything is sent.
         # GPU: the routing kernel checks on the device; the combine's end says it (no host sync).
+        if bound_m is not None and not 0 <= int(bound_m[0]) <= T:
+            raise ValueError(f"bound_m: expected a live token count in [0, {T}] (x has {T} rows), "
+                             f"got {int(bound_m[0])}")
         routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
 
 def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs) -> None:
@@ -588,4 +598,4 @@ for _name in ("segment", "base", "send_offset_bytes", "recv_offset_bytes", "stag
     setattr(AllToAll, _name, property(lambda self, _n=_name: getattr(self._w, _n)))
 del _name
 
-__all__ = ["AllToAll", "CallAborted"]
+__all__ = ["AllToAll", "CallAborted", "CapacityExceeded"]

@@ -101,7 +101,7 @@ def run_flags(args) -> int:
     import triton.language as tl
 
     from ..proxy.memory import SharedSegment, device_view, unique_name
-    from ..triton_kernels.sync import _globaltimer_ns, _load_acquire_sys
+    from ..triton_kernels import _details as d
 
     timeout_ns = 30 * 10**9  # the whole kernel: a dead echo process ends it instead of hanging the GPU
 
@@ -110,14 +110,14 @@ def run_flags(args) -> int:
         # One program: raise PING = i, spin until the other process answers PONG = i. Measures the
         # round trip alone, without launch costs in between. Past the deadline every wait gives up at
         # once (the host then finds PONG short of n_iters).
-        deadline = _globaltimer_ns() + timeout_ns
+        deadline = d.globaltimer_ns() + timeout_ns
         for i in range(1, n_iters + 1):
             v = i.to(tl.int64)
             tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
                                       [flags_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
-            seen = _load_acquire_sys(flags_ptr + 1, True)
-            while (seen < v) & (_globaltimer_ns() < deadline):
-                seen = _load_acquire_sys(flags_ptr + 1, True)
+            seen = d.load_acquire_sys(flags_ptr + 1, True)
+            while (seen < v) & (d.globaltimer_ns() < deadline):
+                seen = d.load_acquire_sys(flags_ptr + 1, True)
 
     seg = SharedSegment(unique_name("moe_a2a-bench"), 4096, create=True)
     echo = None

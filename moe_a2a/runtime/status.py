@@ -26,6 +26,12 @@ class CallAborted(RuntimeError):
     proceeds normally on every rank."""
 
 
+class CapacityExceeded(RuntimeError):
+    """An expert of this rank received more rows than `A2AConfig.expert_capacity` in one dispatch: the
+    rows past it were not written, and the call was aborted on every rank (its peers raise `CallAborted`
+    naming this rank). The instance stays usable; the next call proceeds normally."""
+
+
 class Status:
     """The host's side of one rank's status words (`w`: the rank's `Wiring`)."""
 
@@ -92,7 +98,8 @@ class Status:
         over = self.capacity_exceeded()
         if over:
             self.abort_seen = max(self.abort_seen, epoch)
-            raise RuntimeError(f"{over} (epoch <= {epoch}; the call was aborted on every rank, the next proceeds)")
+            raise CapacityExceeded(f"{over} (epoch <= {epoch}; the call was aborted on every rank, the next "
+                                   f"proceeds normally)")
         bound = decode_bad_bound_m(flags[flag_word(Flag.BAD_BOUND_M)])
         if bound is not None:
             flags[flag_word(Flag.BAD_BOUND_M)] = 0
@@ -120,8 +127,8 @@ class Status:
 
     def aborted_message(self, epoch: int, sources: list[int]) -> str:
         return (f"rank {self.w.rank}: call {epoch} was aborted by rank {', '.join(map(str, sources))}: its input "
-                f"was rejected (a ValueError there says why); every output of that call is void; the next call "
-                f"proceeds normally")
+                f"was rejected or one of its experts overflowed expert_capacity (its own error there says which); "
+                f"every output of that call is void; the next call proceeds normally")
 
     # ---- host waits -------------------------------------------------------------------------------
     def host_wait(self, half: str, epoch: int) -> None:

@@ -256,6 +256,7 @@ class Wiring:
         self.counts = self.view(sync_addr + lay.node_counts_offset_bytes, lay.routing_bytes).view(
             torch.int32).view(W, lay.num_experts)
         self.bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
+        self.bad_bound_m = self.flags[flag_word(Flag.BAD_BOUND_M): flag_word(Flag.BAD_BOUND_M) + 1]
         self.route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]
         self.node = NodeSync(
             epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
@@ -265,6 +266,7 @@ class Wiring:
             rank=r, node_first=lay.node_of(r) * lay.node_size, node_size=lay.node_size,
             dispatch_ready_bytes=lay.dispatch_ready_offset_bytes, combine_ready_bytes=lay.combine_ready_offset_bytes,
             counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts, timeout_s=self.timeout_s,
+            aborted=torch.zeros(1, dtype=torch.int64, device=dev), combine_aborted_bytes=lay.combine_aborted_offset_bytes,
             # Ranks sharing a GPU wait on the host; their kernels must not spin at all.
             with_proxy=self.with_proxy, kernel_waits=not self.host_waits,
             # Words in pinned host memory: one small kernel polls them, not every program of a data kernel.

@@ -188,6 +188,36 @@ def node_publish(
 
 
 @triton.jit
+def node_mark_aborted(base_ptr, peer_sync_bytes_ptr, aborted_bytes, aborted_ptr, epoch_ptr, rank, node_first,
+                      NODE: tl.constexpr):
+    """Epilogue, before `node_publish` (whose fence orders these stores before the ready words): when this
+    rank aborts the call at its combine (`aborted >= epoch`), aborted[rank] = epoch in every same-node
+    rank's sync area."""
+    epoch = tl.load(epoch_ptr)
+    if tl.load(aborted_ptr, volatile=True) >= epoch:
+        base_i64 = base_ptr.to(tl.pointer_type(tl.int64))
+        for j in range(NODE):
+            peer = tl.load(peer_sync_bytes_ptr + node_first + j)
+            tl.store(base_i64 + (peer + aborted_bytes) // 8 + rank, epoch)
+
+
+@triton.jit
+def node_check_aborted(base_ptr, sync_bytes, aborted_bytes, epoch_ptr, flags_ptr, aborted_word, rank, node_first,
+                       NODE: tl.constexpr, NODE_PAD: tl.constexpr):
+    """After a consumer's wait (which acquired the ready words): Flag.ABORTED names the first node peer
+    that aborted this call at its combine, if one did."""
+    epoch = tl.load(epoch_ptr)
+    i = tl.arange(0, NODE_PAD)
+    base_i64 = base_ptr.to(tl.pointer_type(tl.int64))
+    words = tl.load(base_i64 + (sync_bytes + aborted_bytes) // 8 + node_first + i, mask=i < NODE, other=0,
+                    volatile=True)
+    source = node_first + i
+    first = tl.min(tl.where((i < NODE) & (words >= epoch) & (source != rank), source, 1 << 30), axis=0)
+    if first < (1 << 30):
+        tl.store(flags_ptr + aborted_word, protocol_device.encode_abort(epoch, first))
+
+
+@triton.jit
 def publish_epoch(ready_ptr, epoch_ptr, USE_PTX: tl.constexpr):
     """ready = this call's epoch, released after everything this program wrote (one program only)."""
     fence_sys(USE_PTX)

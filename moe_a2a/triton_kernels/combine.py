@@ -66,6 +66,7 @@ def _pack_combine_by_source_kernel(
     HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False, STATUS_WORD: tl.constexpr = 0,
     PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
     PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    aborted_ptr=None, ABORT_BYTES: tl.constexpr = 0,  # a call this rank aborts: told to the node (NODE_SYNC)
 ):
     """Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
 
@@ -116,6 +117,9 @@ def _pack_combine_by_source_kernel(
     if NODE_SYNC:
         if d.node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
+                if ABORT_BYTES > 0:
+                    d.node_mark_aborted(base_ptr, peer_sync_bytes_ptr, ABORT_BYTES, aborted_ptr, epoch_ptr, rank,
+                                        node_first, NODE)
                 d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
                                NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
@@ -150,6 +154,7 @@ def _reduce_combined_tokens_kernel(
     NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
     STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
     ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    rank=0, ABORT_BYTES: tl.constexpr = 0, ABORTED_WORD: tl.constexpr = 0,  # node peers' aborts (NODE_SYNC)
     # Only remote rows staged (SPLIT): slots outside [node_slots[0], node_slots[1]) are read at remote_recv_bytes.
     node_slots_ptr=None, remote_recv_bytes=0, SPLIT: tl.constexpr = False,
 ):
@@ -163,6 +168,10 @@ def _reduce_combined_tokens_kernel(
                          timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
                          STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(ok, num_tokens, 0)  # (a scalar folded into the bound, not into a mask)
+        if ABORT_BYTES > 0:
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & ok:
+                d.node_check_aborted(base_ptr, sync_bytes, ABORT_BYTES, epoch_ptr, flags_ptr, ABORTED_WORD, rank,
+                                     node_first, NODE, NODE_PAD)
     tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
 

@@ -194,6 +194,8 @@ def _unpack_tokens_by_expert_kernel(
     CAPACITY: tl.constexpr = 0,      # A2AConfig.expert_capacity (0: compact output)
     CAPACITY_WORD: tl.constexpr = 0,  # flags word for an overflow report (with NODE_SYNC)
     ABORT_WORD: tl.constexpr = 0,     # flags word naming a source that aborted the call (with NODE_SYNC)
+    aborted_ptr=None, CALL_ABORTED_WORD: tl.constexpr = 0,  # over capacity: this rank aborts the call
+    ABORT_AT_COMBINE: tl.constexpr = False,
 ):
     """Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
     rows (BLOCK_R rows x BLOCK_W-word chunks). Tiles ignore (source, expert) boundaries, so a skewed
@@ -245,10 +247,12 @@ def _unpack_tokens_by_expert_kernel(
         if NODE_SYNC:
             over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
             n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
-            tl.store(flags_ptr + CAPACITY_WORD, protocol_device.encode_capacity(over, n_over, L), mask=(pid == 0) & ok & (over < L))
-            # Fail-stop, as after a failed wait: this rank's later kernels move and publish nothing, so
-            # its peers stop at their combine (naming it) instead of summing outputs it never computed.
-            tl.store(failed_ptr, 1, mask=(pid == 0) & ok & (over < L))
+            hit = (pid == 0) & ok & (over < L)
+            tl.store(flags_ptr + CAPACITY_WORD, protocol_device.encode_capacity(over, n_over, L), mask=hit)
+            if ABORT_AT_COMBINE:  # the call is void: this rank's combine tells every peer (node and proxy)
+                epoch = tl.load(epoch_ptr)
+                tl.store(aborted_ptr, epoch, mask=hit)
+                tl.store(flags_ptr + CALL_ABORTED_WORD, epoch, mask=hit)
     num_rows = tl.where(ok, num_rows, 0)
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty

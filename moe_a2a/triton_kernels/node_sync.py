@@ -86,6 +86,9 @@ class NodeSync:
             then only checks `failed`: every program of a data kernel polling host memory would keep
             hundreds of PCIe reads in flight and slow everything else on the bus (docs/perf-notes.md).
         interpreter_spins: how many polls before giving up under the interpreter (no clock there).
+        aborted: `[1]` int64 on the device, the last epoch this rank aborts at its combine (bad combine
+            input: the host; an expert over capacity: the unpack kernel), or None (not told: tests);
+            `combine_aborted_bytes`: where node peers' aborts are in a sync area.
     """
 
     epoch: torch.Tensor
@@ -106,6 +109,8 @@ class NodeSync:
     kernel_waits: bool = True
     wait_apart: bool = False
     interpreter_spins: int = INTERPRETER_MAX_SPINS
+    aborted: torch.Tensor | None = None
+    combine_aborted_bytes: int = 0
 
     def kernel_args(self, half: str, device: torch.device) -> dict:
         """Keyword arguments of the synchronising prologue/epilogue of one half's kernel."""
@@ -126,6 +131,15 @@ class NodeSync:
             args.update(rank=self.rank, COUNTS_BYTES=self.counts_bytes, E=self.num_experts, E_PAD=next_power_of_2(self.num_experts))
         if half in ("dispatch_recv", "combine_recv"):
             args.update(NODE_PAD=next_power_of_2(self.node_size))
+        if self.aborted is not None:  # aborts at combine: raised by unpack, told by pack, read by reduce
+            if half == "dispatch_recv":
+                args.update(aborted_ptr=self.aborted, CALL_ABORTED_WORD=flag_word(Flag.CALL_ABORTED),
+                            ABORT_AT_COMBINE=True)
+            elif half == "combine_send":
+                args.update(aborted_ptr=self.aborted, ABORT_BYTES=self.combine_aborted_bytes)
+            elif half == "combine_recv":
+                args.update(rank=self.rank, ABORT_BYTES=self.combine_aborted_bytes,
+                            ABORTED_WORD=flag_word(Flag.ABORTED))
         return args
 
 

@@ -78,8 +78,13 @@ def _route_block_kernel(
     node_slots_ptr=None,          # (2,) int32: out, [first, end) of the slots of experts [node_lo, node_hi)
     node_lo=0, node_hi=0,         # the experts of this rank's node (HAS_NODE_SLOTS)
     HAS_NODE_SLOTS: tl.constexpr = False,
+    bad_bound_ptr=None,           # (1,) int64: Flag.BAD_BOUND_M, when CHECK_BOUND and bound_m is outside [0, T]
+    CHECK_BOUND: tl.constexpr = False,
 ):
-    """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE)."""
+    """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE).
+
+    With CHECK_BOUND a bound_m outside [0, T] aborts the call (every route dead, the count row -1, as
+    `abort`) and is recorded, so a CUDA graph replayed with a bad count is never a silent result."""
     pid = tl.program_id(0)
     if HAS_EPOCH:
         # The call's epoch advances on the stream, so a CUDA graph replay advances it too.
@@ -90,8 +95,14 @@ def _route_block_kernel(
     route = pid.to(tl.int64) * BLOCK_R + local
     num_routes = num_tokens.to(tl.int64) * K
     num_live_tokens = num_tokens
+    bad_bound = num_tokens < 0  # False, as a scalar of the type the check gives
     if HAS_BOUND_M:
-        num_live_tokens = tl.minimum(tl.load(bound_m_ptr), num_tokens)
+        bound = tl.load(bound_m_ptr)
+        num_live_tokens = tl.minimum(bound, num_tokens)
+        if CHECK_BOUND:
+            bad_bound = (bound < 0) | (bound > num_tokens)
+            num_live_tokens = tl.where(bad_bound, 0, num_live_tokens)
+            tl.store(bad_bound_ptr, protocol_device.encode_bad_bound_m(bound), mask=bad_bound & (pid == 0))
     in_range = route < num_routes
     raw = tl.load(indices_ptr + route, mask=in_range, other=-1)
     # Out-of-range experts are refused on the host (validate_indices) or reported through
@@ -119,7 +130,8 @@ def _route_block_kernel(
     hist = tl.histogram(expert, E_BINS)  # integer counts: order-independent, hence deterministic
     bins = tl.arange(0, E_BINS)
     if SINGLE:
-        tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where(abort != 0, -1, hist), mask=bins < num_experts)
+        tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where((abort != 0) | bad_bound, -1, hist),
+                 mask=bins < num_experts)
         if HAS_NODE_SLOTS:
             _store_node_slots(node_slots_ptr, hist, bins, node_lo, node_hi)
         if HAS_READY:  # the proxy sends the counts once it sees the epoch
@@ -146,6 +158,7 @@ def _route_fixup_kernel(
     HAS_READY: tl.constexpr = False,
     USE_PTX: tl.constexpr = False,
     node_slots_ptr=None, node_lo=0, node_hi=0, HAS_NODE_SLOTS: tl.constexpr = False,  # as in _route_block_kernel
+    bound_m_ptr=None, CHECK_BOUND: tl.constexpr = False,  # as in _route_block_kernel: a bad bound writes -1
 ):
     """Grid: one program per block of _route_block_kernel. Each re-reads the whole histogram:
     total[e] over all blocks, before[e] over blocks < pid, and adds
@@ -164,6 +177,9 @@ def _route_fixup_kernel(
     mine = tl.load(hist_ptr + pid.to(tl.int64) * num_experts + experts, mask=experts < num_experts, other=0)
     delta = (tl.cumsum(total, axis=0) - total) + before - (tl.cumsum(mine, axis=0) - mine)
     if pid == 0:
+        if CHECK_BOUND:
+            bound = tl.load(bound_m_ptr)
+            total = tl.where((bound < 0) | (bound > num_tokens), -1, total)
         tl.store(counts_ptr + experts.to(tl.int64) * stride_counts, total, mask=experts < num_experts)
         if HAS_NODE_SLOTS:
             _store_node_slots(node_slots_ptr, total, experts, node_lo, node_hi)
@@ -209,6 +225,7 @@ def route_tokens(
     bad_index: torch.Tensor | None = None,
     ready: torch.Tensor | None = None,
     abort: bool = False,
+    bad_bound_m: torch.Tensor | None = None,
     out_node_slots: torch.Tensor | None = None,
     node_experts: tuple[int, int] = (0, 0),
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
@@ -232,6 +249,9 @@ def route_tokens(
             device-side replacement of `validate_indices`, which syncs); the route is treated as -1.
         ready: optional `[1]` int64 tensor (needs `epoch`): the epoch is stored there with a system-scope
             release once `out_counts` is written (the proxy's ROUTE_READY flag).
+        bad_bound_m: optional `[1]` int64 tensor (device or pinned host memory), with `bound_m`: a bound_m
+            outside [0, T] aborts the call on the device (as `abort`) and is recorded there
+            (`protocol.words.encode_bad_bound_m`).
         abort: needs T == 0: every count is written as -1, the mark of a call this rank aborts (its
             peers see the row, move nothing from it and report the abort; docs/protocol.md).
         out_node_slots: optional `[2]` int32 on the device of `indices`: `[first, end)` of the slots of
@@ -252,7 +272,7 @@ def route_tokens(
     key = None
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
         key = launch.key(indices, num_experts, out_counts, out_route_slot, bound_m, epoch, bad_index, ready,
-                         _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts))
+                         _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts), bad_bound_m)
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
@@ -277,7 +297,7 @@ def route_tokens(
     check.bound_m(bound_m, device)
     if ready is not None and epoch is None:
         check.fail("ready", "together with epoch (the value it publishes)", "epoch=None")
-    for name, t in (("epoch", epoch), ("bad_index", bad_index), ("ready", ready)):
+    for name, t in (("epoch", epoch), ("bad_index", bad_index), ("ready", ready), ("bad_bound_m", bad_bound_m)):
         if t is not None:
             check.scalar(name, t, torch.int64, device, host_ok=True)
     if abort and T != 0:
@@ -290,6 +310,9 @@ def route_tokens(
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
                  CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
+    check_bound = bound_m is not None and bad_bound_m is not None
+    if check_bound:
+        extra.update(bad_bound_ptr=bad_bound_m, CHECK_BOUND=True)
     slots_args = {} if out_node_slots is None else dict(
         node_slots_ptr=out_node_slots, node_lo=node_experts[0], node_hi=node_experts[1], HAS_NODE_SLOTS=True)
     num_routes = T * K
@@ -336,7 +359,7 @@ def route_tokens(
         T, num_experts, num_blocks, out_counts.stride(0),
         K=K, BLOCK_R=block_r, E_PAD=e_pad, CHUNK_B=max(1, 4096 // e_pad),
         epoch_ptr=epoch, ready_ptr=ready, HAS_READY=ready is not None, USE_PTX=use_ptx,
-        num_warps=4, **slots_args,
+        bound_m_ptr=bound_arg, CHECK_BOUND=check_bound, num_warps=4, **slots_args,
     )
     return out_counts, out_route_slot
 

@@ -23,8 +23,6 @@ import triton.language as tl
 
 from . import _checks as check
 from . import _details as d
-# The flag round trip of `moe-a2a bench flags` (bench/main.py) still imports these by their old names.
-from ._details import globaltimer_ns as _globaltimer_ns, load_acquire_sys as _load_acquire_sys  # noqa: F401
 
 
 @triton.jit(do_not_specialize=["index", "value"])

@@ -233,3 +233,25 @@ def test_validate_indices():
         validate_indices(torch.tensor([[-1, 0], [4, 2]]), 4)
     with pytest.raises(ValueError, match=r"indices\[0, 1\] = -2"):
         validate_indices(torch.tensor([[0, -2]], dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize("path", [SINGLE, MULTI], ids=["one-launch", "two-launch"])
+@pytest.mark.parametrize("bound", [-1, 0, 5, 6, 7, 2**31 - 1], ids=lambda b: f"bound={b}")
+def test_a_bound_m_outside_0_T_aborts_the_call_on_the_device(path, bound):
+    """CUDA graphs: a device-side token count outside [0, T] writes the abort mark (a count row of -1,
+    every route dead) and records itself; inside it, nothing is recorded and the counts are exact."""
+    from moe_a2a.protocol.words import decode_bad_bound_m
+
+    T, K, E = 6, 3, 8
+    indices = (torch.arange(T * K, device=TEST_DEVICE).view(T, K) * 5 % E).to(torch.int32)
+    bound_m = torch.tensor([bound], dtype=torch.int32, device=TEST_DEVICE)
+    word = torch.zeros(1, dtype=torch.int64, device=TEST_DEVICE)
+    counts, route_slot = route_tokens(indices, E, bound_m=bound_m, bad_bound_m=word, **path)
+    if 0 <= bound <= T:
+        assert int(word[0]) == 0
+        live = indices[:bound].flatten().cpu()
+        assert counts.cpu().tolist() == torch.bincount(live.long(), minlength=E).tolist()
+    else:
+        assert decode_bad_bound_m(int(word[0])) == bound
+        assert counts.cpu().tolist() == [-1] * E
+        assert (route_slot == -1).all()
