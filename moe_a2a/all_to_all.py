@@ -123,18 +123,6 @@ class AllToAll:
             raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
         if buffers == "memfd" and self.device.type != "cpu":
             raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
-        if group is None:
-            if not dist.is_initialized():
-                raise ValueError("AllToAll needs torch.distributed initialised (or pass group=)")
-            group = dist.group.WORLD
-        self.cfg, self.group, self.timeout_s = cfg, group, float(timeout_s)
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        if buffers == "gpu" and self.device.type != "cuda":
-            raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
-        if buffers == "memfd" and self.device.type != "cpu":
-            raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
         hosts = bootstrap.exchange(self.group, socket.gethostname())
         self.layout: Layout = cfg.layout(self.world_size, wiring.node_size(node_group, hosts, self.world_size))
         check_fits_in_memory(self.layout, ranks=1, host_staged=self.device.type != "cuda")
