@@ -104,8 +104,9 @@ class Status:
         if bound is not None:
             flags[flag_word(Flag.BAD_BOUND_M)] = 0
             self.abort_seen = max(self.abort_seen, epoch)
-            raise ValueError(f"bound_m: expected a token count in [0, T] on the device, got {bound} (a call of "
-                             f"epoch <= {epoch}, checked on the GPU; it was aborted on every rank, the next proceeds)")
+            raise ValueError(f"bound_m: expected a token count in [0, T] on the device, got {bound} (checked on "
+                             f"the GPU: rank {self.w.rank} aborted this call, epoch <= {epoch}, on every rank; the "
+                             f"next proceeds normally)")
         aborted = decode_abort(flags[flag_word(Flag.ABORTED)])
         if aborted and aborted[0] > self.abort_seen:
             self.abort_seen = aborted[0]

@@ -46,12 +46,16 @@ def test_zero_words_decode_to_nothing():
 
 
 @triton.jit
-def _encode_all(out_ptr, epoch, source, expert, rows, L, route, mask, proxy_late, bound):
+def _encode_all(out_ptr, in_ptr):
+    # Inputs from memory, as the kernels have them (a scalar argument equal to 1 would be a constexpr).
+    epoch, source, expert = tl.load(in_ptr + 0), tl.load(in_ptr + 1), tl.load(in_ptr + 2)
+    rows, L, route = tl.load(in_ptr + 3), tl.load(in_ptr + 4), tl.load(in_ptr + 5)
+    mask, proxy_late, bound = tl.load(in_ptr + 6), tl.load(in_ptr + 7), tl.load(in_ptr + 8).to(tl.int32)
     tl.store(out_ptr + 0, device.encode_abort(epoch, source))
     tl.store(out_ptr + 1, device.encode_capacity(expert, rows, L))
     tl.store(out_ptr + 2, device.encode_bad_index(route))
     tl.store(out_ptr + 3, device.encode_wait_status(mask, proxy_late != 0))
-    tl.store(out_ptr + 4, device.encode_bad_bound_m(tl.load(bound)))
+    tl.store(out_ptr + 4, device.encode_bad_bound_m(bound))
 
 
 @settings(max_examples=20, deadline=None)
@@ -62,8 +66,9 @@ def test_device_encoders_match_the_host(epoch, source, L, rows, route, mask, pro
     expert = data.draw(st.integers(0, L - 1))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     out = torch.zeros(5, dtype=torch.int64, device=dev)
-    bound_m = torch.tensor([bound], dtype=torch.int32, device=dev)
-    _encode_all[(1,)](out, epoch, source, expert, rows, L, route, mask, int(proxy), bound_m)
+    inputs = torch.tensor([epoch, source, expert, rows, L, route, mask, int(proxy), bound], dtype=torch.int64,
+                          device=dev)
+    _encode_all[(1,)](out, inputs)
     K = 1 << 10
     late = [i for i in range(31) if mask >> i & 1]
     assert out.tolist() == [w.encode_abort(epoch, source), w.encode_capacity(expert, rows, L),
