@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import fingerprint
 from .config import A2AConfig, Layout
 from .protocol import host_atomics
 from .protocol.segment import Flags, ShardWords, read_error, write_error
@@ -173,7 +174,9 @@ class AllToAll:
             raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
         if buffers == "memfd" and self.device.type != "cpu":
             raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
-        hosts = bootstrap.exchange(self.group, socket.gethostname())
+        # With the host names, every rank's configuration: a difference raises ValueError on every rank, here.
+        hosts = fingerprint.exchange(self.group, cfg, node_group=node_group, transport=transport, buffers=buffers,
+                                     proxies=proxies, device=self.device)
         # Every rank on this host: the proxies listen on loopback only (docs/threat-model.md), unless the
         # caller named the NICs to use (then those, as asked).
         self._local_only = len(set(hosts)) == 1 and nics == "auto"
