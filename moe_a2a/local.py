@@ -161,53 +161,136 @@ _GUARD = ("put the code that starts the cluster under `if __name__ == \"__main__
           "called only from there)")
 
 
+class RunAborted(BaseException):
+    """Raised inside a rank's function when another rank's function raised (or its process died) during
+    the same `LocalCluster.run`: the rank stops where it was (typically waiting for that rank), so `run`
+    reports the root cause at once instead of this rank's timeout. A BaseException, as KeyboardInterrupt,
+    so an `except Exception` in the function does not swallow it."""
+
+
+# The parent interrupts a rank's function with this signal (after writing the run and the culprit into
+# the shared abort words); the rank raises RunAborted only if that run is the one it is running.
+_ABORT_SIGNAL = signal.SIGUSR1
+_DIED = -1  # culprit word: "a rank died" (its number is in the message the parent gives)
+
+
+def _exception_info(exc: BaseException) -> dict:
+    """What the parent needs to order the ranks' errors: root causes first, then their consequences (a
+    peer's timeout or abort), then the ranks interrupted by `run` itself; ties by when they were raised."""
+    from .all_to_all import CallAborted
+
+    tier = 2 if isinstance(exc, RunAborted) else 1 if isinstance(exc, (TimeoutError, CallAborted)) else 0
+    text = str(exc).strip().splitlines()
+    return {"type": type(exc).__name__, "line": text[0][:300] if text else "", "tier": tier, "t": time.monotonic()}
+
+
+def _a2a_status(a2a) -> tuple:
+    """(idle and usable, epoch) of a rank's AllToAll after a function ran: a failed run needs no rebuild when
+    every rank is idle, usable and at the same epoch (an attribute that is not there means "rebuild")."""
+    if a2a is None:
+        return (False, -1)
+    idle = (not getattr(a2a, "_closed", True) and getattr(a2a, "_error", 1) is None
+            and getattr(a2a, "_state", 1) == 0)
+    return (idle, getattr(a2a, "epoch", -1))
+
+
 def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size: int, transport: str,
-               device: str, timeout_s: float, options: dict, conn) -> None:
+               device: str, timeout_s: float, options: dict, conn, abort_words) -> None:
     """Body of one rank process: bootstrap (file store `store`, gloo on loopback), build AllToAll, serve
-    `run` requests until told to stop."""
-    conn.send(("alive", None))  # past the spawn bootstrap: the main module re-run, the arguments loaded
+    `run` requests (and rebuilds after a failed run) until told to stop."""
+    conn.send(("alive", os.getpid()))  # past the spawn bootstrap: the main module re-run, the arguments loaded
     os.environ.pop(_RANK_ENV, None)
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     from .all_to_all import AllToAll
 
+    running = [None]  # the run id while the function of that run is on the stack
+
+    def on_abort(signum, frame) -> None:
+        run_id, culprit = int(abort_words[0]), int(abort_words[1])
+        if running[0] is not None and running[0] == run_id:
+            running[0] = None  # once
+            why = "a rank died" if culprit == _DIED else f"rank {culprit} raised (its error is reported first)"
+            raise RunAborted(f"rank {rank}: run interrupted here because {why}")
+
+    signal.signal(_ABORT_SIGNAL, on_abort)
+
+    def build(store_path: str):
+        # A file store (no TCPStore listening on every interface) and gloo's sockets on loopback only.
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        built = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s, **options)
+        conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in built._proxies]))
+        return built
+
     a2a = None
     try:
         torch.set_num_threads(1)  # N ranks share the machine's cores
-        # A file store (no TCPStore listening on every interface) and gloo's sockets on loopback only.
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world_size, timeout=__import__("datetime").timedelta(seconds=timeout_s))
         dev = device
         if device == "cuda":
             dev = f"cuda:{rank % torch.cuda.device_count()}"
             torch.cuda.set_device(dev)
-        a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s,
-                       **options)
-        conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in a2a._proxies]))
+        a2a = build(store)
         while True:
             msg = conn.recv()
             if msg is None:
                 break
+            if msg[0] == "reset":
+                # After a failed run: this rank's AllToAll and process group start afresh (every rank does
+                # this together), whatever call was left half done and whatever collective was left open.
+                if a2a is not None:
+                    try:
+                        a2a.close()
+                    except Exception:  # noqa: BLE001 - its files are removed when the cluster closes anyway
+                        pass
+                    a2a = None
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                a2a = build(msg[1])
+                continue
+            _, run_id, payload = msg
+            running[0] = run_id
             try:
-                fn, args = _loads(msg)
+                fn, args = _loads(payload)
                 result = fn(a2a, rank, *args)
                 if device == "cuda":
                     torch.cuda.synchronize()
-                conn.send(("ok", _dumps(result, to_cpu=True)))
-            except BaseException:
-                conn.send(("error", traceback.format_exc()))
-    except BaseException:
+                running[0] = None
+                answer = ("ok", _dumps(result, to_cpu=True), _a2a_status(a2a))
+            except BaseException as exc:
+                running[0] = None
+                answer = ("error", (traceback.format_exc(), _exception_info(exc)), _a2a_status(a2a))
+            conn.send(answer)
+    except BaseException as exc:
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(("error", (traceback.format_exc(), _exception_info(exc)), _a2a_status(None)))
         except OSError:
             pass
     finally:
+        signal.signal(_ABORT_SIGNAL, signal.SIG_IGN)
         if a2a is not None:
             a2a.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _failure(what: str, errors: dict, ok: list[int]) -> str:
+    """The ranks' errors, root cause first: a summary line naming it and what each other rank saw, then
+    every rank's traceback in that order."""
+    order = sorted(errors, key=lambda r: (errors[r][1]["tier"], errors[r][1]["t"], r))
+    first = order[0]
+    info = errors[first][1]
+    head = f"{what}: rank {first} raised {info['type']}" + (f": {info['line']}" if info["line"] else "")
+    seen = [f"rank {r}: {errors[r][1]['type']}" for r in order[1:]]
+    if ok:
+        seen.append(f"rank{'s' if len(ok) > 1 else ''} {', '.join(map(str, ok))} finished")
+    if seen:
+        head += " (the root cause; then " + "; ".join(seen) + ")"
+    return head + "".join(f"\n--- rank {r} raised: ---\n{errors[r][0].rstrip()}" for r in order)
 
 
 class LocalCluster:
@@ -291,6 +374,9 @@ class LocalCluster:
         self._store_dir: str | None = None  # private (0700) directory of the bootstrap's file store
         self._cluster_id: str | None = None  # in the environment of the ranks and their proxies
         self._started: dict[int, int | None] = {}  # pid -> start time of every rank and proxy seen
+        self._abort_words = None  # shared with the ranks: (run id, culprit) of the run being interrupted
+        self._run_id = 0
+        self._resets = 0
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -323,6 +409,7 @@ class LocalCluster:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # the children inherit it (spawn execs with our environment)
         try:
+            self._abort_words = ctx.RawArray("q", 2)
             for rank in range(self.world_size):
                 ours, theirs = ctx.Pipe()
                 p = ctx.Process(target=_rank_main, daemon=True, name=f"moe_a2a-rank{rank}",
@@ -330,7 +417,7 @@ class LocalCluster:
                                       self.node_size, self.transport, self.device, self.timeout_s,
                                       {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics,
                                        "proxies": self.proxies},
-                                      theirs))
+                                      theirs, self._abort_words))
                 self._conns.append(ours)
                 p.start()
                 self._procs.append(p)
@@ -350,7 +437,7 @@ class LocalCluster:
         except BaseException:
             self.close()
             raise
-        for proxies in ready:  # (pid, start time) of each rank's proxies: their files are ours to remove
+        for _, proxies, _ in ready:  # (pid, start time) of each rank's proxies: their files are ours to remove
             for pid, started in proxies or ():
                 self._started[pid] = started
 
@@ -358,58 +445,129 @@ class LocalCluster:
         """Call `fn(a2a, rank, *args)` on every rank; results in rank order.
 
         Tensors of any dtype may be in `args` and in the results (nested in containers too); results
-        come back on the CPU. A rank that raises makes this raise RuntimeError with that rank's
-        traceback; a rank that dies or does not answer within `timeout_s` gives TimeoutError (the
-        cluster is then closed)."""
-        if self._broken:
-            raise RuntimeError(f"LocalCluster is unusable: {self._broken}")
-        if not self._procs:
-            raise ValueError("LocalCluster is not started (use it as a context manager)")
+        come back on the CPU.
+
+        When `fn` raises on a rank, the other ranks' functions are interrupted at once (they raise
+        `RunAborted` where they were, e.g. waiting for that rank in a call), and this raises RuntimeError
+        naming the root cause first: the first rank's own exception with its traceback, then what the
+        others saw (their timeouts, `CallAborted`, `RunAborted`). The cluster stays usable: if any rank's
+        AllToAll was left in a call (or unusable), every rank closes it and builds a new one (and a new
+        process group) before this raises; objects that `fn` kept from earlier runs built on the old
+        group are void then. A rank that dies (or died since the last run) makes this raise at once; the
+        cluster is then closed and must be rebuilt. A rank that does not answer within `timeout_s` + 10 s
+        gives TimeoutError (the cluster is then closed)."""
+        self._check_usable()
+        self._run_id += 1
         payload = _dumps((fn, args))
         for c in self._conns:
-            c.send(payload)
-        return [_loads(r) for r in self._collect("run", self.timeout_s + 10.0)]
+            c.send(("run", self._run_id, payload))
+        answers = self._collect("run", self.timeout_s + 10.0)
+        errors = {r: a[0] for r, a in enumerate(answers) if a[0] is not None}
+        if not errors:
+            return [_loads(a[1]) for a in answers]
+        ok = [r for r in range(self.world_size) if r not in errors]
+        message = _failure("run", errors, ok)
+        statuses = [a[2] for a in answers]
+        if all(idle for idle, _ in statuses) and len({e for _, e in statuses}) == 1:
+            raise RuntimeError(message + "\n(every rank's AllToAll is idle at the same call: the cluster is usable)")
+        try:
+            self._reset()
+        except BaseException as exc:
+            raise RuntimeError(message + f"\n(the rebuild after it failed, the cluster is closed: build a new "
+                               f"LocalCluster)\n{exc}") from None
+        raise RuntimeError(message + "\n(a call was left unfinished: every rank's AllToAll and process group were "
+                           "rebuilt: the cluster is usable)")
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"LocalCluster is unusable: {self._broken}; build a new LocalCluster")
+        if not self._procs:
+            raise ValueError("LocalCluster is not started (use it as a context manager)")
+        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        if dead:
+            codes = ", ".join(str(self._procs[r].exitcode) for r in dead)
+            self._broken = f"rank(s) {dead} died (exit code(s) {codes})"
+            self.close()
+            raise RuntimeError(f"LocalCluster is unusable: {self._broken} since the last run; the cluster is closed: "
+                               f"build a new LocalCluster")
+
+    def _reset(self) -> None:
+        """Every rank closes its AllToAll and process group and builds new ones (a fresh file store)."""
+        self._resets += 1
+        store = os.path.join(self._store_dir, f"store-{self._resets}")
+        for c in self._conns:
+            c.send(("reset", store))
+        for r, (error, proxies, _) in enumerate(self._collect("rebuild", self.timeout_s + 60.0)):
+            if error is not None:  # _collect raised already; kept for clarity of the contract
+                raise RuntimeError(f"rank {r} could not rebuild")
+            for pid, started in proxies or ():
+                self._started[pid] = started
+
+    def _interrupt(self, ranks, culprit: int) -> None:
+        """Make the functions of `ranks` raise RunAborted (in this run only)."""
+        if self._abort_words is None:
+            return
+        self._abort_words[1] = culprit
+        self._abort_words[0] = self._run_id
+        for r in ranks:
+            pid = self._procs[r].pid
+            if pid is not None and self._procs[r].is_alive():
+                try:
+                    os.kill(pid, _ABORT_SIGNAL)
+                except ProcessLookupError:
+                    pass
 
     def _collect(self, what: str, timeout_s: float) -> list:
-        """One answer per rank (in rank order). A rank that sent an error makes this raise RuntimeError;
-        a rank whose process ended without answering ("died", decided from the process, not from any
-        text) gives TimeoutError; ranks that ended during start-up before running `_rank_main` (the
-        main module failed when re-run, e.g. no `__main__` guard) give RuntimeError."""
-        results: list = [None] * self.world_size
+        """One answer per rank (in rank order): `(error or None, value, AllToAll status)`, error being
+        `(traceback, info)`. In a run, the first error interrupts the ranks still running; start-up and
+        rebuilds raise on any error (root cause first; the cluster is closed). A rank whose process ended
+        without answering ("died", decided from the process, not from any text) gives TimeoutError at
+        once (the others are interrupted and get a few seconds to report; the cluster is closed); ranks
+        that ended during start-up before running `_rank_main` (the main module failed when re-run, e.g.
+        no `__main__` guard) give RuntimeError."""
+        answers: list = [None] * self.world_size
         pending = set(range(self.world_size))
-        errors: dict[int, str] = {}
+        errors: dict[int, tuple] = {}
         died: dict[int, int | None] = {}  # rank -> exit code of a process that ended without answering
         deadline = time.monotonic() + timeout_s
+        grace = None  # after a death (or a failed start-up): how long the others get to report
         while pending:
             for r in sorted(pending):
                 c, p = self._conns[r], self._procs[r]
                 if c.poll(0.01):
                     try:
-                        status, value = c.recv()
+                        msg = c.recv()
                     except EOFError:
                         p.join(1.0)
                         pending.discard(r)
                         died[r] = p.exitcode
                         continue
-                    if status == "alive":
+                    if msg[0] == "alive":
                         self._alive.add(r)
                         continue
                     pending.discard(r)
-                    if status in ("ok", "ready"):
-                        results[r] = value
+                    if msg[0] == "error":
+                        errors[r] = msg[1]
+                        answers[r] = (msg[1], None, msg[2])
+                        if what == "run" and len(errors) == 1 and not died:
+                            self._interrupt(pending, culprit=r)
                     else:
-                        errors[r] = value
+                        answers[r] = (None, msg[1], msg[2] if len(msg) > 2 else None)
                 elif not p.is_alive():
                     pending.discard(r)
                     died[r] = p.exitcode
             if _EXIT_UNGUARDED_MAIN in died.values():
                 break
-            if (errors or died) and all(not self._procs[r].is_alive() for r in pending):
+            if (died or (errors and what != "run")) and grace is None:
+                if died and what == "run":
+                    self._interrupt(pending, culprit=_DIED)
+                grace = time.monotonic() + 5.0
+            if grace is not None and time.monotonic() > grace:
                 break
             if time.monotonic() > deadline:
                 self._broken = f"{what}: ranks {sorted(pending)} did not answer within {timeout_s:g}s"
                 self.close()
-                detail = "".join(f"\n--- rank {r} ---\n{m}" for r, m in sorted(errors.items()))
+                detail = ("\n" + _failure(what, errors, [])) if errors else ""
                 raise TimeoutError(self._broken + detail)
         not_started = sorted(r for r, code in died.items()
                              if r not in self._alive and (code is None or code >= 0))
@@ -428,15 +586,18 @@ class LocalCluster:
                                f"the main module is a script, {_GUARD}.")
         if died:
             dead = sorted(died)
-            self._broken = f"ranks {dead} died"
+            self._broken = f"rank(s) {dead} died"
             self.close()
             raise TimeoutError(f"{what}: rank(s) {dead} died (exit code(s) "
-                               f"{', '.join(str(died[q]) for q in dead)}); the others report:" +
-                               "".join(f"\n--- rank {q} ---\n{m}" for q, m in sorted(errors.items())))
-        if errors:
-            r = min(errors)
-            raise RuntimeError(f"{what}: rank {r} raised:\n{errors[r]}")
-        return results
+                               f"{', '.join(str(died[q]) for q in dead)}); the cluster is closed and must be rebuilt "
+                               f"(a new LocalCluster)" + ("; what the others saw:\n" + _failure(what, errors, [])
+                                                          if errors else ""))
+        if errors and what != "run":
+            self._broken = f"{what} failed"
+            self.close()
+            raise RuntimeError(_failure(what, errors, [r for r, a in enumerate(answers) if a is not None and a[0] is None])
+                               + "\n(the cluster is closed)")
+        return answers
 
     def close(self) -> None:
         """Stop every rank (politely, then by force), then whatever else of the cluster still runs
