@@ -42,6 +42,8 @@ _TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs")  # AllToAll's; efa/verbs ne
 # Set in the ranks' environment (their proxies inherit it): finds every process of one cluster in
 # /proc, orphaned proxies of killed ranks included.
 _CLUSTER_ENV = "MOE_A2A_LOCAL_CLUSTER_ID"
+# What start-up (and a rebuild) may take beyond timeout_s: process start, imports, proxies, bootstrap.
+_START_ALLOWANCE_S = 60.0
 
 
 # ---- processes and their files -----------------------------------------------------------------------
@@ -220,8 +222,10 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
 
     def build(store_path: str):
         # A file store (no TCPStore listening on every interface) and gloo's sockets on loopback only.
+        # The group serves start-up (AllToAll's bootstrap exchanges): it gets the start-up allowance, not
+        # the calls' timeout_s, which many ranks starting on few cores can exceed.
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s + _START_ALLOWANCE_S))
         built = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s, **options)
         conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in built._proxies]))
         return built
@@ -278,6 +282,123 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
             dist.destroy_process_group()
 
 
+def _template_main(world_size: int, rank_args: tuple, conns: list, control, abort_words) -> None:
+    """The ranks' template process (device="cpu"): import what every rank needs once, then fork the ranks
+    from this process, so N ranks cost one start-up (importing torch and triton: seconds of CPU) instead of
+    N; then reap them, telling the caller each one's exit code. Forking is safe here: nothing has touched a
+    GPU or started a thread pool (the ranks' environment asks for one BLAS/OpenMP thread)."""
+    import torch
+    import torch.distributed  # noqa: F401 - imported once, here, for every rank
+
+    from . import all_to_all  # noqa: F401 - the kernels too (TRITON_INTERPRET is set: interpreted)
+
+    torch.set_num_threads(1)
+    ranks: dict[int, int] = {}
+    for rank in range(world_size):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for i, c in enumerate(conns):  # only the caller's end and this rank's may stay open (EOF)
+                    if i != rank and not c.closed:
+                        c.close()
+                control.close()
+                _rank_main(rank, *rank_args, conns[rank], abort_words)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # noqa: BLE001 - said on stderr, as a spawned rank's would be
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)  # never the template's exit handlers
+        ranks[pid] = rank
+        conns[rank].close()
+        control.send(("forked", rank, pid, _start_time(pid)))
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        rank = ranks.pop(pid, None)
+        if rank is not None:
+            try:
+                control.send(("exit", rank, os.waitstatus_to_exitcode(status)))
+            except OSError:  # the caller is gone: reap the rest anyway
+                pass
+
+
+class _Template:
+    """The caller's side of the template process: the forked ranks' pids and exit codes, as it reports them."""
+
+    def __init__(self, proc, control) -> None:
+        self.proc, self.control = proc, control
+        self.pids: dict[int, tuple[int, int | None]] = {}  # rank -> (pid, start time)
+        self.codes: dict[int, int] = {}
+
+    def poll(self) -> None:
+        try:
+            while self.control.poll(0):
+                msg = self.control.recv()
+                if msg[0] == "forked":
+                    self.pids[msg[1]] = (msg[2], msg[3])
+                else:
+                    self.codes[msg[1]] = msg[2]
+        except (EOFError, OSError):
+            pass
+
+
+class _ForkedRank:
+    """A rank forked by the template process (our grandchild), with the part of `multiprocessing.Process`
+    that LocalCluster uses: pid, is_alive(), exitcode, kill(), join()."""
+
+    def __init__(self, template: _Template, rank: int) -> None:
+        self._t, self._rank = template, rank
+
+    @property
+    def pid(self) -> int | None:
+        self._t.poll()
+        return self._t.pids.get(self._rank, (None, None))[0]
+
+    @property
+    def exitcode(self) -> int | None:
+        self._t.poll()
+        if self._rank in self._t.codes:
+            return self._t.codes[self._rank]
+        if self._rank not in self._t.pids and not self._t.proc.is_alive():
+            return self._t.proc.exitcode  # never forked: the template's exit (e.g. no `__main__` guard)
+        return None
+
+    def is_alive(self) -> bool:
+        t = self._t
+        t.poll()
+        if self._rank in t.codes:
+            return False
+        if self._rank not in t.pids or t.proc.is_alive():
+            return t.proc.is_alive()  # the template reports every exit of its ranks
+        pid, started = t.pids[self._rank]
+        return _start_time(pid) == started and not _is_zombie(pid)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            pid, started = self._t.pids[self._rank]
+            if _start_time(pid) == started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+
+
 def _failure(what: str, errors: dict, ok: list[int]) -> str:
     """The ranks' errors, root cause first: a summary line naming it and what each other rank saw, then
     every rank's traceback in that order."""
@@ -285,7 +406,10 @@ def _failure(what: str, errors: dict, ok: list[int]) -> str:
     first = order[0]
     info = errors[first][1]
     head = f"{what}: rank {first} raised {info['type']}" + (f": {info['line']}" if info["line"] else "")
-    seen = [f"rank {r}: {errors[r][1]['type']}" for r in order[1:]]
+    by_type: dict[str, list[int]] = {}
+    for r in order[1:]:
+        by_type.setdefault(errors[r][1]["type"], []).append(r)
+    seen = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))}: {name}" for name, rs in by_type.items()]
     if ok:
         seen.append(f"rank{'s' if len(ok) > 1 else ''} {', '.join(map(str, ok))} finished")
     if seen:
@@ -375,6 +499,7 @@ class LocalCluster:
         self._cluster_id: str | None = None  # in the environment of the ranks and their proxies
         self._started: dict[int, int | None] = {}  # pid -> start time of every rank and proxy seen
         self._abort_words = None  # shared with the ranks: (run id, culprit) of the run being interrupted
+        self._template: _Template | None = None  # device="cpu": the process that forks the ranks
         self._run_id = 0
         self._resets = 0
 
@@ -406,23 +531,44 @@ class LocalCluster:
         env = {_RANK_ENV: "1", _CLUSTER_ENV: self._cluster_id, "GLOO_SOCKET_IFNAME": "lo"}
         if self.device == "cpu":
             env["TRITON_INTERPRET"] = "1"  # kernels run on CPU tensors
+            # The ranks run torch with one thread (set_num_threads(1)); their template forks them, so it
+            # must not start BLAS/OpenMP worker threads at import (numpy's OpenBLAS would).
+            for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+                env[name] = os.environ.get(name) or "1"
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # the children inherit it (spawn execs with our environment)
         try:
             self._abort_words = ctx.RawArray("q", 2)
-            for rank in range(self.world_size):
-                ours, theirs = ctx.Pipe()
-                p = ctx.Process(target=_rank_main, daemon=True, name=f"moe_a2a-rank{rank}",
-                                args=(rank, self.world_size, os.path.join(self._store_dir, "store"), self.cfg,
-                                      self.node_size, self.transport, self.device, self.timeout_s,
-                                      {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics,
-                                       "proxies": self.proxies},
-                                      theirs, self._abort_words))
-                self._conns.append(ours)
-                p.start()
-                self._procs.append(p)
-                self._started[p.pid] = _start_time(p.pid)
-                theirs.close()
+            rank_args = (self.world_size, os.path.join(self._store_dir, "store"), self.cfg, self.node_size,
+                         self.transport, self.device, self.timeout_s,
+                         {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics,
+                          "proxies": self.proxies})
+            if self.device == "cpu":
+                # One spawned template process forks every rank (a GPU rank must not be forked from a process
+                # that may have touched CUDA while re-running the main module: those are spawned one by one).
+                pipes = [ctx.Pipe() for _ in range(self.world_size)]
+                control, control_theirs = ctx.Pipe(duplex=False)
+                t = ctx.Process(target=_template_main, daemon=True, name="moe_a2a-ranks",
+                                args=(self.world_size, rank_args, [theirs for _, theirs in pipes], control_theirs,
+                                      self._abort_words))
+                self._conns = [ours for ours, _ in pipes]
+                t.start()
+                self._template = _Template(t, control)
+                self._started[t.pid] = _start_time(t.pid)
+                self._procs = [_ForkedRank(self._template, r) for r in range(self.world_size)]
+                for _, theirs in pipes:
+                    theirs.close()
+                control_theirs.close()
+            else:
+                for rank in range(self.world_size):
+                    ours, theirs = ctx.Pipe()
+                    p = ctx.Process(target=_rank_main, daemon=True, name=f"moe_a2a-rank{rank}",
+                                    args=(rank, *rank_args, theirs, self._abort_words))
+                    self._conns.append(ours)
+                    p.start()
+                    self._procs.append(p)
+                    self._started[p.pid] = _start_time(p.pid)
+                    theirs.close()
         except BaseException:
             self.close()
             raise
@@ -433,10 +579,11 @@ class LocalCluster:
                 else:
                     os.environ[k] = v
         try:
-            ready = self._collect("start-up", self.timeout_s + 60.0)  # + process start and imports
+            ready = self._collect("start-up", self.timeout_s + _START_ALLOWANCE_S)
         except BaseException:
             self.close()
             raise
+        self._note_rank_pids()
         for _, proxies, _ in ready:  # (pid, start time) of each rank's proxies: their files are ours to remove
             for pid, started in proxies or ():
                 self._started[pid] = started
@@ -497,7 +644,7 @@ class LocalCluster:
         store = os.path.join(self._store_dir, f"store-{self._resets}")
         for c in self._conns:
             c.send(("reset", store))
-        for r, (error, proxies, _) in enumerate(self._collect("rebuild", self.timeout_s + 60.0)):
+        for r, (error, proxies, _) in enumerate(self._collect("rebuild", self.timeout_s + _START_ALLOWANCE_S)):
             if error is not None:  # _collect raised already; kept for clarity of the contract
                 raise RuntimeError(f"rank {r} could not rebuild")
             for pid, started in proxies or ():
@@ -609,11 +756,20 @@ class LocalCluster:
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + 10.0
+        self._note_rank_pids()
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self._template is not None:  # it exits once it has reaped every rank
+            t = self._template.proc
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                t.kill()
+                t.join()
+            self._template.control.close()
+            self._template = None
         if self._cluster_id is not None:
             # A rank killed by a signal leaves its proxy to the kernel's PR_SET_PDEATHSIG (asynchronous)
             # or to its ppid check: make sure, and learn their pids for the files below.
@@ -628,6 +784,12 @@ class LocalCluster:
         if self._store_dir is not None:
             shutil.rmtree(self._store_dir, ignore_errors=True)
             self._store_dir = None
+
+    def _note_rank_pids(self) -> None:
+        """Forked ranks: their (pid, start time) as the template reported them (their files are ours)."""
+        if self._template is not None:
+            self._template.poll()
+            self._started.update(self._template.pids.values())
 
     def _kill_cluster_processes(self, deadline: float) -> None:
         """SIGKILL every process still carrying this cluster's id; wait until each is gone or a zombie."""

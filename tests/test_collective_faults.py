@@ -49,8 +49,9 @@ def test_a_raising_rank_is_reported_first_at_once_and_the_next_run_works(world, 
         msg = str(info.value)
         first = msg.splitlines()[0]
         # The root cause first: its rank, type and message, then what each other rank saw.
-        assert first.startswith(f"run: rank {culprit} raised KeyError: 'expert 7' (the root cause; then rank "), msg
-        assert all(f"rank {r}: RunAborted" in first for r in range(world) if r != culprit), first
+        assert first.startswith(f"run: rank {culprit} raised KeyError: 'expert 7' (the root cause; then rank"), msg
+        others = [r for r in range(world) if r != culprit]
+        assert f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}: RunAborted" in first, first
         sections = [ln for ln in msg.splitlines() if ln.startswith("--- rank ")]
         assert sections[0] == f"--- rank {culprit} raised: ---" and len(sections) == world, sections
         assert msg.index("{}[\"expert 7\"]") < msg.index("RunAborted: rank"), "the culprit's traceback comes first"
@@ -106,3 +107,20 @@ def test_a_dead_rank_makes_run_raise_at_once_saying_the_cluster_must_be_rebuilt(
                                                r"the cluster is closed: build a new LocalCluster"):
             cl.run(lambda a2a, rank: rank)
         assert time.monotonic() - t0 < 20
+
+
+# ---- 32 ranks on one node -----------------------------------------------------------------------------
+@pytest.mark.timeout(600)
+def test_32_ranks_on_one_node_start_five_times():
+    """32 ranks and 32 proxies on one node (2 cores in CI), started and closed five times in a row. The
+    ranks fork from one template process (one import of torch, not 32) and their bootstrap group waits
+    with the start-up allowance, not timeout_s: before, start-up took most of a minute and failed now and
+    then with a timeout inside AllToAll.__init__, reported as another rank's 'Connection closed by peer'."""
+    cfg = A2AConfig(max_num_tokens=1, num_experts=32, experts_per_token=1, hidden_dim=8, in_dtype=torch.float32)
+    took = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        with LocalCluster(cfg, world_size=32, node_size=32, transport="shm", device="cpu", timeout_s=30) as cl:
+            assert cl.run(lambda a2a, rank: (rank, a2a.world_size, a2a.epoch)) == [(r, 32, 0) for r in range(32)]
+        took.append(time.monotonic() - t0)
+    assert max(took) < 90, took  # the cluster's own start-up bound is timeout_s + 60 s
