@@ -5,8 +5,16 @@ own proxy process) and then runs the functions `run` sends it. Functions travel 
 so a function defined in a notebook cell works; tensors travel as raw bytes (`_dumps` / `_loads`),
 so every dtype (float8 included, which torch cannot pickle through cloudpickle) goes both ways.
 
-Ranks are started with multiprocessing's "spawn": each re-runs the main module of a script (as
-`__mp_main__`), so a script must start the cluster under `if __name__ == "__main__":`.
+Ranks start through multiprocessing's "spawn", which re-runs the main module of a script (as
+`__mp_main__`), so a script must start the cluster under `if __name__ == "__main__":`. With
+device="cpu" one spawned template process does that, imports torch and the kernels once and forks
+every rank from itself (N ranks cost one start-up, not N: 32 ranks start in seconds on 2 cores); GPU
+ranks are spawned one by one (a process that may have touched CUDA cannot be forked).
+
+A failed `run` (a rank's function raised) interrupts the other ranks' functions at once (`RunAborted`,
+through a signal and two shared words), reports the root cause first, and rebuilds every rank's
+`AllToAll` and process group when a call was left half done, so the next `run` works. A rank that
+died makes `run` raise at once; the cluster must then be rebuilt.
 
 Nothing listens beyond this machine: the ranks bootstrap through a file store in a private directory
 (`tempfile.mkdtemp`, mode 0700, removed on `close`), not torch's TCPStore (which listens on every
@@ -227,6 +235,14 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s + _START_ALLOWANCE_S))
         built = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s, **options)
+        # Started: what the functions do with the group (the facade's bootstrap, their own collectives) is
+        # bounded by timeout_s again (a private torch function: without it the allowance stays).
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is not None:
+            try:
+                set_timeout(datetime.timedelta(seconds=timeout_s))
+            except Exception:  # noqa: BLE001 - only a longer wait in a failing collective
+                pass
         conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in built._proxies]))
         return built
 
@@ -427,7 +443,8 @@ class LocalCluster:
         node_size: ranks per node (default: all on one node).
         transport: "shm", "tcp" or "auto" (here: shm); "efa" and "verbs" where those devices exist.
         device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus).
-        timeout_s: bound on start-up and on every `run`; a rank that dies or hangs ends in TimeoutError.
+        timeout_s: the ranks' `AllToAll` timeout, and bound on every `run` (+ 10 s) and on start-up
+            (+ 60 s, which the ranks' bootstrap group waits too); a rank that hangs ends in TimeoutError.
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
         buffers: passed to every `AllToAll` ("auto", "staged", "host", "gpu" or "memfd").
         nics: passed to every `AllToAll` ("auto" or a list of libfabric domain names).
@@ -437,7 +454,9 @@ class LocalCluster:
     Use as a context manager; `run(fn, *args)` calls `fn(a2a, rank, *args)` on every rank and returns
     the results in rank order (tensors of any dtype, float8 included, go both ways; results come back
     on the CPU). In a script, start the cluster under `if __name__ == "__main__":` (the ranks re-run
-    the main module); without the guard, start-up raises a RuntimeError saying so.
+    the main module); without the guard, start-up raises a RuntimeError saying so. When a rank's `fn`
+    raises, `run` raises RuntimeError with that rank's error first and the cluster stays usable; when a
+    rank dies, `run` raises at once and the cluster must be rebuilt (`run` says which).
 
     Every argument is checked here, before any process starts (ValueError naming it), and so is
     memory: with device="cpu" the `world_size` ranks' shared segments (send and recv buffers
