@@ -228,12 +228,15 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
 
     signal.signal(_ABORT_SIGNAL, on_abort)
 
-    def build(store_path: str):
+    def init_group(store_path: str, timeout: float) -> None:
         # A file store (no TCPStore listening on every interface) and gloo's sockets on loopback only.
-        # The group serves start-up (AllToAll's bootstrap exchanges): it gets the start-up allowance, not
-        # the calls' timeout_s, which many ranks starting on few cores can exceed.
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s + _START_ALLOWANCE_S))
+                                timeout=datetime.timedelta(seconds=timeout))
+
+    def build(store_path: str):
+        # The group serves start-up first (AllToAll's bootstrap exchanges): it gets the start-up allowance,
+        # not the calls' timeout_s, which many ranks starting on few cores can exceed.
+        init_group(store_path, timeout_s + _START_ALLOWANCE_S)
         built = AllToAll(cfg, node_group=node_size, transport=transport, device=dev, timeout_s=timeout_s, **options)
         # Started: what the functions do with the group (the facade's bootstrap, their own collectives) is
         # bounded by timeout_s again (a private torch function: without it the allowance stays).
@@ -260,9 +263,11 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
             if msg is None:
                 break
             if msg[0] == "reset":
-                # After a failed run: this rank's AllToAll and process group start afresh (every rank does
-                # this together), whatever call was left half done and whatever collective was left open.
-                if a2a is not None:
+                # After a failed run, every rank together: a new process group (a collective that a failed
+                # function left open would desynchronise the old one) and, when a call was left half done
+                # (`msg[2]`), a new AllToAll too.
+                _, store_path, rebuild = msg
+                if rebuild and a2a is not None:
                     try:
                         a2a.close()
                     except Exception:  # noqa: BLE001 - its files are removed when the cluster closes anyway
@@ -270,7 +275,11 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
                     a2a = None
                 if dist.is_initialized():
                     dist.destroy_process_group()
-                a2a = build(msg[1])
+                if a2a is None:
+                    a2a = build(store_path)
+                else:  # AllToAll uses its group only while it is built
+                    init_group(store_path, timeout_s)
+                    conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in a2a._proxies]))
                 continue
             _, run_id, payload = msg
             running[0] = run_id
@@ -634,15 +643,17 @@ class LocalCluster:
         ok = [r for r in range(self.world_size) if r not in errors]
         message = _failure("run", errors, ok)
         statuses = [a[2] for a in answers]
-        if all(idle for idle, _ in statuses) and len({e for _, e in statuses}) == 1:
-            raise RuntimeError(message + "\n(every rank's AllToAll is idle at the same call: the cluster is usable)")
+        rebuild = not (all(idle for idle, _ in statuses) and len({e for _, e in statuses}) == 1)
         try:
-            self._reset()
+            self._reset(rebuild)
         except BaseException as exc:
             raise RuntimeError(message + f"\n(the rebuild after it failed, the cluster is closed: build a new "
                                f"LocalCluster)\n{exc}") from None
-        raise RuntimeError(message + "\n(a call was left unfinished: every rank's AllToAll and process group were "
-                           "rebuilt: the cluster is usable)")
+        if rebuild:
+            raise RuntimeError(message + "\n(a call was left unfinished: every rank's AllToAll and process group "
+                               "were rebuilt: the cluster is usable)")
+        raise RuntimeError(message + "\n(every rank's AllToAll is idle at the same call and kept; the process group "
+                           "was renewed: the cluster is usable)")
 
     def _check_usable(self) -> None:
         if self._broken:
@@ -657,12 +668,12 @@ class LocalCluster:
             raise RuntimeError(f"LocalCluster is unusable: {self._broken} since the last run; the cluster is closed: "
                                f"build a new LocalCluster")
 
-    def _reset(self) -> None:
-        """Every rank closes its AllToAll and process group and builds new ones (a fresh file store)."""
+    def _reset(self, rebuild: bool) -> None:
+        """Every rank renews its process group (a fresh file store) and, with `rebuild`, its AllToAll."""
         self._resets += 1
         store = os.path.join(self._store_dir, f"store-{self._resets}")
         for c in self._conns:
-            c.send(("reset", store))
+            c.send(("reset", store, rebuild))
         for r, (error, proxies, _) in enumerate(self._collect("rebuild", self.timeout_s + _START_ALLOWANCE_S)):
             if error is not None:  # _collect raised already; kept for clarity of the contract
                 raise RuntimeError(f"rank {r} could not rebuild")

@@ -78,8 +78,36 @@ def test_an_error_outside_any_call_needs_no_rebuild():
                                                r"\(the root cause; then rank 1: RunAborted\)") as info:
             cl.run(_raise_before_any_call)
         assert time.monotonic() - t0 < 20
-        assert "idle at the same call: the cluster is usable" in str(info.value)
+        assert "idle at the same call and kept; the process group was renewed" in str(info.value)
         assert cl.run(lambda a2a, rank: (rank, a2a.epoch)) == [(0, 0), (1, 0)]  # the same instances
+        results = cl.run(rank_roundtrip, CFG.max_num_tokens, 3, 1)
+    assert check_against_reference(CFG, results) == []
+
+
+def _raise_or_wait_in_a_collective(a2a, rank):
+    import torch.distributed as dist
+
+    if rank == 0:
+        raise ValueError("bad user input on rank 0")
+    dist.barrier()  # waits for rank 0, which never comes: the group's timeout (timeout_s) ends it
+    return rank
+
+
+def _all_reduce(a2a, rank):
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t)
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_left_open_by_a_failed_run_does_not_break_the_next_run():
+    with LocalCluster(CFG, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=6) as cl:
+        with pytest.raises(RuntimeError, match=r"^run: rank 0 raised ValueError: bad user input on rank 0 "
+                                               r"\(the root cause; then rank 1: "):
+            cl.run(_raise_or_wait_in_a_collective)
+        assert cl.run(_all_reduce) == [3, 3]  # the renewed group
 
 
 def _exit_mid_call(a2a, rank):
