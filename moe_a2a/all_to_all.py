@@ -7,16 +7,15 @@ docs/protocol.md. The kernels know nothing of the network and the proxy knows no
 """
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any
 
 import torch
 
+from . import fingerprint
 from .config import A2AConfig, Layout
 from .protocol.segment import ShardWords
 from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
-from .proxy import bootstrap
 from .proxy import libfabric as lf
 from .proxy.memory import check_fits_in_memory
 from .runtime.status import CallAborted, CapacityExceeded, Status, watch_proxies
@@ -123,7 +122,9 @@ class AllToAll:
             raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
         if buffers == "memfd" and self.device.type != "cpu":
             raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
-        hosts = bootstrap.exchange(self.group, socket.gethostname())
+        # With the host names, every rank's configuration: a difference raises ValueError on every rank, here.
+        hosts = fingerprint.exchange(self.group, cfg, node_group=node_group, transport=transport, buffers=buffers,
+                                     proxies=proxies, device=self.device)
         self.layout: Layout = cfg.layout(self.world_size, wiring.node_size(node_group, hosts, self.world_size))
         check_fits_in_memory(self.layout, ranks=1, host_staged=self.device.type != "cuda")
         self.transport = wiring.choose_transport(transport, hosts)

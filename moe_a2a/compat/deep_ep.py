@@ -17,8 +17,12 @@ What matches DeepEP, what does not (also in docs/compat.md):
 - a token routed twice to one expert is allowed (DeepEP assumes distinct top-k); when that makes an
   expert exceed the capacity, the next call raises (rows past the capacity are not written).
 - the receive buffers are reused by the next dispatch of the same parity (every other call);
-- input rejected after the first call aborts that call on every rank (the peers raise
-  `moe_a2a.all_to_all.CallAborted`), and the next call works (`AllToAll.abort`).
+- input rejected by any call aborts that call on every rank (the peers raise
+  `moe_a2a.all_to_all.CallAborted` naming the rank), and the next call works: after the first call
+  through `AllToAll.abort`; the first call (which builds the buffers, sized from its arguments) is
+  collective itself: the ranks exchange their verdicts and arguments first, so if one rank rejects its
+  input, or the ranks' sizes differ, every rank raises and nothing is built; call numbering never drifts;
+- `close()` (or DeepEP's `destroy()`) releases everything; any later call raises ValueError.
 """
 from __future__ import annotations
 
@@ -26,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..all_to_all import AllToAll
+from ..all_to_all import AllToAll, CallAborted
 from ..config import A2AConfig
+from ..fingerprint import differences
+from ..proxy import bootstrap
 from ..triton_kernels.quant import quantize_fp8
 
 _UNSUPPORTED = ("round_scale", "use_ue8m0", "use_logfmt", "zero_copy", "cumulative_local_expert_recv_stats")
@@ -68,6 +74,7 @@ class Buffer:
         self._key = None
         self._outputs: list = []
         self._next = 0
+        self._closed = False
 
     # ---- the two halves ---------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -86,6 +93,8 @@ class Buffer:
         Returns `(recv_x, recv_count, handle, event, hook)`: recv_x `[L, C, H]` (or `(fp8, scales)`),
         recv_count int32 `[L]`, an opaque handle for the combine, event None, hook or None.
         """
+        self._check_open()
+        error, sizes = None, None
         try:
             self._refuse(kwargs, async_finish)
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
@@ -94,14 +103,20 @@ class Buffer:
             if isinstance(num_max_dispatch_tokens_per_rank, bool) or not isinstance(num_max_dispatch_tokens_per_rank, int):
                 raise ValueError(f"num_max_dispatch_tokens_per_rank: expected an int, got "
                                  f"{num_max_dispatch_tokens_per_rank!r}")
-            a2a, slot = self._instance(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+            sizes = self._sizes(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
         except ValueError as exc:
-            if not self._a2a:  # before the first call built the instances: nothing is in flight yet
-                raise
+            error = exc
+        if not self._a2a:
+            self._build(error, sizes, x)  # collective: raises on every rank when any rank cannot build
+        elif error is None and sizes != self._key:
+            error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
+                               f"num_experts, top-k, hidden, use_fp8) = {self._key}; got {sizes}: use another Buffer")
+        slot, self._next = self._next, self._next ^ 1
+        a2a = self._a2a[slot]
+        if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
-            slot, self._next = self._next, self._next ^ 1
-            self._a2a[slot].abort(str(exc))
+            a2a.abort(str(error))
         num, ex, exs = self._outputs[slot]
         if use_fp8:
             xq, xs = quantize_fp8(x.contiguous(), 128)
@@ -133,6 +148,7 @@ class Buffer:
         Returns `(combined_x, event, hook)`: combined_x `[T, H]` bfloat16 (valid once the hook ran when
         `return_recv_hook`), event None, hook or None.
         """
+        self._check_open()
         self._refuse(kwargs, async_finish)
         if not isinstance(handle, Handle) or not 0 <= handle.slot < len(self._a2a):
             raise ValueError(f"handle: expected the handle returned by low_latency_dispatch, got {handle!r}")
@@ -153,10 +169,16 @@ class Buffer:
         return out, None, hook
 
     def close(self) -> None:
-        """Stop both instances (their proxies, shared memory). Idempotent."""
+        """Stop both instances (their proxies, shared memory). Idempotent; every later call raises
+        ValueError."""
+        self._closed = True
         for a2a in self._a2a:
             a2a.close()
         self._a2a, self._outputs = [], []
+
+    def destroy(self) -> None:
+        """DeepEP's name for `close()`."""
+        self.close()
 
     def __enter__(self) -> "Buffer":
         return self
@@ -176,31 +198,79 @@ class Buffer:
         if used:
             raise ValueError(f"not supported by moe_a2a's DeepEP facade: {used} (docs/compat.md)")
 
-    def _instance(self, x, topk_idx, num_max: int, num_experts: int, use_fp8: bool) -> tuple[AllToAll, int]:
-        """The AllToAll of this call's parity, built (collectively, on every rank alike) on first use."""
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this Buffer is closed (close() or destroy() released its buffers and proxies): "
+                             "build a new Buffer")
+
+    def _sizes(self, x, topk_idx, num_max: int, num_experts: int, use_fp8: bool) -> tuple:
+        """What sizes the buffers: (num_max_dispatch_tokens_per_rank, num_experts, top-k, hidden, use_fp8)."""
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
             raise ValueError(f"topk_idx: expected a [T, K] tensor, got "
                              f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
-        key = (num_max, num_experts, topk_idx.shape[1], x.shape[1], bool(use_fp8))
-        if self._key is None:
-            if num_max < 1 or num_experts < 1:
-                raise ValueError(f"num_max_dispatch_tokens_per_rank and num_experts must be >= 1, got "
-                                 f"{num_max}, {num_experts}")
-            cfg = A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=topk_idx.shape[1],
-                            hidden_dim=x.shape[1], in_dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                            scale_block=128 if use_fp8 else None, out_dtype=torch.bfloat16,
-                            expert_capacity=num_max * self.group_size)
-            options = dict(self._options)
-            if options["device"] is None:
-                options["device"] = x.device
-            self._a2a = [AllToAll(cfg, **options) for _ in range(2)]
-            self._outputs = [a2a.empty_dispatch_outputs() for a2a in self._a2a]
-            self._key = key
-        elif key != self._key:
-            raise ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
-                             f"num_experts, top-k, hidden, use_fp8) = {self._key}; got {key}: use another Buffer")
-        slot, self._next = self._next, self._next ^ 1
-        return self._a2a[slot], slot
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+            raise ValueError(f"num_experts: expected an int, got {num_experts!r}")
+        return (num_max, num_experts, topk_idx.shape[1], x.shape[1], bool(use_fp8))
+
+    def _config(self, sizes: tuple) -> A2AConfig:
+        num_max, num_experts, top_k, hidden, use_fp8 = sizes
+        if num_max < 1 or num_experts < 1:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank and num_experts must be >= 1, got "
+                             f"{num_max}, {num_experts}")
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({self.group_size})")
+        return A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
+                         in_dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                         scale_block=128 if use_fp8 else None, out_dtype=torch.bfloat16,
+                         expert_capacity=num_max * self.group_size)
+
+    def _build(self, error: ValueError | None, sizes: tuple | None, x) -> None:
+        """The first call: build both instances, sized from its arguments, on every rank or on none.
+
+        Every rank first sends its verdict on its own input and its sizes (one all-gather over the group):
+        if any rank rejected its input, or the sizes differ, every rank raises (the rejecting rank its
+        ValueError, the others CallAborted naming it; different sizes: ValueError naming them on every
+        rank) and nothing is built, so the next call is the first call again on every rank alike."""
+        cfg = None
+        if error is None:
+            try:
+                cfg = self._config(sizes)
+            except ValueError as exc:
+                error = exc
+        names = ("num_max_dispatch_tokens_per_rank", "num_experts", "top-k (topk_idx.shape[1])",
+                 "hidden (x.shape[1])", "use_fp8")
+        mine = (None if error is None else str(error),
+                None if sizes is None else {n: str(v) for n, v in zip(names, sizes)})
+        table = bootstrap.exchange(self.group, mine)
+        rejected = [r for r, (err, _) in enumerate(table) if err is not None]
+        if error is not None:
+            others = [r for r in rejected if r != self.rank]
+            raise ValueError(f"{error} (rank {self.rank} aborted this call, the Buffer's first, on every rank"
+                             + (f", as did rank(s) {others}" if others else "")
+                             + ": nothing was built or sent; the next call builds the buffers)") from None
+        if rejected:
+            raise CallAborted(f"rank {self.rank}: call 0 of this Buffer (the first: it builds the buffers) was "
+                              f"aborted by rank {', '.join(map(str, rejected))}: its input was rejected "
+                              f"({table[rejected[0]][0]}); nothing was built or sent; the next call builds the "
+                              f"buffers")
+        diff = differences([sz for _, sz in table])
+        if diff:
+            raise ValueError(f"rank {self.rank}: the first low_latency_dispatch sizes the buffers and must get the "
+                             f"same sizes on every rank; refused on every rank (nothing was built or sent):\n  "
+                             + "\n  ".join(diff))
+        options = dict(self._options)
+        if options["device"] is None:
+            options["device"] = x.device
+        built: list[AllToAll] = []
+        try:
+            for _ in range(2):
+                built.append(AllToAll(cfg, **options))
+            self._outputs = [a2a.empty_dispatch_outputs() for a2a in built]
+        except BaseException:
+            for a2a in built:
+                a2a.close()
+            raise
+        self._a2a, self._key = built, sizes
 
 
 __all__ = ["Buffer", "Handle"]

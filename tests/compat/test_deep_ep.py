@@ -221,3 +221,88 @@ def test_facade_refuses_what_it_does_not_support():
             assert len(errors) == 4, errors
             assert "use_ue8m0" in errors[0] and "async_finish" in errors[1] and "bogus" in errors[2]
             assert errors[3].startswith("x:")
+
+
+# ---- the first call is collective; a closed Buffer says so ---------------------------------------
+def _first_calls_rejected_then_good(a2a, rank):
+    """Calls 0-2 are refused (call 0: float32 x on rank 1 only; call 1: different
+    num_max_dispatch_tokens_per_rank; call 2: different hidden), then three good calls; then the Buffer
+    is closed and used again."""
+    import time
+
+    from moe_a2a.all_to_all import CallAborted
+    from moe_a2a.compat import Buffer
+
+    dev, seen = a2a.device, []
+    buf = Buffer(transport=a2a.transport, timeout_s=20.0, node_group=a2a.layout.node_size)
+    try:
+        for call in range(6):
+            x, idx, w = (t.to(dev) for t in _inputs(rank, 60 + call, T_MAX, "random"))
+            num_max = T_MAX
+            if call == 0 and rank == 1:
+                x = x.float()
+            if call == 1 and rank == 0:
+                num_max = 2 * T_MAX
+            if call == 2 and rank == 1:
+                x = torch.cat([x, x], dim=1)
+            t0 = time.monotonic()
+            try:
+                recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, num_max, E, use_fp8=False)
+                combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle)
+                buf._a2a[handle.slot].check()
+                seen.append({"count": count.cpu().clone(), "combined": combined.cpu().clone()})
+            except (ValueError, CallAborted) as exc:
+                seen.append({"error": f"{type(exc).__name__}: {exc}", "built": bool(buf._a2a),
+                             "seconds": time.monotonic() - t0})
+    finally:
+        buf.destroy()
+    after = []
+    x, idx, w = (t.to(dev) for t in _inputs(rank, 60, T_MAX, "random"))
+    for call in (lambda: buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False),
+                 lambda: buf.low_latency_combine(torch.zeros(E // 2, 2 * T_MAX, H, dtype=torch.bfloat16), idx, w,
+                                                 None)):
+        try:
+            call()
+            after.append("no error")
+        except Exception as exc:  # noqa: BLE001 - the type is checked
+            after.append(f"{type(exc).__name__}: {exc}")
+    buf.close()  # idempotent
+    return seen, after
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport,node_size", [("shm", 2), ("tcp", 1)], ids=["node-local-shm", "remote-tcp"])
+def test_a_rejected_first_call_aborts_on_every_rank_and_call_numbering_never_drifts(transport, node_size):
+    W = 2
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg0, world_size=W, node_size=node_size, transport=transport, device=TEST_DEVICE,
+                      timeout_s=60) as cl:
+        got = cl.run(_first_calls_rejected_then_good)
+    seen = [g[0] for g in got]
+    # Call 0: rank 1 rejects its input; every rank raises at once, nothing is built.
+    assert seen[1][0]["error"].startswith("ValueError: x: expected a [T, H] bfloat16") and \
+        "aborted this call, the Buffer's first, on every rank" in seen[1][0]["error"], seen[1][0]
+    assert seen[0][0]["error"].startswith("CallAborted: rank 0: call 0 of this Buffer") and \
+        "aborted by rank 1" in seen[0][0]["error"] and "x: expected" in seen[0][0]["error"], seen[0][0]
+    # Calls 1 and 2: the ranks' sizes differ: ValueError naming them on every rank.
+    for r in range(W):
+        assert seen[r][1]["error"].startswith(f"ValueError: rank {r}: the first low_latency_dispatch sizes"), seen[r][1]
+        assert f"num_max_dispatch_tokens_per_rank: {2 * T_MAX} on rank 0; {T_MAX} on rank 1" in seen[r][1]["error"]
+        assert f"hidden (x.shape[1]): {H} on rank 0; {2 * H} on rank 1" in seen[r][2]["error"], seen[r][2]
+        assert all(not seen[r][c]["built"] and seen[r][c]["seconds"] < 5 for c in range(3)), seen[r][:3]
+    # Calls 3-5: exact on every rank (a drift would pair rank 0's call with rank 1's next one).
+    cap = T_MAX * W
+    cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16,
+                    expert_capacity=cap)
+    for call in (3, 4, 5):
+        ins = [_inputs(r, 60 + call, T_MAX, "random") for r in range(W)]
+        want = reference.dispatch(cfg, [x for x, _, _ in ins], None, [i for _, i, _ in ins])
+        outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins],
+                                 [(2 * x_ref.float()).to(torch.bfloat16) for _, x_ref, _ in want])
+        for r in range(W):
+            assert "error" not in seen[r][call], seen[r][call]
+            assert torch.equal(seen[r][call]["count"], want[r][0]), (call, r)
+            torch.testing.assert_close(seen[r][call]["combined"].float(), outs[r].float(), rtol=2 ** -7, atol=1e-5)
+    # A closed Buffer: a clear error, not an IndexError.
+    for r in range(W):
+        assert len(got[r][1]) == 2 and all(a.startswith("ValueError: this Buffer is closed") for a in got[r][1]), got[r][1]
