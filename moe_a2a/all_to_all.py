@@ -20,7 +20,7 @@ from .proxy import libfabric as lf
 from .proxy.memory import check_fits_in_memory
 from .runtime.status import CallAborted, CapacityExceeded, Status, watch_proxies
 from .runtime.tracing import Tracer
-from .runtime import wiring
+from .runtime import placement, wiring
 from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
@@ -94,13 +94,7 @@ class AllToAll:
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
         if transport not in ("auto", "efa", "shm", "tcp", "verbs"):
             raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp' or 'verbs', got {transport!r}")
-        if gpu_wait not in ("auto", "kernel", "host"):
-            raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
-        if buffers not in ("auto", "staged", "host", "gpu", "memfd"):
-            raise ValueError(f"buffers must be 'auto', 'staged', 'host', 'gpu' or 'memfd', got {buffers!r}")
-        if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
-                               or not all(isinstance(n, str) and n for n in nics)):
-            raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
+        placement.check_options(gpu_wait, buffers, nics)
         if proxies != "auto" and (isinstance(proxies, bool) or not isinstance(proxies, int) or proxies < 1
                                   or proxies > MAX_PROXY_SHARDS):
             raise ValueError(f"proxies must be 'auto' or an int in [1, {MAX_PROXY_SHARDS}], got {proxies!r}")

@@ -45,6 +45,7 @@ import cloudpickle
 from .config import A2AConfig
 from .protocol.words import MAX_PROXY_SHARDS
 from .proxy.memory import check_fits_in_memory, remove_process_shm_files
+from .runtime import placement
 
 _TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs")  # AllToAll's; efa/verbs need their devices
 # Set in the ranks' environment (their proxies inherit it): finds every process of one cluster in
@@ -492,13 +493,7 @@ class LocalCluster:
         if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s)
                 or timeout_s <= 0):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
-        if gpu_wait not in ("auto", "kernel", "host"):
-            raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
-        if buffers not in ("auto", "staged", "host", "gpu", "memfd"):
-            raise ValueError(f"buffers must be 'auto', 'staged', 'host', 'gpu' or 'memfd', got {buffers!r}")
-        if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
-                               or not all(isinstance(n, str) and n for n in nics)):
-            raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
+        placement.check_options(gpu_wait, buffers, nics)
         remote = world_size - node_size
         if proxies != "auto" and (isinstance(proxies, bool) or not isinstance(proxies, int) or proxies < 1
                                   or proxies > min(max(1, remote), MAX_PROXY_SHARDS)):

@@ -227,6 +227,17 @@ def _current_cuda_device() -> int:
     return torch.cuda.current_device()
 
 
+def check_options(gpu_wait, buffers, nics) -> None:
+    """The placement and waiting options of `AllToAll` (and `LocalCluster`, which passes them on)."""
+    if gpu_wait not in ("auto", "kernel", "host"):
+        raise ValueError(f"gpu_wait must be 'auto', 'kernel' or 'host', got {gpu_wait!r}")
+    if buffers not in ("auto", "staged", "host", "gpu", "memfd"):
+        raise ValueError(f"buffers must be 'auto', 'staged', 'host', 'gpu' or 'memfd', got {buffers!r}")
+    if nics != "auto" and (isinstance(nics, str) or not isinstance(nics, (list, tuple)) or not nics
+                           or not all(isinstance(n, str) and n for n in nics)):
+        raise ValueError(f"nics must be 'auto' or a non-empty list of domain names, got {nics!r}")
+
+
 PLACEMENTS = {cls.name: cls for cls in (HostPlacement, IpcPlacement, StagedPlacement, NicPlacement)}
 
 
