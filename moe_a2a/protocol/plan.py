@@ -16,7 +16,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..config import Layout
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the layout is config's; the protocol sits below it (config imports protocol.words)
+    from ..config import Layout
 
 Write = tuple[int, int, int, int]
 
