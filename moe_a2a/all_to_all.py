@@ -58,25 +58,19 @@ class AllToAll:
             "tcp" or "verbs" (libfabric's verbs;ofi_rxm: ConnectX; untested, no RDMA device here).
         device: where the model's tensors live (default: current CUDA device, else CPU).
         timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
-        gpu_wait: on a GPU, how the receive halves wait for the proxy: "kernel" (a spinning kernel on
-            the stream: asynchronous, CUDA-graph safe), "host" (the CPU polls, then launches: for
-            ranks that share one GPU, where a spinning kernel would block its time-sliced peers),
-            or "auto" (host when another rank of this node uses the same GPU, else kernel).
+        gpu_wait: on a GPU, how the halves wait: "kernel" (spinning on the stream: asynchronous, CUDA-graph
+            safe), "host" (the CPU polls, then launches: for ranks that share a GPU) or "auto" (host when
+            another rank uses the same GPU, else kernel).
         buffers: where the send/recv buffers live (`runtime/placement.py`): "staged" (this node's rows in
             GPU buffers shared by CUDA IPC, rows to and from other nodes staged in pinned shared host
             memory), "host" (all rows host-staged), "gpu" (GPU memory: CUDA IPC on one node, else cuMem
             FDs registered with the NIC, FI_HMEM_CUDA; raises if impossible), "memfd" (that path with
             host memory, for CPUs), "auto" (default: "gpu" over efa/verbs where it works, else "staged"
             with one log line saying why; "host" on a CPU).
-        nics: the NICs (libfabric domains, `moe_a2a.proxy.libfabric.list_domains(provider)`) this
-            rank's proxy drives; peers are sharded over them. "auto": on EFA this rank's equal share of
-            the node's NICs (`proxy.topology.nics_for_rank`), elsewhere the provider's first domain.
-            A list of names: exactly those.
-        proxies: how many proxy processes this rank runs, each posting the writes of its share of the
-            remote peers (peer p goes to proxy p % k) in parallel: a positive int, at most the number of
-            remote peers (and `config.MAX_PROXY_SHARDS`), or "auto": one per NIC on EFA
-            (`len(nics)`, capped by the number of remote peers), else 1. Every rank must use the same k
-            (checked at bootstrap: ValueError otherwise).
+        nics: the NICs (libfabric domains) this rank's proxies drive, peers sharded over them: "auto" (on
+            EFA this rank's share of the node's NICs, else the provider's first) or a list of names.
+        proxies: proxy processes per rank, peer p carried by proxy p % k: an int in [1, remote peers] or
+            "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
@@ -204,16 +198,11 @@ class AllToAll:
             bound_m: optional 1-element int32 tensor on the device: live tokens (CUDA graphs).
             do_send / do_recv: run the send half, the receive half, or both (default).
 
-        Bad input raises ValueError before anything of it is sent, and aborts the call on every rank:
-        this rank still takes part, with no tokens and a count row of -1, so its peers finish the call
-        and raise `CallAborted` naming it (ranks that wait on the host: from this dispatch, after
-        finishing the combine half themselves; ranks that wait in kernels: from a later `combine` or
-        `check()`, since their host never waits); the next call works on every rank. Bad receive
-        outputs alone (`do_send=False`) raise ValueError and leave the call open for a corrected
-        receive. On GPU the call is asynchronous and
-        CUDA-graph safe with `bound_m`. Index values are checked without a host sync on a GPU (the routing
-        kernel drops a bad route and the end of the following combine, or `check()`, raises a ValueError
-        naming it, once; the instance stays usable), on the host on CPU (bad input, as above).
+        Bad input raises ValueError before anything of it is sent and aborts the call on every rank (its
+        peers raise `CallAborted` naming this rank; the next call works; docs/protocol.md, section 6). Bad
+        receive outputs alone (`do_send=False`) leave the call open for a corrected receive. On a GPU the
+        call is asynchronous and CUDA-graph safe with `bound_m`; index values and `bound_m` are checked on
+        the device (no host sync) and reported at the end of the following combine or by `check()`.
         """
         self._ready()
         if do_send:
@@ -252,6 +241,8 @@ class AllToAll:
             expert_y: `[>= max_dispatch_rows, H]` out_dtype: row i is the expert output of row i
                 of `out_expert_x` from `dispatch` (padding rows are never read).
             accumulate: add to the old `out_tokens` (in fp32, before the k terms) instead of overwriting.
+
+        Bad input aborts the call on every rank, as in `dispatch` (a bad receive half alone leaves it open).
         """
         self._ready()
         cfg = self.cfg
@@ -291,10 +282,8 @@ class AllToAll:
 
     def check(self) -> None:
         """Raise what went wrong in calls already issued (for CUDA-graph users, whose replays make no host
-        call): waits for the device, then raises the first failure recorded by a kernel wait or the proxy
-        (eager calls do this at their start), then what is not fatal: a call aborted by a peer
-        (`CallAborted`) or a bad index dropped on the device (ValueError), each once (eager calls say
-        these at the end of `combine`)."""
+        call): waits for the device, then raises a fatal failure (a kernel wait, the proxy), then, once each,
+        what leaves the instance usable: an abort (`CallAborted`, `CapacityExceeded`), a bad index or bound."""
         self._ready()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
