@@ -211,8 +211,9 @@ def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport, node_size, wo
             cl.run(_die_or_dispatch, 2)
         elapsed = time.monotonic() - start
     msg = str(info.value)
-    assert "rank(s) [2] died" in msg
-    assert "missing peers [2]" in msg, msg  # the survivors name the dead rank
+    assert "rank(s) [2] died" in msg and "must be rebuilt" in msg, msg
+    # LocalCluster interrupts the survivors at once; their own timeouts naming a silent rank (missing
+    # peers) are tested in tests/test_collective_faults.py.
     assert elapsed < timeout_s + 15
     time.sleep(0.5)
     for pid in proxies:  # every proxy process is gone with its owner
