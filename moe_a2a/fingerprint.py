@@ -53,7 +53,7 @@ def of(cfg: A2AConfig, *, node_group, transport: str, buffers: str, proxies, dev
     for f in dataclasses.fields(cfg):
         if f.init:  # every field a user sets; new fields are covered without a change here
             fp[f.name] = _text(getattr(cfg, f.name))
-    fp["scale_block"] = _text(cfg.block_size)  # resolved: "auto" means 128 for fp8, None otherwise
+    fp["scale_block"] = _text(getattr(cfg, "block_size", cfg.scale_block))  # resolved: "auto" is 128 for fp8
     fp["buffers"] = _text(buffers)
     fp["transport"] = _text(transport)
     fp["node size"] = node_size_of(node_group)
@@ -61,6 +61,12 @@ def of(cfg: A2AConfig, *, node_group, transport: str, buffers: str, proxies, dev
     fp["device type"] = _text(getattr(device, "type", device))
     fp["moe_a2a version"] = _text(__version__)
     return fp
+
+
+# What a difference in these fields means, said after their line.
+_HINTS = {"proxies": "every rank must run the same number of proxy processes",
+          "node size": "every rank must see the same node size (node_group)",
+          "moe_a2a version": "every rank must run the same moe_a2a"}
 
 
 def differences(table: Sequence[dict[str, str]]) -> list[str]:
@@ -75,7 +81,7 @@ def differences(table: Sequence[dict[str, str]]) -> list[str]:
         if len(by_value) > 1:
             lines.append(f"{name}: " + "; ".join(
                 f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-                for value, ranks in by_value.items()))
+                for value, ranks in by_value.items()) + (f" ({_HINTS[name]})" if name in _HINTS else ""))
     return lines
 
 
@@ -97,6 +103,15 @@ def check(table: Sequence[Any], hosts: Sequence[str], rank: int) -> None:
                          f"refused on every rank before any buffer was allocated:\n  " + "\n  ".join(diff))
 
 
+def all_gather(group, obj) -> list:
+    """Every rank's picklable `obj`, indexed by group rank (`group` None: WORLD)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def exchange(group, cfg: A2AConfig, *, node_group, transport: str, buffers: str, proxies, device) -> list[str]:
     """The first bootstrap exchange of `AllToAll`: the host names (returned, indexed by group rank) with
     each rank's fingerprint, checked (`check`) before anything else happens."""
@@ -104,13 +119,11 @@ def exchange(group, cfg: A2AConfig, *, node_group, transport: str, buffers: str,
 
     import torch.distributed as dist
 
-    from .proxy import bootstrap
-
     mine = of(cfg, node_group=node_group, transport=transport, buffers=buffers, proxies=proxies, device=device)
-    table = bootstrap.exchange(group, (socket.gethostname(), mine))
+    table = all_gather(group, (socket.gethostname(), mine))
     hosts = [t[0] if isinstance(t, tuple) and len(t) == 2 else str(t) for t in table]
     check([t[1] if isinstance(t, tuple) and len(t) == 2 else None for t in table], hosts, dist.get_rank(group))
     return hosts
 
 
-__all__ = ["check", "differences", "exchange", "of"]
+__all__ = ["all_gather", "check", "differences", "exchange", "of"]

@@ -620,12 +620,13 @@ class LocalCluster:
         When `fn` raises on a rank, the other ranks' functions are interrupted at once (they raise
         `RunAborted` where they were, e.g. waiting for that rank in a call), and this raises RuntimeError
         naming the root cause first: the first rank's own exception with its traceback, then what the
-        others saw (their timeouts, `CallAborted`, `RunAborted`). The cluster stays usable: if any rank's
-        AllToAll was left in a call (or unusable), every rank closes it and builds a new one (and a new
-        process group) before this raises; objects that `fn` kept from earlier runs built on the old
-        group are void then. A rank that dies (or died since the last run) makes this raise at once; the
-        cluster is then closed and must be rebuilt. A rank that does not answer within `timeout_s` + 10 s
-        gives TimeoutError (the cluster is then closed)."""
+        others saw (their timeouts, `CallAborted`, `RunAborted`). The cluster stays usable: before this
+        raises, every rank renews its process group (a collective a failed function left open would
+        desynchronise it; objects that `fn` kept from earlier runs built on the old group are void) and,
+        if any rank's AllToAll was left in a call (or unusable), closes it and builds a new one. A rank
+        that dies (or died since the last run) makes this raise at once; the cluster is then closed and
+        must be rebuilt. A rank that does not answer within `timeout_s` + 10 s gives TimeoutError (the
+        cluster is then closed)."""
         self._check_usable()
         self._run_id += 1
         payload = _dumps((fn, args))

@@ -4,6 +4,7 @@ next `run` works where the ranks are alive, and a dead rank makes `run` raise at
 one node start (and stop) five times in a row."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -135,6 +136,34 @@ def test_a_dead_rank_makes_run_raise_at_once_saying_the_cluster_must_be_rebuilt(
                                                r"the cluster is closed: build a new LocalCluster"):
             cl.run(lambda a2a, rank: rank)
         assert time.monotonic() - t0 < 20
+
+
+def _silent_or_roundtrip(a2a, rank, victim, stall_s):
+    if rank == victim:
+        time.sleep(stall_s)  # alive but silent: it neither calls nor dies
+        return None
+    return rank_roundtrip(a2a, rank, a2a.cfg.max_num_tokens, 7, 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport,node_size,world", [("tcp", 1, 3), ("shm", 3, 3)], ids=["tcp-remote", "shm-node-local"])
+def test_a_silent_rank_is_named_by_the_others_timeouts_and_the_cluster_stays_usable(transport, node_size, world):
+    """The peers' own timeouts name the silent rank (remote peers: their proxies; one node: their host
+    waits); the silent rank is then interrupted, the calls left open are cleared, the next run works."""
+    timeout_s = 6.0
+    with LocalCluster(CFG, world_size=world, node_size=node_size, transport=transport, device=TEST_DEVICE,
+                      timeout_s=timeout_s) as cl:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            cl.run(_silent_or_roundtrip, 2, 120)
+        took = time.monotonic() - t0
+        msg = str(info.value)
+        assert msg.startswith(("run: rank 0 raised TimeoutError", "run: rank 1 raised TimeoutError")), msg
+        # The silent rank was interrupted (and the other peer too, if its own timeout had not come yet).
+        assert re.search(r"ranks? [0-9, ]*2: RunAborted", msg.splitlines()[0]) and "missing peers [2]" in msg, msg
+        assert took < timeout_s + 15, took
+        results = cl.run(rank_roundtrip, CFG.max_num_tokens, 3, 1)
+    assert check_against_reference(CFG, results) == []
 
 
 # ---- 32 ranks on one node -----------------------------------------------------------------------------

@@ -113,6 +113,8 @@ def test_every_mismatch_is_refused_on_every_rank_and_nothing_crashes(tmp_path, t
             assert line is not None and "on rank 0" in line and "on rank 1" in line, (name, msg)
     assert "hidden_dim: 64 on rank 0; 128 on rank 1" in got[0][0]["hidden_dim"]
     assert "transport: 'shm' on rank 0; 'tcp' on rank 1" in got[1][0]["transport"]
+    assert "proxies: 1 on rank 0; 'auto' on rank 1 (every rank must run the same number of proxy processes)" \
+        in got[0][0]["proxies"]
     # Only what differs is named (scale_block differs; in_dtype is fp8 on both ranks).
     assert "in_dtype" not in got[0][0]["scale_block"]
     assert check_against_reference(BASE, [{"calls": got[r][1]} for r in range(world)]) == []

@@ -32,8 +32,7 @@ import torch
 
 from ..all_to_all import AllToAll, CallAborted
 from ..config import A2AConfig
-from ..fingerprint import differences
-from ..proxy import bootstrap
+from ..fingerprint import all_gather, differences
 from ..triton_kernels.quant import quantize_fp8
 
 _UNSUPPORTED = ("round_scale", "use_ue8m0", "use_logfmt", "zero_copy", "cumulative_local_expert_recv_stats")
@@ -241,7 +240,7 @@ class Buffer:
                  "hidden (x.shape[1])", "use_fp8")
         mine = (None if error is None else str(error),
                 None if sizes is None else {n: str(v) for n, v in zip(names, sizes)})
-        table = bootstrap.exchange(self.group, mine)
+        table = all_gather(self.group, mine)
         rejected = [r for r, (err, _) in enumerate(table) if err is not None]
         if error is not None:
             others = [r for r in rejected if r != self.rank]
