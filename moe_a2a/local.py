@@ -783,6 +783,10 @@ class LocalCluster:
                 pass
         deadline = time.monotonic() + 10.0
         self._note_rank_pids()
+        if self._cluster_id is not None and self._procs:
+            # The proxies alive now (one may be starting): a killed rank's proxy dies by PR_SET_PDEATHSIG,
+            # possibly before the scan below, and its files are found by its pid.
+            self._started.update(_cluster_processes(self._cluster_id))
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
