@@ -26,6 +26,9 @@ from . import placement as placements
 
 log = logging.getLogger("moe_a2a")
 
+# The least a start-up wait (a proxy's address, its registration) is given, whatever the call timeout.
+STARTUP_S = 60.0
+
 
 # ---- decisions from the arguments and the hosts (the same on every rank) --------------------------
 def node_size(node_group, hosts: list[str], world_size: int) -> int:
@@ -129,7 +132,8 @@ class Wiring:
                              parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * (1 + k),
                              fd_buffers=fd_buffers, domains=domains, local_only=self.local_only, shard=j, shards=k)
             self.proxies.append(ProxyHandle(spec, fds))
-        self.proxy_address = [h.address(self.timeout_s) for h in self.proxies]
+        # Start-up, not a call: a proxy imports and opens its endpoint, slower with many ranks on few cores.
+        self.proxy_address = [h.address(max(self.timeout_s, STARTUP_S)) for h in self.proxies]
 
     def _try_nic(self, strict: bool) -> None:
         """Launch with buffers registered with the NIC; if any rank cannot, every rank falls back to
@@ -188,7 +192,7 @@ class Wiring:
         # entry r % k of each peer, and uses only its share.
         mine = [(t[0][r % k], t[1][r % k], t[2], t[5][r % k]) for t in table]
         for h in self.proxies:
-            h.finish(mine, self.timeout_s, not self.with_proxy)
+            h.finish(mine, max(self.timeout_s, STARTUP_S), not self.with_proxy)
 
         send, recv = self.buffers.own()
         send_at, recv_at, seg_at = {r: send}, {r: recv}, {r: seg.addr}
