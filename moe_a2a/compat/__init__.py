@@ -4,6 +4,6 @@
 - `moe_a2a.compat.vllm.MoeA2APrepareAndFinalize`: vLLM's modular fused-MoE prepare/finalize shape
   (import `moe_a2a.compat.vllm` explicitly; it looks for vLLM's types).
 """
-from .deep_ep import Buffer, Handle
+from .deep_ep import Buffer, Handle, topk_idx_t
 
-__all__ = ["Buffer", "Handle"]
+__all__ = ["Buffer", "Handle", "topk_idx_t"]

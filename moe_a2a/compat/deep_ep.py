@@ -38,6 +38,10 @@ from ..triton_kernels.quant import quantize_fp8
 _UNSUPPORTED = ("round_scale", "use_ue8m0", "use_logfmt", "zero_copy", "cumulative_local_expert_recv_stats")
 
 
+# DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
+topk_idx_t = torch.int64
+
+
 @dataclass(frozen=True)
 class Handle:
     """What `low_latency_combine` needs from its dispatch (opaque to callers, as DeepEP's)."""
@@ -57,9 +61,18 @@ class Buffer:
     """
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = True,
-                 num_qps_per_rank: int = 1, *, transport: str = "auto", node_group="auto", timeout_s: float = 30.0,
-                 gpu_wait: str = "auto", device=None) -> None:
+                 num_qps_per_rank: int = 1, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
+                 transport: str = "auto",
+                 node_group="auto", timeout_s: float = 30.0, gpu_wait: str = "auto", device=None) -> None:
         import torch.distributed as dist
+
+        # DeepEP's transport switches have no meaning here (same-node peers always go through mapped memory,
+        # the rest through the proxy); destroy() is always explicit. Shrinking (masking a dead rank) is not
+        # built yet: refused rather than silently ignored.
+        if enable_shrink:
+            raise ValueError("enable_shrink=True: masking a rank that stopped is not supported by moe_a2a's "
+                             "DeepEP facade yet (docs/compat.md)")
 
         if group is None:
             if not dist.is_initialized():
@@ -74,6 +87,18 @@ class Buffer:
         self._outputs: list = []
         self._next = 0
         self._closed = False
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes one rank allocates for its two instances at these sizes (fp8, top-k up to 8: DeepEP's
+        assumption), for callers that pass it back as `num_rdma_bytes` (which this facade ignores: its
+        buffers are sized by the first dispatch)."""
+        cfg = A2AConfig(max_num_tokens=num_max_dispatch_tokens_per_rank, num_experts=num_experts, experts_per_token=8,
+                        hidden_dim=hidden, in_dtype=torch.float8_e4m3fn, scale_block=128, out_dtype=torch.bfloat16,
+                        expert_capacity=num_max_dispatch_tokens_per_rank * num_ranks)
+        lay = cfg.layout(num_ranks)
+        return 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
 
     # ---- the two halves ---------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -272,4 +297,4 @@ class Buffer:
         self._a2a, self._key = built, sizes
 
 
-__all__ = ["Buffer", "Handle"]
+__all__ = ["topk_idx_t", "Buffer", "Handle"]

@@ -31,7 +31,11 @@ def _facade_rank(a2a, rank, use_fp8: bool, token_counts, routing: str):
 
     dev = a2a.device
     out = []
-    with Buffer(transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
+    # DeepEP's own construction keywords are taken (and its size hint given back as num_rdma_bytes).
+    hint = Buffer.get_low_latency_rdma_size_hint(T_MAX, H, a2a.world_size, E)
+    with Buffer(None, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=1,
+                allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=True,
+                transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
         for seed in (1, 2):  # two micro-batches in flight at once: dispatch A, dispatch B, combine A, B
             pending = []
             for mb in range(2):
@@ -306,3 +310,16 @@ def test_a_rejected_first_call_aborts_on_every_rank_and_call_numbering_never_dri
     # A closed Buffer: a clear error, not an IndexError.
     for r in range(W):
         assert len(got[r][1]) == 2 and all(a.startswith("ValueError: this Buffer is closed") for a in got[r][1]), got[r][1]
+
+
+def test_deep_ep_module_names_size_hint_and_what_is_refused():
+    from moe_a2a.compat import Buffer, topk_idx_t
+
+    assert topk_idx_t is torch.int64
+    hint = Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 256)
+    cfg = A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=7168,
+                    in_dtype=torch.float8_e4m3fn, scale_block=128, out_dtype=torch.bfloat16, expert_capacity=256)
+    lay = cfg.layout(2)
+    assert hint == 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False)) > 0
+    with pytest.raises(ValueError, match="enable_shrink"):
+        Buffer(None, enable_shrink=True)
