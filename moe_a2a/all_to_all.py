@@ -382,10 +382,8 @@ class AllToAll:
         over = self._status.capacity_exceeded() if self.device.type != "cuda" and self.layout.expert_capacity else None
         if over or aborted:
             # A host that waits knows now: finish the call's combine half here (it moves nothing that
-            # counts; over capacity, it tells every peer the call is void), so every rank ends the call
-            # together and the next one starts clean.
-            if over:
-                self._mark_aborted()
+            # counts; over capacity, the unpack kernel has marked the call void for the combine to tell every
+            # peer), so every rank ends the call together and the next one starts clean.
             self._finish_void()
             self._status.abort_seen = self.epoch
             if over:
