@@ -16,6 +16,7 @@ from . import fingerprint
 from .config import A2AConfig, Layout
 from .protocol.segment import ShardWords
 from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
+from .proxy import emulated
 from .proxy import libfabric as lf
 from .proxy.memory import check_fits_in_memory
 from .runtime.status import CallAborted, CapacityExceeded, Status, watch_proxies
@@ -24,7 +25,7 @@ from .runtime import placement, wiring
 from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
-from .triton_kernels import routing
+from .triton_kernels import routing, write_plan
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
@@ -55,7 +56,10 @@ class AllToAll:
         node_group: ranks that share memory with this one: "auto"/None (same hostname), an int
             (node size; ranks `[k*n, (k+1)*n)` form node k) or a process group (its size).
         transport: "auto" (efa if present, else shm on one host, tcp across hosts), "efa", "shm",
-            "tcp" or "verbs" (libfabric's verbs;ofi_rxm: ConnectX; untested, no RDMA device here).
+            "tcp" or "verbs" (libfabric's verbs;ofi_rxm: ConnectX; untested, no RDMA device here), or
+            "emulated": simulated nodes of one host exchange their remote traffic through the proxies as
+            over a NIC, carried by copies (an instrument; settings from MOE_A2A_EMULATED_NIC, read here:
+            docs/transport.md, "The emulated NIC").
         device: where the model's tensors live (default: current CUDA device, else CPU).
         timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
         gpu_wait: on a GPU, how the halves wait: "kernel" (spinning on the stream: asynchronous, CUDA-graph
@@ -86,13 +90,15 @@ class AllToAll:
             raise ValueError(f"cfg: expected A2AConfig, got {type(cfg).__name__}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-        if transport not in ("auto", "efa", "shm", "tcp", "verbs"):
-            raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp' or 'verbs', got {transport!r}")
+        if transport not in ("auto", "efa", "shm", "tcp", "verbs", "emulated"):
+            raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp', 'verbs' or 'emulated', got {transport!r}")
+        # The emulated NIC's settings, read once here (ValueError naming the variable, before anything collective).
+        self.emulated_nic = emulated.nic_settings_from_env() if transport == "emulated" else None
         placement.check_options(gpu_wait, buffers, nics)
         if proxies != "auto" and (isinstance(proxies, bool) or not isinstance(proxies, int) or proxies < 1
                                   or proxies > MAX_PROXY_SHARDS):
             raise ValueError(f"proxies must be 'auto' or an int in [1, {MAX_PROXY_SHARDS}], got {proxies!r}")
-        if transport != "auto":  # before anything collective: every rank refuses alike
+        if transport not in ("auto", "emulated"):  # before anything collective: every rank refuses alike
             name, available = lf.PROVIDER_NAMES[transport], lf.list_providers()
             if name not in available:
                 raise ValueError(f"transport {transport!r} needs libfabric's {name!r} provider, which is not "
@@ -111,8 +117,13 @@ class AllToAll:
         if buffers == "memfd" and self.device.type != "cpu":
             raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
         # With the host names, every rank's configuration: a difference raises ValueError on every rank, here.
-        hosts = fingerprint.exchange(self.group, cfg, node_group=node_group, transport=transport, buffers=buffers,
+        # The emulated NIC's settings are part of the transport: ranks that differ are refused alike.
+        hosts = fingerprint.exchange(self.group, cfg, node_group=node_group, buffers=buffers,
+                                     transport=transport if self.emulated_nic is None else f"emulated({self.emulated_nic})",
                                      proxies=proxies, device=self.device)
+        if transport == "emulated" and len(set(hosts)) > 1:  # every rank holds the same hosts: all refuse
+            raise ValueError(f"transport='emulated' connects simulated nodes of one host (node_group); these ranks "
+                             f"run on {len(set(hosts))} hosts {sorted(set(hosts))}")
         self.layout: Layout = cfg.layout(self.world_size, wiring.node_size(node_group, hosts, self.world_size))
         check_fits_in_memory(self.layout, ranks=1, host_staged=self.device.type != "cuda")
         self.transport = wiring.choose_transport(transport, hosts)
@@ -126,8 +137,12 @@ class AllToAll:
         # Every rank on this host: the proxies listen on loopback only (docs/threat-model.md), unless the
         # caller named the NICs to use.
         self._w = Wiring(self.layout, group, self.rank, self.device, self.transport, self.nics, self.num_proxies,
-                         buffers, gpu_wait, self.timeout_s, local_only=len(set(hosts)) == 1 and nics == "auto")
+                         buffers, gpu_wait, self.timeout_s, local_only=len(set(hosts)) == 1 and nics == "auto",
+                         emulated_nic=None if self.emulated_nic is None else str(self.emulated_nic))
         self._closed = False
+        if self.emulated_nic is not None and self.with_proxy and self.rank == 0:
+            emulated.log_settings(self.emulated_nic, "cuda" if self.placement == "nic" and self.device.type == "cuda"
+                                  else "host")
         self._status, self._tracer = Status(self._w, cfg), Tracer(self._w)
         self.route_slot = torch.full((cfg.max_num_tokens, cfg.experts_per_token), -1, dtype=torch.int32,
                                      device=self.device)
@@ -144,6 +159,11 @@ class AllToAll:
     def placement_reason(self) -> str | None:
         """Why GPU buffers were given up for staged ones (None when they were not)."""
         return self._w.placement_reason
+
+    @property
+    def proxy_cpus(self) -> list[tuple[int, list[int], str | None]]:
+        """(shard, CPUs it may run on, why) for each proxy process of this rank (empty: none, or closed)."""
+        return [(h.spec.shard, list(h.cpus), h.cpus_reason) for h in self._w.proxies]
 
     @property
     def with_proxy(self) -> bool:
@@ -364,12 +384,18 @@ class AllToAll:
                              bound_m=bound_m, epoch=w.node.epoch, bad_index=w.bad_index if on_gpu else None,
                              ready=w.route_ready if self.with_proxy else None, abort=abort,
                              bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"])
+        if self.with_proxy:  # the proxy posts the private writes this plans once the pack says SEND_READY
+            write_plan.plan_private_writes(w.counts, w.write_tables, w.node.epoch, w.flags, self.rank,
+                                           self.layout)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, w.base, w.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=w.node, **w.split["pack"])
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False) -> None:
         w = self._w
+        if self.with_proxy:  # once every count row is in: the remainder and combine writes for the proxy
+            self._status.host_wait("dispatch_plan", self.epoch)
+            write_plan.plan_remainder_and_combine_writes(w.counts, w.write_tables, w.node, self.rank, self.layout)
         self._status.host_wait("dispatch_recv", self.epoch)
         aborted = self._status.aborted_sources()
         dispatch_kernels.unpack_tokens_by_expert(

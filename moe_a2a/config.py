@@ -26,7 +26,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .protocol.words import (ERROR_MESSAGE_BYTES, FLAG_SLOT_BYTES, IMM_RANK_BITS, MAX_PROXY_SHARDS, MODEL_TRACE_EVENTS,
-                             TRACE_EVENTS, Flag, ShardWord)
+                             TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, ShardWord, WriteTable)
 
 if TYPE_CHECKING:  # torch is imported lazily (see _dtypes)
     import torch
@@ -402,9 +402,22 @@ class Layout:
         return self.shard_offset_bytes + shard * FLAG_SLOT_BYTES + int(word) * 8
 
     @cached_property
+    def write_table_offset_bytes(self) -> int:
+        """int64 [WriteTable.NUM_TABLES, W, WRITE_TABLE_COLUMNS]: the writes the kernels planned for the
+        proxy (`protocol.words.WriteTable`): (src_offset_bytes, length_bytes, dst_offset_bytes, imm) per peer."""
+        return round_up(self.shard_offset_bytes + MAX_PROXY_SHARDS * FLAG_SLOT_BYTES, FLAG_SLOT_BYTES)
+
+    @cached_property
+    def write_table_bytes(self) -> int:
+        return int(WriteTable.NUM_TABLES) * self.world_size * WRITE_TABLE_COLUMNS * 8
+
+    def write_table_row_offset_bytes(self, table: "WriteTable | int", peer: int) -> int:
+        return self.write_table_offset_bytes + ((int(table) * self.world_size + peer) * WRITE_TABLE_COLUMNS) * 8
+
+    @cached_property
     def segment_sync_offset_bytes(self) -> int:
         """The sync area in the segment (used with remote peers or host waits)."""
-        return round_up(self.shard_offset_bytes + MAX_PROXY_SHARDS * FLAG_SLOT_BYTES, PAGE_BYTES)
+        return round_up(self.write_table_offset_bytes + self.write_table_bytes, PAGE_BYTES)
 
     @cached_property
     def routing_offset_bytes(self) -> int:

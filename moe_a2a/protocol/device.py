@@ -8,10 +8,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .words import ABORT_EPOCH_SHIFT, PROXY_MISSING
+from .words import ABORT_EPOCH_SHIFT, IMM_EPOCH_BITS, IMM_RANK_BITS, PROXY_MISSING
 
 _ABORT_EPOCH_SHIFT: tl.constexpr = tl.constexpr(ABORT_EPOCH_SHIFT)
 _PROXY_MISSING: tl.constexpr = tl.constexpr(PROXY_MISSING)
+_IMM_EPOCH_BITS: tl.constexpr = tl.constexpr(IMM_EPOCH_BITS)
+_IMM_KIND_SHIFT: tl.constexpr = tl.constexpr(IMM_RANK_BITS + IMM_EPOCH_BITS)
+_IMM_EPOCH_MASK: tl.constexpr = tl.constexpr((1 << IMM_EPOCH_BITS) - 1)
+
+
+@triton.jit
+def encode_imm(kind, rank, epoch):
+    """32-bit RDMA immediate kind | sender rank | epoch low bits, as int64 (`words.encode_imm`)."""
+    return ((kind.to(tl.int64) << _IMM_KIND_SHIFT) | (rank.to(tl.int64) << _IMM_EPOCH_BITS)
+            | (epoch.to(tl.int64) & _IMM_EPOCH_MASK))
 
 
 @triton.jit

@@ -64,7 +64,16 @@ class Flag(enum.IntEnum):
     # GPU -> model: 1 + bound_m of a call whose device-side token count was outside [0, T] (sticky until
     # the host reports it); that call was aborted on every rank.
     BAD_BOUND_M = 22
-    NUM_FLAGS = 23
+    # proxy -> GPU: every count row of this epoch is in the routing area (remote ones copied by the
+    # proxies, same-node ones published by the peers): the remainder/combine plan kernel may read them.
+    COUNT_ROWS_READY = 23
+    # GPU -> proxy: the remainder and combine write tables of this epoch are written (`WriteTable`).
+    REMAINDER_PLANNED = 24
+    STATUS_DISPATCH_PLAN = 25  # the plan kernel's failed wait (as STATUS_DISPATCH_SEND ...)
+    # GPU -> proxy: remainder writes this rank posts in the current call (remote peers it sends > P routes),
+    # written by the private-plan kernel: the proxy waits for REMAINDER_PLANNED only when nonzero.
+    REMAINDER_WRITES = 26
+    NUM_FLAGS = 27
 
 
 # Several proxy processes per rank (`AllToAll(proxies=k)`): proxy j carries the remote peers p with
@@ -97,9 +106,27 @@ class Imm(enum.IntEnum):
     """Kinds of 32-bit RDMA immediates. The immediate also carries the sender and the epoch, so a
     receiver counts exactly which peer delivered what for which call (`encode_imm`)."""
 
-    DISPATCH = 2
+    DISPATCH = 2          # a private write: count row + first routes; no remainder follows
     COMBINE = 3
-    COMBINE_ABORTED = 4  # a combine write of a call its sender aborted (counted as COMBINE)
+    COMBINE_ABORTED = 4   # a combine write of a call its sender aborted (counted as COMBINE)
+    DISPATCH_MORE = 5     # a private write after which a remainder write follows (the sender has > P routes)
+    DISPATCH_REMAINDER = 6  # the remainder write (only after a DISPATCH_MORE of the same sender and epoch)
+
+
+class WriteTable(enum.IntEnum):
+    """The write tables the kernels fill for the proxy (`Layout.write_table_offset_bytes`): per table,
+    one row of `WRITE_TABLE_COLUMNS` int64 per peer rank, indexed by rank: (src_offset_bytes, length_bytes,
+    dst_offset_bytes, imm), offsets relative to this rank's send buffer and the peer's recv buffer, exactly
+    the rows of `protocol.plan` (+ the immediate). Only remote peers' rows are meaningful. The proxy reads
+    and posts them: it does no arithmetic of its own (docs/protocol.md, "Write tables")."""
+
+    PRIVATE = 0    # written by the private-plan kernel before the dispatch pack (own count row)
+    REMAINDER = 1  # written by the plan kernel once every count row is in (COUNT_ROWS_READY); length 0: none
+    COMBINE = 2    # the same kernel: the combine writes to every remote source
+    NUM_TABLES = 3
+
+
+WRITE_TABLE_COLUMNS = 4
 
 
 # Moments the proxy timestamps (CLOCK_MONOTONIC ns) when Flag.TRACE is set: one (epoch, t_ns) pair of
@@ -238,4 +265,8 @@ HALF_FLAGS = {
                               "combine send: the proxy's writes of the previous call"),
     "combine_recv": HalfFlags(Flag.COMBINE_RECV_READY, 0, None, Flag.STATUS_COMBINE_RECV,
                               "combine: expert outputs from peers"),
+    # The plan kernel at the head of the dispatch recv half (remote peers only): it waits for every count
+    # row, writes the remainder and combine tables and raises REMAINDER_PLANNED.
+    "dispatch_plan": HalfFlags(Flag.COUNT_ROWS_READY, 0, Flag.REMAINDER_PLANNED, Flag.STATUS_DISPATCH_PLAN,
+                               "dispatch: every peer's count row (for the remainder plan)"),
 }

@@ -506,6 +506,68 @@ class TransferEngine:
                 self._post_failed(rc, grp, p, ctx, v)
         self.writes_posted += n_targets
 
+    def post_table(self, grp: PeerGroup, src: LocalRegion, words, slots: Sequence[tuple[int, int]],
+                   src_base: int = 0, dst_base: int = 0, header: tuple[LocalRegion, int, int] | None = None,
+                   imm: int | None = None, skip_empty: bool = False) -> int:
+        """Post one write per slot of a write table, as the kernels planned it (`protocol.words.WriteTable`).
+
+        Args:
+            words: the table as int64 words (a memoryview of format 'q' over the shared segment): a row is
+                ``(src_offset, length, dst_offset, imm)`` in bytes, offsets relative to the send buffer and
+                to the peer's recv buffer.
+            slots: ``(peer_index, word index of the row)`` for each write to post, in order.
+            src_base, dst_base: where those buffers start in ``src`` and in each peer's region.
+            header: as in :meth:`scatter` (the count row ahead of the private rows).
+            imm: one immediate for every write instead of the rows' (an aborted call's combine).
+            skip_empty: rows of length 0 post nothing (the remainder table); else they carry the immediate.
+        Returns the number of writes posted. Each row is bounds-checked (``ValueError``, nothing of it
+        posted) since a corrupt count row of a peer shapes it. The hot path of the proxy: no allocation,
+        no arithmetic beyond the bases (docs/protocol.md, "Write tables").
+        """
+        if header is not None:
+            self._validate_header(grp, header, ())
+            h_region, h_off, h_len = header
+            if grp._header != (h_region, h_off, h_len, src):
+                grp._set_header(h_region, h_off, h_len, src)
+            pack, templates, info = _H_PATCH.pack_into, grp._h_templates, grp.h_post_info
+            h_addr = h_region.addr + h_off
+        else:
+            if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
+                raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
+            if grp._src is not src:
+                grp._set_source(src)
+            pack, templates, info = _PATCH.pack_into, grp._templates, grp.post_info
+            h_addr = h_len = 0
+        pop, ctx_peer, rsize, src_n = self._free_ctx.pop, self._ctx_peer, grp.remote_nbytes, src.nbytes
+        src_addr, with_header = src.addr, header is not None
+        posted = 0
+        for p, b in slots:
+            so, length, do, v = words[b], words[b + 1], words[b + 2], words[b + 3]
+            if skip_empty and not length:
+                continue
+            if imm is not None:
+                v = imm
+            so += src_base
+            do += dst_base
+            if (so | length | do) < 0 or so + length > src_n or do + h_len + length > rsize[p]:
+                raise ValueError(self._bad_target(grp, src, (p, so, length, do + h_len)))
+            writemsg, ep, msg, off, rbase, peer = info[p]
+            try:
+                ctx = pop()
+            except IndexError:  # max_inflight writes in flight: progress until one completes
+                ctx = self._wait_ctx()
+            ctx_peer[ctx] = peer
+            if with_header:  # context, data, header iovec, rows iovec, rma addr, rma len
+                pack(templates, off, ctx, v, h_addr, h_len, src_addr + so, length, rbase + do, h_len + length)
+            else:
+                pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
+            rc = writemsg(ep, msg, _WRITE_FLAGS)
+            if rc:
+                self._post_failed(rc, grp, p, ctx, v, msg if with_header else None)
+            posted += 1
+        self.writes_posted += posted
+        return posted
+
     def _scatter_with_header(self, grp: PeerGroup, src: LocalRegion, targets, imm: int, imms, header) -> None:
         """`scatter` with a header: the loop of `scatter` on the two-iovec templates."""
         h_region, h_off, h_len = header

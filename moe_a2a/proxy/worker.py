@@ -4,23 +4,23 @@ Why a process and not a thread: a busy-polling Python thread in the model's proc
 Triton launch wait for the GIL (5 ms per launch measured on the GPU host, docs/design.md, Measured facts).
 
 The model process and the proxy talk only through flags in the rank's shared segment (epoch
-numbers, never reset); the proxy knows buffers, offsets, peers and immediates, never tokens. It
-reads the count rows that arrive at the head of the peers' private writes and turns them into writes
-with `plan`.
+numbers, never reset); the proxy knows buffers, offsets, peers and immediates, never tokens. Where each
+write goes the kernels plan (`triton_kernels/write_plan.py`: the write tables in the segment, whose rows
+equal `protocol.plan`'s): the proxy reads a table and posts it, nothing more per call.
 
 The proxy carries only what crosses nodes: same-node peers synchronise in the kernels through
 mapped memory (triton_kernels/node_sync.py), and without remote peers the proxy only idles. One call
 (epoch e) of dispatch + combine, as seen by the proxy of rank r (docs/protocol.md):
 
-    ROUTE_READY          -> plan the private writes from my count row (while the kernels pack)
-    SEND_READY           -> one write to every remote peer: my count row, then its first min(n, P)
-                            routes, into my private slot there (imm DISPATCH)
+    SEND_READY           -> post the PRIVATE table: one write to every remote peer, my count row then
+                            my first min(n, P) routes, into my private slot there (imm DISPATCH, or
+                            DISPATCH_MORE when a remainder follows)
     a private write from every remote peer, the node peers' dispatch_ready (their rows are in my
-    sync area)           -> copy the remote count rows into the routing area; validate the count
-                            matrix; remainder writes, only for pairs over P (imm DISPATCH)
-    all DISPATCH imms    -> raise DISPATCH_RECV_READY
+    sync area)           -> copy the remote count rows into the routing area; raise COUNT_ROWS_READY
+    REMAINDER_PLANNED    -> (only when REMAINDER_WRITES > 0) post the REMAINDER table (imm DISPATCH_REMAINDER)
+    a remainder from every peer whose private said DISPATCH_MORE -> raise DISPATCH_RECV_READY
     my writes completed  -> raise DISPATCH_WRITES_DONE (the kernels may refill the send buffer)
-    COMBINE_SEND_READY   -> scatter each remote source its rows (imm COMBINE)
+    COMBINE_SEND_READY   -> post the COMBINE table: each remote source its rows (imm COMBINE)
     all COMBINE imms     -> raise COMBINE_RECV_READY
     my writes completed  -> raise COMBINE_WRITES_DONE
 
@@ -45,21 +45,33 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import numpy as np
 
-from ..protocol import plan
 from ..protocol.segment import Flags, ShardWords, write_error
-from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, ShardWord, decode_imm,
-                              encode_abort, encode_imm)
+from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, Imm, ShardWord,
+                              WriteTable, decode_imm, encode_abort, encode_imm)
 from .handle import ProxySpec
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
+from .emulated import make_engine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
 
 
 
 class _Stop(Exception):
     """The owner asked the proxy to exit, or died."""
+
+
+class _EpochImms(NamedTuple):
+    """The immediates one call counts (`Proxy._epoch_imms`): what arrives keyed by exact value."""
+
+    private: dict        # DISPATCH of every remote peer: 1 (a DISPATCH_MORE counts for it)
+    private_more: dict   # DISPATCH -> DISPATCH_MORE of the same peer
+    remainder_of: dict   # DISPATCH -> DISPATCH_REMAINDER of the same peer (awaited after a DISPATCH_MORE)
+    combine: dict        # COMBINE of every remote peer: 1 (a COMBINE_ABORTED counts for it)
+    combine_aborted: dict  # COMBINE -> COMBINE_ABORTED of the same peer
+    combine_aborted_imm: int  # ours, when this rank aborts the call at its combine
 
 
 class Proxy:
@@ -77,9 +89,7 @@ class Proxy:
                                       np.int32).reshape(lay.world_size, lay.num_experts)
         own = spec.fd_buffers
         on_gpu = own is not None and own[0] == "cuda"
-        self.engine = TransferEngine(spec.provider, domains=spec.domains, timeout_s=spec.timeout_s,
-                                     idle_yield=spec.idle_yield, hmem=on_gpu,
-                                     local_only=spec.local_only)
+        self.engine = make_engine(spec, on_gpu)  # libfabric's TransferEngine, or the emulated NIC
         # Least access (docs/threat-model.md): peers write count rows (and, host-staged, tokens) into
         # the segment, and it is the source of our writes; never readable remotely.
         self.region = self.engine.register(self.seg.addr, self.seg.nbytes, ACCESS_SOURCE_AND_TARGET)
@@ -104,7 +114,7 @@ class Proxy:
         table, self.node_local = conn.recv()
         self.peers = [p for p in range(lay.world_size) if p != r]
         # Our share of the remote peers: we post to them and count their immediates (all of them with
-        # one proxy). `group` still holds every peer, so `plan.group_targets` positions stay the same.
+        # one proxy). `group` still holds every peer: a peer's position is its rank, less one past ours.
         self.remote = [p for p in lay.remote_peers(r) if p % self.shards == self.shard]
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
         # Our count row (in the segment) travels at the head of each private write.
@@ -138,6 +148,14 @@ class Proxy:
             self._headers = np.lib.stride_tricks.as_strided(
                 raw.view(np.int32), (lay.world_size, lay.num_experts), (slot, 4), writeable=False)
         self._recv_mem = recv
+        # The write tables the kernels fill (protocol.words.WriteTable), as int64 words: the proxy reads a
+        # row's four words and posts it; `_slots[table]` = (group position, first word of the row) per
+        # remote peer of ours, in posting order (computed once: nothing but reading in the hot loop).
+        self._table_words = memoryview(self.seg.numpy(lay.write_table_offset_bytes, lay.write_table_bytes // 8,
+                                                      np.int64)).cast("B").cast("q")
+        self._slots = {t: tuple((p - (p > r), ((int(t) * lay.world_size + p) * WRITE_TABLE_COLUMNS))
+                                for p in self.remote) for t in (WriteTable.PRIVATE, WriteTable.REMAINDER,
+                                                                WriteTable.COMBINE)}
         self.trace = self.seg.numpy(lay.trace_offset_bytes, 2 * len(TRACE_EVENTS), np.int64).reshape(-1, 2)
         self._tracing, self._epoch = False, 0
         self._in_call = False
@@ -217,22 +235,12 @@ class Proxy:
                 self.engine.take_imm(i, n)
         return took_alternates
 
-    def _imms(self, kind: Imm, epoch: int, peers, count=1) -> dict[int, int]:
-        if isinstance(count, dict):
-            return {encode_imm(kind, p, epoch): count[p] for p in peers}
-        return {encode_imm(kind, p, epoch): count for p in peers}
-
     # ---- posting ------------------------------------------------------------------------------
-    def _targets(self, writes: np.ndarray) -> np.ndarray:
-        """`plan` write rows (rank, src, length, dst) -> engine targets of the data group: ranks become
-        group positions (every rank but this one, in order), offsets move into the registered regions."""
-        return plan.group_targets(writes, self.rank, self.send_base, self.recv_base)
-
-    def _own(self, writes: np.ndarray) -> np.ndarray:
-        """`plan` write rows -> those to our share of the remote peers (all of them with one proxy)."""
-        if self.shards == 1:
-            return writes
-        return writes[writes[:, 0] % self.shards == self.shard]
+    def _post_table(self, table: WriteTable, header=None, imm: int | None = None) -> int:
+        """Post our remote peers' rows of one write table (planned by the kernels); the number posted."""
+        return self.engine.post_table(self.data_group, self.data_src, self._table_words, self._slots[table],
+                                      self.send_base, self.recv_base, header=header, imm=imm,
+                                      skip_empty=table == WriteTable.REMAINDER)
 
     def _reached(self, word: ShardWord, epoch: int, what: str) -> None:
         """Publish our step `word` for `epoch`; the primary (and, for ROWS_COPIED, every shard) then
@@ -273,11 +281,6 @@ class Proxy:
         else:
             self.shard_words.set(self.shard, word, self.shard_words.get(self.shard, word) + n)
 
-    def _post(self, targets: np.ndarray, kind: Imm, epoch: int, header=None) -> None:
-        if len(targets):
-            self.engine.scatter(self.data_group, self.data_src, targets, encode_imm(kind, self.rank, epoch),
-                                header=header)
-
     def _take_count_rows(self) -> None:
         """The remote senders' count rows, from the head of their private slots in our recv buffer into
         the routing area, where the kernels and `plan` read them."""
@@ -292,56 +295,52 @@ class Proxy:
 
     # ---- one call -------------------------------------------------------------------------------
     def run_epoch(self, e: int) -> None:
-        lay, r, F, mark = self.lay, self.rank, Flag, self.mark
-        # What depends only on the epoch is ready before the model's routing is: the immediates to
-        # count. What depends on counts is computed while waiting for the next step, never after it.
-        private_imms = self._imms(Imm.DISPATCH, e, self.remote)  # one private write from every remote peer
-        combine_imms = self._imms(Imm.COMBINE, e, self.remote)
-        combine_aborted = {encode_imm(Imm.COMBINE, p, e): encode_imm(Imm.COMBINE_ABORTED, p, e) for p in self.remote}
+        F, mark = Flag, self.mark
+        # What depends only on the epoch is ready before the model's routing is: the immediates to count.
+        # Where each write goes the kernels planned (the write tables): the proxy reads and posts.
+        imms = self._epoch_imms(e)
         self._in_call = False  # between calls the model may compute for long: sleeping is fine
         self.wait_local(F.ROUTE_READY, e)
         self._in_call = True
         self._tracing, self._epoch = self.primary and bool(self.flags[F.TRACE]), e  # one trace area: the primary's
         posted = self.engine.writes_posted
         mark(0)  # route_ready_seen
-        # Our count row is final at ROUTE_READY: plan the private writes while the model packs.
-        # A row of -1 is a call this rank aborted (bad input): it sends nothing, as with zero counts.
-        private = self._targets(self._own(plan.private_writes(np.maximum(self.routing[r], 0).astype(np.int64), r, lay)))
-        mark(1)  # private_planned
+        mark(1)  # private_planned: by the private-plan kernel, before the pack
         self.wait_local(F.SEND_READY, e)
         mark(2)  # send_ready_seen
-        self._post(private, Imm.DISPATCH, e, header=self._count_row)
+        # One write to every remote peer: our count row, then our first min(n, P) routes for it. A row of
+        # -1 (this rank aborted the call) travels the same way, with no routes.
+        self._post_table(WriteTable.PRIVATE, header=self._count_row)
         mark(3)  # private_posted
-        self.wait_peers(e, "dispatch: count rows and private rows", private_imms, node_rows=True)
+        more = self.wait_peers(e, "dispatch: count rows and private rows", imms.private, node_rows=True,
+                               alternates=imms.private_more)
         self._take_count_rows()
         # Every row is needed to plan the remainders: the other shards copy theirs.
         self._reached(ShardWord.ROWS_COPIED, e, "dispatch: count rows")
+        if self.primary:
+            self.flags[F.COUNT_ROWS_READY] = e  # the plan kernel may read every count row
         mark(4)  # count_rows_received
-        counts = np.maximum(self.routing, 0).astype(np.int64)  # aborting sources' rows are -1
-        plan.validate_counts(counts, lay)
-        routes = plan.route_matrix(counts, lay)
-        self._post(self._targets(self._own(plan.remainder_writes(routes, r, lay))), Imm.DISPATCH, e)
+        if self.flags[F.REMAINDER_WRITES]:
+            self.wait_local(F.REMAINDER_PLANNED, e)
+            self._post_table(WriteTable.REMAINDER)
         mark(5)  # remainder_posted
-        # The private write of each peer is already counted: what is left are remainder writes.
-        expected = plan.expected_dispatch_imms(routes, r, lay)
-        remainder_imms = self._imms(Imm.DISPATCH, e, self.remote, {p: expected[p] - 1 for p in self.remote})
         self._count_posted(F.DISPATCH_WRITES_POSTED, ShardWord.DISPATCH_POSTED, self.engine.writes_posted - posted)
-        self.wait_peers(e, "dispatch: tokens", {i: n for i, n in remainder_imms.items() if n})
+        if more:  # the peers whose private write said a remainder follows
+            self.wait_peers(e, "dispatch: tokens", {imms.remainder_of[i]: 1 for i in more})
         self._step_done(ShardWord.DISPATCH_RECV, F.DISPATCH_RECV_READY, e, "dispatch: tokens", 6)  # dispatch_received
         self.engine.wait_writes()  # our reads of the send buffer are over: the kernels may refill it
         self._step_done(ShardWord.DISPATCH_WRITES_DONE, F.DISPATCH_WRITES_DONE, e, "dispatch: writes done",
                         7)  # dispatch_writes_done
-        # While the GPU unpacks and the experts run: the rows arrive with the count rows now, so this
-        # plan, made earlier, would have delayed DISPATCH_RECV_READY.
-        combine = self._targets(self._own(plan.combine_writes(routes, r, lay)))
         self.wait_local(F.COMBINE_SEND_READY, e)
         mark(8)  # combine_send_seen
         posted = self.engine.writes_posted
-        # This rank aborts the call at its combine: its peers learn it from the immediates' kind.
-        self._post(combine, Imm.COMBINE_ABORTED if self.flags[F.CALL_ABORTED] >= e else Imm.COMBINE, e)
+        # The plan kernel wrote the combine table in the dispatch recv half, long before (stream order);
+        # this rank aborts the call at its combine: its peers learn it from the immediates' kind.
+        self.wait_local(F.REMAINDER_PLANNED, e)
+        self._post_table(WriteTable.COMBINE, imm=imms.combine_aborted_imm if self.flags[F.CALL_ABORTED] >= e else None)
         self._count_posted(F.COMBINE_WRITES_POSTED, ShardWord.COMBINE_POSTED, self.engine.writes_posted - posted)
         mark(9)  # combine_posted
-        aborted = self.wait_peers(e, "combine: expert outputs", combine_imms, alternates=combine_aborted)
+        aborted = self.wait_peers(e, "combine: expert outputs", imms.combine, alternates=imms.combine_aborted)
         if aborted:  # before COMBINE_RECV_READY: the model reads it once the flag is up
             self.flags[F.ABORTED] = encode_abort(e, decode_imm(aborted[0])[1])
         self._step_done(ShardWord.COMBINE_RECV, F.COMBINE_RECV_READY, e, "combine: expert outputs",
@@ -349,6 +348,18 @@ class Proxy:
         self.engine.wait_writes()
         self._step_done(ShardWord.COMBINE_WRITES_DONE, F.COMBINE_WRITES_DONE, e, "combine: writes done",
                         11)  # combine_writes_done
+
+    def _epoch_imms(self, e: int) -> "_EpochImms":
+        """The immediates of call `e` this proxy counts, keyed by exact value (built between calls)."""
+        r, remote = self.rank, self.remote
+        private = {encode_imm(Imm.DISPATCH, p, e): 1 for p in remote}
+        return _EpochImms(
+            private=private,
+            private_more={encode_imm(Imm.DISPATCH, p, e): encode_imm(Imm.DISPATCH_MORE, p, e) for p in remote},
+            remainder_of={encode_imm(Imm.DISPATCH, p, e): encode_imm(Imm.DISPATCH_REMAINDER, p, e) for p in remote},
+            combine={encode_imm(Imm.COMBINE, p, e): 1 for p in remote},
+            combine_aborted={encode_imm(Imm.COMBINE, p, e): encode_imm(Imm.COMBINE_ABORTED, p, e) for p in remote},
+            combine_aborted_imm=encode_imm(Imm.COMBINE_ABORTED, r, e))
 
     def run(self) -> None:
         if self.node_local:
@@ -393,10 +404,28 @@ def main(fd: int) -> None:
     spec: ProxySpec = conn.recv()
     if os.getppid() != spec.parent_pid:
         return
+    import gc
+    import logging
+
+    from . import topology
+
     proxy = None
     try:
+        # Pinned before the engine starts, so the threads libfabric starts inherit the CPUs.
+        cpus, reason = topology.choose_proxy_cpus(spec.gpu_ordinal, spec.rank, spec.shard, spec.shards,
+                                                  spec.cpu_override, spec.gpu_uuid)
+        try:
+            cpus = topology.pin_current_process(cpus)
+        except OSError as exc:  # the kernel refused (a cpuset changed since the model checked): run unpinned
+            cpus, reason = sorted(os.sched_getaffinity(0)), f"not pinned: sched_setaffinity({cpus}): {exc}"
+        logging.getLogger("moe_a2a.proxy").info("rank %d, proxy %d of %d: %s", spec.rank, spec.shard,
+                                                spec.shards, reason)
         proxy = Proxy(spec, conn, sock)
-        conn.send("ready")
+        # The loop allocates little and makes no cycles: a collection there would stall a call for ms.
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        conn.send(("ready", {"cpus": cpus, "reason": reason}))
         proxy.run()
     except _Stop:
         pass

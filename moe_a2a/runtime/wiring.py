@@ -15,7 +15,7 @@ import torch
 
 from ..config import Layout
 from ..protocol.segment import Flags
-from ..protocol.words import HALF_FLAGS, Flag, flag_word
+from ..protocol.words import HALF_FLAGS, WRITE_TABLE_COLUMNS, Flag, WriteTable, flag_word
 from ..proxy import bootstrap, topology
 from ..proxy import libfabric as lf
 from ..proxy.engine import auto_provider
@@ -89,8 +89,9 @@ class Wiring:
     """
 
     def __init__(self, layout: Layout, group, rank: int, device, transport: str, nics, num_proxies: int,
-                 buffers: str, gpu_wait: str, timeout_s: float, local_only: bool) -> None:
+                 buffers: str, gpu_wait: str, timeout_s: float, local_only: bool, emulated_nic: str | None = None) -> None:
         self.layout, self.group, self.rank, self.device = layout, group, rank, device
+        self.emulated_nic = emulated_nic or ""  # transport "emulated": its NIC settings, for the proxies
         self.transport, self.nics, self.num_proxies = transport, nics, num_proxies
         self.timeout_s, self.local_only, self._gpu_wait = timeout_s, local_only, gpu_wait
         self.proxies: list[ProxyHandle] = []
@@ -98,6 +99,10 @@ class Wiring:
         self.segment = self.buffers = None
         self.node_slots = None
         self.with_proxy = layout.node_size < layout.world_size
+        # Read here, in the model process, and checked before any proxy starts (ValueError naming it).
+        self.cpu_override = os.environ.get(topology.PROXY_CPUS_ENV) or None
+        if self.cpu_override is not None:
+            topology.parse_proxy_cpus(self.cpu_override)
         name, self.placement_reason = placements.choose(buffers, device, transport,
                                                         bool(layout.remote_peers(rank)))
         try:
@@ -124,13 +129,18 @@ class Wiring:
         # (which names the missing peers) rather than a bare timeout of its own. With fewer cores than
         # busy processes (CI: 2 cores) spinning starves the peers that must make progress: yield instead.
         k = self.num_proxies
+        on_gpu = self.device.type == "cuda"
+        ordinal = (torch.cuda.current_device() if self.device.index is None else self.device.index) if on_gpu else None
+        gpu_uuid = f"GPU-{torch.cuda.get_device_properties(ordinal).uuid}" if on_gpu else None  # NVML's form
         for j in range(k):
             domains = self.nics
             if domains is not None and k > 1:
                 domains = domains[j::k] or (domains[j % len(domains)],)
             spec = ProxySpec(lay, r, self.segment.name, cls.host_staged, self.transport, 0.8 * self.timeout_s,
                              parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * (1 + k),
-                             fd_buffers=fd_buffers, domains=domains, local_only=self.local_only, shard=j, shards=k)
+                             fd_buffers=fd_buffers, domains=domains, local_only=self.local_only, shard=j, shards=k,
+                             cpu_override=self.cpu_override, gpu_ordinal=ordinal, gpu_uuid=gpu_uuid,
+                             emulated_nic=self.emulated_nic)
             self.proxies.append(ProxyHandle(spec, fds))
         # Start-up, not a call: a proxy imports and opens its endpoint, slower with many ranks on few cores.
         self.proxy_address = [h.address(max(self.timeout_s, STARTUP_S)) for h in self.proxies]
@@ -262,6 +272,9 @@ class Wiring:
         self.bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
         self.bad_bound_m = self.flags[flag_word(Flag.BAD_BOUND_M): flag_word(Flag.BAD_BOUND_M) + 1]
         self.route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]
+        # The writes the kernels plan for the proxy (triton_kernels/write_plan.py), read by the proxy.
+        self.write_tables = self.view(seg.addr + lay.write_table_offset_bytes, lay.write_table_bytes).view(
+            torch.int64).view(int(WriteTable.NUM_TABLES), W, WRITE_TABLE_COLUMNS)
         self.node = NodeSync(
             epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
             failed=torch.zeros(1, dtype=torch.int64, device=dev),

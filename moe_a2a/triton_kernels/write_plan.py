@@ -1,0 +1,228 @@
+"""Write planning: the kernels turn count rows into the proxy's write tables.
+
+The proxy posts one RDMA write per remote peer and phase; *where* each write goes is the protocol's
+arithmetic on the exchanged count rows (`protocol/plan.py`, the readable reference). Done in Python in
+the proxy it cost 155 µs per call at 64 ranks (numpy), more than the wire. So the GPU, which holds the
+counts anyway, writes each write's descriptor into the rank's shared segment (`protocol.words.WriteTable`:
+per peer `(src_offset_bytes, length_bytes, dst_offset_bytes, imm)`, int64) and the proxy only reads
+and posts (docs/protocol.md, "Write tables"). Two one-program kernels, launched only with remote peers:
+
+- `plan_private_writes`, between the route and pack kernels of the dispatch send half: from this
+  rank's own count row, the private write to every remote peer (count row + first min(n, P) routes into
+  this rank's private slot there); its immediate says whether a remainder write follows
+  (`Imm.DISPATCH_MORE`), so no receiver computes that from the counts.
+- `plan_remainder_and_combine_writes`, at the head of the dispatch recv half: it waits for
+  `Flag.COUNT_ROWS_READY` (every count row is in the routing area), writes the remainder writes (pairs
+  with more than P routes) and the combine writes, then raises `Flag.REMAINDER_PLANNED`.
+
+Both read at most W*E int32 (256 KB at W=256, E=256) and write 3*W*4 int64: a few µs on a GPU.
+The rows equal `plan.private_writes / remainder_writes / combine_writes` for every remote peer
+(tests/triton_kernels/test_write_plan.py); rows of same-node peers and of this rank are zero.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import Layout, next_power_of_2
+from ..protocol import device as protocol_device
+from ..protocol.words import HALF_FLAGS, WRITE_TABLE_COLUMNS, Flag, Imm, WriteTable, flag_word
+from . import _checks as check
+from . import _details as d
+from . import _launch as launch
+from .node_sync import WAIT_APART_BACKOFF_NS, NodeSync
+
+_DISPATCH: tl.constexpr = tl.constexpr(int(Imm.DISPATCH))
+_DISPATCH_MORE: tl.constexpr = tl.constexpr(int(Imm.DISPATCH_MORE))
+_DISPATCH_REMAINDER: tl.constexpr = tl.constexpr(int(Imm.DISPATCH_REMAINDER))
+_COMBINE: tl.constexpr = tl.constexpr(int(Imm.COMBINE))
+
+# Source rows per step of the remainder's column sums (a [BLOCK_S, W_PAD] tile per step).
+BLOCK_S = 16
+# Experts per step of the combine's row prefix (`_details.send_offsets_of`).
+BLOCK_E = 64
+
+
+@triton.jit
+def _store_rows(table_ptr, peer, valid, src, length, dst, imm, W: tl.constexpr):
+    """Rows `peer < W` of one write table: (src_offset_bytes, length_bytes, dst_offset_bytes, imm); zeros
+    where not `valid` (same-node peers, this rank), so a stale row of an earlier call never survives."""
+    row = table_ptr + peer.to(tl.int64) * 4
+    z = tl.zeros_like(src)
+    inside = peer < W
+    tl.store(row + 0, tl.where(valid, src, z), mask=inside)
+    tl.store(row + 1, tl.where(valid, length, z), mask=inside)
+    tl.store(row + 2, tl.where(valid, dst, z), mask=inside)
+    tl.store(row + 3, tl.where(valid, imm, z), mask=inside)
+
+
+@triton.jit
+def _routes_row(counts_ptr, stride_counts_w, s, W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr,
+                L_PAD: tl.constexpr):
+    """[W_PAD] int64: routes source `s` sends to each destination rank (its count row summed per rank;
+    an aborting source's row of -1 counts as 0)."""
+    dd = tl.arange(0, W_PAD)[:, None]
+    ll = tl.arange(0, L_PAD)[None, :]
+    c = tl.load(counts_ptr + s.to(tl.int64) * stride_counts_w + dd * L + ll, mask=(dd < W) & (ll < L), other=0)
+    return tl.sum(tl.maximum(c, 0).to(tl.int64), axis=1)
+
+
+@triton.jit(do_not_specialize=["rank", "node_first"])
+def _plan_private_writes_kernel(
+    # inputs
+    counts_ptr,          # (W, E) int32, row stride `stride_counts_w`: this rank's row is final
+    epoch_ptr,           # (1,) int64: this call's epoch (advanced by the route kernel on the stream)
+    stride_counts_w,
+    rank, node_first,    # this rank; its node is ranks [node_first, node_first + NODE)
+    header_dst_bytes,    # Layout.private_header_offset_bytes(rank): where the count row lands at a peer
+    # outputs
+    table_ptr,           # (W, 4) int64: the PRIVATE write table
+    remainder_writes_ptr,  # (1,) int64: how many remote peers get a remainder write (Flag.REMAINDER_WRITES)
+    NODE: tl.constexpr, P: tl.constexpr, STRIDE_BYTES: tl.constexpr,
+    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
+):
+    """Grid (1,): the private write to every remote peer (`plan.private_writes`)."""
+    n = _routes_row(counts_ptr, stride_counts_w, rank, W, L, W_PAD, L_PAD)
+    off = tl.cumsum(n, axis=0) - n                          # send_offsets: expert-major runs per rank
+    peer = tl.arange(0, W_PAD)
+    remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
+    more = n > P
+    kind = tl.where(more, _DISPATCH_MORE, _DISPATCH)
+    imm = protocol_device.encode_imm(kind, tl.full([W_PAD], 0, tl.int64) + rank, tl.load(epoch_ptr))
+    _store_rows(table_ptr, peer, remote, off * STRIDE_BYTES, tl.minimum(n, P) * STRIDE_BYTES,
+                tl.full([W_PAD], 0, tl.int64) + header_dst_bytes, imm, W)
+    tl.store(remainder_writes_ptr, tl.sum((remote & more).to(tl.int64), axis=0))
+
+
+@triton.jit(do_not_specialize=["rank", "node_first", "timeout_ns", "max_spins"])
+def _plan_remainder_and_combine_kernel(
+    # inputs
+    counts_ptr,          # (W, E) int32, row stride `stride_counts_w`: every row final once COUNT_ROWS_READY
+    epoch_ptr,           # (1,) int64
+    failed_ptr,          # (1,) int64 sticky failure word (device)
+    flags_ptr,           # (N,) int64 this rank's flags area (host memory seen through UVA on a GPU)
+    stride_counts_w,
+    rank, node_first,
+    timeout_ns, max_spins,
+    # outputs
+    remainder_ptr,       # (W, 4) int64: the REMAINDER write table
+    combine_ptr,         # (W, 4) int64: the COMBINE write table
+    NODE: tl.constexpr, P: tl.constexpr, PRIVATE_SLOT_ROWS: tl.constexpr,
+    DISPATCH_STRIDE_BYTES: tl.constexpr, COMBINE_STRIDE_BYTES: tl.constexpr,
+    COMBINE_STAGE_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr,
+    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+    PROXY_WAIT_WORD: tl.constexpr, SIGNAL_WORD: tl.constexpr, ERROR_WORD: tl.constexpr, STATUS_WORD: tl.constexpr,
+    SPIN: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
+):
+    """Grid (1,), one warp: wait for every count row, then the remainder writes of this rank
+    (`plan.remainder_writes`) and its combine writes (`plan.combine_writes`); raise REMAINDER_PLANNED."""
+    # Only the proxy's flag: it raises COUNT_ROWS_READY once the node peers' rows are in too.
+    ok = d.node_wait(flags_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
+                     PROXY_WAIT_WORD, 0, ERROR_WORD, STATUS_WORD, USE_PTX, SPIN, BACKOFF_NS)
+    if ok:
+        epoch = tl.load(epoch_ptr)
+        peer = tl.arange(0, W_PAD)
+        remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
+        me = tl.full([W_PAD], 0, tl.int64) + rank
+        # ---- remainder: this rank's routes past the private region, to every remote d with n[d] > P.
+        n = _routes_row(counts_ptr, stride_counts_w, rank, W, L, W_PAD, L_PAD)
+        off = tl.cumsum(n, axis=0) - n
+        # Where they land at d: after the private slots and the remainders of every source s < rank
+        # (same-node sources included: the formula is the same on every rank).
+        before = tl.zeros([W_PAD], dtype=tl.int64)
+        for s0 in range(0, rank, BLOCK_S):
+            ss = s0 + tl.arange(0, BLOCK_S)[:, None]
+            dd = tl.arange(0, W_PAD)[None, :]
+            routes = tl.zeros([BLOCK_S, W_PAD], dtype=tl.int64)
+            for l in range(L):
+                c = tl.load(counts_ptr + ss.to(tl.int64) * stride_counts_w + dd * L + l,
+                            mask=(ss < rank) & (dd < W), other=0)
+                routes += tl.maximum(c, 0).to(tl.int64)
+            before += tl.sum(tl.maximum(routes - P, 0), axis=0)
+        has_rest = remote & (n > P)
+        imm = protocol_device.encode_imm(tl.full([W_PAD], _DISPATCH_REMAINDER, tl.int64), me, epoch)
+        _store_rows(remainder_ptr, peer, has_rest, (off + P) * DISPATCH_STRIDE_BYTES,
+                    (n - P) * DISPATCH_STRIDE_BYTES, (W * PRIVATE_SLOT_ROWS + before) * DISPATCH_STRIDE_BYTES, imm, W)
+        # ---- combine: to every remote source s, its rows (staged source-major) back to the slots its
+        # dispatch send buffer used: routes[s, rank] rows from stage[s], landing at sum_{d<rank} routes[s, d].
+        ss = tl.arange(0, W_PAD)[:, None]
+        ll = tl.arange(0, L_PAD)[None, :]
+        c = tl.load(counts_ptr + ss.to(tl.int64) * stride_counts_w + rank * L + ll, mask=(ss < W) & (ll < L), other=0)
+        n_src = tl.sum(tl.maximum(c, 0).to(tl.int64), axis=1)
+        stage = tl.cumsum(n_src, axis=0) - n_src
+        first = d.send_offsets_of(counts_ptr, stride_counts_w, rank, remote, L, W_PAD, BLOCK_E)
+        imm = protocol_device.encode_imm(tl.full([W_PAD], _COMBINE, tl.int64), me, epoch)
+        _store_rows(combine_ptr, peer, remote, COMBINE_STAGE_BYTES + stage * COMBINE_STRIDE_BYTES,
+                    n_src * COMBINE_STRIDE_BYTES, COMBINE_RECV_BYTES + first * COMBINE_STRIDE_BYTES, imm, W)
+        d.publish_epoch(flags_ptr + SIGNAL_WORD, epoch_ptr, USE_PTX)
+
+
+# ================================================================================================
+# Launchers
+# ================================================================================================
+def _check(counts: torch.Tensor, write_tables: torch.Tensor, lay: Layout) -> None:
+    check.tensor("counts", counts, dtypes=(torch.int32,), shape=(lay.world_size, lay.num_experts))
+    check.tensor("write_tables", write_tables, dtypes=(torch.int64,),
+                 shape=(int(WriteTable.NUM_TABLES), lay.world_size, WRITE_TABLE_COLUMNS), strides="contiguous")
+
+
+def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch: torch.Tensor,
+                        flags: torch.Tensor, rank: int, lay: Layout) -> None:
+    """Write the PRIVATE table of `write_tables` from `counts[rank]` (final: after `route_tokens`), and
+    `flags[Flag.REMAINDER_WRITES]`.
+
+    Args:
+        counts: `[W, E]` int32, this rank's routing area (row `rank` is read).
+        write_tables: `[WriteTable.NUM_TABLES, W, 4]` int64, the segment's write tables (host memory seen
+            by the device on a GPU).
+        epoch: `[1]` int64 on the device: this call's epoch (the immediates carry it).
+        flags: this rank's flags area (`protocol.words.Flag`), int64.
+    Asynchronous on a GPU and safe in a CUDA graph; one program."""
+    key = (launch.tensor_key(counts), launch.tensor_key(write_tables), launch.tensor_key(epoch),
+           launch.tensor_key(flags), rank, lay)
+    if _PRIVATE.hit(key):
+        return
+    _check(counts, write_tables, lay)
+    W, L = lay.world_size, lay.num_local_experts
+    _PRIVATE.launch(
+        key, (1,), counts, epoch, counts.stride(0), rank, lay.node_of(rank) * lay.node_size,
+        lay.private_header_offset_bytes(rank), write_tables[int(WriteTable.PRIVATE)],
+        flags[flag_word(Flag.REMAINDER_WRITES):],
+        NODE=lay.node_size, P=lay.private_rows, STRIDE_BYTES=lay.dispatch_stride_bytes,
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), num_warps=4)
+
+
+def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.Tensor, node: NodeSync,
+                                      rank: int, lay: Layout) -> None:
+    """Wait (on the device, unless the host waited: `node.kernel_waits`) until `Flag.COUNT_ROWS_READY`
+    reaches this call's epoch, then write the REMAINDER and COMBINE tables of `write_tables` from every
+    count row and raise `Flag.REMAINDER_PLANNED` (release). A failed wait records its status word and the
+    sticky `node.failed` (as every synchronised kernel) and plans nothing.
+    Asynchronous on a GPU and safe in a CUDA graph; one program."""
+    key = (launch.tensor_key(counts), launch.tensor_key(write_tables), node, rank, lay)
+    if _REST.hit(key):
+        return
+    _check(counts, write_tables, lay)
+    on_gpu = counts.device.type == "cuda"
+    wait, _, signal, status, _ = HALF_FLAGS["dispatch_plan"]
+    W, L = lay.world_size, lay.num_local_experts
+    _REST.launch(
+        key, (1,), counts, node.epoch, node.failed, node.flags, counts.stride(0), rank,
+        lay.node_of(rank) * lay.node_size, int(node.timeout_s * 1e9) if on_gpu else 0,
+        0 if on_gpu else node.interpreter_spins,
+        write_tables[int(WriteTable.REMAINDER)], write_tables[int(WriteTable.COMBINE)],
+        NODE=lay.node_size, P=lay.private_rows, PRIVATE_SLOT_ROWS=lay.private_slot_rows,
+        DISPATCH_STRIDE_BYTES=lay.dispatch_stride_bytes, COMBINE_STRIDE_BYTES=lay.combine_stride_bytes,
+        COMBINE_STAGE_BYTES=lay.combine_stage_offset_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), BLOCK_S=BLOCK_S, BLOCK_E=BLOCK_E,
+        PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
+        STATUS_WORD=flag_word(status), SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
+        num_warps=1)
+
+
+_PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)
+_REST = launch.LaunchCache(_plan_remainder_and_combine_kernel)
+
+__all__ = ["plan_private_writes", "plan_remainder_and_combine_writes"]

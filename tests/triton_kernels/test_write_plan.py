@@ -1,0 +1,137 @@
+"""The write tables the kernels fill for the proxy equal `protocol.plan`'s writes, for random routings."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from moe_a2a.config import A2AConfig
+from moe_a2a.protocol import plan
+from moe_a2a.protocol.words import HALF_FLAGS, Flag, Imm, WriteTable, decode_wait_status, encode_imm, flag_word
+from moe_a2a.triton_kernels import write_plan
+from moe_a2a.triton_kernels.node_sync import NodeSync
+
+from ..conftest import TEST_DEVICE as DEVICE
+
+
+def _node(lay, rank, epoch, flags, kernel_waits, spins=1 << 16):
+    dev = flags.device
+    return NodeSync(epoch=torch.tensor([epoch], dtype=torch.int64, device=dev),
+                    failed=torch.zeros(1, dtype=torch.int64, device=dev),
+                    counter=torch.zeros(2, dtype=torch.int32, device=dev), flags=flags,
+                    peer_sync_bytes=torch.full((lay.world_size,), -1, dtype=torch.int64, device=dev), sync_bytes=0,
+                    rank=rank, node_first=lay.node_of(rank) * lay.node_size, node_size=lay.node_size,
+                    dispatch_ready_bytes=0, combine_ready_bytes=0, counts_bytes=0, num_experts=lay.num_experts,
+                    timeout_s=5.0, with_proxy=True, kernel_waits=kernel_waits, interpreter_spins=spins)
+
+
+def _random_counts(rng, lay, T, K, skew):
+    """[W, E] count rows as the route kernel writes them; skew sends every route to one expert (remainders)."""
+    W, E = lay.world_size, lay.num_experts
+    counts = np.zeros((W, E), np.int64)
+    for s in range(W):
+        n = rng.integers(0, T + 1) * K
+        experts = np.full(n, rng.integers(0, E)) if skew else rng.integers(-1, E, n)
+        counts[s] = np.bincount(experts[experts >= 0], minlength=E)
+    return counts
+
+
+def _expected(counts, rank, lay, epoch):
+    """[3, W, 4] int64: plan.py's rows (+ immediates) for the remote peers, zero elsewhere."""
+    W, P = lay.world_size, lay.private_rows
+    out = np.zeros((int(WriteTable.NUM_TABLES), W, 4), np.int64)
+    routes = plan.route_matrix(counts, lay)
+    for peer, src, n, dst in plan.private_writes(counts[rank], rank, lay).tolist():
+        more = routes[rank, peer] > P
+        out[WriteTable.PRIVATE, peer] = (src, n, dst, encode_imm(Imm.DISPATCH_MORE if more else Imm.DISPATCH, rank, epoch))
+    for peer, src, n, dst in plan.remainder_writes(routes, rank, lay).tolist():
+        out[WriteTable.REMAINDER, peer] = (src, n, dst, encode_imm(Imm.DISPATCH_REMAINDER, rank, epoch))
+    for peer, src, n, dst in plan.combine_writes(routes, rank, lay).tolist():
+        out[WriteTable.COMBINE, peer] = (src, n, dst, encode_imm(Imm.COMBINE, rank, epoch))
+    return out
+
+
+def _plan(counts_np, rank, lay, epoch, kernel_waits):
+    flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
+    flags[flag_word(Flag.COUNT_ROWS_READY)] = epoch  # the proxy's word: every count row is in
+    node = _node(lay, rank, epoch, flags, kernel_waits)
+    counts = torch.tensor(counts_np, dtype=torch.int32, device=DEVICE)
+    # Poisoned: every row the kernels own must be written (zeros for same-node peers).
+    tables = torch.full((int(WriteTable.NUM_TABLES), lay.world_size, 4), -7, dtype=torch.int64, device=DEVICE)
+    write_plan.plan_private_writes(counts, tables, node.epoch, flags, rank, lay)
+    write_plan.plan_remainder_and_combine_writes(counts, tables, node, rank, lay)
+    assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == epoch
+    assert int(node.failed) == 0
+    routes = plan.route_matrix(np.maximum(counts_np, 0), lay)
+    assert int(flags[flag_word(Flag.REMAINDER_WRITES)]) == sum(
+        int(routes[rank, p] > lay.private_rows) for p in lay.remote_peers(rank))
+    return tables.cpu().numpy()
+
+
+# W up to 256 (the largest EP a layout is built for), nodes of 1-8, L of 1-3 local experts, P small
+# enough that skewed rows overflow into the remainder, and large epochs (the immediate keeps 16 bits).
+@settings(max_examples=40, deadline=None)
+@given(W=st.sampled_from([2, 3, 8, 16, 64, 256]), node=st.sampled_from([1, 2, 4, 8]), L=st.integers(1, 3),
+       T=st.integers(1, 12), K=st.integers(1, 4), private=st.sampled_from([None, 0, 1, 3]),
+       skew=st.booleans(), epoch=st.integers(1, 1 << 20), kernel_waits=st.booleans(), data=st.data())
+def test_write_tables_equal_plan(W, node, L, T, K, private, skew, epoch, kernel_waits, data):
+    node = node if W % node == 0 and node <= W else 1
+    cfg = A2AConfig(max_num_tokens=T, num_experts=W * L, experts_per_token=K, hidden_dim=8,
+                    in_dtype=torch.float32, max_private_tokens=private)
+    lay = cfg.layout(W, node)
+    rank = data.draw(st.integers(0, W - 1), label="rank")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
+    counts = _random_counts(rng, lay, T, K, skew)
+    if data.draw(st.booleans(), label="an aborting source"):  # its row is -1: it sends and receives nothing
+        counts[data.draw(st.integers(0, W - 1), label="aborting")] = -1
+    got = _plan(counts, rank, lay, epoch, kernel_waits)
+    clipped = np.maximum(counts, 0)
+    want = _expected(clipped, rank, lay, epoch)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_skewed_routing_overflows_into_the_remainder():
+    """Every route of every rank to one expert of rank 1: each remote sender writes a remainder."""
+    W, T, K = 4, 8, 2
+    cfg = A2AConfig(max_num_tokens=T, num_experts=W, experts_per_token=K, hidden_dim=8, in_dtype=torch.float32,
+                    max_private_tokens=3)
+    lay = cfg.layout(W, 1)
+    counts = np.zeros((W, W), np.int64)
+    counts[:, 1] = T * K
+    for rank in range(W):
+        got = _plan(counts, rank, lay, 5, False)
+        want = _expected(counts, rank, lay, 5)
+        np.testing.assert_array_equal(got, want)
+        if rank != 1:
+            assert got[WriteTable.REMAINDER, 1, 1] == (T * K - 3) * lay.dispatch_stride_bytes
+            assert got[WriteTable.PRIVATE, 1, 3] == encode_imm(Imm.DISPATCH_MORE, rank, 5)
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_count_rows_flag_fails_the_wait_and_plans_nothing():
+    """The plan kernel spins on COUNT_ROWS_READY (capped under the interpreter): it records the proxy as
+    late in its status word, sets the sticky failure word, writes no table and raises no flag."""
+    cfg = A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=8, in_dtype=torch.float32)
+    lay = cfg.layout(4, 2)
+    flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
+    node = _node(lay, 0, 3, flags, kernel_waits=True, spins=50)
+    counts = torch.ones(4, 4, dtype=torch.int32, device=DEVICE)
+    tables = torch.full((3, 4, 4), -7, dtype=torch.int64, device=DEVICE)
+    write_plan.plan_remainder_and_combine_writes(counts, tables, node, 0, lay)
+    assert int(node.failed) == 1
+    assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == 0
+    status = int(flags[flag_word(HALF_FLAGS["dispatch_plan"].status)])
+    assert decode_wait_status(status, 0) == ([], True)
+    assert (tables[int(WriteTable.REMAINDER):] == -7).all()
+
+
+def test_bad_arguments_are_named():
+    cfg = A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=8, in_dtype=torch.float32)
+    lay = cfg.layout(4, 2)
+    epoch = torch.ones(1, dtype=torch.int64, device=DEVICE)
+    flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="write_tables"):
+        write_plan.plan_private_writes(torch.zeros(4, 4, dtype=torch.int32, device=DEVICE),
+                                       torch.zeros(3, 4, 3, dtype=torch.int64, device=DEVICE), epoch, flags, 0, lay)
+    with pytest.raises(ValueError, match="counts"):
+        write_plan.plan_private_writes(torch.zeros(4, 5, dtype=torch.int32, device=DEVICE),
+                                       torch.zeros(3, 4, 4, dtype=torch.int64, device=DEVICE), epoch, flags, 0, lay)
