@@ -73,7 +73,11 @@ class Flag(enum.IntEnum):
     # GPU -> proxy: remainder writes this rank posts in the current call (remote peers it sends > P routes),
     # written by the private-plan kernel: the proxy waits for REMAINDER_PLANNED only when nonzero.
     REMAINDER_WRITES = 26
-    NUM_FLAGS = 27
+    # GPU -> model: 1 + the first source whose count row is corrupt (negative entries in a row that is not
+    # all -1, or more than T*K routes), found by the plan kernel before any offset is derived from it
+    # (sticky, fatal: the kernels after it move nothing).
+    BAD_COUNTS = 27
+    NUM_FLAGS = 28
 
 
 # Several proxy processes per rank (`AllToAll(proxies=k)`): proxy j carries the remote peers p with

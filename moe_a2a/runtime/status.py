@@ -58,6 +58,11 @@ class Status:
         if code:  # the proxy's message names the remote peers it missed
             msg = read_error(w.segment, w.layout)
             raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)
+        bad = int(flags[flag_word(Flag.BAD_COUNTS)])
+        if bad:
+            raise RuntimeError(f"rank {w.rank}: the count row of rank {bad - 1} is corrupt (negative entries, or more "
+                               f"than max_num_tokens * experts_per_token = {w.layout.max_routes} routes): nothing was "
+                               f"derived from it, and this instance must be rebuilt")
         for _, _, _, status, what in HALF_FLAGS.values():
             failed = decode_wait_status(flags[flag_word(status)], w.node.node_first)
             if failed:

@@ -261,7 +261,7 @@ class Wiring:
         # What the host reads before every call, as one numpy gather (a torch index costs ~5 µs each).
         self.flags_np = seg.numpy(lay.flags_offset_bytes, nflags, "int64")
         self.segment_flags = Flags(seg, lay)  # release stores, for words kernels and proxies read
-        self.alarm_words = [flag_word(f) for f in (Flag.ERROR,)
+        self.alarm_words = [flag_word(f) for f in (Flag.ERROR, Flag.BAD_COUNTS)
                             + tuple(h.status for h in HALF_FLAGS.values())]
         ntrace = lay.model_trace_words
         self.model_trace = self.view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)

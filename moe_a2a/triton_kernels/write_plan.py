@@ -68,6 +68,30 @@ def _routes_row(counts_ptr, stride_counts_w, s, W: tl.constexpr, L: tl.constexpr
     return tl.sum(tl.maximum(c, 0).to(tl.int64), axis=1)
 
 
+@triton.jit
+def _first_bad_row(counts_ptr, stride_counts_w, MAX_ROUTES: tl.constexpr, W: tl.constexpr, E: tl.constexpr,
+                   W_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The first source whose count row is neither all -1 (an aborted call) nor non-negative with at most
+    MAX_ROUTES = T*K routes (`plan.validate_counts`), or W_PAD when every row is sound. Reads W*E int32."""
+    first = tl.full([], W_PAD, tl.int32)
+    for s0 in range(0, W, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        lo = tl.full([BLOCK_S], 0, tl.int32)
+        hi = tl.full([BLOCK_S], -1, tl.int32)
+        total = tl.zeros([BLOCK_S], dtype=tl.int64)
+        for e0 in range(0, E, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            m = (s[:, None] < W) & (e[None, :] < E)
+            c = tl.load(counts_ptr + s[:, None].to(tl.int64) * stride_counts_w + e[None, :], mask=m, other=0)
+            lo = tl.minimum(lo, tl.min(tl.where(m, c, 0), axis=1))
+            hi = tl.maximum(hi, tl.max(tl.where(m, c, -1), axis=1))
+            total += tl.sum(c.to(tl.int64), axis=1)
+        aborted = (lo == -1) & (hi == -1)
+        bad = (s < W) & ~aborted & ((lo < 0) | (total > MAX_ROUTES))
+        first = tl.minimum(first, tl.min(tl.where(bad, s, W_PAD), axis=0))
+    return first
+
+
 @triton.jit(do_not_specialize=["rank", "node_first"])
 def _plan_private_writes_kernel(
     # inputs
@@ -114,13 +138,22 @@ def _plan_remainder_and_combine_kernel(
     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
     PROXY_WAIT_WORD: tl.constexpr, SIGNAL_WORD: tl.constexpr, ERROR_WORD: tl.constexpr, STATUS_WORD: tl.constexpr,
+    BAD_COUNTS_WORD: tl.constexpr, MAX_ROUTES: tl.constexpr,
     SPIN: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
 ):
-    """Grid (1,), one warp: wait for every count row, then the remainder writes of this rank
+    """Grid (1,), four warps: wait for every count row, check them, then the remainder writes of this rank
     (`plan.remainder_writes`) and its combine writes (`plan.combine_writes`); raise REMAINDER_PLANNED."""
     # Only the proxy's flag: it raises COUNT_ROWS_READY once the node peers' rows are in too.
     ok = d.node_wait(flags_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
                      PROXY_WAIT_WORD, 0, ERROR_WORD, STATUS_WORD, USE_PTX, SPIN, BACKOFF_NS)
+    if ok:
+        # Every row is checked before any offset is derived from it (a corrupt or malicious peer row
+        # would otherwise send our writes, and the unpack's reads, out of bounds).
+        bad_source = _first_bad_row(counts_ptr, stride_counts_w, MAX_ROUTES, W, W * L, W_PAD, BLOCK_S, BLOCK_E)
+        if bad_source < W:
+            tl.store(flags_ptr + BAD_COUNTS_WORD, 1 + bad_source.to(tl.int64))
+            tl.store(failed_ptr, 1)
+            ok = False
     if ok:
         epoch = tl.load(epoch_ptr)
         peer = tl.arange(0, W_PAD)
@@ -199,7 +232,8 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
     """Wait (on the device, unless the host waited: `node.kernel_waits`) until `Flag.COUNT_ROWS_READY`
     reaches this call's epoch, then write the REMAINDER and COMBINE tables of `write_tables` from every
     count row and raise `Flag.REMAINDER_PLANNED` (release). A failed wait records its status word and the
-    sticky `node.failed` (as every synchronised kernel) and plans nothing.
+    sticky `node.failed` (as every synchronised kernel) and plans nothing; so does a corrupt count row
+    (`Flag.BAD_COUNTS`: the host raises at its next call).
     Asynchronous on a GPU and safe in a CUDA graph; one program."""
     key = (launch.tensor_key(counts), launch.tensor_key(write_tables), node, rank, lay)
     if _REST.hit(key):
@@ -218,8 +252,9 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
         COMBINE_STAGE_BYTES=lay.combine_stage_offset_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), BLOCK_S=BLOCK_S, BLOCK_E=BLOCK_E,
         PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
-        STATUS_WORD=flag_word(status), SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
-        num_warps=1)
+        STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS), MAX_ROUTES=lay.max_routes,
+        SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
+        num_warps=4)  # more loads in flight: the count rows are read over PCIe from the segment
 
 
 _PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)

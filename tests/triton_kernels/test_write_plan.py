@@ -135,3 +135,26 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="counts"):
         write_plan.plan_private_writes(torch.zeros(4, 5, dtype=torch.int32, device=DEVICE),
                                        torch.zeros(3, 4, 4, dtype=torch.int64, device=DEVICE), epoch, flags, 0, lay)
+
+
+@pytest.mark.parametrize("corrupt", ["negative", "too_many", "mixed_minus_one"])
+def test_a_corrupt_count_row_is_refused_before_any_offset(corrupt):
+    """A peer's row with negative entries (not the all -1 of an aborted call) or more than T*K routes:
+    the plan kernel names that source in Flag.BAD_COUNTS, fails the rank and writes no table."""
+    cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=8, in_dtype=torch.float32)
+    lay = cfg.layout(4, 1)
+    counts = np.ones((4, 8), np.int64)
+    counts[2] = -1  # an aborting source: sound
+    row = {"negative": [1, -5, 0, 0, 0, 0, 0, 0], "too_many": [9, 0, 0, 0, 0, 0, 0, 0],
+           "mixed_minus_one": [-1, -1, -1, -1, -1, -1, -1, 0]}[corrupt]
+    counts[3] = row
+    flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
+    flags[flag_word(Flag.COUNT_ROWS_READY)] = 1
+    node = _node(lay, 0, 1, flags, kernel_waits=False)
+    tables = torch.full((3, 4, 4), -7, dtype=torch.int64, device=DEVICE)
+    write_plan.plan_remainder_and_combine_writes(torch.tensor(counts, dtype=torch.int32, device=DEVICE), tables,
+                                                 node, 0, lay)
+    assert int(flags[flag_word(Flag.BAD_COUNTS)]) == 1 + 3
+    assert int(node.failed) == 1
+    assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == 0
+    assert (tables[int(WriteTable.REMAINDER):] == -7).all()
