@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu/run.sh cross-node [decode|more]
 #                                                  2 GPUs as two simulated nodes (one rank each, shm between the
 #                                                  proxies): host vs staged placement, proxies per rank, transport
+#   bash benchmarks/gpu/run.sh emulated            1 or 2 GPUs: the write-plan kernels compiled, the emulated-NIC
+#                                                  tests, decode over the emulated NIC (full speed and EFA-like),
+#                                                  and the proxy's host cost (`bench proxy`) on this host
 #
 # Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
 # runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
@@ -19,8 +22,8 @@ cd "$(dirname "$0")/../.."
 suite=${1:-}
 part=${2:-all}
 case "$suite:$part" in
-  quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more) ;;
-  *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more]" >&2; exit 2 ;;
+  quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more|emulated:all) ;;
+  *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more] | emulated" >&2; exit 2 ;;
 esac
 RES=${OUT:+$OUT/$suite}
 RES=${RES:-docs/results/$suite}
@@ -112,6 +115,18 @@ cross-node:all|cross-node:more)
        --json "$RES/timeline_x2_n1.json"
   # the proxy's own costs on this host: Python per write, scatters, round trips, the plan per world size
   step 90 moe-a2a bench transport --provider shm --iters 2000 --peers 1,7,63 --json "$RES/transport_gpu_host.json"
+  ;;
+emulated:all)
+  # two simulated nodes of one rank each; each remote write a CUDA copy (an instrument, not a network)
+  step 240 "${gpu_tests[@]}" tests/triton_kernels/test_write_plan.py tests/test_emulated_gpu.py
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$ngpu" -ge 2 ]; then mode=(--graph --no-nccl); else mode=(--device cuda); fi  # one GPU: host waits, eager
+  step 120 moe-a2a bench e2e "${mode[@]}" --transport emulated --world 2 --node 1 --iters 100 --warmup 10 \
+       --json "$RES/e2e_emulated_w2n1.json"
+  step 120 env MOE_A2A_EMULATED_NIC=12us,25GBps moe-a2a bench e2e "${mode[@]}" --transport emulated --world 2 \
+       --node 1 --iters 100 --warmup 10 --json "$RES/e2e_emulated_efa_w2n1.json"
+  step 240 moe-a2a bench proxy --worlds 8,16,32,64,128,256 --provider tcp --json "$RES/bench_proxy_tcp.json"
+  step 120 moe-a2a bench proxy --worlds 8,64 --provider shm --json "$RES/bench_proxy_shm.json"
   ;;
 esac
 echo "=== $suite $part: $failed step(s) failed; results in $RES"

@@ -6,6 +6,7 @@
     moe-a2a bench timeline  one traced call drawn as a Gantt chart (GPU / proxy / wire lanes)
     moe-a2a bench nccl      the torch.distributed all_to_all_single baseline (moe_a2a.bench.nccl)
     moe-a2a bench transport libfabric costs (moe_a2a.bench.transport)
+    moe-a2a bench proxy     the real proxy's host µs per phase against synthetic peers (moe_a2a.bench.proxy)
 
 Every timing is a median over many calls after warm-up; JSON files keep p10/p90/min/max too.
 Nothing is written unless asked (--json, --png), except `timeline`'s chart (default ./timeline.png).
@@ -410,7 +411,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--world", type=positive_int, default=4, help="ranks (default 4)")
     p.add_argument("--node", type=positive_int, default=2, help="ranks per node, divides --world (default 2)")
     p.add_argument("--preset", default="decode", choices=["decode", "prefill"], help="sizes on GPU")
-    p.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "auto"], help="provider")
+    p.add_argument("--transport", default="shm", choices=["shm", "tcp", "efa", "emulated", "auto"],
+                   help="provider ('emulated': the emulated NIC, an instrument: docs/transport.md)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="rank device")
     p.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before any wait gives up")
     p.add_argument("--proxies", type=positive_int, default=None,
@@ -432,6 +434,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """The `bench` sub-commands, added to `parser` (the `moe-a2a bench` sub-parser of moe_a2a.cli), or to
     a new stand-alone parser. Each sub-parser sets `run` (the function that takes the parsed args)."""
     from . import nccl, transport
+    from . import proxy as proxy_bench
 
     if parser is None:
         parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
@@ -489,6 +492,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                        description=transport.__doc__, formatter_class=raw)
     transport.add_arguments(t)
     t.set_defaults(run=transport.run_args)
+    pb = sub.add_parser("proxy", help="the real proxy process's host µs per phase against synthetic peers, W=8..256",
+                        description=proxy_bench.__doc__, formatter_class=raw)
+    proxy_bench.add_arguments(pb)
+    pb.set_defaults(run=proxy_bench.run_args)
     for p in sub.choices.values():
         p.set_defaults(error=p.error)  # cross-flag problems are reported by the sub-command's parser
     return parser

@@ -47,6 +47,13 @@ class ProxySpec:
     # p % shards == shard. Shard 0 (the primary) raises the flags the kernels read.
     shard: int = 0
     shards: int = 1
+    # Where the proxy runs (topology.choose_proxy_cpus): MOE_A2A_PROXY_CPUS as the model process read
+    # it (None: unset), and the rank's GPU (CUDA ordinal, UUID for NVML; None: a CPU run, not pinned).
+    cpu_override: str | None = None
+    gpu_ordinal: int | None = None
+    gpu_uuid: str | None = None
+    # Transport "emulated": its NIC settings as the model process read them (MOE_A2A_EMULATED_NIC; "": none).
+    emulated_nic: str = ""
 
 
 
@@ -55,6 +62,9 @@ class ProxyHandle:
 
     def __init__(self, spec: ProxySpec, fds: tuple[int, ...] = ()) -> None:
         self.spec = spec
+        # The CPUs the proxy process may run on and why (what it reports with "ready"; empty until then).
+        self.cpus: list[int] = []
+        self.cpus_reason: str | None = None
         ours, theirs = socket.socketpair()
         self._sock = ours
         self.conn = Connection(os.dup(ours.fileno()))
@@ -80,9 +90,11 @@ class ProxyHandle:
 
     def finish(self, table, timeout_s: float, node_local: bool = False) -> None:
         """Give the proxy every rank's (address, descriptor, segment name, GPU recv descriptor or None)
-        and whether the calls bypass it (`node_local`); wait until ready."""
+        and whether the calls bypass it (`node_local`); wait until ready (with where it runs)."""
         self.conn.send((table, bool(node_local)))
-        self._recv("ready", timeout_s)
+        msg = self._recv("ready", timeout_s)
+        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "ready":  # else a bare "ready"
+            self.cpus, self.cpus_reason = list(msg[1]["cpus"]), msg[1]["reason"]
 
     def stop(self, seg: SharedSegment | None, layout: Layout, timeout_s: float = 5.0) -> None:
         """Ask the proxy to exit (SIGKILL after `timeout_s`), reap it and remove the files it left in
