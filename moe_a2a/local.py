@@ -47,7 +47,7 @@ from .protocol.words import MAX_PROXY_SHARDS
 from .proxy.memory import check_fits_in_memory, remove_process_shm_files
 from .runtime import placement
 
-_TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs")  # AllToAll's; efa/verbs need their devices
+_TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs", "emulated")  # AllToAll's; efa/verbs need their devices
 # Set in the ranks' environment (their proxies inherit it): finds every process of one cluster in
 # /proc, orphaned proxies of killed ranks included.
 _CLUSTER_ENV = "MOE_A2A_LOCAL_CLUSTER_ID"
@@ -451,7 +451,8 @@ class LocalCluster:
         cfg: the sizes, shared by every rank.
         world_size: number of rank processes.
         node_size: ranks per node (default: all on one node).
-        transport: "shm", "tcp" or "auto" (here: shm); "efa" and "verbs" where those devices exist.
+        transport: "shm", "tcp" or "auto" (here: shm); "efa" and "verbs" where those devices exist;
+            "emulated" (the emulated NIC, an instrument: docs/transport.md).
         device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus).
         timeout_s: the ranks' `AllToAll` timeout, and bound on every `run` (+ 10 s) and on start-up
             (+ 60 s, which the ranks' bootstrap group waits too); a rank that hangs ends in TimeoutError.

@@ -14,6 +14,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import weakref
 
 from typing import TYPE_CHECKING
 
@@ -344,6 +345,7 @@ class CuMemBuffer:
         except BaseException:
             self.close()
             raise
+        _FD_BUFFERS.add(self)
 
     def read_into(self, offset: int, out) -> None:
         """Copy `out.nbytes` bytes at `offset` into the host array `out` (device to host, synchronous)."""
@@ -390,6 +392,7 @@ class MemfdBuffer:
         self._mmap = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._keepalive = ctypes.c_char.from_buffer(self._mmap)
         self.addr = ctypes.addressof(self._keepalive)
+        _FD_BUFFERS.add(self)
 
     def close(self) -> None:
         if self.addr:
@@ -406,6 +409,18 @@ class MemfdBuffer:
 
 # Registered send/recv buffers by memory kind: both are (nbytes, ordinal, fd=None) -> .addr .size .fd
 SHAREABLE_BUFFERS = {"cuda": CuMemBuffer, "host": MemfdBuffer}
+
+# The live FD-shared buffers of this process: the emulated NIC (proxy/emulated.py) hands peers the FD of
+# the buffer a registered address lies in.
+_FD_BUFFERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def fd_buffer_at(addr: int, nbytes: int):
+    """The open CuMemBuffer or MemfdBuffer of this process that holds [addr, addr+nbytes), or None."""
+    for buf in list(_FD_BUFFERS):
+        if buf.addr and buf.fd is not None and buf.addr <= addr and addr + nbytes <= buf.addr + buf.size:
+            return buf
+    return None
 
 
 # ---- passing file descriptors between processes -------------------------------------------------

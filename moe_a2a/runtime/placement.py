@@ -253,7 +253,7 @@ def choose(buffers: str, device, transport: str, has_remote_peers: bool) -> tupl
         return "host", None
     if not has_remote_peers:
         return "ipc", None
-    if buffers == "gpu" or transport in ("efa", "verbs"):
+    if buffers == "gpu" or transport in ("efa", "verbs", "emulated"):  # emulated: its CUDA carrier
         return "nic", None
     # The software providers copy through host memory anyway.
     return "staged", (f"transport {transport!r} stages GPU data through host memory "
