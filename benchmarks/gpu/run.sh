@@ -120,12 +120,13 @@ emulated:all)
   # two simulated nodes of one rank each; each remote write a CUDA copy (an instrument, not a network)
   step 240 "${gpu_tests[@]}" tests/triton_kernels/test_write_plan.py tests/test_emulated_gpu.py
   ngpu=$(nvidia-smi -L | wc -l)
-  if [ "$ngpu" -ge 2 ]; then mode=(--graph --no-nccl); else mode=(--device cuda); fi  # one GPU: host waits, eager
+  # one GPU: both ranks share it, so they wait on the host (no graph) and the proxy's spans are traced
+  if [ "$ngpu" -ge 2 ]; then mode=(--graph --no-nccl --preset decode); else mode=(--device cuda --trace-proxy); fi
   step 120 moe-a2a bench e2e "${mode[@]}" --transport emulated --world 2 --node 1 --iters 100 --warmup 10 \
        --json "$RES/e2e_emulated_w2n1.json"
   step 120 env MOE_A2A_EMULATED_NIC=12us,25GBps moe-a2a bench e2e "${mode[@]}" --transport emulated --world 2 \
        --node 1 --iters 100 --warmup 10 --json "$RES/e2e_emulated_efa_w2n1.json"
-  step 240 moe-a2a bench proxy --worlds 8,16,32,64,128,256 --provider tcp --json "$RES/bench_proxy_tcp.json"
+  step 240 moe-a2a bench proxy --worlds 2,8,16,32,64,128,256 --provider tcp --json "$RES/bench_proxy_tcp.json"
   step 120 moe-a2a bench proxy --worlds 8,64 --provider shm --json "$RES/bench_proxy_shm.json"
   ;;
 esac

@@ -117,21 +117,21 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
 
 
 def run(world: int, node: int, presets: list[str], iters: int, warmup: int, timeout: float,
-        nccl: bool = True, proxies="auto", buffers: str = "auto") -> dict:
+        nccl: bool = True, proxies="auto", buffers: str = "auto", transport: str = "auto") -> dict:
     import torch
 
     from ..config import A2AConfig
     from ..local import LocalCluster
     from .kernels import PRESETS
 
-    out = {"world": world, "node": node, "proxies": proxies, "buffers": buffers,
+    out = {"world": world, "node": node, "proxies": proxies, "buffers": buffers, "transport": transport,
            "device": torch.cuda.get_device_name(0),
            "torch": torch.__version__, "presets": {}}
     for preset in presets:
         cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
         n_iters = iters if preset == "decode" else max(20, iters // 5)
         with LocalCluster(cfg, world_size=world, node_size=node, device="cuda", timeout_s=timeout,
-                          proxies=proxies, buffers=buffers) as cl:
+                          proxies=proxies, buffers=buffers, transport=transport) as cl:
             graph = cl.run(_graph_rank, n_iters, warmup, 0)
         row = {"config": str(cfg), "graph": graph, "eager": [g.pop("eager") for g in graph],
                "floor": floor_us(cfg, world)}

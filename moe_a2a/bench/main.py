@@ -172,8 +172,18 @@ while True:
 
 
 # ---- end to end over a LocalCluster ------------------------------------------------------------------
-def _e2e_rank(a2a, rank, iters, warmup, seed):
-    """Per-phase latency of dispatch/combine halves on one rank (events on GPU, wall clock on CPU)."""
+# The proxy's own spans of one traced call (protocol.words.TRACE_EVENTS): what `bench proxy` measures
+# against synthetic peers, here inside a run (the in-run factor, docs/benchmarks.md).
+PROXY_SPANS = {"private_post": ("send_ready_seen", "private_posted"),
+               "remainder": ("count_rows_received", "remainder_posted"),
+               "combine_post": ("combine_send_seen", "combine_posted"),
+               "dispatch_proxy": ("send_ready_seen", "dispatch_received"),
+               "combine_proxy": ("combine_send_seen", "combine_received")}
+
+
+def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False):
+    """Per-phase latency of dispatch/combine halves on one rank (events on GPU, wall clock on CPU); with
+    `trace_proxy`, also the proxy's spans of every timed call (`PROXY_SPANS`, µs)."""
     import torch
 
     from .demo import make_inputs
@@ -219,6 +229,13 @@ def _e2e_rank(a2a, rank, iters, warmup, seed):
             for p, v in zip(phases, d):
                 times[p].append(v)
             times["total"].append(sum(d))
+            if trace_proxy and a2a.with_proxy:
+                ev = a2a.trace()["proxy"]
+                for name, (a, b) in PROXY_SPANS.items():
+                    if a in ev and b in ev:
+                        times.setdefault("proxy." + name, []).append((ev[b] - ev[a]) / 1e3)
+        if trace_proxy and it == warmup - 1:
+            a2a.set_tracing(True)
     return {p: _stats(v) for p, v in times.items()}
 
 
@@ -249,7 +266,7 @@ def run_e2e(args) -> int:
             return rc
         presets = ["decode", "prefill"] if args.preset is None else [args.preset]
         res = graph.run(args.world, args.node, presets, args.iters, args.warmup, args.timeout, not args.no_nccl,
-                        proxies=args.proxies or "auto", buffers=args.buffers)
+                        proxies=args.proxies or "auto", buffers=args.buffers, transport=args.transport)
         graph.print_table(res)
         _write(args.json, res)
         if args.png:
@@ -262,7 +279,7 @@ def run_e2e(args) -> int:
     device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
                       timeout_s=args.timeout, proxies=args.proxies or "auto", buffers=args.buffers) as cl:
-        res = cl.run(_e2e_rank, args.iters, args.warmup, 0)
+        res = cl.run(_e2e_rank, args.iters, args.warmup, 0, args.trace_proxy)
     print(f"end to end, {args.world} ranks ({args.node} per node), transport {args.transport}, {device}: {cfg}")
     print(f"{'phase':<16}" + "".join(f"{'rank ' + str(r):>12}" for r in range(args.world)) + "   (median µs)")
     for p in res[0]:
@@ -467,6 +484,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="GPU: CUDA-graph replay, eager, the NCCL baseline and the floor side by side, at decode "
                         "and prefill (--preset picks one), one rank per GPU where there are several")
     e.add_argument("--no-nccl", action="store_true", help="with --graph: skip the NCCL baseline")
+    e.add_argument("--trace-proxy", action="store_true",
+                   help="without --graph: also the proxy's own spans of every timed call (posting, planned "
+                        "writes), to compare with `bench proxy`")
     e.set_defaults(run=run_e2e, preset=None)  # None: decode, or both presets with --graph
     tl = _cluster_args(sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / "
                                                        "wire lanes"))
