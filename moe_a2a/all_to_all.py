@@ -295,8 +295,11 @@ class AllToAll:
         """Abort the next call on every rank, as bad input to `dispatch` does: this rank takes part in it
         with nothing (so its peers finish it and raise `CallAborted` naming it) and then raises
         `ValueError(reason)`. For layers above (`moe_a2a.compat`) that reject their own input before
-        calling `dispatch`. Needs the instance idle (between calls)."""
+        calling `dispatch`. Needs the instance idle (between calls), or with the dispatch received and
+        the combine not begun: then it aborts that call at its combine, as bad input to `combine` does."""
         self._ready()
+        if self._state == _DISPATCH_DONE:
+            self._abort_at_combine(ValueError(reason))
         self._expect(_IDLE, "abort()")
         self._abort_call(ValueError(reason))
 
@@ -395,9 +398,10 @@ class AllToAll:
         w = self._w
         if self.with_proxy:  # once every count row is in: the remainder and combine writes for the proxy
             self._status.host_wait("dispatch_plan", self.epoch)
-            write_plan.plan_remainder_and_combine_writes(w.counts, w.write_tables, w.node, self.rank, self.layout)
+            write_plan.plan_remainder_and_combine_writes(w.counts, w.write_tables, w.node, w.base,
+                                                         w.stage_recv_offset_bytes, self.rank, self.layout)
         self._status.host_wait("dispatch_recv", self.epoch)
-        aborted = self._status.aborted_sources()
+        aborted = self._status.aborted_sources(self.epoch)
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, w.counts, self.rank, w.base, w.peer_send_bytes,
             w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node)  # remote sources' rows

@@ -87,7 +87,7 @@ def _calls(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
 def _calls_as_kernel_waiter(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
     """As a rank whose host never waits (one GPU per rank): no look at the count rows on the host, so
     only what the unpack kernel recorded (Flag.ABORTED) tells it, at the end of its combine."""
-    a2a._status.aborted_sources = lambda: []
+    a2a._status.aborted_sources = lambda epoch: []
     return _calls(a2a, rank, bad_rank, kind, n_calls)
 
 

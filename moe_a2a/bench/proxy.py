@@ -22,7 +22,7 @@ not the peers' latency.
 Reported per world size, from the proxy's own trace (`Flag.TRACE`, `protocol.words.TRACE_EVENTS`):
 
 - ``dispatch_host_us`` = dispatch_received - send_ready_seen: post the PRIVATE table, count every
-  peer's immediate, copy the count rows, post the REMAINDER table, count the remainders;
+  peer's immediate, post the REMAINDER table, count the remainders;
 - ``combine_host_us`` = combine_received - combine_send_seen: post the COMBINE table, count the
   combine immediates;
 - the posting parts alone (``dispatch_post_us`` = private_posted - send_ready_seen,
@@ -87,7 +87,7 @@ PHASE_HELP = {
     "dispatch_host_us": "SEND_READY seen -> DISPATCH_RECV_READY: the dispatch phase's host work",
     "combine_host_us": "COMBINE_SEND_READY seen -> COMBINE_RECV_READY: the combine phase's host work",
     "dispatch_post_us": "posting the PRIVATE table (one write per remote peer)",
-    "dispatch_imms_rows_us": "counting the peers' private immediates, copying their count rows",
+    "dispatch_imms_rows_us": "counting the peers' private immediates (and raising COUNT_ROWS_READY)",
     "remainder_us": "REMAINDER_PLANNED seen, posting the REMAINDER table",
     "dispatch_tail_us": "the writes-posted count, counting the remainder immediates",
     "dispatch_writes_wait_us": "until the proxy's dispatch writes completed locally",
@@ -203,9 +203,16 @@ def kernel_tables(counts: np.ndarray, rank: int, lay, device: str = "cpu") -> tu
                     combine_ready_bytes=0, counts_bytes=0, num_experts=lay.num_experts, timeout_s=10.0,
                     with_proxy=True, kernel_waits=False)
     c = torch.tensor(counts, dtype=torch.int32, device=dev)
+    # The remote rows as the private writes leave them: at the head of each private slot of the recv
+    # buffer, where the plan kernel copies them from.
+    base = torch.zeros(lay.private_header_offset_bytes(W - 1) + lay.routing_row_bytes, dtype=torch.uint8)
+    for s in lay.remote_peers(rank):
+        at = lay.private_header_offset_bytes(s)
+        base[at: at + lay.routing_row_bytes] = torch.tensor(counts[s], dtype=torch.int32).view(torch.uint8)
+    base = base.to(dev)
     tables = torch.full((int(WriteTable.NUM_TABLES), W, 4), -7, dtype=torch.int64, device=dev)
     write_plan.plan_private_writes(c, tables, epoch, flags, rank, lay)
-    write_plan.plan_remainder_and_combine_writes(c, tables, node, rank, lay)
+    write_plan.plan_remainder_and_combine_writes(c, tables, node, base, 0, rank, lay)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     got = tables.cpu().numpy().copy()
@@ -709,7 +716,7 @@ def _check_peer_imms(counts: dict, rank: int, remote: int, planned, sets: int, t
 def _check_rows(helper, seg, lay, rank, counts, planned, sets, total, seed) -> dict:
     """After the last call: rank's writes landed in each checked peer's region where its tables said
     (count row, then the rows of its send buffer), the peers' writes landed in rank's recv buffer where
-    plan said, and the proxy copied every peer's count row into the routing area."""
+    plan said, and every peer's count row is at the head of its private slot."""
     W, s = lay.world_size, total % sets
     t, _ = planned[s]
     send = seg.numpy(lay.send_offset_bytes, lay.send_bytes)
@@ -734,11 +741,12 @@ def _check_rows(helper, seg, lay, rank, counts, planned, sets, total, seed) -> d
         if p in chosen:
             in_ok &= recv[dst:dst + length].tobytes() == source[src:src + length].tobytes()
             in_bytes += length
-    routing = seg.numpy(lay.routing_offset_bytes, W * lay.num_experts, np.int32).reshape(W, lay.num_experts)
-    rows_ok = bool((routing[peers] == counts[s][peers]).all())
+    # the peers' count rows at the head of their private slots, where the plan kernel copies them from
+    rows_ok = all(recv[h:h + lay.routing_row_bytes].view(np.int32).tolist() == counts[s][p].tolist()
+                  for p in peers for h in [lay.private_header_offset_bytes(p)])
     return {"rank_writes_landed_as_tables": bool(out_ok), "rank_bytes_checked": out_bytes,
             "peer_writes_landed_as_plan": bool(in_ok), "peer_bytes_checked": in_bytes,
-            "count_rows_copied": rows_ok, "peers_checked": chosen}
+            "count_rows_landed": rows_ok, "peers_checked": chosen}
 
 
 # ---- the command ----------------------------------------------------------------------------------------

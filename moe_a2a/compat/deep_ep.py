@@ -1,63 +1,190 @@
 """A DeepEP-shaped low-latency facade: `Buffer.low_latency_dispatch` / `low_latency_combine`.
 
-Inference engines (vLLM, SGLang) drive DeepEP's low-latency API; this class has its shape, so an engine
-can switch with a few lines. It is a thin layer over `moe_a2a.AllToAll` with a fixed expert capacity
-(`A2AConfig.expert_capacity`): the received tokens are `[num_local_experts, capacity, hidden]`, capacity =
-`num_max_dispatch_tokens_per_rank * num_ranks`, as DeepEP's.
+Inference engines (vLLM, SGLang) and DeepEP's own low-latency test drive DeepEP's `Buffer`; this module
+has its names, so `import deep_ep` may resolve to it (`sys.modules["deep_ep"] = moe_a2a.compat.deep_ep`,
+docs/compat.md). It is a thin layer over `moe_a2a.AllToAll` with a fixed expert capacity
+(`A2AConfig.expert_capacity`): the received tokens are `[num_local_experts, C, hidden]`,
+C = `num_max_dispatch_tokens_per_rank * num_ranks`, as DeepEP's.
 
-What matches DeepEP, what does not (also in docs/compat.md):
-- same method names, argument names and order, return tuples (`recv_x, recv_count, handle, event, hook`
-  and `combined_x, event, hook`); `recv_x` is `(fp8 [L, C, H], fp32 scales [L, C, H/128])` with
-  `use_fp8=True`, else bf16 `[L, C, H]`; `recv_count` int32 `[L]`;
-- `return_recv_hook=True` sends only; calling the hook receives (work in between overlaps);
-- two calls may be in flight (two micro-batches alternating, two handles alive): the buffer keeps two
-  `AllToAll` instances and alternates between them (twice the memory and two proxies per rank);
-- not supported (ValueError when asked for): `round_scale`, `use_ue8m0`, `use_logfmt`, `zero_copy`,
-  `cumulative_local_expert_recv_stats`, `async_finish=True` (our calls are stream-ordered: no event);
-- a token routed twice to one expert is allowed (DeepEP assumes distinct top-k); when that makes an
-  expert exceed the capacity, the next call raises (rows past the capacity are not written).
-- the receive buffers are reused by the next dispatch of the same parity (every other call);
+How it is built (docs/compat.md has the table of what matches DeepEP and what differs):
+- **one set of buffers for bf16 and fp8 calls.** Each `AllToAll` row is a bf16 row of H elements (2H
+  bytes) plus one 4-byte "scale" column. A bf16 call sends `x` as is. An fp8 call quantises `x`
+  (`triton_kernels.quant.quantize_fp8`, with DeepEP's `round_scale` / `use_ue8m0` options) straight into
+  a staging row of the same 2H bytes: fp8 payload in bytes [0, H), its scales (fp32, or UE8M0 codes
+  packed four per int32) from byte `round_up(H, 4)`; that row travels as if it were bf16. `use_fp8` may
+  change from call to call; the memory is that of the larger payload (bf16), not both. The received
+  `recv_x` of an fp8 call are views of the received rows: `[L, C, H]` fp8 with a row stride of 2H bytes,
+  and the scales `[L, C, S]` (row stride 2H / 4); `.contiguous()` gives DeepEP's dense shapes.
+- **handle[0] without a copy.** The scale column of every row carries its source token index (int32 bits;
+  `AllToAll` moves scales bit-exactly), so the received scale column *is* DeepEP's `src_info`.
+  handle[1] (`layout_range`) is computed from the exchanged count matrix after the receive.
+- **two calls in flight.** Two `AllToAll` instances used alternately (two micro-batches, two handles
+  alive); a call's receive buffers are reused two calls later. A dispatch whose handle is never combined
+  (DeepEP's test dispatches twice in a row) is finished by a combine of nothing before its instance is
+  reused; a handle combined twice (DeepEP's test does, with and without `zero_copy`) is dispatched
+  again first (the same payload and routes, so `recv_x` is rewritten with the same bytes).
+- every tensor is created with an explicit device and dtype: nothing depends on torch's defaults.
 - input rejected by any call aborts that call on every rank (the peers raise
-  `moe_a2a.all_to_all.CallAborted` naming the rank), and the next call works: after the first call
-  through `AllToAll.abort`; the first call (which builds the buffers, sized from its arguments) is
-  collective itself: the ranks exchange their verdicts and arguments first, so if one rank rejects its
-  input, or the ranks' sizes differ, every rank raises and nothing is built; call numbering never drifts;
+  `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works; the first call (which
+  builds the buffers, sized from its arguments) is collective itself: the ranks exchange their verdicts
+  and sizes first, so if one rank rejects its input, or the ranks' sizes differ, every rank raises and
+  nothing is built.
 - `close()` (or DeepEP's `destroy()`) releases everything; any later call raises ValueError.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..all_to_all import AllToAll, CallAborted
-from ..config import A2AConfig
+from ..all_to_all import AllToAll, CallAborted, CapacityExceeded, check_combine_recv
+from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather, differences
 from ..triton_kernels.quant import quantize_fp8
-
-_UNSUPPORTED = ("round_scale", "use_ue8m0", "use_logfmt", "zero_copy", "cumulative_local_expert_recv_stats")
-
 
 # DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
 topk_idx_t = torch.int64
 
+FP8_BLOCK = 128  # elements per fp8 scale, as DeepEP's
 
-@dataclass(frozen=True)
-class Handle:
-    """What `low_latency_combine` needs from its dispatch (opaque to callers, as DeepEP's)."""
+# A slot's call, from its dispatch to its combine (the AllToAll instance is between calls in FREE and
+# COMBINED; a handle of a COMBINED call may be combined again).
+_FREE, _DISPATCH_SENT, _DISPATCHED, _COMBINE_SENT, _COMBINED = range(5)
 
+
+class Handle(NamedTuple):
+    """What `low_latency_dispatch` returns for its combine; indexes as DeepEP's handle.
+
+    Fields (0-4 as DeepEP's):
+        src_info: `[L, C]` int32: row i of local expert l is token `src_info[l, i]` of its source rank's
+            `x` (rows i < recv_count[l]; later rows are stale).
+        layout_range: `[L, W]` int64: `(begin << 32) | count` per (local expert l, source rank s): expert l's
+            rows from rank s are rows [begin, begin + count) of its segment (rows are ordered by source
+            rank, then token, then top-k slot, so each source's rows are contiguous).
+        num_max_dispatch_tokens_per_rank, hidden, num_experts: the call's sizes.
+        slot, call: which of the two instances, and the Buffer's call number (a stale handle is refused).
+        num_tokens: T of this rank's `x`.
+
+    `src_info` and `layout_range` are views of the slot's buffers, valid (like `recv_x`) until the
+    dispatch two calls later.
+    """
+
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
     slot: int
+    call: int
     num_tokens: int
+
+    def __repr__(self) -> str:
+        return (f"Handle(slot={self.slot}, call={self.call}, num_tokens={self.num_tokens}, "
+                f"src_info={list(self.src_info.shape)}, layout_range={list(self.layout_range.shape)})")
+
+
+class EventOverlap:
+    """DeepEP's `EventOverlap`: what `async_finish=True` returns. On a GPU it holds a CUDA event recorded
+    on the stream the call was issued on, after the call's work; `current_stream_wait()` makes the
+    current stream wait for it. Without an event (CPU, or `async_finish=False`) every method is a no-op.
+    `with event:` waits at the end of the block, as DeepEP's."""
+
+    def __init__(self, event: "torch.cuda.Event | None" = None, extra_tensors=None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.current_stream_wait()
+
+
+class Config:
+    """DeepEP's `Config` (tuning of its high-throughput mode), so `from deep_ep import Buffer, Config`
+    imports. Only the low-latency API is provided: its arguments are kept and never used."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+def _config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: int) -> A2AConfig:
+    """The instances' sizes: bf16 rows of `hidden` (an fp8 call's payload and scales fit in their bytes)
+    plus one 4-byte column (the source token index), capacity `num_max * num_ranks` per local expert."""
+    return A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
+                     in_dtype=torch.bfloat16, scale_block=hidden, out_dtype=torch.bfloat16,
+                     expert_capacity=num_max * num_ranks)
+
+
+def fp8_scale_offset(hidden: int) -> int:
+    """Byte of an fp8 call's row where its scales start (after the H bytes of fp8 payload)."""
+    return round_up(hidden, 4)
+
+
+def fp8_fits(hidden: int) -> bool:
+    """An fp8 call's payload and fp32 scales fit in the bytes of a bf16 row (any even H >= 4), at
+    4-byte-aligned offsets."""
+    return hidden % 2 == 0 and fp8_scale_offset(hidden) + 4 * ceil_div(hidden, FP8_BLOCK) <= 2 * hidden
+
+
+class _Slot:
+    """One of the two alternating `AllToAll` instances, its buffers and its current call."""
+
+    def __init__(self, a2a: AllToAll, num_max: int) -> None:
+        self.a2a = a2a
+        cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
+        L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
+        self.num, self.ex, self.exs = a2a.empty_dispatch_outputs()  # int32 [L]; bf16 [L*C, H]; f32 [L*C, 1]
+        self.recv_bf16 = self.ex.view(L, C, H)
+        self.src_info = self.exs.view(torch.int32).view(L, C)
+        self.layout_range = torch.zeros(L, W, dtype=torch.int64, device=dev)
+        self.counts = a2a.counts[:, a2a.rank * L:(a2a.rank + 1) * L].t()  # [L, W] view of the count matrix
+        # The staging rows of an fp8 call's payload (kept until the slot's next dispatch: a repeated
+        # combine sends them again), and the views of the same bytes in the received rows.
+        self.stage = torch.zeros(num_max, 2 * H, dtype=torch.uint8, device=dev)
+        self.stage_bf16 = self.stage.view(torch.bfloat16)
+        self.fp8 = None
+        if fp8_fits(H):
+            S, off = ceil_div(H, FP8_BLOCK), fp8_scale_offset(H)
+            S4 = ceil_div(S, 4)
+            rows = self.ex.view(torch.uint8)
+            self.fp8 = {
+                "stage": self.stage[:, :H].view(torch.float8_e4m3fn),
+                "stage_scale": self.stage[:, off:off + 4 * S].view(torch.float32),
+                "stage_codes": self.stage[:, off:off + 4 * S4].view(torch.int32),
+                "recv": rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H),
+                "recv_scale": rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S),
+                "recv_codes": rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4),
+            }
+        self.combine_buf: torch.Tensor | None = None  # get_next_low_latency_combine_buffer, made on first use
+        # The current call.
+        self.state, self.call = _FREE, -1
+        self.T = 0
+        self.payload = None       # [T, H] bf16 what the dispatch sent (x, or the fp8 staging rows)
+        self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
+        self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
 
 
 class Buffer:
     """DeepEP's `Buffer` for the low-latency path, over `moe_a2a.AllToAll`.
 
     Args:
-        group: the torch.distributed process group of the expert-parallel ranks (bootstrap only).
-        num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank: accepted for signature
-            compatibility and ignored (sizes come from the first dispatch's arguments).
-        transport, node_group, timeout_s, gpu_wait, device: passed to `AllToAll`.
+        group: the torch.distributed process group of the expert-parallel ranks (bootstrap only; default
+            WORLD).
+        num_nvl_bytes, num_rdma_bytes: kept as attributes and not used: the buffers are sized by the first
+            dispatch (`get_low_latency_rdma_size_hint` gives what they take).
+        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric:
+            DeepEP's transport switches; no meaning here (same-node peers always go through mapped
+            memory, the rest through the proxy and `transport`), accepted and ignored.
+        explicitly_destroy: True: release with `destroy()` (or `close()`); False as well, or when the
+            instances are garbage collected (their own finaliser), so both are honoured.
+        enable_shrink: masking a rank that stopped is not built yet: True raises ValueError.
+        transport, node_group, timeout_s, gpu_wait, device: passed to `AllToAll` (device default: the
+            first dispatch's `x.device`).
     """
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = True,
@@ -67,138 +194,230 @@ class Buffer:
                  node_group="auto", timeout_s: float = 30.0, gpu_wait: str = "auto", device=None) -> None:
         import torch.distributed as dist
 
-        # DeepEP's transport switches have no meaning here (same-node peers always go through mapped memory,
-        # the rest through the proxy); destroy() is always explicit. Shrinking (masking a dead rank) is not
-        # built yet: refused rather than silently ignored.
         if enable_shrink:
             raise ValueError("enable_shrink=True: masking a rank that stopped is not supported by moe_a2a's "
                              "DeepEP facade yet (docs/compat.md)")
-
         if group is None:
             if not dist.is_initialized():
                 raise ValueError("Buffer needs torch.distributed initialised (or pass group=)")
             group = dist.group.WORLD
         self.group = group
         self.rank, self.group_size = dist.get_rank(group), dist.get_world_size(group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self._options = dict(group=group, transport=transport, node_group=node_group, timeout_s=timeout_s,
                              gpu_wait=gpu_wait, device=device)
-        self._a2a: list[AllToAll] = []
+        self._slots: list[_Slot] = []
         self._key = None
-        self._outputs: list = []
         self._next = 0
+        self._calls = 0
+        self._ids = None      # [num_max, 1] float32 view of int32 0..num_max-1: the token-index column
+        self._scratch = None  # what a combine of nothing sends and receives
         self._closed = False
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes one rank allocates for its two instances at these sizes (fp8, top-k up to 8: DeepEP's
-        assumption), for callers that pass it back as `num_rdma_bytes` (which this facade ignores: its
-        buffers are sized by the first dispatch)."""
-        cfg = A2AConfig(max_num_tokens=num_max_dispatch_tokens_per_rank, num_experts=num_experts, experts_per_token=8,
-                        hidden_dim=hidden, in_dtype=torch.float8_e4m3fn, scale_block=128, out_dtype=torch.bfloat16,
-                        expert_capacity=num_max_dispatch_tokens_per_rank * num_ranks)
+        """Bytes one rank's two instances take at these sizes (top-k up to 8, DeepEP's assumption), bf16
+        and fp8 calls alike; callers pass it back as `num_rdma_bytes`, which this facade does not need."""
+        cfg = _config(num_max_dispatch_tokens_per_rank, num_experts, 8, hidden, num_ranks)
         lay = cfg.layout(num_ranks)
         return 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
 
-    # ---- the two halves ---------------------------------------------------------------------
+    # ---- dispatch ---------------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, use_fp8: bool = True, async_finish: bool = False,
-                             return_recv_hook: bool = False, **kwargs):
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False, **kwargs):
         """Send every token to the ranks of its top-k experts; receive `[L, C, H]` expert-major.
 
         Args:
-            x: `[T, H]` bfloat16, T <= num_max_dispatch_tokens_per_rank.
+            x: `[T, H]` bfloat16, last stride 1, T <= num_max_dispatch_tokens_per_rank.
             topk_idx: `[T, K]` int64 (or int32) expert ids, -1 = not routed.
             num_max_dispatch_tokens_per_rank: the largest T any rank passes (fixes the capacity).
             num_experts: E, divisible by the number of ranks.
-            use_fp8: quantise to fp8 e4m3 with one fp32 scale per 128 elements before sending.
+            cumulative_local_expert_recv_stats: optional int32 (or int64) `[L]` on the device: this call's
+                received rows per local expert are added to it (stream-ordered, at the receive).
+            use_fp8: quantise to fp8 e4m3 with one scale per 128 elements before sending (may differ from
+                call to call). round_scale: scales rounded up to powers of two. use_ue8m0: scales as
+                UE8M0 codes packed four per int32 (implies round_scale; DeepEP requires both). Both
+                ignored without use_fp8.
+            async_finish: return an `EventOverlap` holding a CUDA event recorded after the call.
             return_recv_hook: send now, receive when the returned hook is called.
 
-        Returns `(recv_x, recv_count, handle, event, hook)`: recv_x `[L, C, H]` (or `(fp8, scales)`),
-        recv_count int32 `[L]`, an opaque handle for the combine, event None, hook or None.
+        Returns `(recv_x, recv_count, handle, event, hook)`: recv_x bf16 `[L, C, H]`, or with use_fp8
+        `(fp8 [L, C, H], scales)` (fp32 `[L, C, ceil(H/128)]`, or int32 `[L, C, ceil(H/512)]` with
+        use_ue8m0); recv_count int32 `[L]`; a `Handle`; an `EventOverlap` (without an event unless
+        `async_finish` on a GPU); the hook or None.
         """
         self._check_open()
         error, sizes = None, None
         try:
-            self._refuse(kwargs, async_finish)
-            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
-                raise ValueError(f"x: expected a [T, H] bfloat16 tensor, got "
-                                 f"{(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
-            if isinstance(num_max_dispatch_tokens_per_rank, bool) or not isinstance(num_max_dispatch_tokens_per_rank, int):
-                raise ValueError(f"num_max_dispatch_tokens_per_rank: expected an int, got "
-                                 f"{num_max_dispatch_tokens_per_rank!r}")
+            if kwargs.get("dispatch_wait_recv_cost_stats") is not None:
+                raise ValueError("dispatch_wait_recv_cost_stats: not measured by moe_a2a's DeepEP facade "
+                                 "(docs/compat.md)")
+            self._refuse_unknown(kwargs, ("dispatch_wait_recv_cost_stats",))
             sizes = self._sizes(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
         except ValueError as exc:
             error = exc
-        if not self._a2a:
+        if not self._slots:
             self._build(error, sizes, x)  # collective: raises on every rank when any rank cannot build
         elif error is None and sizes != self._key:
             error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
-                               f"num_experts, top-k, hidden, use_fp8) = {self._key}; got {sizes}: use another Buffer")
-        slot, self._next = self._next, self._next ^ 1
-        a2a = self._a2a[slot]
+                               f"num_experts, top-k, hidden) = {self._key}; got {sizes}: use another Buffer")
+        if error is None:
+            try:
+                self._check_on_device(x, cumulative_local_expert_recv_stats)
+            except ValueError as exc:
+                error = exc
+        index, self._next = self._next, self._next ^ 1
+        self._calls += 1  # every rank counts every call, aborted ones included
+        slot = self._slots[index]
+        self._retire(slot)  # the slot's previous call, if it was left unfinished
         if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
-            a2a.abort(str(error))
-        num, ex, exs = self._outputs[slot]
+            slot.a2a.abort(str(error))
+        T = x.shape[0]
+        use_fp8 = bool(use_fp8)
+        ue8m0 = use_fp8 and bool(use_ue8m0)
         if use_fp8:
-            xq, xs = quantize_fp8(x.contiguous(), 128)
+            f = slot.fp8
+            quantize_fp8(x, FP8_BLOCK, out=f["stage"][:T], out_scale=(f["stage_codes"] if ue8m0 else f["stage_scale"])[:T],
+                         round_scale=bool(round_scale), ue8m0=ue8m0)
+            payload = slot.stage_bf16[:T]
         else:
-            xq, xs = x, None
-        a2a.dispatch(num, ex, exs, xq, xs, topk_idx, do_recv=not return_recv_hook)
-        cfg, L = a2a.cfg, a2a.layout.num_local_experts
-        cap = cfg.expert_capacity
-        recv_x = ex.view(L, cap, cfg.hidden_dim)
+            payload = x
+        slot.call, slot.T, slot.payload = self._calls, T, payload
+        slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
+        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, payload, self._ids[:T], topk_idx,
+                                                  do_recv=not return_recv_hook))
+        slot.state = _DISPATCH_SENT
+        if not return_recv_hook:
+            self._received(slot)
         if use_fp8:
-            recv_x = (recv_x, exs.view(L, cap, cfg.num_scales))
-        hook = None
-        if return_recv_hook:
-            def hook():
-                a2a.dispatch(num, ex, exs, xq, xs, topk_idx, do_send=False)
-        return recv_x, num, Handle(slot, x.shape[0]), None, hook
+            f = slot.fp8
+            recv_x = (f["recv"], f["recv_codes"] if ue8m0 else f["recv_scale"])
+        else:
+            recv_x = slot.recv_bf16
+        cfg = slot.a2a.cfg
+        handle = Handle(slot.src_info, slot.layout_range, cfg.max_num_tokens, cfg.hidden_dim, cfg.num_experts,
+                        index, slot.call, T)
+        hook = self._hook(slot, slot.call, self._receive_dispatch) if return_recv_hook else None
+        return recv_x, slot.num, handle, self._event(async_finish, slot), hook
 
+    # ---- combine ----------------------------------------------------------------------------
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: torch.Tensor | None = None, **kwargs):
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None, **kwargs):
         """Send expert outputs home; `out[t] = sum_k topk_weights[t, k] * y(t, k)` (fp32, k order).
 
         Args:
-            x: `[L, C, H]` bfloat16 expert outputs, rows as the dispatch laid them out.
+            x: `[L, C, H]` bfloat16 expert outputs, rows as the dispatch laid them out (ignored with
+                `zero_copy`).
             topk_idx, topk_weights: `[T, K]` as given to the dispatch; weights float32.
-            handle: from the dispatch of this micro-batch.
+            handle: from the dispatch of this micro-batch (it may be combined more than once).
+            use_logfmt: refused (ValueError): LogFMT-compressed combine is not provided.
+            zero_copy: send from `get_next_low_latency_combine_buffer(handle)` (written by the caller)
+                instead of `x`.
+            async_finish: return an `EventOverlap` holding a CUDA event recorded after the call.
+            return_recv_hook: send now, receive when the returned hook is called.
             out: optional `[T, H]` bfloat16 to write into.
 
         Returns `(combined_x, event, hook)`: combined_x `[T, H]` bfloat16 (valid once the hook ran when
-        `return_recv_hook`), event None, hook or None.
+        `return_recv_hook`), an `EventOverlap`, the hook or None.
         """
         self._check_open()
-        self._refuse(kwargs, async_finish)
-        if not isinstance(handle, Handle) or not 0 <= handle.slot < len(self._a2a):
-            raise ValueError(f"handle: expected the handle returned by low_latency_dispatch, got {handle!r}")
-        a2a = self._a2a[handle.slot]
-        cfg, L = a2a.cfg, a2a.layout.num_local_experts
-        shape = (L, cfg.expert_capacity, cfg.hidden_dim)
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != torch.bfloat16:
-            raise ValueError(f"x: expected {list(shape)} bfloat16 expert outputs, got "
-                             f"{(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        slot = self._slot_of(handle)
+        self._settle(slot)
+        if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
+                                                      self._ids[:slot.T], topk_idx))
+            slot.state = _DISPATCHED
+            self._layout_ranges(slot)
+        a2a = slot.a2a
+        cfg = a2a.cfg
+        shape = (a2a.layout.num_local_experts, cfg.expert_capacity, cfg.hidden_dim)
         if out is None:
-            out = torch.empty(handle.num_tokens, cfg.hidden_dim, dtype=torch.bfloat16, device=x.device)
-        expert_y = x.contiguous().view(-1, cfg.hidden_dim)
-        a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)
-        hook = None
-        if return_recv_hook:
-            def hook():
-                a2a.combine(out, topk_idx, topk_weights, expert_y, do_send=False)
-        return out, None, hook
+            out = torch.empty(slot.T, cfg.hidden_dim, dtype=torch.bfloat16, device=a2a.device)
+        try:
+            if kwargs.get("combine_wait_recv_cost_stats") is not None:
+                raise ValueError("combine_wait_recv_cost_stats: not measured by moe_a2a's DeepEP facade "
+                                 "(docs/compat.md)")
+            self._refuse_unknown(kwargs, ("combine_wait_recv_cost_stats",))
+            if use_logfmt:
+                raise ValueError("use_logfmt=True: LogFMT-compressed combine is not supported by moe_a2a's DeepEP "
+                                 "facade (docs/compat.md)")
+            if zero_copy:
+                if slot.combine_buf is None:
+                    raise ValueError("zero_copy=True: nothing was written to get_next_low_latency_combine_buffer("
+                                     "handle) for this handle (call it, write the expert outputs there, then combine)")
+                y = slot.combine_buf
+            else:
+                y = x
+                if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != torch.bfloat16 \
+                        or x.device != a2a.device:
+                    raise ValueError(f"x: expected {list(shape)} bfloat16 expert outputs on {a2a.device}, got "
+                                     f"{(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if return_recv_hook:  # checked before sending: a receive that cannot run would leave the call open
+                check_combine_recv(cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
+        except ValueError as exc:
+            self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
+        expert_y = y.contiguous().view(-1, cfg.hidden_dim)
+        slot.combine_args = (out, topk_idx, topk_weights, expert_y)
+        self._run(slot, lambda: a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook))
+        slot.state = _COMBINE_SENT if return_recv_hook else _COMBINED
+        hook = self._hook(slot, slot.call, self._receive_combine) if return_recv_hook else None
+        return out, self._event(async_finish, slot), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
+        """The `[L, C, H]` bfloat16 buffer that `low_latency_combine(..., zero_copy=True)` sends from, for
+        this handle's micro-batch: write the expert outputs there (one buffer per alternating instance,
+        allocated at the first call: zero-copy callers pay its memory, others do not)."""
+        self._check_open()
+        slot = self._slot_of(handle)
+        if slot.combine_buf is None:
+            a2a = slot.a2a
+            slot.combine_buf = torch.zeros(a2a.layout.num_local_experts, a2a.cfg.expert_capacity,
+                                           a2a.cfg.hidden_dim, dtype=torch.bfloat16, device=a2a.device)
+        return slot.combine_buf
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """DeepEP's reset for reuse: zero both instances' receive buffers (recv_x, recv_count, the handles'
+        src_info and layout_range) and the zero-copy combine buffers, stream-ordered. Local: no peer
+        writes into these buffers outside this rank's own calls, so, unlike DeepEP's, it needs no
+        barrier (calling it on every rank, as DeepEP requires, does the same). Before the first dispatch
+        there is nothing to clean. Refused (ValueError) with other sizes than the Buffer's, or while a
+        returned hook has not run."""
+        self._check_open()
+        if not self._slots:
+            return
+        num_max, E, _, H = self._key
+        if (num_max_dispatch_tokens_per_rank, hidden, num_experts) != (num_max, H, E):
+            raise ValueError(f"clean_low_latency_buffer: this Buffer's sizes are (num_max_dispatch_tokens_per_rank, "
+                             f"hidden, num_experts) = {(num_max, H, E)}, got "
+                             f"{(num_max_dispatch_tokens_per_rank, hidden, num_experts)}")
+        if any(s.state in (_DISPATCH_SENT, _COMBINE_SENT) for s in self._slots):
+            raise ValueError("clean_low_latency_buffer: a call's receive hook has not run yet (call it first)")
+        for s in self._slots:
+            for t in (s.num, s.ex, s.exs, s.layout_range, s.combine_buf):
+                if t is not None:
+                    t.zero_()
+
+    def check(self) -> None:
+        """`AllToAll.check()` of both instances: raise what went wrong in calls already issued (for CUDA-graph
+        replays, which make no host call)."""
+        self._check_open()
+        for s in self._slots:
+            s.a2a.check()
 
     def close(self) -> None:
         """Stop both instances (their proxies, shared memory). Idempotent; every later call raises
         ValueError."""
         self._closed = True
-        for a2a in self._a2a:
-            a2a.close()
-        self._a2a, self._outputs = [], []
+        for s in self._slots:
+            s.a2a.close()
+        self._slots = []
 
     def destroy(self) -> None:
         """DeepEP's name for `close()`."""
@@ -210,43 +429,137 @@ class Buffer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- internals --------------------------------------------------------------------------
+    # ---- the calls of a slot ------------------------------------------------------------------
+    def _run(self, slot: _Slot, half) -> None:
+        """One half of the slot's `AllToAll` call. An exception ends the call (on every rank, for the
+        ValueError, CallAborted and CapacityExceeded that leave the instance usable): the slot is free."""
+        try:
+            half()
+        except BaseException:
+            slot.state, slot.combine_args = _FREE, None
+            raise
+
+    def _received(self, slot: _Slot) -> None:
+        """After the dispatch's receive half: the layout ranges, the caller's statistics."""
+        slot.state = _DISPATCHED
+        self._layout_ranges(slot)
+        if slot.stats is not None:
+            slot.stats.add_(slot.num)
+
     @staticmethod
-    def _refuse(kwargs: dict, async_finish: bool) -> None:
-        unknown = [k for k in kwargs if k not in _UNSUPPORTED]
+    def _layout_ranges(slot: _Slot) -> None:
+        """handle[1] from the count matrix (`AllToAll.counts`, every source's row for this call):
+        `(begin << 32) | count` with begin = the rows of earlier sources, as
+        cumsum * 2**32 - count * (2**32 - 1)."""
+        torch.cumsum(slot.counts, dim=1, dtype=torch.int64, out=slot.layout_range)
+        slot.layout_range.mul_(1 << 32).sub_(slot.counts, alpha=(1 << 32) - 1)
+
+    def _receive_dispatch(self, slot: _Slot) -> None:
+        if slot.state == _DISPATCH_SENT:
+            T = slot.T
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload, self._ids[:T],
+                                                      None, do_send=False))
+            self._received(slot)
+
+    def _receive_combine(self, slot: _Slot) -> None:
+        if slot.state == _COMBINE_SENT:
+            out, idx, w, y = slot.combine_args
+            self._run(slot, lambda: slot.a2a.combine(out, idx, w, y, do_send=False))
+            slot.state, slot.combine_args = _COMBINED, None
+
+    def _settle(self, slot: _Slot) -> None:
+        """Run the receive half a hook has not run yet (its data is then in place when the hook runs)."""
+        self._receive_dispatch(slot)
+        self._receive_combine(slot)
+
+    def _retire(self, slot: _Slot) -> None:
+        """Before the slot's next dispatch: finish its call. A dispatch never combined gets a combine of
+        nothing (zero weights into scratch rows: every rank does it, as every rank skipped that combine)."""
+        self._settle(slot)
+        if slot.state == _DISPATCHED:
+            s = self._scratch_buffers()
+            T = slot.T
+            self._run(slot, lambda: slot.a2a.combine(s["out"][:T], s["idx"][:T], s["w"][:T], slot.ex))
+        slot.state, slot.payload, slot.stats, slot.combine_args = _FREE, None, None, None
+
+    def _hook(self, slot: _Slot, call: int, receive):
+        def hook() -> None:
+            """Receive this call's data (a no-op when it was received already)."""
+            self._check_open()
+            if slot.call != call:
+                raise ValueError(f"this hook's call ({call}) was finished and its buffers reused by call "
+                                 f"{slot.call}: call hooks before the dispatch two calls later")
+            receive(slot)
+        return hook
+
+    def _event(self, async_finish: bool, slot: _Slot) -> EventOverlap:
+        if async_finish and slot.a2a.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(slot.a2a.device))
+            return EventOverlap(event)
+        return EventOverlap()
+
+    def _slot_of(self, handle) -> _Slot:
+        if not isinstance(handle, Handle) or not 0 <= handle.slot < len(self._slots):
+            raise ValueError(f"handle: expected the handle returned by low_latency_dispatch, got {handle!r}")
+        slot = self._slots[handle.slot]
+        if slot.call != handle.call or slot.state == _FREE:
+            raise ValueError(f"handle: call {handle.call} is over (its buffers were reused by a later dispatch, or "
+                             f"the call was aborted): combine a handle before the dispatch two calls later")
+        return slot
+
+    def _scratch_buffers(self) -> dict:
+        if self._scratch is None:
+            cfg, dev = self._slots[0].a2a.cfg, self._slots[0].a2a.device
+            T, K, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim
+            self._scratch = {"out": torch.empty(T, H, dtype=torch.bfloat16, device=dev),
+                             "idx": torch.zeros(T, K, dtype=torch.int64, device=dev),
+                             "w": torch.zeros(T, K, dtype=torch.float32, device=dev)}
+        return self._scratch
+
+    # ---- checks -------------------------------------------------------------------------------
+    @staticmethod
+    def _refuse_unknown(kwargs: dict, known: tuple) -> None:
+        unknown = [k for k in kwargs if k not in known]
         if unknown:
             raise ValueError(f"unexpected arguments {unknown}")
-        used = [k for k in _UNSUPPORTED if kwargs.get(k)]
-        if async_finish:
-            used.append("async_finish")
-        if used:
-            raise ValueError(f"not supported by moe_a2a's DeepEP facade: {used} (docs/compat.md)")
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this Buffer is closed (close() or destroy() released its buffers and proxies): "
                              "build a new Buffer")
 
-    def _sizes(self, x, topk_idx, num_max: int, num_experts: int, use_fp8: bool) -> tuple:
-        """What sizes the buffers: (num_max_dispatch_tokens_per_rank, num_experts, top-k, hidden, use_fp8)."""
+    @staticmethod
+    def _sizes(x, topk_idx, num_max, num_experts, use_fp8: bool) -> tuple:
+        """What sizes the buffers: (num_max_dispatch_tokens_per_rank, num_experts, top-k, hidden)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise ValueError(f"x: expected a [T, H] bfloat16 tensor, got "
+                             f"{(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            raise ValueError(f"x: expected last stride 1, got strides {x.stride()}")
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: expected an int, got {value!r}")
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
             raise ValueError(f"topk_idx: expected a [T, K] tensor, got "
                              f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-            raise ValueError(f"num_experts: expected an int, got {num_experts!r}")
-        return (num_max, num_experts, topk_idx.shape[1], x.shape[1], bool(use_fp8))
+        if x.shape[0] > num_max:
+            raise ValueError(f"x: {x.shape[0]} tokens > num_max_dispatch_tokens_per_rank ({num_max})")
+        H = x.shape[1]
+        if use_fp8 and not fp8_fits(H):
+            raise ValueError(f"use_fp8=True needs an even hidden size >= 4 (its fp8 payload and scales travel in "
+                             f"the bytes of a bf16 row), got hidden {H}")
+        return (num_max, num_experts, topk_idx.shape[1], H)
 
-    def _config(self, sizes: tuple) -> A2AConfig:
-        num_max, num_experts, top_k, hidden, use_fp8 = sizes
-        if num_max < 1 or num_experts < 1:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank and num_experts must be >= 1, got "
-                             f"{num_max}, {num_experts}")
-        if num_experts % self.group_size:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({self.group_size})")
-        return A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
-                         in_dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                         scale_block=128 if use_fp8 else None, out_dtype=torch.bfloat16,
-                         expert_capacity=num_max * self.group_size)
+    def _check_on_device(self, x, stats) -> None:
+        a2a = self._slots[0].a2a
+        if x.device != a2a.device:
+            raise ValueError(f"x: expected device {a2a.device}, got {x.device}")
+        L = a2a.layout.num_local_experts
+        if stats is not None and (not isinstance(stats, torch.Tensor) or tuple(stats.shape) != (L,)
+                                  or stats.dtype not in (torch.int32, torch.int64) or stats.device != a2a.device):
+            raise ValueError(f"cumulative_local_expert_recv_stats: expected an int32 [{L}] tensor on {a2a.device}, got "
+                             f"{(tuple(stats.shape), stats.dtype, str(stats.device)) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
 
     def _build(self, error: ValueError | None, sizes: tuple | None, x) -> None:
         """The first call: build both instances, sized from its arguments, on every rank or on none.
@@ -258,11 +571,17 @@ class Buffer:
         cfg = None
         if error is None:
             try:
-                cfg = self._config(sizes)
+                num_max, num_experts, top_k, hidden = sizes
+                if num_max < 1 or num_experts < 1:
+                    raise ValueError(f"num_max_dispatch_tokens_per_rank and num_experts must be >= 1, got "
+                                     f"{num_max}, {num_experts}")
+                if num_experts % self.group_size:
+                    raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
+                                     f"({self.group_size})")
+                cfg = _config(num_max, num_experts, top_k, hidden, self.group_size)
             except ValueError as exc:
                 error = exc
-        names = ("num_max_dispatch_tokens_per_rank", "num_experts", "top-k (topk_idx.shape[1])",
-                 "hidden (x.shape[1])", "use_fp8")
+        names = ("num_max_dispatch_tokens_per_rank", "num_experts", "top-k (topk_idx.shape[1])", "hidden (x.shape[1])")
         mine = (None if error is None else str(error),
                 None if sizes is None else {n: str(v) for n, v in zip(names, sizes)})
         table = all_gather(self.group, mine)
@@ -287,14 +606,19 @@ class Buffer:
             options["device"] = x.device
         built: list[AllToAll] = []
         try:
-            for _ in range(2):
-                built.append(AllToAll(cfg, **options))
-            self._outputs = [a2a.empty_dispatch_outputs() for a2a in built]
+            # Under torch's stock default device, whatever the caller set (DeepEP's test sets cuda): the
+            # construction's host-side tables are CPU tensors. The facade's own tensors name their device.
+            with torch.device("cpu"):
+                for _ in range(2):
+                    built.append(AllToAll(cfg, **options))
+            slots = [_Slot(a2a, cfg.max_num_tokens) for a2a in built]
         except BaseException:
             for a2a in built:
                 a2a.close()
             raise
-        self._a2a, self._key = built, sizes
+        dev = built[0].device
+        self._ids = torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev).view(torch.float32).view(-1, 1)
+        self._slots, self._key = slots, sizes
 
 
-__all__ = ["topk_idx_t", "Buffer", "Handle"]
+__all__ = ["topk_idx_t", "Buffer", "Config", "EventOverlap", "Handle"]

@@ -64,8 +64,8 @@ class Flag(enum.IntEnum):
     # GPU -> model: 1 + bound_m of a call whose device-side token count was outside [0, T] (sticky until
     # the host reports it); that call was aborted on every rank.
     BAD_BOUND_M = 22
-    # proxy -> GPU: every count row of this epoch is in the routing area (remote ones copied by the
-    # proxies, same-node ones published by the peers): the remainder/combine plan kernel may read them.
+    # proxy -> GPU: every count row of this epoch has arrived (remote ones at the head of their private
+    # writes, same-node ones in the routing area): the plan kernel may copy and read them.
     COUNT_ROWS_READY = 23
     # GPU -> proxy: the remainder and combine write tables of this epoch are written (`WriteTable`).
     REMAINDER_PLANNED = 24
@@ -91,7 +91,7 @@ class ShardWord(enum.IntEnum):
     """int64 words of one proxy shard's line (epochs, except the cumulative *_POSTED counts). Written
     by that shard only (release stores), read by the other shards (acquire loads) and the model."""
 
-    ROWS_COPIED = 0           # its remote sources' count rows are in the routing area
+    ROWS_LANDED = 0           # its remote sources' private writes (count rows first) have landed
     DISPATCH_RECV = 1         # every DISPATCH immediate of its sources has arrived
     DISPATCH_WRITES_DONE = 2  # its dispatch writes completed
     COMBINE_RECV = 3          # every COMBINE immediate of its sources has arrived
@@ -273,4 +273,7 @@ HALF_FLAGS = {
     # row, writes the remainder and combine tables and raises REMAINDER_PLANNED.
     "dispatch_plan": HalfFlags(Flag.COUNT_ROWS_READY, 0, Flag.REMAINDER_PLANNED, Flag.STATUS_DISPATCH_PLAN,
                                "dispatch: every peer's count row (for the remainder plan)"),
+    # Host waits on a GPU only: the plan kernel has copied the remote count rows in (the host reads them).
+    "dispatch_planned": HalfFlags(Flag.REMAINDER_PLANNED, 0, None, Flag.STATUS_DISPATCH_PLAN,
+                                  "dispatch: the plan kernel (remote count rows copied in)"),
 }

@@ -899,6 +899,12 @@ class EmulatedEngine:
         """Writes posted and not yet completed locally."""
         return self._pending
 
+    @property
+    def imm_counter(self) -> dict[int, int]:
+        """The live counts of received immediates (value -> count; a value is absent at 0): read it, never
+        write it (`take_imm` consumes). Set operations on its keys check many expected values at C speed."""
+        return self._imm_counts
+
     def imm_count(self, imm: int) -> int:
         """Immediates `imm` received and not yet consumed (no progress is made)."""
         return self._imm_counts.get(imm, 0)

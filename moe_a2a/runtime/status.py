@@ -123,11 +123,14 @@ class Status:
                              f"-1 (not routed) or a value in [0, {self.cfg.num_experts}) (checked on the GPU "
                              f"without a host sync; that route was not sent; the instance stays usable)")
 
-    def aborted_sources(self) -> list[int]:
-        """Host waits: the sources whose count row of this call is -1 (others than this rank)."""
+    def aborted_sources(self, epoch: int) -> list[int]:
+        """Host waits: the sources whose count row of this call is -1 (others than this rank). With remote
+        peers their rows are copied in by the plan kernel: on a GPU, wait for its REMAINDER_PLANNED first."""
         w = self.w
         if w.ready_words is None:
             return []
+        if w.with_proxy and w.device.type == "cuda":
+            self.host_wait("dispatch_planned", epoch)
         col = w.counts_np[:, 0]
         return [s for s in range(w.layout.world_size) if s != w.rank and col[s] < 0]
 

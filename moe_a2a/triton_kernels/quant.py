@@ -7,6 +7,16 @@ shorter when H is not a multiple of `block`):
     scale   = 1.0 if scale < 2**-126 (the smallest normal fp32; covers all-zero blocks)
     x_fp8   = e4m3fn(clamp(x / scale, -448, 448))          (x / scale correctly rounded, then RNE)
 
+With `round_scale=True` the scale is then rounded up to a power of two, `2 ** ceil(log2(scale))`
+(DeepEP's `round_scale`; exact: the fp32 bits with the mantissa cleared and the exponent bumped when
+the mantissa was not zero), so dividing by it is exact and `|x / scale| <= 448` still holds. With
+`ue8m0=True` (which implies `round_scale`) the scales are written as UE8M0 codes, the biased fp32
+exponent byte `e` of the power-of-two scale (`scale = 2 ** (e - 127)`), packed four per int32 in
+DeepEP's layout: int32 column `j // 4` of a row holds scale block `j` in its byte `j % 4` (little-endian,
+so a `uint8` view of the int32 tensor lists the codes in block order), `ceil(ceil(H / block) / 4)`
+int32 per token; the padding bytes of the last int32 (when the block count is not a multiple of 4) are
+written as zero.
+
 The guard keeps every division on normal numbers: a block whose amax is below 448 * 2**-126 ≈ 5e-36
 (in particular an all-zero block) gets scale 1, and its values, all smaller than the smallest e4m3
 subnormal, quantise to ±0 — dequantisation gives ±0 for them, an absolute error below 5e-36.
@@ -20,7 +30,8 @@ Two ways to produce the fp8 byte, chosen by the launcher:
   this path bitwise against torch's `.to(torch.float8_e4m3fn)`, and on a GPU the two paths against
   each other.
 
-Memory traffic per token: H * itemsize read, H bytes + 4 * ceil(H / block) bytes written.
+Memory traffic per token: H * itemsize read, H bytes + 4 * ceil(H / block) bytes written (UE8M0:
+ceil(H / block) bytes).
 """
 from __future__ import annotations
 
@@ -38,19 +49,22 @@ FP8_E4M3_MAX = 448.0
 def _quantize_fp8_kernel(
     x_ptr,            # (T, H) bf16/fp16/fp32, last stride 1
     out_ptr,          # (T, H) float8_e4m3fn, or its uint8 view when FP8_VIA_BITS; last stride 1
-    scale_ptr,        # (T, S) float32, S = ceil(H / block), any strides
+    scale_ptr,        # (T, S) float32, S = ceil(H / block), any strides; UE8M0: uint8 view of the
+                      # (T, ceil(S / 4)) int32 codes (byte j of a row = block j), strides in bytes
     bound_m_ptr,      # (1,) int32 live token count; read only when HAS_BOUND_M
     num_tokens,       # T
     hidden,           # H
     block,            # elements per scale
     stride_x_t,       # elements
     stride_out_t,     # elements
-    stride_scale_t,   # elements
-    stride_scale_s,   # elements
+    stride_scale_t,   # elements (UE8M0: bytes)
+    stride_scale_s,   # elements (UE8M0: 1)
     BLOCK_T: tl.constexpr,     # token rows per program
     BLOCK_C: tl.constexpr,     # next_pow2(block): one scale block per program
     HAS_BOUND_M: tl.constexpr,
     FP8_VIA_BITS: tl.constexpr,
+    ROUND_SCALE: tl.constexpr = False,  # scale rounded up to a power of two
+    UE8M0: tl.constexpr = False,        # store the scale's exponent byte (needs ROUND_SCALE)
 ):
     """Grid: (cdiv(T, BLOCK_T), S): one program per BLOCK_T tokens x one scale block."""
     pid_t = tl.program_id(0)
@@ -68,6 +82,10 @@ def _quantize_fp8_kernel(
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(amax, 448.0)
     scale = tl.where(scale >= 1.1754943508222875e-38, scale, 1.0)  # 2**-126, see the overview
+    if ROUND_SCALE:
+        # 2 ** ceil(log2(scale)) of a positive normal fp32: clear the mantissa, carrying into the
+        # exponent when it was not zero (scale <= 3.4e38 / 448: the exponent cannot overflow).
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     q = tl.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
 
@@ -88,7 +106,18 @@ def _quantize_fp8_kernel(
         tl.store(out_ptr + out_offs, code.to(tl.uint8), mask=mask)
     else:
         tl.store(out_ptr + out_offs, q.to(tl.float8e4nv), mask=mask)
-    tl.store(scale_ptr + rows * stride_scale_t + pid_s * stride_scale_s, scale, mask=row_ok)
+    if UE8M0:
+        exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased: scale = 2 ** (exponent - 127)
+        tl.store(scale_ptr + rows * stride_scale_t + pid_s * stride_scale_s, exponent.to(tl.uint8), mask=row_ok)
+        # The last block's program zeroes the padding bytes of the row's last int32 (S not a multiple of 4);
+        # the condition is folded into the column bound, a block mask of tensors only.
+        num_blocks = tl.cdiv(hidden, block)
+        pad = num_blocks + tl.arange(0, 4)
+        pad_end = tl.where(pid_s == num_blocks - 1, (num_blocks + 3) // 4 * 4, 0)
+        tl.store(scale_ptr + rows[:, None] * stride_scale_t + pad[None, :] * stride_scale_s,
+                 tl.zeros([BLOCK_T, 4], dtype=tl.uint8), mask=row_ok[:, None] & (pad[None, :] < pad_end))
+    else:
+        tl.store(scale_ptr + rows * stride_scale_t + pid_s * stride_scale_s, scale, mask=row_ok)
 
 
 def quantize_fp8(
@@ -98,18 +127,23 @@ def quantize_fp8(
     out_scale: torch.Tensor | None = None,
     bound_m: torch.Tensor | None = None,
     *,
+    round_scale: bool = False,
+    ue8m0: bool = False,
     _fp8_via_bits: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise `x` to fp8 e4m3 with one fp32 scale per `block` elements of a row.
+    """Quantise `x` to fp8 e4m3 with one scale per `block` elements of a row.
 
     Args:
         x: `[num_tokens, H]` bf16/fp16/fp32, last stride 1, finite values.
         block: elements per scale (any positive int; H need not be a multiple).
         out: optional `[num_tokens, H]` float8_e4m3fn, last stride 1.
-        out_scale: optional `[num_tokens, ceil(H / block)]` float32, any strides.
+        out_scale: optional `[num_tokens, ceil(H / block)]` float32, any strides; with `ue8m0`,
+            `[num_tokens, ceil(ceil(H / block) / 4)]` int32, last stride 1.
         bound_m: optional `[1]` int32 device tensor: rows >= min(bound_m, T) are not written.
+        round_scale: scales rounded up to powers of two (module docstring).
+        ue8m0: scales as UE8M0 exponent bytes packed four per int32 (implies `round_scale`).
 
-    Returns `(x_fp8, scale)`; `dequantize_fp8(x_fp8, scale, block)` approximates x.
+    Returns `(x_fp8, scale)`; `dequantize_fp8(x_fp8, scale, block)` approximates x (either scale form).
     One launch, no CPU sync; safe in a CUDA graph when the outputs are given.
     `_fp8_via_bits` forces the integer encoding (default: on CPU only); for tests.
     """
@@ -122,13 +156,28 @@ def quantize_fp8(
         out = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=device)
     else:
         check.tensor("out", out, dtypes=(torch.float8_e4m3fn,), shape=(T, H), device=device)
-    if out_scale is None:
+    round_scale, ue8m0 = bool(round_scale) or bool(ue8m0), bool(ue8m0)
+    if ue8m0:
+        S4 = ceil_div(S, 4)
+        if out_scale is None:
+            out_scale = torch.empty(T, S4, dtype=torch.int32, device=device)
+        else:
+            check.tensor("out_scale", out_scale, dtypes=(torch.int32,), shape=(T, S4), device=device)
+    elif out_scale is None:
         out_scale = torch.empty(T, S, dtype=torch.float32, device=device)
     else:
         check.tensor("out_scale", out_scale, dtypes=(torch.float32,), shape=(T, S), device=device, strides="any")
     check.bound_m(bound_m, device)
     if T == 0 or H == 0:
         return out, out_scale
+    if ue8m0:  # byte j of a row is block j's code: a uint8 view, strides in bytes
+        codes = out_scale if out_scale.stride(-1) == 1 else \
+            out_scale.as_strided((T, S4), (out_scale.stride(0), 1))  # S4 == 1: the last stride is moot
+        scale_arg = codes.view(torch.uint8)
+        stride_scale_t, stride_scale_s = scale_arg.stride(0), 1
+    else:
+        scale_arg = out_scale
+        stride_scale_t, stride_scale_s = out_scale.stride(0), out_scale.stride(1)
 
     via_bits = device.type != "cuda" if _fp8_via_bits is None else bool(_fp8_via_bits)
     block_c = next_power_of_2(block)
@@ -136,11 +185,11 @@ def quantize_fp8(
     block_t = max(1, min(next_power_of_2(T), 4096 // block_c))
     grid = (ceil_div(T, block_t), S)
     _quantize_fp8_kernel[grid](
-        x, out.view(torch.uint8) if via_bits else out, out_scale,
-        bound_m if bound_m is not None else out_scale,  # never read without HAS_BOUND_M
-        T, H, block, x.stride(0), out.stride(0), out_scale.stride(0), out_scale.stride(1),
+        x, out.view(torch.uint8) if via_bits else out, scale_arg,
+        bound_m if bound_m is not None else out,  # never read without HAS_BOUND_M
+        T, H, block, x.stride(0), out.stride(0), stride_scale_t, stride_scale_s,
         BLOCK_T=block_t, BLOCK_C=block_c, HAS_BOUND_M=bound_m is not None, FP8_VIA_BITS=via_bits,
-        num_warps=4,
+        ROUND_SCALE=round_scale, UE8M0=ue8m0, num_warps=4,
     )
     return out, out_scale
 
@@ -148,12 +197,27 @@ def quantize_fp8(
 def dequantize_fp8(
     x_fp8: torch.Tensor, scale: torch.Tensor, block: int = 128, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Plain-torch inverse for tests and debugging: `x_fp8 * scale` per block, cast to out_dtype."""
+    """Plain-torch inverse for tests and debugging: `x_fp8 * scale` per block, cast to out_dtype.
+    `scale` is float32 `[T, ceil(H / block)]` or, UE8M0, int32 `[T, ceil(ceil(H / block) / 4)]`."""
     check.tensor("x_fp8", x_fp8, shape=("T", "H"), strides="any")
-    check.tensor("scale", scale, shape=(x_fp8.shape[0], ceil_div(x_fp8.shape[1], block)), strides="any")
+    S = ceil_div(x_fp8.shape[1], block)
+    if scale.dtype == torch.int32:
+        check.tensor("scale", scale, shape=(x_fp8.shape[0], ceil_div(S, 4)), strides="any")
+        scale = ue8m0_to_float(scale, S)
+    check.tensor("scale", scale, shape=(x_fp8.shape[0], S), strides="any")
     H = x_fp8.shape[1]
     full = scale.float().repeat_interleave(block, dim=1)[:, :H]
     return (x_fp8.float() * full).to(out_dtype)
 
 
-__all__ = ["quantize_fp8", "dequantize_fp8", "FP8_E4M3_MAX"]
+def ue8m0_to_float(codes: torch.Tensor, num_scales: int) -> torch.Tensor:
+    """UE8M0 codes packed four per int32 (`[T, ceil(S / 4)]`, byte j of a row = block j) as float32
+    scales `[T, S]`: `2 ** (code - 127)` (plain torch; for tests and dequantisation)."""
+    check.tensor("codes", codes, dtypes=(torch.int32,), shape=("T", ceil_div(num_scales, 4)), strides="any")
+    shifts = torch.arange(4, dtype=torch.int32, device=codes.device) * 8
+    byte = (codes.unsqueeze(-1) >> shifts) & 0xFF                      # little-endian bytes, [T, S4, 4]
+    byte = byte.reshape(codes.shape[0], 4 * codes.shape[1])[:, :num_scales]
+    return (byte << 23).view(torch.float32)                              # exponent field only
+
+
+__all__ = ["quantize_fp8", "dequantize_fp8", "ue8m0_to_float", "FP8_E4M3_MAX"]

@@ -12,10 +12,12 @@ and posts (docs/protocol.md, "Write tables"). Two one-program kernels, launched 
   this rank's private slot there); its immediate says whether a remainder write follows
   (`Imm.DISPATCH_MORE`), so no receiver computes that from the counts.
 - `plan_remainder_and_combine_writes`, at the head of the dispatch recv half: it waits for
-  `Flag.COUNT_ROWS_READY` (every count row is in the routing area), writes the remainder writes (pairs
-  with more than P routes) and the combine writes, then raises `Flag.REMAINDER_PLANNED`.
+  `Flag.COUNT_ROWS_READY` (every private write has landed, the node peers' rows are in), copies the
+  remote count rows from the private slots' headers into the routing area, checks every row, writes the
+  remainder writes (pairs with more than P routes) and the combine writes, then raises
+  `Flag.REMAINDER_PLANNED`.
 
-Both read at most W*E int32 (256 KB at W=256, E=256) and write 3*W*4 int64: a few µs on a GPU.
+Both read each count at most once (W*E int32: 64 KB at W=64, E=256) and write 3*W*4 int64.
 The rows equal `plan.private_writes / remainder_writes / combine_writes` for every remote peer
 (tests/triton_kernels/test_write_plan.py); rows of same-node peers and of this rank are zero.
 """
@@ -38,10 +40,8 @@ _DISPATCH_MORE: tl.constexpr = tl.constexpr(int(Imm.DISPATCH_MORE))
 _DISPATCH_REMAINDER: tl.constexpr = tl.constexpr(int(Imm.DISPATCH_REMAINDER))
 _COMBINE: tl.constexpr = tl.constexpr(int(Imm.COMBINE))
 
-# Source rows per step of the remainder's column sums (a [BLOCK_S, W_PAD] tile per step).
+# Count rows per step of the plan kernel's pass (a [BLOCK_S, W, L] tile: 4096 counts at E=256).
 BLOCK_S = 16
-# Experts per step of the combine's row prefix (`_details.send_offsets_of`).
-BLOCK_E = 64
 
 
 @triton.jit
@@ -66,30 +66,6 @@ def _routes_row(counts_ptr, stride_counts_w, s, W: tl.constexpr, L: tl.constexpr
     ll = tl.arange(0, L_PAD)[None, :]
     c = tl.load(counts_ptr + s.to(tl.int64) * stride_counts_w + dd * L + ll, mask=(dd < W) & (ll < L), other=0)
     return tl.sum(tl.maximum(c, 0).to(tl.int64), axis=1)
-
-
-@triton.jit
-def _first_bad_row(counts_ptr, stride_counts_w, MAX_ROUTES: tl.constexpr, W: tl.constexpr, E: tl.constexpr,
-                   W_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The first source whose count row is neither all -1 (an aborted call) nor non-negative with at most
-    MAX_ROUTES = T*K routes (`plan.validate_counts`), or W_PAD when every row is sound. Reads W*E int32."""
-    first = tl.full([], W_PAD, tl.int32)
-    for s0 in range(0, W, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        lo = tl.full([BLOCK_S], 0, tl.int32)
-        hi = tl.full([BLOCK_S], -1, tl.int32)
-        total = tl.zeros([BLOCK_S], dtype=tl.int64)
-        for e0 in range(0, E, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            m = (s[:, None] < W) & (e[None, :] < E)
-            c = tl.load(counts_ptr + s[:, None].to(tl.int64) * stride_counts_w + e[None, :], mask=m, other=0)
-            lo = tl.minimum(lo, tl.min(tl.where(m, c, 0), axis=1))
-            hi = tl.maximum(hi, tl.max(tl.where(m, c, -1), axis=1))
-            total += tl.sum(c.to(tl.int64), axis=1)
-        aborted = (lo == -1) & (hi == -1)
-        bad = (s < W) & ~aborted & ((lo < 0) | (total > MAX_ROUTES))
-        first = tl.minimum(first, tl.min(tl.where(bad, s, W_PAD), axis=0))
-    return first
 
 
 @triton.jit(do_not_specialize=["rank", "node_first"])
@@ -122,70 +98,90 @@ def _plan_private_writes_kernel(
 @triton.jit(do_not_specialize=["rank", "node_first", "timeout_ns", "max_spins"])
 def _plan_remainder_and_combine_kernel(
     # inputs
-    counts_ptr,          # (W, E) int32, row stride `stride_counts_w`: every row final once COUNT_ROWS_READY
+    counts_ptr,          # (W, E) int32, row stride `stride_counts_w`: this rank's and its node peers' rows final
+    base_ptr,            # uint8: byte address space of this rank's recv buffer (`headers_bytes` into it)
     epoch_ptr,           # (1,) int64
     failed_ptr,          # (1,) int64 sticky failure word (device)
     flags_ptr,           # (N,) int64 this rank's flags area (host memory seen through UVA on a GPU)
     stride_counts_w,
+    headers_bytes,       # offset from base of source 0's private-slot header (its count row, as it landed)
     rank, node_first,
     timeout_ns, max_spins,
-    # outputs
+    # outputs (and counts_ptr: the remote sources' rows)
     remainder_ptr,       # (W, 4) int64: the REMAINDER write table
     combine_ptr,         # (W, 4) int64: the COMBINE write table
-    NODE: tl.constexpr, P: tl.constexpr, PRIVATE_SLOT_ROWS: tl.constexpr,
+    NODE: tl.constexpr, P: tl.constexpr, PRIVATE_SLOT_ROWS: tl.constexpr, SLOT_WORDS: tl.constexpr,
     DISPATCH_STRIDE_BYTES: tl.constexpr, COMBINE_STRIDE_BYTES: tl.constexpr,
     COMBINE_STAGE_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr,
-    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    MAX_ROUTES: tl.constexpr,
     PROXY_WAIT_WORD: tl.constexpr, SIGNAL_WORD: tl.constexpr, ERROR_WORD: tl.constexpr, STATUS_WORD: tl.constexpr,
-    BAD_COUNTS_WORD: tl.constexpr, MAX_ROUTES: tl.constexpr,
+    BAD_COUNTS_WORD: tl.constexpr,
     SPIN: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
 ):
-    """Grid (1,), four warps: wait for every count row, check them, then the remainder writes of this rank
-    (`plan.remainder_writes`) and its combine writes (`plan.combine_writes`); raise REMAINDER_PLANNED."""
-    # Only the proxy's flag: it raises COUNT_ROWS_READY once the node peers' rows are in too.
+    """Grid (1,), four warps: once the proxy says every private write has landed (COUNT_ROWS_READY),
+    one pass over the W count rows, BLOCK_S at a time as [BLOCK_S, W, L] tiles: the remote sources' rows
+    are copied from their private-slot headers into the routing area (the proxy copies nothing), every row
+    is checked (`plan.validate_counts`), and the sums the plans need are accumulated; then the remainder
+    writes of this rank (`plan.remainder_writes`) and its combine writes (`plan.combine_writes`); raise
+    REMAINDER_PLANNED. Each count is read once: the rows are in host memory, a PCIe read away, so the
+    tiles keep many loads in flight."""
     ok = d.node_wait(flags_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
                      PROXY_WAIT_WORD, 0, ERROR_WORD, STATUS_WORD, USE_PTX, SPIN, BACKOFF_NS)
     if ok:
-        # Every row is checked before any offset is derived from it (a corrupt or malicious peer row
-        # would otherwise send our writes, and the unpack's reads, out of bounds).
-        bad_source = _first_bad_row(counts_ptr, stride_counts_w, MAX_ROUTES, W, W * L, W_PAD, BLOCK_S, BLOCK_E)
+        headers = (base_ptr + headers_bytes).to(tl.pointer_type(tl.int32))
+        peer = tl.arange(0, W_PAD)
+        d3 = tl.arange(0, W_PAD)[None, :, None]
+        l3 = tl.arange(0, L_PAD)[None, None, :]
+        expert = d3 * L + l3
+        d2 = tl.arange(0, W_PAD)[None, :]
+        n = tl.zeros([W_PAD], dtype=tl.int64)       # routes[rank, d]
+        before = tl.zeros([W_PAD], dtype=tl.int64)  # sum_{s<rank} max(routes[s, d] - P, 0)
+        n_src = tl.zeros([W_PAD], dtype=tl.int64)   # routes[s, rank]
+        first = tl.zeros([W_PAD], dtype=tl.int64)   # sum_{d<rank} routes[s, d]
+        bad_source = tl.full([], W_PAD, tl.int32)
+        for s0 in range(0, W, BLOCK_S):
+            s1 = s0 + tl.arange(0, BLOCK_S)
+            s3 = s1[:, None, None]
+            is_remote = (s3 < node_first) | (s3 >= node_first + NODE)
+            m = (s3 < W) & (d3 < W) & (l3 < L)
+            c = tl.load(counts_ptr + s3.to(tl.int64) * stride_counts_w + expert, mask=m & ~is_remote, other=0)
+            c += tl.load(headers + s3.to(tl.int64) * SLOT_WORDS + expert, mask=m & is_remote, other=0)
+            tl.store(counts_ptr + s3.to(tl.int64) * stride_counts_w + expert, c, mask=m & is_remote)
+            # Sound rows: all -1 (the source aborted the call), or non-negative with at most T*K routes.
+            lo = tl.min(tl.min(tl.where(m, c, 0), axis=2), axis=1)
+            hi = tl.max(tl.max(tl.where(m, c, -1), axis=2), axis=1)
+            total = tl.sum(tl.sum(c.to(tl.int64), axis=2), axis=1)
+            bad = (s1 < W) & ~((lo == -1) & (hi == -1)) & ((lo < 0) | (total > MAX_ROUTES))
+            bad_source = tl.minimum(bad_source, tl.min(tl.where(bad, s1, W_PAD), axis=0))
+            routes = tl.sum(tl.maximum(c, 0).to(tl.int64), axis=2)   # [BLOCK_S, W_PAD]: routes[s, d]
+            s2 = s1[:, None]
+            n += tl.sum(tl.where(s2 == rank, routes, 0), axis=0)
+            before += tl.sum(tl.where(s2 < rank, tl.maximum(routes - P, 0), 0), axis=0)
+            to_me = tl.sum(tl.where(d2 == rank, routes, 0), axis=1)  # [BLOCK_S]
+            below = tl.sum(tl.where(d2 < rank, routes, 0), axis=1)
+            row_of = s2 == d2                                       # block row i is source s0 + i
+            n_src += tl.sum(tl.where(row_of, to_me[:, None], 0), axis=0)
+            first += tl.sum(tl.where(row_of, below[:, None], 0), axis=0)
         if bad_source < W:
             tl.store(flags_ptr + BAD_COUNTS_WORD, 1 + bad_source.to(tl.int64))
             tl.store(failed_ptr, 1)
             ok = False
     if ok:
         epoch = tl.load(epoch_ptr)
-        peer = tl.arange(0, W_PAD)
         remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
         me = tl.full([W_PAD], 0, tl.int64) + rank
-        # ---- remainder: this rank's routes past the private region, to every remote d with n[d] > P.
-        n = _routes_row(counts_ptr, stride_counts_w, rank, W, L, W_PAD, L_PAD)
+        # ---- remainder: this rank's routes past the private region, to every remote d with n[d] > P; they
+        # land after the private slots and the remainders of every source s < rank (same-node sources
+        # included: the formula is the same on every rank).
         off = tl.cumsum(n, axis=0) - n
-        # Where they land at d: after the private slots and the remainders of every source s < rank
-        # (same-node sources included: the formula is the same on every rank).
-        before = tl.zeros([W_PAD], dtype=tl.int64)
-        for s0 in range(0, rank, BLOCK_S):
-            ss = s0 + tl.arange(0, BLOCK_S)[:, None]
-            dd = tl.arange(0, W_PAD)[None, :]
-            routes = tl.zeros([BLOCK_S, W_PAD], dtype=tl.int64)
-            for l in range(L):
-                c = tl.load(counts_ptr + ss.to(tl.int64) * stride_counts_w + dd * L + l,
-                            mask=(ss < rank) & (dd < W), other=0)
-                routes += tl.maximum(c, 0).to(tl.int64)
-            before += tl.sum(tl.maximum(routes - P, 0), axis=0)
         has_rest = remote & (n > P)
         imm = protocol_device.encode_imm(tl.full([W_PAD], _DISPATCH_REMAINDER, tl.int64), me, epoch)
         _store_rows(remainder_ptr, peer, has_rest, (off + P) * DISPATCH_STRIDE_BYTES,
                     (n - P) * DISPATCH_STRIDE_BYTES, (W * PRIVATE_SLOT_ROWS + before) * DISPATCH_STRIDE_BYTES, imm, W)
         # ---- combine: to every remote source s, its rows (staged source-major) back to the slots its
         # dispatch send buffer used: routes[s, rank] rows from stage[s], landing at sum_{d<rank} routes[s, d].
-        ss = tl.arange(0, W_PAD)[:, None]
-        ll = tl.arange(0, L_PAD)[None, :]
-        c = tl.load(counts_ptr + ss.to(tl.int64) * stride_counts_w + rank * L + ll, mask=(ss < W) & (ll < L), other=0)
-        n_src = tl.sum(tl.maximum(c, 0).to(tl.int64), axis=1)
         stage = tl.cumsum(n_src, axis=0) - n_src
-        first = d.send_offsets_of(counts_ptr, stride_counts_w, rank, remote, L, W_PAD, BLOCK_E)
         imm = protocol_device.encode_imm(tl.full([W_PAD], _COMBINE, tl.int64), me, epoch)
         _store_rows(combine_ptr, peer, remote, COMBINE_STAGE_BYTES + stage * COMBINE_STRIDE_BYTES,
                     n_src * COMBINE_STRIDE_BYTES, COMBINE_RECV_BYTES + first * COMBINE_STRIDE_BYTES, imm, W)
@@ -228,14 +224,20 @@ def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch:
 
 
 def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.Tensor, node: NodeSync,
-                                      rank: int, lay: Layout) -> None:
+                                      base: torch.Tensor, recv_bytes: int, rank: int, lay: Layout) -> None:
     """Wait (on the device, unless the host waited: `node.kernel_waits`) until `Flag.COUNT_ROWS_READY`
-    reaches this call's epoch, then write the REMAINDER and COMBINE tables of `write_tables` from every
-    count row and raise `Flag.REMAINDER_PLANNED` (release). A failed wait records its status word and the
-    sticky `node.failed` (as every synchronised kernel) and plans nothing; so does a corrupt count row
-    (`Flag.BAD_COUNTS`: the host raises at its next call).
+    reaches this call's epoch; copy the remote sources' count rows from their private-slot headers (in the
+    recv buffer at `base[recv_bytes:]`) into `counts`; check every row; write the REMAINDER and COMBINE
+    tables of `write_tables`; raise `Flag.REMAINDER_PLANNED` (release). A failed wait records its status
+    word and the sticky `node.failed` (as every synchronised kernel) and plans nothing; so does a corrupt
+    count row (`Flag.BAD_COUNTS`: the host raises at its next call).
+
+    Args:
+        counts: `[W, E]` int32, this rank's routing area: its own and its node peers' rows are final.
+        write_tables: `[WriteTable.NUM_TABLES, W, 4]` int64.
+        base: 1-D uint8 tensor: the byte address space the recv buffer is in (`recv_bytes` from its start).
     Asynchronous on a GPU and safe in a CUDA graph; one program."""
-    key = (launch.tensor_key(counts), launch.tensor_key(write_tables), node, rank, lay)
+    key = (launch.tensor_key(counts), launch.tensor_key(write_tables), node, base.data_ptr(), recv_bytes, rank, lay)
     if _REST.hit(key):
         return
     _check(counts, write_tables, lay)
@@ -243,18 +245,19 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
     wait, _, signal, status, _ = HALF_FLAGS["dispatch_plan"]
     W, L = lay.world_size, lay.num_local_experts
     _REST.launch(
-        key, (1,), counts, node.epoch, node.failed, node.flags, counts.stride(0), rank,
-        lay.node_of(rank) * lay.node_size, int(node.timeout_s * 1e9) if on_gpu else 0,
-        0 if on_gpu else node.interpreter_spins,
+        key, (1,), counts, base, node.epoch, node.failed, node.flags, counts.stride(0),
+        recv_bytes + lay.private_header_offset_bytes(0), rank, lay.node_of(rank) * lay.node_size,
+        int(node.timeout_s * 1e9) if on_gpu else 0, 0 if on_gpu else node.interpreter_spins,
         write_tables[int(WriteTable.REMAINDER)], write_tables[int(WriteTable.COMBINE)],
         NODE=lay.node_size, P=lay.private_rows, PRIVATE_SLOT_ROWS=lay.private_slot_rows,
+        SLOT_WORDS=lay.private_slot_bytes // 4,
         DISPATCH_STRIDE_BYTES=lay.dispatch_stride_bytes, COMBINE_STRIDE_BYTES=lay.combine_stride_bytes,
         COMBINE_STAGE_BYTES=lay.combine_stage_offset_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
-        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), BLOCK_S=BLOCK_S, BLOCK_E=BLOCK_E,
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), BLOCK_S=BLOCK_S, MAX_ROUTES=lay.max_routes,
         PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
-        STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS), MAX_ROUTES=lay.max_routes,
+        STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS),
         SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
-        num_warps=4)  # more loads in flight: the count rows are read over PCIe from the segment
+        num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
 
 
 _PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)

@@ -5,100 +5,245 @@ import pytest
 import torch
 
 from moe_a2a import A2AConfig, LocalCluster, reference
-from moe_a2a.triton_kernels.quant import quantize_fp8
+from moe_a2a.triton_kernels.quant import dequantize_fp8
 
 from ..conftest import TEST_DEVICE
+from ..triton_kernels.test_quant import torch_quantize, torch_ue8m0
 
 pytestmark = [pytest.mark.slow]
 
 T_MAX, E, K, H = 4, 8, 3, 64
 
 
-def _inputs(rank: int, seed: int, T: int, routing: str):
+def _inputs(rank: int, seed: int, T: int, routing: str, hidden: int = H):
     g = torch.Generator().manual_seed(seed * 100 + rank)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x = torch.randn(T, hidden, generator=g, dtype=torch.float32).to(torch.bfloat16)
     if routing == "skew":  # every token to the same K experts: each gets exactly the capacity (W * T_MAX rows)
         idx = torch.arange(K, dtype=torch.int64).repeat(T, 1)
     else:
         idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
-        idx[torch.rand(T, K, generator=g) < 0.2] = -1
-    w = torch.rand(T, K, generator=g)
+        idx[torch.rand(T, K, generator=g, dtype=torch.float32) < 0.2] = -1
+    w = torch.rand(T, K, generator=g, dtype=torch.float32)
     return x, idx, w
 
 
-def _facade_rank(a2a, rank, use_fp8: bool, token_counts, routing: str):
+MODES = [{"use_fp8": False}, {"use_fp8": True}, {"use_fp8": True, "round_scale": True},
+         {"use_fp8": True, "round_scale": True, "use_ue8m0": True}]
+H_FP8 = 640  # 5 scale blocks: UE8M0 codes fill one int32 and part of a second
+
+
+def _dequantize(recv_x, H: int) -> torch.Tensor:
+    """recv_x (bf16, or fp8 with fp32 / UE8M0 scales) as float32 [L, C, H], as DeepEP's test reads it."""
+    if isinstance(recv_x, torch.Tensor):
+        return recv_x.float()
+    q, s = recv_x
+    if s.dtype == torch.int32:  # UE8M0: each code byte shifted into an fp32 exponent field
+        s = (s.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    S = -(-H // 128)
+    return q.float() * s[..., :S].repeat_interleave(128, dim=-1)[..., :H]
+
+
+def _modes_rank(a2a, rank, token_counts, H):
+    """One Buffer, four calls: bf16, fp8, fp8 with rounded scales, fp8 with UE8M0 scales, as two pairs of
+    micro-batches in flight with their hooks called late, one cumulative statistics tensor."""
     from moe_a2a.compat import Buffer
 
-    dev = a2a.device
+    dev, W = a2a.device, a2a.world_size
     out = []
+    stats = torch.zeros(E // W, dtype=torch.int32, device=dev)
     # DeepEP's own construction keywords are taken (and its size hint given back as num_rdma_bytes).
-    hint = Buffer.get_low_latency_rdma_size_hint(T_MAX, H, a2a.world_size, E)
-    with Buffer(None, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=1,
+    hint = Buffer.get_low_latency_rdma_size_hint(T_MAX, H, W, E)
+    with Buffer(None, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=E // W,
                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=True,
-                transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
-        for seed in (1, 2):  # two micro-batches in flight at once: dispatch A, dispatch B, combine A, B
+                enable_shrink=False, transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
+        for pair in range(2):  # dispatch A, dispatch B, combine A, combine B
             pending = []
             for mb in range(2):
+                call = 2 * pair + mb
                 T = token_counts[rank][mb]
-                x, idx, w = (t.to(dev) for t in _inputs(rank, 10 * seed + mb, T, routing))
+                x, idx, w = (t.to(dev) for t in _inputs(rank, call, T, "random", H))
                 recv_x, count, handle, event, hook = buf.low_latency_dispatch(
-                    x, idx, T_MAX, E, use_fp8=use_fp8, return_recv_hook=True)
-                pending.append((x, idx, w, recv_x, count, handle, hook))
+                    x, idx, T_MAX, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True,
+                    **MODES[call])
+                pending.append((idx, w, recv_x, count, handle, hook))
             results = []
-            for x, idx, w, recv_x, count, handle, hook in pending:
+            for idx, w, recv_x, count, handle, hook in pending:
                 hook()  # the receive half, after other work
-                xs = recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)[..., :H] if use_fp8 else recv_x.float()
-                y = (2 * xs).to(torch.bfloat16)
-                got = {"count": count.clone(), "recv": (recv_x[0].view(torch.uint8).clone(), recv_x[1].clone())
-                       if use_fp8 else recv_x.clone()}
+                y = (2 * _dequantize(recv_x, H)).to(torch.bfloat16)
+                got = {"count": count.clone(), "src_info": handle[0].clone(), "layout_range": handle[1].clone(),
+                       "recv": recv_x.clone() if isinstance(recv_x, torch.Tensor) else
+                       (recv_x[0].view(torch.uint8).clone(), recv_x[1].clone()),
+                       "handle": tuple(handle[2:5])}
                 combined, _, chook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
                 results.append((got, combined, chook))
             for got, combined, chook in results:
                 chook()
                 got["combined"] = combined.clone()
                 out.append(got)
-    return out
+    return out, stats.clone()
+
+
+def _routes(ins, rank: int, L: int):
+    """Per local expert of `rank`: its rows as (source rank, token), ordered by (source, token, k)."""
+    return [[(s, t) for s, (_, idx, _) in enumerate(ins) for t in range(idx.shape[0]) for k in range(idx.shape[1])
+             if int(idx[t, k]) == rank * L + l] for l in range(L)]
+
+
+def _expert_outputs(ins, mode):
+    """Per source rank: each token's expert output as every rank computes it, 2 * what arrived
+    (dequantised from the torch formula's fp8 bytes and scales)."""
+    ys = []
+    for x, _, _ in ins:
+        if mode.get("use_fp8"):
+            xf = dequantize_fp8(*torch_quantize(x, 128, round_scale=mode.get("round_scale", False)), 128)
+        else:
+            xf = x.float()
+        ys.append((2 * xf).to(torch.bfloat16))
+    return ys
+
+
+def _check_combined(combined, ins, mode):
+    """Every rank's combined tokens against torch: sum_k w[t, k] * y(t) over the routed k."""
+    ys = _expert_outputs(ins, mode)
+    for r, (_, idx, w) in enumerate(ins):
+        want = torch.zeros(idx.shape[0], ys[r].shape[1])
+        for t in range(idx.shape[0]):
+            for k in range(idx.shape[1]):
+                if int(idx[t, k]) >= 0:
+                    want[t] += w[t, k] * ys[r][t].float()
+        torch.testing.assert_close(combined[r].float(), want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-5)
+
+
+def _check_call(got, ins, mode, W: int, H: int):
+    """One call of every rank against torch: counts, rows (bf16, or fp8 bytes and scales from the torch
+    formula of tests/triton_kernels/test_quant.py), handle[0] and handle[1], the combined tokens."""
+    L = E // W
+    use_fp8 = mode.get("use_fp8")
+    quant = [torch_quantize(x, 128, round_scale=mode.get("round_scale", False)) for x, _, _ in ins] if use_fp8 else None
+    for r in range(W):
+        g = got[r]
+        routes = _routes(ins, r, L)
+        assert g["handle"] == (T_MAX, H, E)
+        assert g["count"].tolist() == [len(rows) for rows in routes], (mode, r)
+        for l, rows in enumerate(routes):
+            n = len(rows)
+            assert g["src_info"][l, :n].tolist() == [t for _, t in rows], (mode, r, l)
+            begin = 0
+            for s in range(W):
+                cnt = sum(1 for src, _ in rows if src == s)
+                assert int(g["layout_range"][l, s]) == (begin << 32) | cnt, (mode, r, l, s)
+                assert all(src == s for src, _ in rows[begin:begin + cnt])  # each source's rows contiguous
+                begin += cnt
+            for i, (s, t) in enumerate(rows):
+                if not use_fp8:
+                    assert torch.equal(g["recv"][l, i], ins[s][0][t]), (mode, r, l, i)
+                    continue
+                q, scale = quant[s]
+                assert torch.equal(g["recv"][0][l, i], q[t].view(torch.uint8)), (mode, r, l, i)
+                if mode.get("use_ue8m0"):
+                    assert torch.equal(g["recv"][1][l, i], torch_ue8m0(scale[t:t + 1])[0]), (mode, r, l, i)
+                else:
+                    assert torch.equal(g["recv"][1][l, i], scale[t]), (mode, r, l, i)
+    _check_combined([g["combined"] for g in got], ins, mode)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("node_size", [2, 1], ids=["node-local", "remote"])
-def test_facade_matches_reference_with_two_micro_batches_and_late_hooks(use_fp8, node_size):
-    W = 2
-    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
-    token_counts = [[T_MAX, 0], [T_MAX, T_MAX]]  # an empty rank in one micro-batch
+def test_one_buffer_serves_bf16_fp8_rounded_and_ue8m0_calls_with_deep_ep_handles_and_stats(node_size):
+    """Per-call fp8 on one Buffer (no rebuild, no abort), DeepEP's handle layout, cumulative statistics,
+    two micro-batches in flight, an empty rank: against torch, node-local and across simulated nodes."""
+    W, H = 2, H_FP8
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=64, in_dtype=torch.bfloat16)
+    token_counts = [[T_MAX, 0], [T_MAX, T_MAX - 1]]  # an empty rank in one micro-batch
     with LocalCluster(cfg0, world_size=W, node_size=node_size, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
-        for routing in ("random", "skew"):
-            got = cl.run(_facade_rank, use_fp8, token_counts, routing)
-            cap = T_MAX * W
-            cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H,
-                            in_dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                            scale_block=128 if use_fp8 else None, expert_capacity=cap)
-            L = E // W
-            for call, (seed, mb) in enumerate([(1, 0), (1, 1), (2, 0), (2, 1)]):
-                ins = [_inputs(r, 10 * seed + mb, token_counts[r][mb], routing) for r in range(W)]
-                xs = [tuple(t.cpu() for t in quantize_fp8(x.to(TEST_DEVICE).float(), 128)) if use_fp8 else (x, None)
-                      for x, _, _ in ins]
-                want = reference.dispatch(cfg, [q for q, _ in xs], [s for _, s in xs] if use_fp8 else None,
-                                          [i for _, i, _ in ins])
-                ys = []
-                for r in range(W):
-                    n_ref, x_ref, s_ref = want[r]
-                    g = got[r][call]
-                    assert torch.equal(g["count"].cpu(), n_ref), (routing, call, r)
-                    for l, n in enumerate(n_ref.tolist()):
-                        rows = slice(l * cap, l * cap + n)
-                        if use_fp8:
-                            assert torch.equal(g["recv"][0].cpu().view(-1, H)[rows], x_ref[rows].view(torch.uint8))
-                            assert torch.equal(g["recv"][1].cpu().view(-1, 1)[rows], s_ref[rows])
-                        else:
-                            assert torch.equal(g["recv"].cpu().view(-1, H)[rows], x_ref[rows])
-                    xf = x_ref.float() * (s_ref.repeat_interleave(128, dim=1)[:, :H] if use_fp8 else 1)
-                    ys.append((2 * xf).to(torch.bfloat16))
-                outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins], ys)
-                for r in range(W):
-                    torch.testing.assert_close(got[r][call]["combined"].cpu().float(), outs[r].float(),
-                                               rtol=2 ** -7, atol=1e-5)
+        got = cl.run(_modes_rank, token_counts, H)
+    stats = torch.zeros(E // W, W, dtype=torch.int32)
+    for call, mode in enumerate(MODES):
+        pair, mb = divmod(call, 2)
+        ins = [_inputs(r, call, token_counts[r][mb], "random", H) for r in range(W)]
+        _check_call([got[r][0][call] for r in range(W)], ins, mode, W, H)
+        for r in range(W):
+            stats[:, r] += got[r][0][call]["count"]
+    for r in range(W):
+        assert torch.equal(got[r][1], stats[:, r]), (got[r][1], stats[:, r])
+
+
+def _deep_ep_patterns_rank(a2a, rank, H):
+    """What DeepEP's test does beyond the core, with torch's default dtype set to float64 and its default
+    device to "meta" (DeepEP's test sets bfloat16 and cuda: nothing of ours may follow them; a tensor made
+    on "meta" fails at its first use): a dispatch never combined, one handle combined twice (the second
+    time zero-copy, into `out=`), events, the slot of the abandoned dispatch reused,
+    clean_low_latency_buffer, then a call after it."""
+    from moe_a2a.compat import Buffer, EventOverlap
+
+    def inputs(seed):
+        with torch.device("cpu"):
+            return (t.to(dev) for t in _inputs(rank, seed, T_MAX, "random", H))
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+    try:
+        dev, seen = a2a.device, {}
+        buf = Buffer(None, transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size,
+                     explicitly_destroy=True)
+        x0, idx0, _ = inputs(70)
+        _, _, _, event, _ = buf.low_latency_dispatch(x0, idx0, T_MAX, E, use_fp8=True, async_finish=True)
+        assert isinstance(event, EventOverlap)
+        event.current_stream_wait()  # that dispatch is never combined
+        for call, mode in ((71, {"use_fp8": False}), (72, {"use_fp8": True, "round_scale": True, "use_ue8m0": True}),
+                           (73, {"use_fp8": True})):
+            x, idx, w = inputs(call)
+            recv_x, count, handle, event, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, async_finish=True, **mode)
+            event.current_stream_wait()
+            before = recv_x.clone() if not mode["use_fp8"] else recv_x[0].view(torch.uint8).clone()
+            y = (2 * _dequantize(recv_x, H)).to(torch.bfloat16)
+            out = torch.full((T_MAX, H), 7.0, dtype=torch.bfloat16, device=dev)
+            combined, event, _ = buf.low_latency_combine(y, idx, w, handle, async_finish=True, out=out)
+            event.current_stream_wait()
+            assert combined is out
+            results = {"count": count.clone(), "combined": combined.clone()}
+            if call == 71:  # DeepEP's test combines its handle twice, the second time from the next buffer
+                buffer = buf.get_next_low_latency_combine_buffer(handle)
+                assert tuple(buffer.shape) == tuple(y.shape) and buffer.dtype == torch.bfloat16
+                buffer[:, :, :] = y
+                out2 = torch.empty(T_MAX, H, dtype=torch.bfloat16, device=dev)
+                combined2, _, hook = buf.low_latency_combine(torch.empty(0, dtype=torch.bfloat16, device=dev), idx, w,
+                                                             handle, zero_copy=True, out=out2, return_recv_hook=True)
+                hook()
+                results["zero_copy"] = combined2.clone()
+                results["recv_kept"] = torch.equal(recv_x, before)
+            if call == 72:  # the slot of the abandoned first dispatch: finished with a combine of nothing
+                results["recv_kept"] = torch.equal(recv_x[0].view(torch.uint8), before)
+                buf.clean_low_latency_buffer(T_MAX, H, E)
+                results["cleaned"] = not bool(count.any()) and not bool(recv_x[0].view(torch.uint8).any()) \
+                    and not bool(handle[1].any())
+            seen[call] = results
+        buf.destroy()
+        return seen
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(default)
+
+
+@pytest.mark.timeout(300)
+def test_deep_ep_test_patterns_abandoned_dispatch_double_combine_zero_copy_clean_and_torch_defaults():
+    W, H = 2, H_FP8
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=64, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg0, world_size=W, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        got = cl.run(_deep_ep_patterns_rank, H)
+    for call, mode in ((71, {"use_fp8": False}), (72, {"use_fp8": True, "round_scale": True, "use_ue8m0": True}),
+                       (73, {"use_fp8": True})):
+        ins = [_inputs(r, call, T_MAX, "random", H) for r in range(W)]
+        for r in range(W):
+            assert got[r][call]["count"].tolist() == [len(rows) for rows in _routes(ins, r, E // W)], (call, r)
+        _check_combined([got[r][call]["combined"] for r in range(W)], ins, mode)
+        for r in range(W):
+            if call == 71:
+                assert got[r][call]["recv_kept"]
+                assert torch.equal(got[r][call]["zero_copy"], got[r][call]["combined"]), r
+            if call == 72:
+                assert got[r][call]["recv_kept"] and got[r][call]["cleaned"], r
 
 
 def _graph_rank(a2a, rank, seeds):
@@ -126,8 +271,7 @@ def _graph_rank(a2a, rank, seeds):
             graph.replay()
             torch.cuda.synchronize()
             out.append({"count": count.cpu(), "recv": recv_x.cpu(), "combined": combined.cpu()})
-        for inst in buf._a2a:
-            inst.check()
+        buf.check()
     return out
 
 
@@ -171,7 +315,7 @@ def _bad_input_in_a_later_call(a2a, rank):
             try:
                 recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
                 combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle)
-                buf._a2a[handle.slot].check()
+                buf.check()
                 seen.append({"count": count.cpu().clone(), "recv": recv_x.cpu().clone(), "combined": combined.cpu().clone()})
             except (ValueError, CallAborted) as exc:
                 seen.append(f"{type(exc).__name__}: {exc}")
@@ -199,32 +343,84 @@ def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works(
 
 
 def _bad_calls(a2a, rank):
+    """Refusals: the first call's on every rank (nothing built), then one rank's bad statistics tensor
+    (dispatch), use_logfmt, zero_copy with nothing written (combine), a stale handle (every rank, nothing
+    sent); a good call after each."""
+    from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
 
-    errors = []
-    with Buffer(transport="shm", timeout_s=10.0, node_group=a2a.layout.node_size) as buf:
-        x = torch.zeros(2, H, dtype=torch.bfloat16)
-        idx = torch.zeros(2, K, dtype=torch.int64)
-        for kwargs in ({"use_ue8m0": True}, {"async_finish": True}, {"bogus": 1}):
-            try:
-                buf.low_latency_dispatch(x, idx, T_MAX, E, **kwargs)
-            except ValueError as exc:
-                errors.append(str(exc))
+    dev, seen = a2a.device, []
+    x, idx, w = (t.to(dev) for t in _inputs(rank, 80, T_MAX, "random"))
+
+    def zeros():  # expert outputs of a call whose result is not checked
+        return torch.zeros(E // 2, 2 * T_MAX, H, dtype=torch.bfloat16, device=dev)
+
+    def attempt(fn):
         try:
-            buf.low_latency_dispatch(x.float(), idx, T_MAX, E)
-        except ValueError as exc:
-            errors.append(str(exc))
-    return errors
+            fn()
+            seen.append("ok")
+        except (ValueError, CallAborted) as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+
+    def good():
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+        combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle)
+        buf.check()
+        seen.append(combined.clone())
+
+    with Buffer(transport="shm", timeout_s=10.0, node_group=a2a.layout.node_size) as buf:
+        attempt(lambda: buf.low_latency_dispatch(x, idx, T_MAX, E, bogus=1))
+        attempt(lambda: buf.low_latency_dispatch(x, idx, T_MAX, E, dispatch_wait_recv_cost_stats=torch.zeros(
+            2, 2, dtype=torch.int64, device=dev)))
+        attempt(lambda: buf.low_latency_dispatch(x.float(), idx, T_MAX, E))
+        good()  # builds
+        stats = torch.zeros(E // 2, dtype=torch.float32 if rank == 1 else torch.int32, device=dev)
+        attempt(lambda: buf.low_latency_dispatch(x, idx, T_MAX, E, cumulative_local_expert_recv_stats=stats))
+        good()
+        for bad in ({"use_logfmt": rank == 1}, {"zero_copy": rank == 0}):
+            _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+            attempt(lambda: buf.low_latency_combine(zeros(), idx, w, handle, **bad))
+            good()
+        _, _, stale, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+        buf.low_latency_combine(zeros(), idx, w, stale)
+        good()
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)  # stale's slot, reused
+        attempt(lambda: buf.low_latency_combine(zeros(), idx, w, stale))
+        buf.low_latency_combine(zeros(), idx, w, handle)
+        good()
+    return seen
 
 
 @pytest.mark.timeout(300)
-def test_facade_refuses_what_it_does_not_support():
+def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
     cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
     with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
-        for errors in cl.run(_bad_calls):
-            assert len(errors) == 4, errors
-            assert "use_ue8m0" in errors[0] and "async_finish" in errors[1] and "bogus" in errors[2]
-            assert errors[3].startswith("x:")
+        got = cl.run(_bad_calls)
+    for r in range(2):
+        seen = got[r]
+        assert len(seen) == 13, seen
+        assert seen[0].startswith("ValueError: unexpected arguments ['bogus']"), seen[0]
+        assert seen[1].startswith("ValueError: dispatch_wait_recv_cost_stats: not measured"), seen[1]
+        assert seen[2].startswith("ValueError: x: expected a [T, H] bfloat16"), seen[2]
+        assert all("the Buffer's first, on every rank" in e for e in seen[:3]), seen[:3]
+        assert seen[11].startswith("ValueError: handle: call") and "is over" in seen[11], seen[11]
+    # One rank's refusal aborts the call on every rank: it raises ValueError, its peer CallAborted.
+    for i, bad_rank, what in ((4, 1, "cumulative_local_expert_recv_stats: expected an int32"),
+                              (6, 1, "use_logfmt=True"), (8, 0, "zero_copy=True: nothing was written")):
+        assert got[bad_rank][i].startswith(f"ValueError: {what}") and "aborted this call" in got[bad_rank][i], \
+            got[bad_rank][i]
+        assert got[1 - bad_rank][i].startswith("CallAborted") and f"rank {bad_rank}" in got[1 - bad_rank][i], \
+            got[1 - bad_rank][i]
+    cap = T_MAX * 2
+    cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16,
+                    expert_capacity=cap)
+    ins = [_inputs(r, 80, T_MAX, "random") for r in range(2)]
+    want = reference.dispatch(cfg, [x for x, _, _ in ins], None, [i for _, i, _ in ins])
+    outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins],
+                             [(2 * x_ref.float()).to(torch.bfloat16) for _, x_ref, _ in want])
+    for r in range(2):
+        for i in (3, 5, 7, 9, 10, 12):
+            torch.testing.assert_close(got[r][i].float(), outs[r].float(), rtol=2 ** -7, atol=1e-5)
 
 
 # ---- the first call is collective; a closed Buffer says so ---------------------------------------
@@ -253,10 +449,10 @@ def _first_calls_rejected_then_good(a2a, rank):
             try:
                 recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, num_max, E, use_fp8=False)
                 combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle)
-                buf._a2a[handle.slot].check()
+                buf.check()
                 seen.append({"count": count.cpu().clone(), "combined": combined.cpu().clone()})
             except (ValueError, CallAborted) as exc:
-                seen.append({"error": f"{type(exc).__name__}: {exc}", "built": bool(buf._a2a),
+                seen.append({"error": f"{type(exc).__name__}: {exc}", "built": bool(buf._slots),
                              "seconds": time.monotonic() - t0})
     finally:
         buf.destroy()
@@ -312,14 +508,43 @@ def test_a_rejected_first_call_aborts_on_every_rank_and_call_numbering_never_dri
         assert len(got[r][1]) == 2 and all(a.startswith("ValueError: this Buffer is closed") for a in got[r][1]), got[r][1]
 
 
-def test_deep_ep_module_names_size_hint_and_what_is_refused():
-    from moe_a2a.compat import Buffer, topk_idx_t
+def test_deep_ep_module_as_deep_ep_names_size_hint_handle_and_event():
+    """`import deep_ep` resolves to the facade after the documented line, with what DeepEP's low-latency
+    test and engines touch at module level; the handle indexes as DeepEP's; events wait or do nothing."""
+    import importlib
+    import sys
 
-    assert topk_idx_t is torch.int64
-    hint = Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 256)
-    cfg = A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=7168,
-                    in_dtype=torch.float8_e4m3fn, scale_block=128, out_dtype=torch.bfloat16, expert_capacity=256)
-    lay = cfg.layout(2)
+    import moe_a2a.compat.deep_ep as m
+    from moe_a2a.compat.deep_ep import Handle, _config
+
+    saved = sys.modules.get("deep_ep")
+    sys.modules["deep_ep"] = m  # docs/compat.md, the one-line alias
+    try:
+        deep_ep = importlib.import_module("deep_ep")
+        assert deep_ep is m
+        for name in ("Buffer", "EventOverlap", "Config", "topk_idx_t"):
+            assert hasattr(deep_ep, name), name
+        assert deep_ep.topk_idx_t is torch.int64
+        for method in ("low_latency_dispatch", "low_latency_combine", "get_next_low_latency_combine_buffer",
+                       "clean_low_latency_buffer", "destroy", "get_low_latency_rdma_size_hint"):
+            assert callable(getattr(deep_ep.Buffer, method)), method
+        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 256)
+    finally:
+        if saved is None:
+            sys.modules.pop("deep_ep", None)
+        else:
+            sys.modules["deep_ep"] = saved
+    # The size hint: both instances, bf16 rows (fp8 calls share them), top-k 8.
+    lay = _config(128, 256, 8, 7168, 2).layout(2)
     assert hint == 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False)) > 0
+    assert lay.dispatch_stride_bytes == 2 * 7168 + 16  # a bf16 row and the token-index column
+    src, ranges = torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int64)
+    h = Handle(src, ranges, 4, 64, 8, 0, 1, 3)
+    assert h[0] is src and h[1] is ranges and tuple(h[2:5]) == (4, 64, 8) and h.src_info is src
+    assert "slot=0" in repr(h)
+    event = m.EventOverlap()
+    event.current_stream_wait()  # no event (CPU, or async_finish=False): nothing to wait for
+    with event:
+        pass
     with pytest.raises(ValueError, match="enable_shrink"):
-        Buffer(None, enable_shrink=True)
+        m.Buffer(None, enable_shrink=True)

@@ -5,11 +5,13 @@ the interpreter on CPU in CI, compiled kernels on cuda), and the results come ba
 reference formula runs."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from moe_a2a.triton_kernels.quant import dequantize_fp8, quantize_fp8
+from moe_a2a.triton_kernels.quant import dequantize_fp8, quantize_fp8, ue8m0_to_float
 
 from ..conftest import TEST_DEVICE, examples
 
@@ -22,14 +24,17 @@ def quantize_on_device(x: torch.Tensor, block: int = 128, **kwargs):
     return q.cpu(), scale.cpu()
 
 
-def torch_quantize(x: torch.Tensor, block: int):
+def torch_quantize(x: torch.Tensor, block: int, round_scale: bool = False):
     """The documented formula: scale = amax/448 (1 below the smallest normal fp32), RNE cast of the
-    clamped quotient. torch's fp32 division is correctly rounded, like tl.div_rn."""
+    clamped quotient. torch's fp32 division is correctly rounded, like tl.div_rn. `round_scale`:
+    DeepEP's `2 ** ceil(log2(scale))`, in float64 (exact for fp32 inputs)."""
     T, H = x.shape
     S = -(-H // block)
     padded = torch.nn.functional.pad(x.float(), (0, S * block - H)).reshape(T, S, block)
     scale = padded.abs().amax(-1) / 448.0
     scale = torch.where(scale >= 2.0**-126, scale, torch.ones_like(scale))
+    if round_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale.double()))).float()
     q = (padded / scale[..., None]).clamp(-448.0, 448.0).reshape(T, S * block)[:, :H]
     return q.to(torch.float8_e4m3fn), scale
 
@@ -65,6 +70,82 @@ def test_matches_torch_formula(T, H, block, dtype, log_range, seed):
     err = (back - x.float()).abs()
     bound = torch.maximum(x.float().abs() * 2.0**-4, full_scale * 2.0**-10) * (1 + 1e-6)
     assert bool((err <= bound).all())
+
+
+def torch_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """DeepEP's packed UE8M0 layout of power-of-two scales `[T, S]`: the byte of block j is
+    `log2(scale) + 127`, at byte j of the row in memory (int32 column j // 4, byte j % 4, little-endian);
+    padding bytes 0. Returns int32 `[T, ceil(S / 4)]`."""
+    T, S = scale.shape
+    codes = torch.zeros(T, 4 * -(-S // 4), dtype=torch.uint8)
+    codes[:, :S] = (torch.log2(scale.double()).round().to(torch.int64) + 127).to(torch.uint8)
+    return codes.view(torch.int32)
+
+
+def deep_ep_cast_back_scales(codes: torch.Tensor) -> torch.Tensor:
+    """How DeepEP's own test reads UE8M0 scales: each byte shifted into an fp32 exponent field."""
+    return (codes.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+
+
+@pytest.mark.timeout(120)
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    T=st.integers(0, 5),
+    H=st.integers(1, 700),
+    block=st.sampled_from([7, 32, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    log_range=st.sampled_from([(-3, 3), (-30, -20), (2, 12)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_round_scale_and_ue8m0_match_torch_formula(T, H, block, dtype, log_range, seed):
+    """Powers-of-two scales (round_scale) and their UE8M0 codes (ue8m0) against DeepEP's formula in
+    torch: the same fp8 bytes from both, the codes packed in DeepEP's layout, dequantised within fp8
+    tolerance."""
+    assert sys.byteorder == "little"  # the layout is bytes in memory order; the int32 view assumes it
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = torch.exp2(torch.empty(T, H).uniform_(*log_range, generator=gen))
+    x = (torch.randn(T, H, generator=gen).sign() * magnitude).to(dtype)
+    if T and H > 1:
+        x[0, 0] = 0.0
+        x[:, -1] = 448.0 * 2.0 ** -5  # an exact power of two times 448: its block's scale stays 2**-5
+    want_q, want_scale = torch_quantize(x, block, round_scale=True)
+    q, scale = quantize_on_device(x, block, round_scale=True)
+    assert_same_bytes(q, want_q)
+    assert torch.equal(scale, want_scale)
+    q8, codes = quantize_on_device(x, block, ue8m0=True)
+    S = -(-H // block)
+    assert codes.dtype == torch.int32 and tuple(codes.shape) == (T, -(-S // 4))
+    assert_same_bytes(q8, want_q)
+    assert torch.equal(codes, torch_ue8m0(want_scale))
+    assert torch.equal(ue8m0_to_float(codes, S), want_scale)
+    assert torch.equal(deep_ep_cast_back_scales(codes)[:, :S], want_scale)
+    back = dequantize_fp8(q8, codes, block)
+    full_scale = want_scale.repeat_interleave(block, dim=1)[:, :H]
+    err = (back - x.float()).abs()
+    bound = torch.maximum(x.float().abs() * 2.0**-4, full_scale * 2.0**-10) * (1 + 1e-6)
+    assert bool((err <= bound).all())
+
+
+@pytest.mark.timeout(60)
+def test_ue8m0_into_caller_rows_with_bound_m():
+    """UE8M0 codes written into a strided caller tensor (rows of a wider byte buffer, as the DeepEP
+    facade stages them): the padding bytes zeroed, rows >= bound_m untouched; bad shapes refused."""
+    T, H, block = 5, 640, 128                      # 5 blocks: two int32 per row, 3 padding bytes
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    rows = torch.full((T, 2 * H), 0xEE, dtype=torch.uint8, device=DEVICE)
+    out = rows[:, :H].view(torch.float8_e4m3fn)
+    codes = rows[:, H:H + 8].view(torch.int32)
+    bound_m = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    quantize_fp8(x.to(DEVICE), block, out=out, out_scale=codes, bound_m=bound_m, ue8m0=True)
+    rows = rows.cpu()
+    want_q, want_scale = torch_quantize(x[:3], block, round_scale=True)
+    assert_same_bytes(rows[:3, :H].view(torch.float8_e4m3fn), want_q)
+    assert torch.equal(rows[:3, H:H + 8], torch_ue8m0(want_scale).view(torch.uint8))  # padding: 0
+    assert bool((rows[:3, H + 8:] == 0xEE).all()) and bool((rows[3:] == 0xEE).all())
+    with pytest.raises(ValueError, match="out_scale"):
+        quantize_fp8(x, block, out_scale=torch.zeros(T, 5, dtype=torch.int32), ue8m0=True)
+    with pytest.raises(ValueError, match="out_scale"):
+        quantize_fp8(x, block, out_scale=torch.zeros(T, 2), ue8m0=True)
 
 
 @pytest.mark.timeout(60)
@@ -151,3 +232,8 @@ def test_gpu_native_cast_equals_bit_encoding():
     assert_same_bytes(q_native.cpu(), want_q)
     assert_same_bytes(q_bits.cpu(), want_q)
     assert torch.equal(s_native.cpu(), want_s) and torch.equal(s_bits.cpu(), want_s)
+    want_q, want_s = torch_quantize(x.cpu(), 128, round_scale=True)
+    for via_bits in (False, True):
+        q, codes = quantize_fp8(x, 128, ue8m0=True, _fp8_via_bits=via_bits)
+        assert_same_bytes(q.cpu(), want_q)
+        assert torch.equal(codes.cpu(), torch_ue8m0(want_s))

@@ -50,17 +50,37 @@ def _expected(counts, rank, lay, epoch):
     return out
 
 
+RECV_BYTES = 64  # where the recv buffer starts in `base` (not 0: the offset must be honoured)
+
+
+def _recv_buffer(counts_np, rank, lay):
+    """A recv buffer (in a uint8 `base`) whose private slots hold the remote sources' count rows as their
+    private writes left them, and a routing area holding only this rank's and its node peers' rows (the
+    remote ones poisoned: the plan kernel must copy them in)."""
+    W, E = lay.world_size, lay.num_experts
+    nbytes = RECV_BYTES + lay.private_header_offset_bytes(W - 1) + lay.routing_row_bytes
+    base = torch.full((nbytes,), 0x5A, dtype=torch.uint8)
+    counts = torch.tensor(counts_np, dtype=torch.int32)
+    for s in lay.remote_peers(rank):
+        at = RECV_BYTES + lay.private_header_offset_bytes(s)
+        base[at: at + 4 * E] = counts[s].view(torch.uint8)
+        counts[s] = -12345
+    return base.to(DEVICE), counts.to(DEVICE)
+
+
 def _plan(counts_np, rank, lay, epoch, kernel_waits):
     flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
-    flags[flag_word(Flag.COUNT_ROWS_READY)] = epoch  # the proxy's word: every count row is in
+    flags[flag_word(Flag.COUNT_ROWS_READY)] = epoch  # the proxy's word: every private write has landed
     node = _node(lay, rank, epoch, flags, kernel_waits)
-    counts = torch.tensor(counts_np, dtype=torch.int32, device=DEVICE)
+    base, counts = _recv_buffer(counts_np, rank, lay)
     # Poisoned: every row the kernels own must be written (zeros for same-node peers).
     tables = torch.full((int(WriteTable.NUM_TABLES), lay.world_size, 4), -7, dtype=torch.int64, device=DEVICE)
     write_plan.plan_private_writes(counts, tables, node.epoch, flags, rank, lay)
-    write_plan.plan_remainder_and_combine_writes(counts, tables, node, rank, lay)
+    write_plan.plan_remainder_and_combine_writes(counts, tables, node, base, RECV_BYTES, rank, lay)
     assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == epoch
     assert int(node.failed) == 0
+    # the remote rows are in the routing area now, as they arrived
+    np.testing.assert_array_equal(counts.cpu().numpy(), counts_np)
     routes = plan.route_matrix(np.maximum(counts_np, 0), lay)
     assert int(flags[flag_word(Flag.REMAINDER_WRITES)]) == sum(
         int(routes[rank, p] > lay.private_rows) for p in lay.remote_peers(rank))
@@ -114,9 +134,9 @@ def test_a_missing_count_rows_flag_fails_the_wait_and_plans_nothing():
     lay = cfg.layout(4, 2)
     flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
     node = _node(lay, 0, 3, flags, kernel_waits=True, spins=50)
-    counts = torch.ones(4, 4, dtype=torch.int32, device=DEVICE)
+    base, counts = _recv_buffer(np.ones((4, 4), np.int64), 0, lay)
     tables = torch.full((3, 4, 4), -7, dtype=torch.int64, device=DEVICE)
-    write_plan.plan_remainder_and_combine_writes(counts, tables, node, 0, lay)
+    write_plan.plan_remainder_and_combine_writes(counts, tables, node, base, RECV_BYTES, 0, lay)
     assert int(node.failed) == 1
     assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == 0
     status = int(flags[flag_word(HALF_FLAGS["dispatch_plan"].status)])
@@ -152,8 +172,8 @@ def test_a_corrupt_count_row_is_refused_before_any_offset(corrupt):
     flags[flag_word(Flag.COUNT_ROWS_READY)] = 1
     node = _node(lay, 0, 1, flags, kernel_waits=False)
     tables = torch.full((3, 4, 4), -7, dtype=torch.int64, device=DEVICE)
-    write_plan.plan_remainder_and_combine_writes(torch.tensor(counts, dtype=torch.int32, device=DEVICE), tables,
-                                                 node, 0, lay)
+    base, counts_t = _recv_buffer(counts, 0, lay)
+    write_plan.plan_remainder_and_combine_writes(counts_t, tables, node, base, RECV_BYTES, 0, lay)
     assert int(flags[flag_word(Flag.BAD_COUNTS)]) == 1 + 3
     assert int(node.failed) == 1
     assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == 0
