@@ -166,26 +166,37 @@ def _plan_remainder_and_combine_kernel(
         if bad_source < W:
             tl.store(flags_ptr + BAD_COUNTS_WORD, 1 + bad_source.to(tl.int64))
             tl.store(failed_ptr, 1)
-            ok = False
-    if ok:
-        epoch = tl.load(epoch_ptr)
-        remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
-        me = tl.full([W_PAD], 0, tl.int64) + rank
-        # ---- remainder: this rank's routes past the private region, to every remote d with n[d] > P; they
-        # land after the private slots and the remainders of every source s < rank (same-node sources
-        # included: the formula is the same on every rank).
-        off = tl.cumsum(n, axis=0) - n
-        has_rest = remote & (n > P)
-        imm = protocol_device.encode_imm(tl.full([W_PAD], _DISPATCH_REMAINDER, tl.int64), me, epoch)
-        _store_rows(remainder_ptr, peer, has_rest, (off + P) * DISPATCH_STRIDE_BYTES,
-                    (n - P) * DISPATCH_STRIDE_BYTES, (W * PRIVATE_SLOT_ROWS + before) * DISPATCH_STRIDE_BYTES, imm, W)
-        # ---- combine: to every remote source s, its rows (staged source-major) back to the slots its
-        # dispatch send buffer used: routes[s, rank] rows from stage[s], landing at sum_{d<rank} routes[s, d].
-        stage = tl.cumsum(n_src, axis=0) - n_src
-        imm = protocol_device.encode_imm(tl.full([W_PAD], _COMBINE, tl.int64), me, epoch)
-        _store_rows(combine_ptr, peer, remote, COMBINE_STAGE_BYTES + stage * COMBINE_STRIDE_BYTES,
-                    n_src * COMBINE_STRIDE_BYTES, COMBINE_RECV_BYTES + first * COMBINE_STRIDE_BYTES, imm, W)
-        d.publish_epoch(flags_ptr + SIGNAL_WORD, epoch_ptr, USE_PTX)
+        else:
+            _store_plans(remainder_ptr, combine_ptr, flags_ptr + SIGNAL_WORD, epoch_ptr, peer, rank, node_first,
+                         n, before, n_src, first, NODE, P, PRIVATE_SLOT_ROWS, DISPATCH_STRIDE_BYTES,
+                         COMBINE_STRIDE_BYTES, COMBINE_STAGE_BYTES, COMBINE_RECV_BYTES, W, W_PAD, USE_PTX)
+
+
+@triton.jit
+def _store_plans(remainder_ptr, combine_ptr, planned_ptr, epoch_ptr, peer, rank, node_first, n, before, n_src, first,
+                 NODE: tl.constexpr, P: tl.constexpr, PRIVATE_SLOT_ROWS: tl.constexpr,
+                 DISPATCH_STRIDE_BYTES: tl.constexpr, COMBINE_STRIDE_BYTES: tl.constexpr,
+                 COMBINE_STAGE_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr,
+                 W: tl.constexpr, W_PAD: tl.constexpr, USE_PTX: tl.constexpr):
+    """The REMAINDER and COMBINE tables from the pass's sums, then REMAINDER_PLANNED (release)."""
+    epoch = tl.load(epoch_ptr)
+    remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
+    me = tl.full([W_PAD], 0, tl.int64) + rank
+    # ---- remainder: this rank's routes past the private region, to every remote d with n[d] > P; they
+    # land after the private slots and the remainders of every source s < rank (same-node sources
+    # included: the formula is the same on every rank).
+    off = tl.cumsum(n, axis=0) - n
+    has_rest = remote & (n > P)
+    imm = protocol_device.encode_imm(tl.full([W_PAD], _DISPATCH_REMAINDER, tl.int64), me, epoch)
+    _store_rows(remainder_ptr, peer, has_rest, (off + P) * DISPATCH_STRIDE_BYTES,
+                (n - P) * DISPATCH_STRIDE_BYTES, (W * PRIVATE_SLOT_ROWS + before) * DISPATCH_STRIDE_BYTES, imm, W)
+    # ---- combine: to every remote source s, its rows (staged source-major) back to the slots its
+    # dispatch send buffer used: routes[s, rank] rows from stage[s], landing at sum_{d<rank} routes[s, d].
+    stage = tl.cumsum(n_src, axis=0) - n_src
+    imm = protocol_device.encode_imm(tl.full([W_PAD], _COMBINE, tl.int64), me, epoch)
+    _store_rows(combine_ptr, peer, remote, COMBINE_STAGE_BYTES + stage * COMBINE_STRIDE_BYTES,
+                n_src * COMBINE_STRIDE_BYTES, COMBINE_RECV_BYTES + first * COMBINE_STRIDE_BYTES, imm, W)
+    d.publish_epoch(planned_ptr, epoch_ptr, USE_PTX)
 
 
 # ================================================================================================
