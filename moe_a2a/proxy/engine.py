@@ -329,6 +329,7 @@ class TransferEngine:
         self._cq_mv = _u64_view(self._cq_buf)
         self._cq_calls = tuple((cq.read, cq.ptr, cq) for cq in self._cqs)
         self._imm_counts: dict[int, int] = {}
+        self._prepared: dict = {}  # post_table's per-slot constants (`_prepared_table`)
         self.writes_posted = 0  # totals, for tests and benchmarks
         self.writes_completed = 0
         self.imms_received = 0
@@ -515,7 +516,8 @@ class TransferEngine:
             words: the table as int64 words (a memoryview of format 'q' over the shared segment): a row is
                 ``(src_offset, length, dst_offset, imm)`` in bytes, offsets relative to the send buffer and
                 to the peer's recv buffer.
-            slots: ``(peer_index, word index of the row)`` for each write to post, in order.
+            slots: ``(peer_index, word index of the row)`` for each write to post, in order. Keep the same
+                object from call to call: what does not change per call is prepared once for it.
             src_base, dst_base: where those buffers start in ``src`` and in each peer's region.
             header: as in :meth:`scatter` (the count row ahead of the private rows).
             imm: one immediate for every write instead of the rows' (an aborted call's combine).
@@ -524,49 +526,69 @@ class TransferEngine:
         posted) since a corrupt count row of a peer shapes it. The hot path of the proxy: no allocation,
         no arithmetic beyond the bases (docs/protocol.md, "Write tables").
         """
-        if header is not None:
-            self._validate_header(grp, header, ())
-            h_region, h_off, h_len = header
-            if grp._header != (h_region, h_off, h_len, src):
-                grp._set_header(h_region, h_off, h_len, src)
-            pack, templates, info = _H_PATCH.pack_into, grp._h_templates, grp.h_post_info
-            h_addr = h_region.addr + h_off
-        else:
-            if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
-                raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
-            if grp._src is not src:
-                grp._set_source(src)
-            pack, templates, info = _PATCH.pack_into, grp._templates, grp.post_info
-            h_addr = h_len = 0
-        pop, ctx_peer, rsize, src_n = self._free_ctx.pop, self._ctx_peer, grp.remote_nbytes, src.nbytes
-        src_addr, with_header = src.addr, header is not None
+        prep = self._prepared_table(grp, src, slots, src_base, dst_base, header)
+        rows, pack, templates, h_addr, h_len, src_addr, src_lim = prep
+        pop, ctx_peer = self._free_ctx.pop, self._ctx_peer
         posted = 0
-        for p, b in slots:
+        for b, p, writemsg, ep, msg, off, rbase, peer, dst_lim in rows:
             so, length, do, v = words[b], words[b + 1], words[b + 2], words[b + 3]
             if skip_empty and not length:
                 continue
             if imm is not None:
                 v = imm
-            so += src_base
-            do += dst_base
-            if (so | length | do) < 0 or so + length > src_n or do + h_len + length > rsize[p]:
-                raise ValueError(self._bad_target(grp, src, (p, so, length, do + h_len)))
-            writemsg, ep, msg, off, rbase, peer = info[p]
+            if (so | length | do) < 0 or so + length > src_lim or do + length > dst_lim:
+                raise ValueError(self._bad_target(grp, src, (p, so + src_base, length, do + dst_base + h_len)))
             try:
                 ctx = pop()
             except IndexError:  # max_inflight writes in flight: progress until one completes
                 ctx = self._wait_ctx()
             ctx_peer[ctx] = peer
-            if with_header:  # context, data, header iovec, rows iovec, rma addr, rma len
+            if h_len:  # context, data, header iovec, rows iovec, rma addr, rma len
                 pack(templates, off, ctx, v, h_addr, h_len, src_addr + so, length, rbase + do, h_len + length)
             else:
                 pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
             rc = writemsg(ep, msg, _WRITE_FLAGS)
             if rc:
-                self._post_failed(rc, grp, p, ctx, v, msg if with_header else None)
+                self._post_failed(rc, grp, p, ctx, v, msg if h_len else None)
             posted += 1
         self.writes_posted += posted
         return posted
+
+    def _prepared_table(self, grp: PeerGroup, src: LocalRegion, slots, src_base: int, dst_base: int, header):
+        """What `post_table` needs per slot that does not change per call (the peer's post info, the
+        bases, the bounds), remembered per (slots, group, source, header, bases): one lookup per call."""
+        if header is not None:
+            h_region, h_off, h_len = header
+            if grp._header != (h_region, h_off, h_len, src):
+                self._validate_header(grp, header, ())
+                grp._set_header(h_region, h_off, h_len, src)
+                self._prepared.clear()  # the header templates were rebuilt: new message addresses
+        elif grp._src is not src:
+            if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
+                raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
+            grp._set_source(src)
+        key = (id(slots), id(grp), id(src), header, src_base, dst_base)
+        hit = self._prepared.get(key)
+        if hit is not None and hit[0] is slots:
+            return hit[1]
+        if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
+            raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
+        h_len = header[2] if header is not None else 0
+        if header is not None:
+            pack, templates, info = _H_PATCH.pack_into, grp._h_templates, grp.h_post_info
+            h_addr = header[0].addr + header[1]
+        else:
+            pack, templates, info, h_addr = _PATCH.pack_into, grp._templates, grp.post_info, 0
+        n = len(grp.peers)
+        rows = []
+        for p, b in slots:
+            if not 0 <= p < n:
+                raise ValueError(f"post_table slot {(p, b)}: peer index {p} outside the group of {n} peers")
+            writemsg, ep, msg, off, rbase, peer = info[p]
+            rows.append((b, p, writemsg, ep, msg, off, rbase + dst_base, peer, grp.remote_nbytes[p] - dst_base - h_len))
+        prep = (tuple(rows), pack, templates, h_addr, h_len, src.addr + src_base, src.nbytes - src_base)
+        self._prepared[key] = (slots, prep)
+        return prep
 
     def _scatter_with_header(self, grp: PeerGroup, src: LocalRegion, targets, imm: int, imms, header) -> None:
         """`scatter` with a header: the loop of `scatter` on the two-iovec templates."""

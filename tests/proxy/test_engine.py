@@ -92,6 +92,42 @@ def test_header_writes_carry_the_header_then_the_rows_in_one_write(loop_engine):
 
 
 @pytest.mark.timeout(30)
+def test_post_table_posts_what_the_rows_say(loop_engine):
+    """A write table as the kernels write it: rows (src, length, dst, imm) with bases, a header, the
+    remainder table's empty rows skipped, an immediate override; a row out of bounds posts nothing."""
+    eng = loop_engine
+    src_buf, dst_buf, src, dst, grp = _self_group(eng)
+    table = np.zeros((3, 4), np.int64)
+    table[0] = (10, 100, 0, 0x11)      # a private row: lands after the header
+    table[1] = (0, 0, 0, 0x12)         # length 0: the immediate alone (or nothing with skip_empty)
+    table[2] = (300, 50, 2000, 0x13)
+    words = memoryview(table).cast("B").cast("q")
+    header = (src, 4096, 16)
+    slots = ((0, 0),)
+    assert eng.post_table(grp, src, words, slots, src_base=1, dst_base=8, header=header) == 1
+    assert eng.post_table(grp, src, words, slots, src_base=1, dst_base=8, header=header) == 1  # prepared: same
+    eng.wait_imms({0x11: 2}, 10, "private rows")
+    assert dst_buf.raw[8:24] == src_buf.raw[4096:4112]  # the header first, then the rows
+    assert dst_buf.raw[24:124] == src_buf.raw[11:111]
+    assert eng.post_table(grp, src, words, ((0, 4), (0, 8)), skip_empty=True) == 1
+    eng.wait_imms({0x13: 1}, 10, "remainder row")
+    assert dst_buf.raw[2000:2050] == src_buf.raw[300:350]
+    assert eng.post_table(grp, src, words, ((0, 4),), imm=0x99) == 1  # an aborted call's combine: one imm
+    eng.wait_imms({0x99: 1}, 10, "overridden immediate")
+    posted = eng.writes_posted
+    table[2] = (0, 64, (1 << 16) - 10, 0x14)  # past the end of the peer's region
+    with pytest.raises(ValueError, match="out of bounds"):
+        eng.post_table(grp, src, words, ((0, 8),))
+    table[2] = (-1, 8, 0, 0x14)
+    with pytest.raises(ValueError, match="out of bounds or negative"):
+        eng.post_table(grp, src, words, ((0, 8),))
+    with pytest.raises(ValueError, match="peer index 3"):
+        eng.post_table(grp, src, words, ((3, 8),))
+    assert eng.writes_posted == posted
+    eng.wait_writes(10)
+
+
+@pytest.mark.timeout(30)
 def test_bad_descriptors_raise_value_error_before_posting(loop_engine):
     eng = loop_engine
     src_buf, dst_buf, src, dst, grp = _self_group(eng, 4096)
