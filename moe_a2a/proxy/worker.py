@@ -54,10 +54,16 @@ from ..protocol.segment import Flags, ShardWords, write_error
 from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, Imm, ShardWord,
                               WriteTable, decode_imm, encode_abort, encode_imm)
 from .handle import ProxySpec
+from . import libfabric as lf
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
 from .emulated import make_engine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
 
+
+
+# CQ errors that mean the peer itself is gone (its process died; tcp says so at once, shm never does).
+_PEER_GONE = frozenset({"FI_ENOTCONN", "FI_ECONNRESET", "FI_ECONNREFUSED", "FI_ECONNABORTED", "FI_EPIPE",
+                        "FI_EHOSTUNREACH", "FI_ENETUNREACH"})
 
 
 class _Stop(Exception):
@@ -123,9 +129,11 @@ class Proxy:
         self.node_ready = self.seg.numpy(lay.segment_sync_offset_bytes + lay.dispatch_ready_offset_bytes,
                                          lay.world_size, np.int64)
         self.send_base, self.recv_base = lay.send_offset_bytes, lay.recv_offset_bytes
+        self._rank_of_peer: dict[int, int] = {}  # id(engine peer) -> rank, to name a lost connection
         if self.peers:
             handles = self.engine.connect([table[p][0] for p in self.peers])
             self.group = self.engine.peer_group(handles, [table[p][1] for p in self.peers])
+            self._rank_of_peer = {id(h): p for h, p in reversed(list(zip(handles, self.peers)))}
             # Tokens go from our send buffer to the peers' recv buffers: in the segments when
             # host-staged, else buffers of their own on both ends (every rank agreed on one placement).
             if own is not None:
@@ -351,6 +359,12 @@ class Proxy:
             except PeerTimeout as exc:  # a post to a dead peer: name its rank, as the waits do
                 rank = self.peers[exc.position]
                 raise TimeoutError(f"rank {self.rank}: posting to rank {rank} (epoch {epoch}) timed out: "
+                                   f"{exc}; missing peers [{rank}]") from exc
+            except lf.FabricError as exc:  # tcp reports a dead peer as a broken connection: name its rank too
+                rank = self._rank_of_peer.get(id(exc.peer)) if exc.peer is not None else None
+                if rank is None or exc.errno_name not in _PEER_GONE:
+                    raise
+                raise TimeoutError(f"rank {self.rank}: the connection to rank {rank} was lost (epoch {epoch}): "
                                    f"{exc}; missing peers [{rank}]") from exc
             epoch += 1
 
