@@ -10,26 +10,34 @@ fp32 scales, K=8 of E=256 experts, bf16 combine) at EP16/32/64 with 8 GPUs per n
 and, to check the model against what we measured, on ``"shm"``: libfabric's shm provider between
 simulated nodes on one host, host-staged buffers (the configuration of docs/results/e2e_graph_x2_n1.json).
 
-How: a critical-path walk of ONE call of the current protocol (docs/protocol.md, section 3), all ranks
-in lock-step (every rank starts each half together, so what a rank receives from its peers happens at the
-same time as what it sends them):
+How: a critical-path walk of ONE call of the protocol (docs/protocol.md, section 3), all ranks in
+lock-step (every rank starts each half together, so what a rank receives from its peers happens at the
+same time as what it sends them). Two protocols (``protocol=``):
 
-- same-node peers synchronise inside the kernels (release-store an epoch word, the consumer spins on it);
-  no proxy, no barriers;
-- with remote peers the proxy (one Python process, posting serially) sees ROUTE_READY, posts one
-  routing-row write per remote peer, plans, sees SEND_READY, posts one private write per remote peer,
-  waits for the peers' rows, plans the remainder (one more write only on overflow) and the combine,
-  raises DISPATCH_RECV_READY; at combine it posts one write per remote peer and raises
-  COMBINE_RECV_READY; and each consumer / producer kernel is preceded by a one-warp wait kernel.
+- ``"2026-12-01"`` (the default, the current code): the GPU plans every remote write. Same-node peers
+  synchronise inside the kernels (release-store an epoch word, the consumer spins on it). With remote
+  peers a one-program kernel ``plan_private_writes`` runs between route and pack and writes the PRIVATE
+  write table; at SEND_READY the proxy (one Python process per NIC on EFA, posting serially) posts it,
+  one write per remote peer (the count row at its head); it counts the peers' immediates and raises
+  COUNT_ROWS_READY; ``plan_remainder_and_combine_writes`` (head of the dispatch recv half) waits for it,
+  copies and checks the count rows, writes the REMAINDER and COMBINE tables and raises REMAINDER_PLANNED;
+  the proxy posts the REMAINDER table only when a remainder is needed (then it waits for
+  REMAINDER_PLANNED: a GPU -> proxy -> GPU round trip), and raises DISPATCH_RECV_READY; at combine it
+  posts the COMBINE table and raises COMBINE_RECV_READY once every peer's write is in. Each consumer /
+  producer kernel is preceded by a one-warp wait kernel. The proxy does no arithmetic.
+- ``"2026-11-30"``: the protocol our cross-node GPU runs measured (calibration rows (b)-(d)): the proxy
+  planned every write with numpy (``PLAN_US_*``), at three places on the path.
 
 Each event carries the breakdown (term -> µs) of the path that led to it; joining two branches keeps the
 later one, so the terms of a phase are its critical-path contributions and sum to the phase total.
 
-Before it predicts, :func:`calibration` reproduces two measured configurations (2 x H200, graph replay,
-decode): node-local, and two simulated nodes over shm. Every constant below is in :data:`PROVENANCE`
-(measured, with file and date; derived from measured ones; the workload's configuration; or ASSUMPTION).
+Before it predicts, :func:`calibration` reproduces measured configurations: (a) node-local on 2 x H200
+(graph replay, decode), (b)-(d) two simulated nodes over shm on 2 x H200 (the 2026-11-30 protocol), and
+(e) ``moe-a2a bench proxy``: the current proxy alone against synthetic peers (1 x H200 host, shm). Every
+constant below is in :data:`PROVENANCE` (measured, with file and date; derived from measured ones; the
+workload's configuration; or ASSUMPTION).
 
-Run from the repository root (the page docs/latency-model.md shows its three tables):
+Run from the repository root (the page docs/latency-model.md shows its tables):
 
     python -m benchmarks.latency_model --png docs/latency-model.png --json /tmp/latency-model.json
 """
@@ -73,26 +81,70 @@ FLAG_RTT_US = 6.14                # GPU -> proxy process -> GPU through pinned h
 # Host-staged buffers: the row kernels read / write pinned host memory over PCIe. Pooled over the four
 # row kernels of both ranks in the e2e_graph_x2_n1.json trace: 89.0 MB in 1767 µs (span - kernel time).
 HOST_STAGED_GBPS = 50.0
+# The write-plan kernels are ONE program: it reads the count rows in [16, W, L] tiles (16 KB of loads in
+# flight per step at E=256), one PCIe round trip per step when they are in host memory. No GPU timing of
+# these kernels exists (the 2-GPU machine was not lent): the rate is assumed, a sixth of HOST_STAGED_GBPS
+# (~2 µs per 16 KB step).
+PLAN_PCIE_GBPS = 8.0              # ASSUMPTION
 
-# ---- the proxy (Python + ctypes libfabric shim), micro-benchmarks on the GPU host ---------------------
+# ---- the proxy: transport micro-benchmarks on the GPU host (2026-11-30) --------------------------------
 # docs/results/transport_gpu_host.json (2 x H200 host, shm provider, fi_writemsg replaced by a no-op for
 # the Python cost).
-POST_US = 1.49                    # engine Python per write, 63 targets, median
-POST_US_MIN = 0.78                # the same, minimum: the optimistic edge
+POST_US = 1.49                    # engine Python per write (the 2026-11-30 engine), 63 targets, median
 SCATTER_FIXED_US = 0.25           # per scatter call: 1-peer scatter post 2.52 - POST_US - SHM_POST_C_US
 SHM_POST_C_US = 0.78              # shm provider's own C per write: scatter-63 post 2.27/write - POST_US
 CQ_US = 0.25                      # per completion drained: scatter-63 "all completed" - "posted" = 15.8 µs
                                   # for 63 writes (an upper bound: includes the receivers' latency)
+SHM_COPY_GBPS = 8.9               # the receiving proxy's copy (shm): 18.5 MB in 2078 µs over the three
+                                  # data writes of the e2e_graph_x2_n1.json trace (452.7, 878.3, 747.2 µs)
+# What-if only, not our implementation: a C helper posting a whole table (docs/transport.md "Not done").
+POST_US_C_HELPER = 0.2            # ASSUMPTION
+
+# ---- the proxy of the current protocol: `moe-a2a bench proxy` (1 x H200 host, shm, H=64, 2026-12-01) --
+# docs/results/emulated/proxy_shm.json: the real proxy process against synthetic peers whose writes are in
+# before each call; the tables as the kernels write them; H=64 rows (80 B), so the loop is timed, not bytes.
+BENCH_POST_PRIVATE_US = 2.81      # post_us_per_write.dispatch_private, W=64 (63 writes): Python + shm's C
+BENCH_POST_COMBINE_US = 2.51      # post_us_per_write.combine, W=64
+IMM_US = 0.294                    # parts.dispatch_imms_rows_us / 63, W=64: counting one peer's private imm
+COMBINE_IMM_US = 0.203            # parts.combine_imms_us / 63, W=64
+DISPATCH_STEPS_US = 8.41          # the dispatch's fixed steps (flags, trace stamps, the REMAINDER check):
+                                  # dispatch_host_us at W=2 - BENCH_POST_PRIVATE_US - IMM_US
+COMBINE_STEPS_US = 4.36           # combine_host_us at W=2 - BENCH_POST_COMBINE_US - COMBINE_IMM_US
+REMAINDER_ROW_US = 0.35           # the REMAINDER table's loop visits every peer's row (skipping empty ones):
+                                  # (remainder_us W=256 - remainder_us W=64 - 5.47 writes x 2.81) / 255
+# The Python part of a post, for the NIC fabrics (their provider's own cost is NIC_POST_C_US): the new
+# bench's shm post per write less shm's C cost per write (transport_gpu_host.json, the same host).
+POST_PY_PRIVATE_US = BENCH_POST_PRIVATE_US - SHM_POST_C_US
+POST_PY_COMBINE_US = BENCH_POST_COMBINE_US - SHM_POST_C_US
+# The same proxy inside a run (docs/results/emulated/e2e_shm_trace.json: bench e2e --trace-proxy, shm,
+# W=2 on ONE H200 shared by both ranks, host waits, eager, decode sizes), mean of the two ranks' medians,
+# against the bench at W=2 (one write per table). Over shm the sender's post does not copy the payload
+# (the receiving proxy does), so the posts compare although the bench's rows are H=64.
+RUN_PRIVATE_POST_US = 14.98       # proxy.private_post: 13.92 (rank 0), 16.03 (rank 1)
+RUN_COMBINE_POST_US = 16.61       # proxy.combine_post: 10.39, 22.82
+BENCH_W2_PRIVATE_POST_US = 5.74   # proxy_shm.json W=2: parts.dispatch_post_us
+BENCH_W2_COMBINE_POST_US = 5.10   # proxy_shm.json W=2: parts.combine_post_us
+# How much slower the proxy's work is inside a run than in the bench: the posts, the only steps both time
+# alike (the in-run dispatch and combine spans also hold the waits for the peer's GPU).
+PROXY_IN_RUN_FACTOR = ((RUN_PRIVATE_POST_US + RUN_COMBINE_POST_US)
+                       / (BENCH_W2_PRIVATE_POST_US + BENCH_W2_COMBINE_POST_US))
+
+# ---- the protocol of 2026-11-30 (the proxy planned every write with numpy): rows (b)-(d) only -----------
 PLAN_US_W8, PLAN_US_W64, PLAN_US_W256 = 46.8, 154.8, 276.3  # proxy arithmetic per call (medians)
-# The same proxy inside the run (e2e_graph_x2_n1.json trace, W=2, shm), per call:
+# That proxy inside the run (e2e_graph_x2_n1.json trace, W=2, shm), per call:
 RUN_SCATTER1_US = 14.5            # one-write scatters: route 23.0/6.7, private 15.2/6.9, combine 7.9/27.5 µs
 RUN_PLAN_PRIVATE_US = 78.6        # route_posted -> send_ready_seen (SEND_READY already raised): 82.8/74.4
 RUN_PLAN_REMAINDER_US = 62.5      # routes_received -> remainder_posted: 58.1/67.0
 RUN_PLAN_COMBINE_US = 48.0        # remainder_posted -> dispatch_received, rows already in (rank 0)
-SHM_COPY_GBPS = 8.9               # the receiving proxy's copy (shm): 18.5 MB in 2078 µs over the three
-                                  # data writes of the trace (452.7, 878.3, 747.2 µs)
-# What-if only, not our implementation: a C helper posting a whole scatter (docs/transport.md "Not done").
-POST_US_C_HELPER = 0.2            # ASSUMPTION
+# The trace's spans over the isolated costs of the same steps (three one-write scatters + the plan; the
+# plan was benchmarked at W=8, at least as much work as W=2, so this is a lower bound).
+PROXY_IN_RUN_FACTOR_2026_11_30 = (
+    (3 * RUN_SCATTER1_US + RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US)
+    / (3 * (SCATTER_FIXED_US + POST_US + SHM_POST_C_US) + PLAN_US_W8))
+# Share of the plan in each of its three places on the path (the in-run spans at W=2).
+_RUN_PLAN = RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US
+PLAN_SHARES = {"private": RUN_PLAN_PRIVATE_US / _RUN_PLAN, "remainder": RUN_PLAN_REMAINDER_US / _RUN_PLAN,
+               "combine": RUN_PLAN_COMBINE_US / _RUN_PLAN}
 
 # ---- NIC fabrics: nothing here is measured by us (no EFA or InfiniBand host) --------------------------
 EFA_NICS = 2                      # 2 x 200 Gb/s per GPU (the article: "two 200 Gbps NICs are aggregated")
@@ -107,24 +159,25 @@ CX7_BW_EFFICIENCY = 0.90          # ASSUMPTION: >= 100 KB RC writes near line ra
 CX7_MSG_LATENCY_US = 2.5          # ASSUMPTION: typical ib_write_lat figures
 NIC_POST_C_US = 0.3               # ASSUMPTION: the efa / verbs provider's own cost per posted write
 
+PROTOCOL = "2026-12-01"           # the current protocol: the GPU plans the writes (write tables)
+OLD_PROTOCOL = "2026-11-30"       # the proxy planned them (numpy)
+PROTOCOLS = (PROTOCOL, OLD_PROTOCOL)
 FABRICS = ("efa", "cx7")
 WORLDS = (16, 32, 64)
 SPEEDS = ("run", "bench")
-TERMS = ("kernels", "pcie", "nvlink", "flags", "proxy_post", "proxy_plan", "proxy_cq", "wire")
-
-# How much slower the proxy's work was inside the run than in its micro-benchmarks: the trace's spans
-# over the isolated costs of the same steps (three one-write scatters + the plan; the plan was
-# benchmarked at W=8, at least as much work as W=2, so this is a lower bound).
-PROXY_IN_RUN_FACTOR = ((3 * RUN_SCATTER1_US + RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US)
-                       / (3 * (SCATTER_FIXED_US + POST_US + SHM_POST_C_US) + PLAN_US_W8))
-# Share of the plan in each of its three places on the path (the in-run spans at W=2).
-_RUN_PLAN = RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US
-PLAN_SHARES = {"private": RUN_PLAN_PRIVATE_US / _RUN_PLAN, "remainder": RUN_PLAN_REMAINDER_US / _RUN_PLAN,
-               "combine": RUN_PLAN_COMBINE_US / _RUN_PLAN}
+# Critical-path terms of each protocol (predict() returns every term of ALL_TERMS, zero where unused).
+TERMS = ("kernels", "plan_kernels", "pcie", "nvlink", "flags", "proxy_post", "proxy_imms", "proxy_steps", "wire")
+TERMS_OF = {PROTOCOL: TERMS,
+            OLD_PROTOCOL: ("kernels", "pcie", "nvlink", "flags", "proxy_post", "proxy_plan", "proxy_cq", "wire")}
+ALL_TERMS = tuple(dict.fromkeys(TERMS + TERMS_OF[OLD_PROTOCOL]))
+# Issue 19's targets for dispatch + combine on EFA (µs).
+ISSUE_TARGETS_US = {16: 400.0, 32: 500.0, 64: 600.0}
 
 _RUN = "docs/results/e2e_graph_x2_n1.json (trace, 2026-11-30)"
 _TGH = "docs/results/transport_gpu_host.json (2026-11-30)"
 _KJ = "docs/results/kernels.json (2026-11-29)"
+_PSHM = "docs/results/emulated/proxy_shm.json (bench proxy, 1 x H200 host, shm, H=64, 2026-12-01)"
+_ESHM = "docs/results/emulated/e2e_shm_trace.json (bench e2e --trace-proxy, shm, W=2, 2026-12-01)"
 # Where every constant comes from: name -> (kind, source). kind: measured | derived (from measured
 # ones) | config (the workload's definition) | assumption. Checked by tests/benchmarks/test_latency_model.py.
 PROVENANCE = {
@@ -140,7 +193,8 @@ PROVENANCE = {
     "K_UNPACK_TOKENS": ("measured", f"{_KJ}: unpack_tokens_by_expert"),
     "K_PACK_COMBINE": ("measured", f"{_KJ}: pack_combine_by_source"),
     "K_REDUCE_COMBINE": ("measured", f"{_KJ}: reduce_combined_tokens"),
-    "LAUNCH_GPU_US": ("measured", f"{_KJ}: launch_us (an empty launch in a graph)"),
+    "LAUNCH_GPU_US": ("measured", f"{_KJ}: launch_us (an empty launch in a graph); also the launch of each "
+                                  "write-plan kernel"),
     "HALF_GAP_US": ("measured", "kernel timelines of docs/results/e2e_graph_x2.json and e2e_graph_x2_n1.json "
                                 "(2026-11-30): dispatch end -> combine start 4.0, 5.0, 3.4, 3.6 µs"),
     "HBM_COPY_GBPS": ("measured", f"{_KJ}: copy_bw_GBps (floor only)"),
@@ -151,21 +205,46 @@ PROVENANCE = {
     "FLAG_RTT_US": ("measured", "docs/results/flags.json (2026-11-29): median GPU -> proxy -> GPU"),
     "HOST_STAGED_GBPS": ("measured", f"{_RUN}: pack, unpack, combine pack, reduce spans of both ranks, "
                                      "bytes / (span - kernel time) = 50.4 GB/s"),
-    "POST_US": ("measured", f"{_TGH}: shm python_post, 63 peers, median"),
-    "POST_US_MIN": ("measured", f"{_TGH}: shm python_post, 63 peers, min"),
-    "SCATTER_FIXED_US": ("derived", f"{_TGH}: shm scatter 1 peer post 2.52 - POST_US - SHM_POST_C_US"),
+    "PLAN_PCIE_GBPS": ("assumption", "one-program write-plan kernel reading count rows from host memory, "
+                                     "16 KB per ~2 µs step (no GPU timing of these kernels yet)"),
+    "POST_US": ("measured", f"{_TGH}: shm python_post, 63 peers, median (the 2026-11-30 engine; protocol "
+                            "2026-11-30 only)"),
+    "SCATTER_FIXED_US": ("derived", f"{_TGH}: shm scatter 1 peer post 2.52 - POST_US - SHM_POST_C_US "
+                                    "(protocol 2026-11-30 only)"),
     "SHM_POST_C_US": ("derived", f"{_TGH}: shm scatter 63 peers post per write 2.27 - POST_US"),
-    "CQ_US": ("measured", f"{_TGH}: shm scatter 63 peers, completed - posted = 15.8 µs / 63 (upper bound)"),
-    "PLAN_US_W8": ("measured", f"{_TGH}: proxy_plan, 8 ranks, median"),
-    "PLAN_US_W64": ("measured", f"{_TGH}: proxy_plan, 64 ranks, median"),
-    "PLAN_US_W256": ("measured", f"{_TGH}: proxy_plan, 256 ranks, median"),
+    "CQ_US": ("measured", f"{_TGH}: shm scatter 63 peers, completed - posted = 15.8 µs / 63 (upper bound; "
+                          "protocol 2026-11-30 only)"),
+    "SHM_COPY_GBPS": ("measured", f"{_RUN}: posted (sender) -> received (receiver) of the 3 data writes"),
+    "POST_US_C_HELPER": ("assumption", "what-if: a C helper posting a table in one call"),
+    "BENCH_POST_PRIVATE_US": ("measured", f"{_PSHM}: post_us_per_write.dispatch_private at W=64 (63 writes)"),
+    "BENCH_POST_COMBINE_US": ("measured", f"{_PSHM}: post_us_per_write.combine at W=64"),
+    "IMM_US": ("measured", f"{_PSHM}: parts.dispatch_imms_rows_us median / 63 remote peers at W=64 "
+                           "(18.5 µs; the immediates already in)"),
+    "COMBINE_IMM_US": ("measured", f"{_PSHM}: parts.combine_imms_us median / 63 at W=64 (12.8 µs)"),
+    "DISPATCH_STEPS_US": ("derived", f"{_PSHM}: dispatch_host_us median at W=2 (11.52) - BENCH_POST_PRIVATE_US "
+                                     "- IMM_US"),
+    "COMBINE_STEPS_US": ("derived", f"{_PSHM}: combine_host_us median at W=2 (7.07) - BENCH_POST_COMBINE_US "
+                                    "- COMBINE_IMM_US"),
+    "REMAINDER_ROW_US": ("derived", f"{_PSHM}: (parts.remainder_us at W=256 (106.1) - at W=64 (1.0) - "
+                                    "remainder_writes_per_call at W=256 (5.47) x BENCH_POST_PRIVATE_US) / 255"),
+    "POST_PY_PRIVATE_US": ("derived", "BENCH_POST_PRIVATE_US - SHM_POST_C_US: the Python part of a post, for "
+                                      "EFA / CX7 (chosen over POST_US: it times the current post_table path)"),
+    "POST_PY_COMBINE_US": ("derived", "BENCH_POST_COMBINE_US - SHM_POST_C_US"),
+    "RUN_PRIVATE_POST_US": ("measured", f"{_ESHM}: proxy.private_post medians 13.92 / 16.03 (rank 0 / 1), mean"),
+    "RUN_COMBINE_POST_US": ("measured", f"{_ESHM}: proxy.combine_post medians 10.39 / 22.82, mean"),
+    "BENCH_W2_PRIVATE_POST_US": ("measured", f"{_PSHM}: parts.dispatch_post_us median at W=2"),
+    "BENCH_W2_COMBINE_POST_US": ("measured", f"{_PSHM}: parts.combine_post_us median at W=2"),
+    "PROXY_IN_RUN_FACTOR": ("derived", "(RUN_PRIVATE_POST_US + RUN_COMBINE_POST_US) / (BENCH_W2_PRIVATE_POST_US "
+                                       "+ BENCH_W2_COMBINE_POST_US): in-run posts over the bench's, shm, W=2"),
+    "PLAN_US_W8": ("measured", f"{_TGH}: proxy_plan, 8 ranks, median (protocol 2026-11-30 only)"),
+    "PLAN_US_W64": ("measured", f"{_TGH}: proxy_plan, 64 ranks, median (protocol 2026-11-30 only)"),
+    "PLAN_US_W256": ("measured", f"{_TGH}: proxy_plan, 256 ranks, median (protocol 2026-11-30 only)"),
     "RUN_SCATTER1_US": ("measured", f"{_RUN}: the six one-write scatters (seen -> posted), mean"),
     "RUN_PLAN_PRIVATE_US": ("measured", f"{_RUN}: route_posted -> send_ready_seen, mean of 2 ranks"),
     "RUN_PLAN_REMAINDER_US": ("measured", f"{_RUN}: routes_received -> remainder_posted, mean of 2 ranks"),
     "RUN_PLAN_COMBINE_US": ("measured", f"{_RUN}: remainder_posted -> dispatch_received, rank 0"),
-    "SHM_COPY_GBPS": ("measured", f"{_RUN}: posted (sender) -> received (receiver) of the 3 data writes"),
-    "PROXY_IN_RUN_FACTOR": ("derived", "in-run spans (RUN_*) / micro-benchmark cost of the same steps"),
-    "POST_US_C_HELPER": ("assumption", "what-if: a C helper posting a scatter in one call"),
+    "PROXY_IN_RUN_FACTOR_2026_11_30": ("derived", "in-run spans (RUN_SCATTER1_US, RUN_PLAN_*) / micro-benchmark "
+                                                  "cost of the same steps (protocol 2026-11-30 only)"),
     "EFA_NICS": ("config", "2 x 200 Gb/s per GPU (Perplexity's article; p5en)"),
     "EFA_NIC_GBPS": ("assumption", "line rate 200 Gb/s (datasheet value, not measured by us)"),
     "EFA_BW_EFFICIENCY": ("assumption", "lower bound implied by pplx-garden's EFA combine at EP64 (not ours)"),
@@ -228,6 +307,12 @@ def later(*paths: Path) -> Path:
     return max(paths, key=lambda p: p.t)
 
 
+def mix(a: Path, b: Path, p: float) -> Path:
+    """The expected path: ``a`` with probability 1 - p, ``b`` with probability p (term by term)."""
+    keys = dict.fromkeys(list(a.parts) + list(b.parts))
+    return Path({k: (1 - p) * a.parts.get(k, 0.0) + p * b.parts.get(k, 0.0) for k in keys})
+
+
 # ---- routing statistics (uniform routing: each token picks K distinct experts uniformly) --------------
 def rows_per_pair_pmf(world: int) -> np.ndarray:
     """Rows one rank sends to one other rank: a sum over T tokens of a hypergeometric (E experts,
@@ -255,16 +340,23 @@ def routing_stats(world: int, node: int = GPUS_PER_NODE) -> dict:
     P = private_rows(world)
     p_rem = float(pmf[P + 1:].sum())                      # one (sender, receiver) pair overflows P
     remote = world - node
+    over = pmf[P + 1:]
+    p_rank = 1.0 - (1.0 - p_rem) ** remote                # a given rank has a remainder to send
     return dict(
         world=world, node=node, remote_peers=remote, local_peers=node - 1,
         rows_per_peer=TOKENS * TOPK / world, private_rows=P, p_remainder_pair=p_rem,
         # ranks step together: the phase waits if ANY remote pair needs a remainder write
-        p_any_remainder=1.0 - (1.0 - p_rem) ** (world * remote))
+        p_any_remainder=1.0 - (1.0 - p_rem) ** (world * remote),
+        p_remainder_rank=p_rank,
+        # remainder writes a rank posts when it posts any, and the rows of one (past the P private ones)
+        remainder_writes_given_any=max(1.0, remote * p_rem / p_rank) if p_rank > 0 else 0.0,
+        remainder_rows_given_overflow=(float((np.arange(P + 1, len(pmf)) - P) @ over / over.sum())
+                                       if over.sum() > 0 else 0.0))
 
 
 def plan_us(world: int) -> float:
-    """The proxy's arithmetic per call at micro-benchmark speed: linear between the measured world sizes
-    (below 8 ranks numpy's fixed cost per operation dominates: taken as the 8-rank value)."""
+    """Protocol 2026-11-30: the proxy's numpy arithmetic per call at micro-benchmark speed, linear between
+    the measured world sizes (below 8 ranks numpy's fixed cost per operation dominates: the 8-rank value)."""
     return float(np.interp(world, (8, 64, 256), (PLAN_US_W8, PLAN_US_W64, PLAN_US_W256)))
 
 
@@ -275,32 +367,46 @@ class Setup:
     node: int
     fab: Fabric | None            # None: every rank on one node (no proxy, no fabric)
     speed: float                  # multiplies the proxy's micro-benchmark costs
-    post_us: float
+    post_us: float | None         # Python per posted write; None: the measured one of each table
     host_staged: bool
-    # The count row as a write of its own to every remote peer, before the private writes: the protocol
-    # our cross-node measurement (b) ran; since, the row travels at the head of the private write.
+    # Protocol 2026-11-30 only: the count row as a write of its own to every remote peer, before the
+    # private writes: the protocol our cross-node measurement (b) ran; since, the row travels at the head
+    # of the private write.
     route_writes: bool = False
     # Proxy processes per rank (`AllToAll(proxies=k)`): each posts, in parallel, the writes of the peers
-    # p % k == j, on its own NIC when k equals the NIC count, and drains their completions.
+    # p % k == j, on its own NIC when k equals the NIC count, and counts their immediates.
     proxies: int = 1
     # Only rows to and from other nodes cross PCIe (`buffers="staged"`, the GPU default on tcp/shm); else
     # (host_staged) every row does, this node's too (`buffers="host"`).
     staged_remote_only: bool = False
+    protocol: str = PROTOCOL
 
 
-def _scatter(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
+def _post_write_us(s: Setup, table: str) -> float:
+    """One posted write of a table: the proxy's Python plus the provider's own cost, at the proxy's speed."""
+    if s.protocol == OLD_PROTOCOL:
+        return s.speed * (s.post_us + s.fab.post_c_us)
+    py = s.post_us if s.post_us is not None else (POST_PY_COMBINE_US if table == "combine" else POST_PY_PRIVATE_US)
+    return s.speed * (py + s.fab.post_c_us)
+
+
+def _scatter(start: Path, sizes: list[float], s: Setup, table: str = "private") -> tuple[Path, Path]:
     """The proxy posts ``sizes`` (bytes, in peer order) one write at a time; writes go to NIC
     ``i * nics // n`` (contiguous peer shards) and are serialised there. Returns (last write posted, last
     byte landed); a receiver-copies fabric lands nothing by itself (see _dispatch). With k proxies,
-    proxy j posts the writes ``i % k == j`` at the same time as the others, to NIC ``j % nics``."""
+    proxy j posts the writes ``i % k == j`` at the same time as the others, to NIC ``j % nics``.
+    Protocol 2026-11-30: a fixed cost per scatter call and one completion drained per post, too."""
     if s.proxies > 1:
-        return _scatter_sharded(start, sizes, s)
+        return _scatter_sharded(start, sizes, s, table)
     fab, n = s.fab, len(sizes)
-    posted = start.add("proxy_post", s.speed * SCATTER_FIXED_US)
+    old = s.protocol == OLD_PROTOCOL
+    posted = start.add("proxy_post", s.speed * SCATTER_FIXED_US) if old else start
+    per = _post_write_us(s, table)
     nic_free, landed = [None] * fab.nics, posted
     for i, size in enumerate(sizes):
-        # the post, then its local completion drained between posts
-        posted = posted.add("proxy_post", s.speed * (s.post_us + fab.post_c_us)).add("proxy_cq", s.speed * CQ_US)
+        posted = posted.add("proxy_post", per)
+        if old:  # the post, then its local completion drained between posts
+            posted = posted.add("proxy_cq", s.speed * CQ_US)
         if fab.receiver_copies:
             continue
         nic = i * fab.nics // n
@@ -310,7 +416,7 @@ def _scatter(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
     return posted, later(posted, landed)
 
 
-def _scatter_sharded(start: Path, sizes: list[float], s: Setup) -> tuple[Path, Path]:
+def _scatter_sharded(start: Path, sizes: list[float], s: Setup, table: str) -> tuple[Path, Path]:
     fab, k = s.fab, s.proxies
     one = replace(s, proxies=1, fab=replace(fab, nics=1))
     posted_all, landed_all = [], []
@@ -320,7 +426,7 @@ def _scatter_sharded(start: Path, sizes: list[float], s: Setup) -> tuple[Path, P
             continue
         # a proxy of its own and (k >= nics) a NIC of its own, or a share of one (k > nics)
         share = replace(one, fab=replace(fab, nics=1, gbps=fab.gbps * min(1.0, fab.nics / k)))
-        posted, landed = _scatter(start, mine, share)
+        posted, landed = _scatter(start, mine, share, table)
         posted_all.append(posted)
         landed_all.append(landed)
     return later(*posted_all), later(*landed_all)
@@ -339,15 +445,104 @@ def _gpu(start: Path, kernel_us: float, row_bytes: int, nvlink_rows: float, s: S
     return p
 
 
+def _plan_kernel_us(rows_in_host_memory: int) -> float:
+    """A one-program write-plan kernel: its launch, plus the count rows (E int32 each) it reads from host
+    memory at PLAN_PCIE_GBPS. The tables it writes (3 x W x 32 B) and the rows it copies into the routing
+    area are stores, not charged."""
+    return LAUNCH_GPU_US + rows_in_host_memory * ROUTE_ROW_BYTES / (PLAN_PCIE_GBPS * 1e3)
+
+
 def _flag(s: Setup, remote: int) -> float:
     """One-way hand-off: through peer memory when all ranks share a node; with remote peers every sync
     word lives in pinned host memory (docs/protocol.md, 1), so half the GPU-proxy-GPU round trip."""
     return (FLAG_RTT_US if remote else PEER_FLAG_RTT_US) / 2
 
 
+def _unpack(ready: Path, st: dict, s: Setup, waitk: float) -> Path:
+    """Dispatch recv: the wait kernel sees every flag (``ready``), unpack pulls the node peers' rows."""
+    done = _gpu(ready.add("kernels", waitk), K_UNPACK_TOKENS, DISPATCH_ROW_BYTES,
+                st["local_peers"] * st["rows_per_peer"], s)
+    return done.add("kernels", HALF_GAP_US)
+
+
 def _dispatch(s: Setup, early: bool = False) -> Path:
-    """``early``: the peers' routing rows, tokens and ready words are already in when this rank needs
+    """``early``: the peers' count rows, tokens and ready words are already in when this rank needs
     them (in a back-to-back loop, the rank whose peer runs ahead of it: see back_to_back)."""
+    if s.protocol == OLD_PROTOCOL:
+        return _dispatch_2026_11_30(s, early)
+    st = routing_stats(s.world, s.node)
+    remote, rows = st["remote_peers"], st["rows_per_peer"]
+    flag = _flag(s, remote)
+    waitk = LAUNCH_GPU_US if remote else 0.0           # the one-warp wait kernel before pack / unpack
+    t_route = Path().add("kernels", K_ROUTE_TOKENS)
+    # plan_private_writes: this rank's own count row (in the segment: host memory) -> the PRIVATE table
+    t_plan = t_route.add("plan_kernels", _plan_kernel_us(1)) if remote else t_route
+    t_pack = _gpu(t_plan.add("kernels", waitk), K_PACK_TOKENS, DISPATCH_ROW_BYTES, 0, s)
+    # node peers' dispatch_ready: in lock-step they packed when we did
+    node_ready = t_pack if early else t_pack.add("flags", flag)
+    if not remote:
+        return _unpack(later(t_pack, node_ready), st, s, waitk)
+    per_proxy = math.ceil(remote / s.proxies)  # immediates each proxy counts, copies it makes (shm)
+    size = min(rows, st["private_rows"]) * DISPATCH_ROW_BYTES + ROUTE_ROW_BYTES  # the count row at its head
+    posted, landed = _scatter(t_pack.add("flags", flag), [size] * remote, s, "private")  # at SEND_READY
+    if early:
+        landed = Path()
+    elif s.fab.receiver_copies:
+        # shm: our proxy copies every peer's private write when it next polls, i.e. after its own posts
+        # (the peers posted theirs at the same time); one after the other, one process
+        landed = posted.add("wire", per_proxy * size / (s.fab.gbps * 1e3))
+    # every private write counted and the node peers' rows in: COUNT_ROWS_READY
+    crr = later(posted, landed, node_ready).add("proxy_imms", s.speed * IMM_US * per_proxy)
+    drr = crr.add("proxy_steps", s.speed * DISPATCH_STEPS_US)          # DISPATCH_RECV_READY, no remainder
+    # plan_remainder_and_combine_writes waits for COUNT_ROWS_READY, reads every count row (the remote ones
+    # from the private slots' heads: host memory only when the buffers are; the node peers' from the sync
+    # area, always host memory with remote peers), raises REMAINDER_PLANNED
+    host_rows = s.world if s.host_staged else s.node
+    planned = later(t_pack, crr.add("flags", flag)).add("plan_kernels", _plan_kernel_us(host_rows))
+    done = _unpack(later(planned, node_ready, drr.add("flags", flag)), st, s, waitk)
+    p_any = st["p_any_remainder"]
+    if p_any > 0 and not early:
+        # Some pair overflows P (weighted by its probability; never at 2 ranks). Its sender's proxy waits
+        # for REMAINDER_PLANNED (COUNT_ROWS_READY -> plan kernel -> REMAINDER_PLANNED: a GPU -> proxy -> GPU
+        # round trip and the kernel), walks its REMAINDER table, posts; the receiver counts the immediate.
+        n = max(1, round(st["remainder_writes_given_any"]))
+        rem_size = st["remainder_rows_given_overflow"] * DISPATCH_ROW_BYTES
+        start = later(crr, planned.add("flags", flag)).add(
+            "proxy_post", s.speed * REMAINDER_ROW_US * per_proxy)
+        rem_posted, rem_landed = _scatter(start, [rem_size] * n, s, "private")
+        if s.fab.receiver_copies:
+            rem_landed = rem_posted.add("wire", n * rem_size / (s.fab.gbps * 1e3))
+        drr_rem = later(rem_posted, rem_landed).add("proxy_imms", s.speed * IMM_US).add(
+            "proxy_steps", s.speed * DISPATCH_STEPS_US)
+        done = mix(done, _unpack(later(planned, node_ready, drr_rem.add("flags", flag)), st, s, waitk), p_any)
+    return done
+
+
+def _combine(s: Setup) -> Path:
+    if s.protocol == OLD_PROTOCOL:
+        return _combine_2026_11_30(s)
+    st = routing_stats(s.world, s.node)
+    remote, rows = st["remote_peers"], st["rows_per_peer"]
+    flag = _flag(s, remote)
+    waitk = LAUNCH_GPU_US if remote else 0.0           # before combine pack / reduce
+    t_pack = _gpu(Path().add("kernels", waitk), K_PACK_COMBINE, COMBINE_ROW_BYTES, st["local_peers"] * rows, s)
+    ready = t_pack.add("flags", flag)                  # node peers' combine_ready
+    if remote:
+        per_proxy = math.ceil(remote / s.proxies)
+        size = rows * COMBINE_ROW_BYTES
+        # COMBINE_SEND_READY seen: the COMBINE table, written by the plan kernel in the dispatch recv half
+        posted, landed = _scatter(t_pack.add("flags", flag), [size] * remote, s, "combine")
+        if s.fab.receiver_copies:
+            landed = posted.add("wire", per_proxy * size / (s.fab.gbps * 1e3))
+        crr = later(posted, landed).add("proxy_imms", s.speed * COMBINE_IMM_US * per_proxy).add(
+            "proxy_steps", s.speed * COMBINE_STEPS_US)
+        ready = later(ready, crr.add("flags", flag))    # COMBINE_RECV_READY
+    done = _gpu(ready.add("kernels", waitk), K_REDUCE_COMBINE, COMBINE_ROW_BYTES, 0, s)
+    return done.add("kernels", HALF_GAP_US)
+
+
+# ---- the protocol of 2026-11-30: the proxy plans with numpy (rows (b)-(d) of the calibration) ----------
+def _dispatch_2026_11_30(s: Setup, early: bool = False) -> Path:
     st = routing_stats(s.world, s.node)
     remote, rows = st["remote_peers"], st["rows_per_peer"]
     flag = _flag(s, remote)
@@ -389,12 +584,10 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
             p = p.add("proxy_plan", plan * PLAN_SHARES["combine"])
         drr = later(p, data_landed).add("proxy_cq", s.speed * CQ_US * per_proxy)    # dispatch imms
         ready = later(node_ready, drr.add("flags", flag))                        # DISPATCH_RECV_READY
-    start = later(t_pack, ready).add("kernels", waitk)
-    done = _gpu(start, K_UNPACK_TOKENS, DISPATCH_ROW_BYTES, st["local_peers"] * rows, s)
-    return done.add("kernels", HALF_GAP_US)
+    return _unpack(later(t_pack, ready), st, s, waitk)
 
 
-def _combine(s: Setup) -> Path:
+def _combine_2026_11_30(s: Setup) -> Path:
     st = routing_stats(s.world, s.node)
     remote, rows = st["remote_peers"], st["rows_per_peer"]
     flag = _flag(s, remote)
@@ -416,35 +609,46 @@ def _combine(s: Setup) -> Path:
 
 
 def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed: str = "run",
-          post_us: float = POST_US, host_staged: bool | None = None,
+          post_us: float | None = None, host_staged: bool | None = None,
           efa_efficiency: float | None = None, route_writes: bool = False, proxies: int | None = None,
-          staged_remote_only: bool = False) -> Setup:
-    """`proxies`: None = the library's default (one per NIC on EFA, else 1), capped by the remote peers."""
+          staged_remote_only: bool = False, protocol: str = PROTOCOL) -> Setup:
+    """`proxies`: None = the library's default (one per NIC on EFA, else 1), capped by the remote peers.
+    `post_us`: the proxy's Python per posted write at bench speed; None = the measured one (protocol
+    2026-12-01: POST_PY_PRIVATE_US / POST_PY_COMBINE_US per table; 2026-11-30: POST_US)."""
     node = min(node, world)
     if world < 2 or world % node or NUM_EXPERTS % world:
         raise ValueError(f"world must be a multiple of the node size ({node}) dividing {NUM_EXPERTS}, got {world}")
     if speed not in SPEEDS:
         raise ValueError(f"speed must be one of {SPEEDS}, got {speed!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if route_writes and protocol != OLD_PROTOCOL:
+        raise ValueError(f"route_writes is a variant of protocol {OLD_PROTOCOL}")
     fab = fabric(fabric_name, efa_efficiency) if node < world else None   # remote peers need one
     staged = (fab.host_staged if fab else False) if host_staged is None else host_staged
     remote = world - node
     if proxies is None:
         proxies = fab.nics if fab is not None and fab.name == "efa" else 1
     proxies = max(1, min(proxies, remote))
-    return Setup(world, node, fab, PROXY_IN_RUN_FACTOR if speed == "run" else 1.0, post_us, staged, route_writes,
-                 proxies, staged_remote_only)
+    factor = PROXY_IN_RUN_FACTOR if protocol == PROTOCOL else PROXY_IN_RUN_FACTOR_2026_11_30
+    if post_us is None and protocol == OLD_PROTOCOL:
+        post_us = POST_US
+    return Setup(world, node, fab, factor if speed == "run" else 1.0, post_us, staged, route_writes,
+                 proxies, staged_remote_only, protocol)
 
 
 def predict(world: int, fabric_name: str | None, **kw) -> dict:
     """Lock-step latency in µs: ``{"dispatch", "dispatch.<term>", "combine", "combine.<term>", "total",
-    "dispatch_early"}``. Terms are critical-path contributions and sum to their phase. Keywords: see
-    :func:`setup` (``speed="run"``: the proxy as fast as it was inside our run; ``"bench"``: as fast as
-    in its micro-benchmarks)."""
+    "dispatch_early"}`` for every term of ALL_TERMS (zero where the protocol has none). Terms are
+    critical-path contributions and sum to their phase. Keywords: see :func:`setup` (``speed="run"``: the
+    proxy as fast as it was inside our run; ``"bench"``: as fast as in its benchmark)."""
     s = setup(world, fabric_name, **kw)
-    out = {}
+    out = {"protocol": s.protocol}
     for phase, path in (("dispatch", _dispatch(s)), ("combine", _combine(s))):
+        unknown = set(path.parts) - set(ALL_TERMS)
+        assert not unknown, unknown
         out[phase] = path.t
-        for term in TERMS:
+        for term in ALL_TERMS:
             out[f"{phase}.{term}"] = path.parts.get(term, 0.0)
     out["total"] = out["dispatch"] + out["combine"]
     out["dispatch_early"] = _dispatch(s, early=True).t
@@ -464,14 +668,46 @@ def back_to_back(r: dict) -> dict:
             "combine_fast": c - d + e, "total": d + c}
 
 
-# ---- calibration: the two configurations we measured ----------------------------------------------------
-# (configuration, quantity, measured µs, source). 2 x H200, decode, CUDA-graph replay, medians of
-# 200 (a) / 100 (b) calls per rank; (c), (d): 100-200 calls per run, several runs (the
-# spread between runs of one configuration, ~10%, is larger than the difference between (c) and (d)).
+# ---- the proxy alone: `moe-a2a bench proxy` ------------------------------------------------------------
+BENCH_PROXY_WORLDS = (8, 64, 256)
+
+
+def bench_proxy(world: int) -> dict:
+    """The model's proxy phases as `moe-a2a bench proxy` times them (rank 0 of ``world`` ranks, one per
+    node, shm, bench speed): ``dispatch`` = SEND_READY seen -> DISPATCH_RECV_READY, ``combine`` =
+    COMBINE_SEND_READY seen -> COMBINE_RECV_READY, each a Path. The same pieces as the walk's proxy, with
+    what the bench does differently: the peers' writes (H=64 rows) are in before the call (no wire, no
+    copy charged: IMM_US was measured that way), and REMAINDER_PLANNED is raised with SEND_READY (no GPU:
+    no flag round trip, no plan kernel)."""
+    s = setup(world, "shm", node=1, speed="bench")
+    st = routing_stats(world, node=1)
+    remote = st["remote_peers"]
+    posted, _ = _scatter(Path(), [0.0] * remote, s, "private")
+    crr = posted.add("proxy_imms", IMM_US * remote)
+    dispatch = crr.add("proxy_steps", DISPATCH_STEPS_US)
+    p = st["p_remainder_rank"]            # this rank posts a remainder (it counts the peers' anyway)
+    if p > 0:
+        n = max(1, round(st["remainder_writes_given_any"]))
+        start = crr.add("proxy_post", REMAINDER_ROW_US * remote)
+        rem_posted, _ = _scatter(start, [0.0] * n, s, "private")
+        rem = rem_posted.add("proxy_imms", IMM_US * remote * st["p_remainder_pair"]).add(
+            "proxy_steps", DISPATCH_STEPS_US)
+        dispatch = mix(dispatch, rem, p)
+    posted, _ = _scatter(Path(), [0.0] * remote, s, "combine")
+    combine = posted.add("proxy_imms", COMBINE_IMM_US * remote).add("proxy_steps", COMBINE_STEPS_US)
+    return {"dispatch": dispatch, "combine": combine}
+
+
+# ---- calibration: the configurations we measured --------------------------------------------------------
+# (configuration, quantity, measured µs, source). (a)-(d): 2 x H200, decode, CUDA-graph replay, medians of
+# 200 (a) / 100 (b) calls per rank; (c), (d): 100-200 calls per run, several runs (the spread between runs
+# of one configuration, ~10%, is larger than the difference between (c) and (d)). (e): the proxy alone,
+# medians of 100 calls (30 at W=256).
 _E2E_A = "docs/results/e2e_graph_x2.json"
 _E2E_B = "docs/results/e2e_graph_x2_n1.json"
 _E2E_C = "docs/results/x2_n1_2026-11-30/host_*.json"
 _E2E_D = "docs/results/x2_n1_2026-11-30/staged_*.json"
+_BP = "docs/results/emulated/proxy_shm.json"
 MEASURED = [
     ("a", "dispatch, slower rank", 39.3, f"{_E2E_A}: rank 1 (rank 0: 38.9)"),
     ("a", "combine, slower rank", 37.0, f"{_E2E_A}: rank 0 (rank 1: 36.5)"),
@@ -483,25 +719,39 @@ MEASURED = [
     ("b", "dispatch + combine", 2350.2, f"{_E2E_B}: rank 0 (rank 1: 2347.9)"),
     ("c", "dispatch + combine", 2707.7, f"{_E2E_C}: median of 5 runs (2564.7 - 2738.5), slower rank"),
     ("d", "dispatch + combine", 2590.1, f"{_E2E_D}: median of 12 runs (2329.6 - 4506.3), slower rank"),
+    ("e", "W=8: proxy dispatch", 36.2, f"{_BP}: dispatch_host_us (7 remote peers)"),
+    ("e", "W=8: proxy combine", 28.7, f"{_BP}: combine_host_us"),
+    ("e", "W=64: proxy dispatch", 197.6, f"{_BP}: dispatch_host_us (63 remote peers)"),
+    ("e", "W=64: proxy combine", 170.7, f"{_BP}: combine_host_us"),
+    ("e", "W=256: proxy dispatch", 1109.3, f"{_BP}: dispatch_host_us (255 remote peers, 5.5 remainders)"),
+    ("e", "W=256: proxy combine", 838.9, f"{_BP}: combine_host_us"),
 ]
 CONFIGS = {"a": "2 x H200, one node (NVLink, kernels synchronise)",
-           "b": "2 x H200, two simulated nodes, host-staged, shm",
+           "b": "2 x H200, two simulated nodes, host-staged, shm, protocol 2026-11-30",
            "c": "as (b), one write per peer (count row at its head)",
-           "d": "as (c), only remote rows staged (buffers=\"staged\")"}
+           "d": "as (c), only remote rows staged (buffers=\"staged\")",
+           "e": "bench proxy: the proxy alone, synthetic peers, shm, H=64 (1 x H200 host)"}
 _QUANTITY = {"dispatch, slower rank": "dispatch_slow", "dispatch, faster rank": "dispatch_fast",
              "combine, slower rank": "combine_slow", "combine, faster rank": "combine_fast",
              "dispatch + combine": "total"}
 
 
 def calibration() -> list[dict]:
-    """The model against the two measured configurations: (a) 2 ranks on one node; (b) 2 ranks as two
-    simulated nodes (one rank each) over the shm provider, host-staged, proxy at its in-run speed."""
-    model = {"a": back_to_back(predict(2, None, node=2)),
-             "b": back_to_back(predict(2, "shm", node=1, speed="run", route_writes=True)),
-             "c": back_to_back(predict(2, "shm", node=1, speed="run")),
-             "d": back_to_back(predict(2, "shm", node=1, speed="run", staged_remote_only=True))}
-    return [{"config": c, "quantity": q, "predicted": model[c][_QUANTITY[q]], "measured": m,
-             "ratio": model[c][_QUANTITY[q]] / m, "source": src} for c, q, m, src in MEASURED]
+    """The model against the measured configurations: (a) 2 ranks on one node (no remote peer: the same
+    in both protocols); (b)-(d) 2 ranks as two simulated nodes (one rank each) over the shm provider,
+    host-staged, proxy at its in-run speed, in the protocol those runs used (2026-11-30); (e) the current
+    proxy alone in `bench proxy`, at bench speed."""
+    old = dict(protocol=OLD_PROTOCOL, node=1, speed="run")
+    runs = {"a": back_to_back(predict(2, None, node=2)),
+            "b": back_to_back(predict(2, "shm", route_writes=True, **old)),
+            "c": back_to_back(predict(2, "shm", **old)),
+            "d": back_to_back(predict(2, "shm", staged_remote_only=True, **old))}
+    model = {(c, q): v for c, run in runs.items() for q, k in _QUANTITY.items() for v in [run[k]]}
+    for w in BENCH_PROXY_WORLDS:
+        b = bench_proxy(w)
+        model["e", f"W={w}: proxy dispatch"], model["e", f"W={w}: proxy combine"] = b["dispatch"].t, b["combine"].t
+    return [{"config": c, "quantity": q, "predicted": model[c, q], "measured": m,
+             "ratio": model[c, q] / m, "source": src} for c, q, m, src in MEASURED]
 
 
 def hbm_floor_us() -> dict:
@@ -514,8 +764,13 @@ def hbm_floor_us() -> dict:
 # ---- published numbers (decode: 128 tokens/rank, H=7168, top-8, fp8 dispatch / bf16 combine) ---------
 # (source, configuration, fabric, EP, dispatch µs, combine µs, dispatch+combine µs). None = not given.
 PUBLISHED = [
-    ("pplx-garden README", "H200 EFA p5en", "efa", 64, 266.7, 391.2, None),
-    ("pplx-garden README", "H200 CX7", "cx7", 64, 187.5, 309.1, None),
+    # perplexityai/pplx-garden, docs/fabric-lib.md ("All-to-All Performance Results", decode)
+    ("pplx-garden", "H200 EFA p5en", "efa", 16, 214.8, 241.5, 456.3),
+    ("pplx-garden", "H200 EFA p5en", "efa", 32, 229.1, 335.0, 564.1),
+    ("pplx-garden", "H200 EFA p5en", "efa", 64, 266.7, 391.2, 657.9),
+    ("pplx-garden", "H200 CX7", "cx7", 16, 110.2, 185.5, 295.7),
+    ("pplx-garden", "H200 CX7", "cx7", 32, 153.9, 266.3, 420.2),
+    ("pplx-garden", "H200 CX7", "cx7", 64, 187.5, 309.1, 496.6),
     # Perplexity's article: "459, 582, 692 µs at EP16/32/64" on EFA (its Rust proxy) vs UCCL-EP's "519,
     # 966, 1159 µs"; the latter equal UCCL-EP's README dispatch+combine sums at EP16/24/32, so both
     # triples are read as dispatch+combine totals.
@@ -532,8 +787,8 @@ PUBLISHED = [
 
 
 def table(worlds=WORLDS, fabrics=FABRICS, **kw) -> list[dict]:
-    """Predictions at the proxy's in-run speed (``speed``, default "run"), with the micro-benchmark
-    speed as the optimistic edge (``*_bench``) and the C-helper what-if (``*_c_helper``)."""
+    """Predictions at the proxy's in-run speed (``speed``, default "run"), with the bench speed as the
+    optimistic edge (``*_bench``) and the C-helper what-if (``*_c_helper``)."""
     rows = []
     for fab in fabrics:
         for w in worlds:
@@ -548,15 +803,81 @@ def table(worlds=WORLDS, fabrics=FABRICS, **kw) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| fabric | EP | dispatch | combine | dispatch + combine | at micro-benchmark speed (d / c / sum) | "
-            "dispatch: " + " / ".join(TERMS) + " | combine: " + " / ".join(TERMS) + " |")
+    terms = TERMS_OF[rows[0]["protocol"]]
+    head = ("| fabric | EP | dispatch | combine | dispatch + combine | at bench speed (d / c / sum) | "
+            "dispatch: " + " / ".join(terms) + " | combine: " + " / ".join(terms) + " |")
     lines = [head, "|" + "---|" * 8]
     for r in rows:
-        d = " / ".join(f"{r['dispatch.' + t]:.0f}" for t in TERMS)
-        c = " / ".join(f"{r['combine.' + t]:.0f}" for t in TERMS)
+        d = " / ".join(f"{r['dispatch.' + t]:.0f}" for t in terms)
+        c = " / ".join(f"{r['combine.' + t]:.0f}" for t in terms)
         lines.append(f"| {r['fabric'].upper()} | {r['world']} | {r['dispatch']:.0f} | {r['combine']:.0f} | "
                      f"**{r['total']:.0f}** | {r['dispatch_bench']:.0f} / {r['combine_bench']:.0f} / "
                      f"{r['total_bench']:.0f} | {d} | {c} |")
+    return "\n".join(lines)
+
+
+def _published(fab: str, src: str, ep: int):
+    return next((p[6] for p in PUBLISHED if p[0] == src and p[2] == fab and p[3] == ep), None)
+
+
+def _top_terms(r: dict, phase: str, n: int = 2) -> str:
+    terms = sorted(TERMS_OF[r["protocol"]], key=lambda t: -r[f"{phase}.{t}"])[:n]
+    return ", ".join(f"{t} {r[f'{phase}.{t}']:.0f}" for t in terms)
+
+
+def format_targets(rows: list[dict]) -> str:
+    """Dispatch + combine against issue 19's EFA targets and the published totals, with the two largest
+    critical-path terms of each phase (what holds a missed target)."""
+    lines = ["| fabric | EP | MODEL in-run | MODEL bench speed | issue 19 target | pplx article | pplx-garden | "
+             "DeepEP V1 LL | in-run vs target | largest terms, dispatch | largest terms, combine |",
+             "|" + "---|" * 11]
+    fmt = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
+    for r in rows:
+        fab, w = r["fabric"], r["world"]
+        target = ISSUE_TARGETS_US.get(w) if fab == "efa" else None
+        if target is None:
+            verdict = "no target"
+        elif r["total"] <= target:
+            verdict = "**meets**"
+        else:
+            verdict = f"misses: +{r['total'] - target:.0f} (x{r['total'] / target:.2f})"
+        lines.append(f"| {fab.upper()} | {w} | **{r['total']:.0f}** | {r['total_bench']:.0f} | {fmt(target)} | "
+                     f"{fmt(_published(fab, 'pplx article', w))} | {fmt(_published(fab, 'pplx-garden', w))} | "
+                     f"{fmt(_published(fab, 'DeepEP V1 LL', w))} | {verdict} | {_top_terms(r, 'dispatch')} | "
+                     f"{_top_terms(r, 'combine')} |")
+    return "\n".join(lines)
+
+
+# (label, keywords) of the sensitivity table: each row one command of the page's "Run it".
+SENSITIVITY = [
+    ("default: proxy at in-run speed", {}),
+    ("`--proxies 1` (one proxy process per rank)", {"proxies": 1}),
+    ("`--proxies 2` (two proxy processes per rank; on CX7 they share its one NIC)", {"proxies": 2}),
+    ("`--speed bench` (the proxy as fast as in `bench proxy`)", {"speed": "bench"}),
+    ("`--post-us 0.2` (what-if: C posting helper, in-run speed)", {"post_us": POST_US_C_HELPER}),
+    ("`--speed bench --post-us 0.2`", {"speed": "bench", "post_us": POST_US_C_HELPER}),
+    ("`--speed bench --post-us 0` (no Python per write at all)", {"speed": "bench", "post_us": 0.0}),
+    ("`--efa-efficiency 0.45` (the article's \"2x slower than CX7\")", {"efa_efficiency": 0.45}),
+    ("`--speed bench --efa-efficiency 0.45`", {"speed": "bench", "efa_efficiency": 0.45}),
+    ("`--host-staged` (GPU buffers not registered with the NIC)", {"host_staged": True}),
+    ("`--speed bench --host-staged`", {"speed": "bench", "host_staged": True}),
+    ("`--protocol 2026-11-30` (the proxy planned with numpy: before this change)", {"protocol": OLD_PROTOCOL}),
+]
+
+
+def format_sensitivity() -> str:
+    cols = [(f, w) for f in FABRICS for w in WORLDS]
+    lines = ["| variant | " + " | ".join(f"{f.upper()} EP{w}" for f, w in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for label, kw in SENSITIVITY:
+        cells = []
+        for f, w in cols:
+            if "efa_efficiency" in kw and f != "efa":
+                cells.append("–")
+                continue
+            r = predict(w, f, **kw)
+            cells.append(f"{r['dispatch']:.0f} / {r['combine']:.0f} / **{r['total']:.0f}**")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -582,10 +903,10 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(16, 10.5))
+    fig = plt.figure(figsize=(16, 11))
     gs = fig.add_gridspec(2, 3)
     colors = {"efa": "tab:orange", "cx7": "tab:blue"}
-    markers = {"pplx-garden README": "*", "pplx article": "P", "UCCL-EP README": "s", "DeepEP V1 LL": "^"}
+    markers = {"pplx-garden": "*", "pplx article": "P", "UCCL-EP README": "s", "DeepEP V1 LL": "^"}
     idx = {"dispatch": 4, "combine": 5, "total": 6}
     for col, phase in enumerate(("dispatch", "combine", "total")):
         ax = fig.add_subplot(gs[0, col])
@@ -598,7 +919,10 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
             ax.fill_between(ws, [r[f"{phase}_bench"] for r in rs], [r[phase] for r in rs],
                             color=colors[fab], alpha=0.15)
             ax.plot(ws, [r[f"{phase}_c_helper"] for r in rs], ":", color=colors[fab], lw=1.5,
-                    label=f"MODEL what-if {fab.upper()}: C posting {POST_US_C_HELPER} µs/write")
+                    label=f"MODEL what-if {fab.upper()}: C posting {POST_US_C_HELPER} µs/write, bench speed")
+        if phase == "total":
+            ax.plot(list(ISSUE_TARGETS_US), list(ISSUE_TARGETS_US.values()), "k_", ms=22, mew=3,
+                    label="issue 19 target (EFA)")
         seen = set()
         for src, cfg, fab, ep, *vals in PUBLISHED:
             v = vals[idx[phase] - 4]
@@ -615,22 +939,24 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
         ax.set_ylabel("µs")
         ax.set_ylim(0, 1.35 * top)
         ax.set_title(f"{'dispatch + combine' if phase == 'total' else phase}: MODEL vs published\n"
-                     "band: proxy at micro-benchmark speed .. in-run speed", fontsize=9)
+                     "band: proxy at bench speed .. in-run speed", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, loc="upper left")
     # where the time goes at the proxy's in-run speed
     ax = fig.add_subplot(gs[1, :2])
     bars = [(r["fabric"], r["world"], ph, r) for ph in ("dispatch", "combine") for r in rows]
     bottoms = np.zeros(len(bars))
-    for term, col in zip(TERMS, plt.cm.tab10.colors):
+    terms = TERMS_OF[rows[0]["protocol"]]
+    for term, col in zip(terms, plt.cm.tab10.colors):
         vals = np.array([r[f"{ph}.{term}"] for _, _, ph, r in bars])
         ax.bar(np.arange(len(bars)), vals, bottom=bottoms, color=col, label=term)
         bottoms += vals
     ax.set_xticks(np.arange(len(bars)), [f"{ph[0].upper()} {f.upper()}\nEP{w}" for f, w, ph, _ in bars], fontsize=7)
     ax.set_ylim(0, 1.12 * bottoms.max())
     ax.set_ylabel("µs on the critical path")
-    ax.set_title("MODEL: where the time goes (D = dispatch, C = combine; proxy at in-run speed)", fontsize=9)
-    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(f"MODEL, protocol {rows[0]['protocol']}: where the time goes (D = dispatch, C = combine; "
+                 "proxy at in-run speed)", fontsize=9)
+    ax.legend(fontsize=8, ncol=3)
     ax.grid(alpha=0.3, axis="y")
     # calibration: model vs measured, ratio per quantity
     ax = fig.add_subplot(gs[1, 2])
@@ -646,10 +972,10 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 1.5)
     ax.set_xlabel("model / measured (band: within 25%)")
-    ax.set_title("calibration on 2 x H200 (measured 2026-11-30)\n(a) one node, (b) two simulated nodes over shm",
-                 fontsize=9)
-    fig.suptitle("moe_a2a latency MODEL (a model where it predicts), 2026-11-30: decode T=128, H=7168 fp8 / "
-                 "bf16, K=8, E=256", fontsize=11)
+    ax.set_title("calibration: (a)-(d) 2 x H200, 2026-11-30 protocol\n"
+                 "(e) bench proxy alone, 1 x H200 host, 2026-12-01", fontsize=9)
+    fig.suptitle(f"moe_a2a latency MODEL (a model where it predicts), protocol {rows[0]['protocol']}: decode "
+                 "T=128, H=7168 fp8 / bf16, K=8, E=256", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -657,14 +983,17 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.latency_model",
-                                 description="moe_a2a latency MODEL: calibration against 2 x H200, then "
+                                 description="moe_a2a latency MODEL: calibration against our measurements, then "
                                              "EP16/32/64 predictions")
     ap.add_argument("--png", help="write the plot here")
     ap.add_argument("--json", help="write calibration, predictions, constants and published points here")
     ap.add_argument("--speed", choices=SPEEDS, default="run",
-                    help="proxy cost: as inside our run (default) or as in its micro-benchmarks")
-    ap.add_argument("--post-us", type=nonneg_float, default=POST_US,
-                    help=f"engine Python per posted write at micro-benchmark speed (default {POST_US})")
+                    help="proxy cost: as inside our run (default) or as in its benchmark")
+    ap.add_argument("--post-us", type=nonneg_float, default=None,
+                    help=f"the proxy's Python per posted write at bench speed (default: measured, "
+                         f"{POST_PY_PRIVATE_US:.2f} private / {POST_PY_COMBINE_US:.2f} combine)")
+    ap.add_argument("--protocol", choices=PROTOCOLS, default=PROTOCOL,
+                    help=f"{PROTOCOL}: the GPU plans the writes (default); {OLD_PROTOCOL}: the proxy did (numpy)")
     ap.add_argument("--host-staged", action="store_true", help="buffers in host memory on EFA / CX7 too")
     ap.add_argument("--efa-efficiency", type=fraction, default=None,
                     help=f"EFA effective/line-rate bandwidth (default {EFA_BW_EFFICIENCY})")
@@ -674,24 +1003,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.proxies is not None and args.proxies < 1:
         ap.error(f"--proxies must be >= 1, got {args.proxies}")
     kw = dict(speed=args.speed, post_us=args.post_us, host_staged=True if args.host_staged else None,
-              efa_efficiency=args.efa_efficiency, proxies=args.proxies)
+              efa_efficiency=args.efa_efficiency, proxies=args.proxies, protocol=args.protocol)
     cal = calibration()
     rows = table(**kw)
-    print("Calibration: the model against 2 x H200 measurements (2026-11-30)")
+    print("Calibration: the model against our measurements")
     print(format_calibration(cal))
-    print(f"\nProxy in-run factor (in-run spans / micro-benchmarks): {PROXY_IN_RUN_FACTOR:.2f}")
-    print(f"\nPredictions: MODEL, not measured; µs; proxy speed '{args.speed}'; terms are critical-path "
-          "contributions")
+    print(f"\nProxy in-run factor (in-run posts / bench posts, shm, W=2): {PROXY_IN_RUN_FACTOR:.2f} "
+          f"(protocol {OLD_PROTOCOL}: {PROXY_IN_RUN_FACTOR_2026_11_30:.2f})")
+    print(f"\nPredictions: MODEL, not measured; µs; protocol {args.protocol}; proxy speed '{args.speed}'; terms are "
+          "critical-path contributions")
     print(format_table(rows))
+    print("\nAgainst the targets and published numbers")
+    print(format_targets(rows))
     print("\nProvenance of every constant")
     print(format_provenance())
     if args.json:
-        doc = {"kind": "MODEL (calibrated against 2 x H200; predictions not measured)", "options": kw,
+        doc = {"kind": "MODEL (calibrated against our measurements; predictions not measured)", "options": kw,
                "calibration": cal, "predictions": rows, "constants": constants(),
                "provenance": {k: list(v) for k, v in PROVENANCE.items()},
                "routing": [routing_stats(w) for w in WORLDS], "hbm_floor_us": hbm_floor_us(),
                "published": [dict(zip(("source", "config", "fabric", "ep", "dispatch_us", "combine_us",
-                                       "total_us"), p)) for p in PUBLISHED]}
+                                       "total_us"), p)) for p in PUBLISHED],
+               "issue_targets_us": ISSUE_TARGETS_US}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.png:
