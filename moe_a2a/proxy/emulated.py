@@ -46,7 +46,7 @@ from itertools import repeat
 import numpy as np
 
 from ..protocol import host_atomics
-from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
+from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, ImmediateCounts, PeerTimeout
 from .memory import CuMemBuffer, MemfdBuffer, fd_buffer_at, fd_from_process
 
 PROVIDER = "emulated"
@@ -430,7 +430,7 @@ def _cuda_backing(addr: int, nbytes: int) -> tuple[int, int, int, int]:
 
 
 # ---- the engine -----------------------------------------------------------------------------------
-class EmulatedEngine:
+class EmulatedEngine(ImmediateCounts):
     """The subset of `TransferEngine` that `worker.Proxy` uses, carried by copies on one host.
 
     Args:
@@ -898,48 +898,6 @@ class EmulatedEngine:
     def writes_pending(self) -> int:
         """Writes posted and not yet completed locally."""
         return self._pending
-
-    @property
-    def imm_counter(self) -> dict[int, int]:
-        """The live counts of received immediates (value -> count; a value is absent at 0): read it, never
-        write it (`take_imm` consumes). Set operations on its keys check many expected values at C speed."""
-        return self._imm_counts
-
-    def imm_count(self, imm: int) -> int:
-        """Immediates `imm` received and not yet consumed (no progress is made)."""
-        return self._imm_counts.get(imm, 0)
-
-    def imm_counts(self) -> dict[int, int]:
-        """Copy of all unconsumed immediate counts."""
-        return dict(self._imm_counts)
-
-    def take_imm(self, imm: int, n: int) -> None:
-        """Consume `n` received immediates `imm`; ValueError if fewer arrived."""
-        have = self._imm_counts.get(imm, 0)
-        if have < n:
-            raise ValueError(f"take_imm: {n} of imm {imm:#x} requested, {have} received")
-        if have == n:
-            del self._imm_counts[imm]
-        else:
-            self._imm_counts[imm] = have - n
-
-    def wait_imms(self, expected: dict[int, int], timeout_s: float | None = None, what: str = "immediates",
-                  names: dict[int, str] | None = None) -> None:
-        """Progress until `expected[imm]` immediates of each `imm` arrived, then consume them; TimeoutError
-        naming `what` and every short immediate (`names` may label them) otherwise."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        counts = self._imm_counts
-        deadline = time.monotonic() + timeout_s
-        while any(counts.get(i, 0) < n for i, n in expected.items()):
-            self._idle_progress()
-            if time.monotonic() > deadline:
-                label = names or {}
-                detail = "; ".join(f"{label.get(i, f'imm {i:#x}')}: {counts.get(i, 0)}/{n}"
-                                   for i, n in expected.items() if counts.get(i, 0) < n)
-                raise TimeoutError(f"{what}: timed out after {timeout_s:g}s waiting for immediates: {detail}")
-        for imm, n in expected.items():
-            if n:
-                self.take_imm(imm, n)
 
     def wait_writes(self, timeout_s: float | None = None) -> None:
         """Progress until every posted write completed locally (its source buffer may be reused)."""

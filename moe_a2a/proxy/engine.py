@@ -228,7 +228,70 @@ class PeerTimeout(TimeoutError):
         self.position = position
 
 
-class TransferEngine:
+class ImmediateCounts:
+    """Received immediates, counted by exact 32-bit value: the bookkeeping every engine shares
+    (`TransferEngine`, the emulated NIC's `EmulatedEngine`). A subclass fills `_imm_counts` (value -> count,
+    a value absent at 0) in its `progress()` and provides `_idle_progress()` and `timeout_s`."""
+
+    _imm_counts: dict[int, int]
+    timeout_s: float
+
+    @property
+    def imm_counter(self) -> dict[int, int]:
+        """The live counts of received immediates (value -> count; a value is absent at 0): read it, never
+        write it (`take_imm` consumes). Set operations on its keys check many expected values at C speed."""
+        return self._imm_counts
+
+    def imm_count(self, imm: int) -> int:
+        """Immediates ``imm`` received and not yet consumed (no progress is made)."""
+        return self._imm_counts.get(imm, 0)
+
+    def imm_counts(self) -> dict[int, int]:
+        """Copy of all unconsumed immediate counts (for tests and debugging)."""
+        return dict(self._imm_counts)
+
+    def take_imm(self, imm: int, n: int) -> None:
+        """Consume ``n`` received immediates ``imm``; ``ValueError`` if fewer arrived."""
+        have = self._imm_counts.get(imm, 0)
+        if have < n:
+            raise ValueError(f"take_imm: {n} of imm {imm:#x} requested, {have} received")
+        if have == n:
+            del self._imm_counts[imm]
+        else:
+            self._imm_counts[imm] = have - n
+
+    def wait_imms(self, expected: dict[int, int], timeout_s: float | None = None, what: str = "immediates",
+                  names: dict[int, str] | None = None) -> None:
+        """Progress until ``expected[imm]`` immediates of each ``imm`` arrived, then consume them.
+
+        Immediates that arrived before the call count. On timeout raises ``TimeoutError`` naming
+        ``what`` and every short immediate with received/expected counts (``names`` may map an imm to a
+        readable label such as ``"rank 3"``; otherwise the caller's imm encoding identifies the peer).
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        counts = self._imm_counts
+        deadline = None
+        while True:
+            for imm, n in expected.items():
+                if counts.get(imm, 0) < n:
+                    break
+            else:
+                break
+            self._idle_progress()
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout_s
+            elif now > deadline:
+                short = [(imm, counts.get(imm, 0), n) for imm, n in expected.items() if counts.get(imm, 0) < n]
+                label = names or {}
+                detail = "; ".join(f"{label.get(i, f'imm {i:#x}')}: {got}/{n}" for i, got, n in short)
+                raise TimeoutError(f"{what}: timed out after {timeout_s:g}s waiting for immediates: {detail}")
+        for imm, n in expected.items():
+            if n:
+                self.take_imm(imm, n)
+
+
+class TransferEngine(ImmediateCounts):
     """RDMA-write engine over libfabric (see the module docstring).
 
     Args:
@@ -738,60 +801,6 @@ class TransferEngine:
     def writes_pending(self) -> int:
         """Writes posted and not yet completed locally."""
         return self.max_inflight - len(self._free_ctx)
-
-    @property
-    def imm_counter(self) -> dict[int, int]:
-        """The live counts of received immediates (value -> count; a value is absent at 0): read it, never
-        write it (`take_imm` consumes). Set operations on its keys check many expected values at C speed."""
-        return self._imm_counts
-
-    def imm_count(self, imm: int) -> int:
-        """Immediates ``imm`` received and not yet consumed (no progress is made)."""
-        return self._imm_counts.get(imm, 0)
-
-    def imm_counts(self) -> dict[int, int]:
-        """Copy of all unconsumed immediate counts (for tests and debugging)."""
-        return dict(self._imm_counts)
-
-    def take_imm(self, imm: int, n: int) -> None:
-        """Consume ``n`` received immediates ``imm``; ``ValueError`` if fewer arrived."""
-        have = self._imm_counts.get(imm, 0)
-        if have < n:
-            raise ValueError(f"take_imm: {n} of imm {imm:#x} requested, {have} received")
-        if have == n:
-            del self._imm_counts[imm]
-        else:
-            self._imm_counts[imm] = have - n
-
-    def wait_imms(self, expected: dict[int, int], timeout_s: float | None = None, what: str = "immediates",
-                  names: dict[int, str] | None = None) -> None:
-        """Progress until ``expected[imm]`` immediates of each ``imm`` arrived, then consume them.
-
-        Immediates that arrived before the call count. On timeout raises ``TimeoutError`` naming
-        ``what`` and every short immediate with received/expected counts (``names`` may map an imm to a
-        readable label such as ``"rank 3"``; otherwise the caller's imm encoding identifies the peer).
-        """
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        counts = self._imm_counts
-        deadline = None
-        while True:
-            for imm, n in expected.items():
-                if counts.get(imm, 0) < n:
-                    break
-            else:
-                break
-            self._idle_progress()
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + timeout_s
-            elif now > deadline:
-                short = [(imm, counts.get(imm, 0), n) for imm, n in expected.items() if counts.get(imm, 0) < n]
-                label = names or {}
-                detail = "; ".join(f"{label.get(i, f'imm {i:#x}')}: {got}/{n}" for i, got, n in short)
-                raise TimeoutError(f"{what}: timed out after {timeout_s:g}s waiting for immediates: {detail}")
-        for imm, n in expected.items():
-            if n:
-                self.take_imm(imm, n)
 
     def wait_writes(self, timeout_s: float | None = None) -> None:
         """Progress until every posted write completed locally (its source buffer may be reused)."""
