@@ -170,7 +170,7 @@ TERMS = ("kernels", "plan_kernels", "pcie", "nvlink", "flags", "proxy_post", "pr
 TERMS_OF = {PROTOCOL: TERMS,
             OLD_PROTOCOL: ("kernels", "pcie", "nvlink", "flags", "proxy_post", "proxy_plan", "proxy_cq", "wire")}
 ALL_TERMS = tuple(dict.fromkeys(TERMS + TERMS_OF[OLD_PROTOCOL]))
-# Issue 19's targets for dispatch + combine on EFA (µs).
+# The project's targets for dispatch + combine on EFA (µs).
 ISSUE_TARGETS_US = {16: 400.0, 32: 500.0, 64: 600.0}
 
 _RUN = "docs/results/e2e_graph_x2_n1.json (trace, 2026-11-30)"
@@ -764,7 +764,7 @@ def hbm_floor_us() -> dict:
 # ---- published numbers (decode: 128 tokens/rank, H=7168, top-8, fp8 dispatch / bf16 combine) ---------
 # (source, configuration, fabric, EP, dispatch µs, combine µs, dispatch+combine µs). None = not given.
 PUBLISHED = [
-    # perplexityai/pplx-garden, docs/fabric-lib.md ("All-to-All Performance Results", decode)
+    # perplexityai/pplx-garden, its fabric-lib documentation ("All-to-All Performance Results", decode)
     ("pplx-garden", "H200 EFA p5en", "efa", 16, 214.8, 241.5, 456.3),
     ("pplx-garden", "H200 EFA p5en", "efa", 32, 229.1, 335.0, 564.1),
     ("pplx-garden", "H200 EFA p5en", "efa", 64, 266.7, 391.2, 657.9),
@@ -826,9 +826,9 @@ def _top_terms(r: dict, phase: str, n: int = 2) -> str:
 
 
 def format_targets(rows: list[dict]) -> str:
-    """Dispatch + combine against issue 19's EFA targets and the published totals, with the two largest
+    """Dispatch + combine against the project's EFA targets and the published totals, with the two largest
     critical-path terms of each phase (what holds a missed target)."""
-    lines = ["| fabric | EP | MODEL in-run | MODEL bench speed | issue 19 target | pplx article | pplx-garden | "
+    lines = ["| fabric | EP | MODEL in-run | MODEL bench speed | target | pplx article | pplx-garden | "
              "DeepEP V1 LL | in-run vs target | largest terms, dispatch | largest terms, combine |",
              "|" + "---|" * 11]
     fmt = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
@@ -922,7 +922,7 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
                     label=f"MODEL what-if {fab.upper()}: C posting {POST_US_C_HELPER} µs/write, bench speed")
         if phase == "total":
             ax.plot(list(ISSUE_TARGETS_US), list(ISSUE_TARGETS_US.values()), "k_", ms=22, mew=3,
-                    label="issue 19 target (EFA)")
+                    label="target (EFA)")
         seen = set()
         for src, cfg, fab, ep, *vals in PUBLISHED:
             v = vals[idx[phase] - 4]

@@ -82,11 +82,11 @@ def test_buffers_too_large_for_this_machine_are_refused_naming_the_sizes():
 
     cfg = A2AConfig(max_num_tokens=45440, num_experts=256, experts_per_token=8, hidden_dim=7168)  # buildable
     lay = cfg.layout(64)
-    assert lay.segment_bytes(True) == 687_908_864_000
+    assert lay.segment_bytes(True) == 687_908_872_192  # the write tables added a page (protocol.md, 3.2.1)
     with pytest.raises(ValueError) as info:
         check_fits_in_memory(lay, physical=256 << 30)
     msg = str(info.value)
-    for part in ("687,908,864,000 B (687.9 GB)", "physical memory (274,877,906,944 B, 274.9 GB)",
+    for part in ("687,908,872,192 B (687.9 GB)", "physical memory (274,877,906,944 B, 274.9 GB)",
                  f"send buffer {lay.send_bytes:,} B", f"recv buffer {lay.recv_bytes:,} B", "max_num_tokens=45440",
                  "experts_per_token=8", "world_size=64", "dispatch row 14336 B"):
         assert part in msg, (part, msg)

@@ -29,7 +29,7 @@ Reported per world size, from the proxy's own trace (`Flag.TRACE`, `protocol.wor
   ``combine_post_us`` = combine_posted - combine_send_seen), the other steps between, and the completion
   waits (``*_writes_wait_us``: until the proxy's own writes completed).
 
-Median and p90 over the timed calls, beside the goal ``10 + 0.9 * remote_peers`` µs per phase (issue 19).
+Median and p90 over the timed calls, beside the goal ``10 + 0.9 * remote_peers`` µs per phase (the project's goal).
 
 For the in-run factor (the proxy's cost inside a real run divided by this bench's): `proxy_phase_us`
 takes one `AllToAll.trace()` (or this bench's raw trace) and returns the same deltas; `summarize` and
@@ -98,7 +98,7 @@ PHASE_HELP = {
 
 
 def goal_us(remote_peers: int) -> float:
-    """Issue 19's goal for one phase's host time: 10 µs + 0.9 µs per remote peer."""
+    """The goal for one phase's host time: 10 µs + 0.9 µs per remote peer."""
     return GOAL_BASE_US + GOAL_PER_PEER_US * remote_peers
 
 
