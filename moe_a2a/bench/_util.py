@@ -131,3 +131,18 @@ class _NoBar:
 
     def close(self) -> None:
         pass
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Write a benchmark's `result` to `path` (nothing without one), stamped with the date and the command."""
+    if path:
+        import datetime
+        import json
+        import os
+        import sys
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": " ".join(sys.argv), **result}
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)

@@ -14,23 +14,13 @@ Nothing is written unless asked (--json, --png), except `timeline`'s chart (defa
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
 import time
 
 from ._util import nonneg_int, positive_float, positive_int, progress, refuse_without_cuda
-
-
-def _write(path: str | None, result: dict) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": " ".join(sys.argv), **result}
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+from ._util import write_json as _write
 
 
 def _stats(samples: list[float]) -> dict:

@@ -838,7 +838,7 @@ def run_args(args) -> int:
     if bad:
         print(f"WARNING: checks failed at W={bad}: " + "; ".join(str(r["checks"]) for r in rows if r["world"] in bad))
     if args.json:
-        from .main import _write
+        from ._util import write_json as _write
 
         _write(args.json, {"bench": "proxy", "goal": GOAL, "provider": r0["provider"], "cpus": os.cpu_count(),
                            "results": rows})

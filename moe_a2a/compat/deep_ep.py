@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..all_to_all import AllToAll, CallAborted, CapacityExceeded, check_combine_recv
+from ..all_to_all import AllToAll, CallAborted, check_combine_recv
 from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather, differences
 from ..triton_kernels.quant import quantize_fp8

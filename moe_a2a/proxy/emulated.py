@@ -46,7 +46,7 @@ from itertools import repeat
 import numpy as np
 
 from ..protocol import host_atomics
-from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, ImmediateCounts, PeerTimeout
+from .engine import ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, ImmediateCounts, PeerTimeout
 from .memory import CuMemBuffer, MemfdBuffer, fd_buffer_at, fd_from_process
 
 PROVIDER = "emulated"

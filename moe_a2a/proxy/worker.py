@@ -55,7 +55,7 @@ from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_T
                               WriteTable, decode_imm, encode_abort, encode_imm)
 from .handle import ProxySpec
 from . import libfabric as lf
-from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, TransferEngine
+from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
 from .emulated import make_engine
 from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
 
