@@ -19,7 +19,7 @@ from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
 from .proxy import emulated
 from .proxy import libfabric as lf
 from .proxy.memory import check_fits_in_memory
-from .runtime.status import CallAborted, CapacityExceeded, Status, watch_proxies
+from .runtime.status import CallAborted, CapacityExceeded, FailureBoard, Status, watch_proxies
 from .runtime.tracing import Tracer
 from .runtime import placement, wiring
 from .runtime.wiring import Wiring
@@ -146,8 +146,8 @@ class AllToAll:
         self._status, self._tracer = Status(self._w, cfg), Tracer(self._w)
         self.route_slot = torch.full((cfg.max_num_tokens, cfg.experts_per_token), -1, dtype=torch.int32,
                                      device=self.device)
-        if self.with_proxy:
-            watch_proxies(self)
+        if self.with_proxy:  # a peer whose proxy dies says so on the board: every rank stops within ~0.5 s
+            watch_proxies(self, FailureBoard.open(group, self.rank, self.world_size))
 
     # ---- what the wiring decided (read-only) ---------------------------------------------------------
     @property

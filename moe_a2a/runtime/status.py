@@ -173,14 +173,66 @@ class Status:
             time.sleep(0 if spins < 100 else 1e-4)  # yield: the peers and the proxy need the cores (2 on CI)
 
 
-def watch_proxies(a2a) -> None:
+class FailureBoard:
+    """Where a rank whose proxy died says so to every peer: keys under one prefix of the process group's
+    own rendezvous store (`torch.distributed`'s default store; no port of our own). Without it a peer
+    learns only from its own timeout, since the dead proxy can no longer send anything (and shm or EFA
+    never report a vanished peer). One counter, one key per failed rank; every rank's proxy watch reads
+    the counter every `PROXY_WATCH_S`. Store errors (the store's host gone, the group renewed) end the
+    watching, never the calls: the timeouts remain."""
+
+    def __init__(self, store, prefix: str, rank: int, world_size: int) -> None:
+        self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+        self.seen = 0
+
+    @classmethod
+    def open(cls, group, rank: int, world_size: int) -> "FailureBoard | None":
+        """Collective (every rank of `group`, once, at construction): agree on a prefix for this instance.
+        None when the group has no store we can reach (then peers learn from their timeouts)."""
+        import uuid
+
+        import torch.distributed as dist
+
+        from ..proxy import bootstrap
+
+        prefix = "moe_a2a/failures/" + bootstrap.exchange(group, uuid.uuid4().hex)[0] + "/"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+        return cls(store, prefix, rank, world_size)
+
+    def post(self, reason: str) -> None:
+        """This rank has failed for good (its proxy died): tell every peer, with the reason."""
+        try:
+            self.store.set(f"{self.prefix}rank/{self.rank}", reason)
+            self.store.add(f"{self.prefix}count", 1)
+        except Exception:  # the store is gone: the peers' timeouts remain
+            pass
+
+    def failed_peers(self) -> list[tuple[int, str]] | None:
+        """The peers that posted since the last look, with their reasons; None once the store is gone."""
+        try:
+            count = self.store.add(f"{self.prefix}count", 0)
+            if count <= self.seen:
+                return []
+            self.seen = count
+            keys = [f"{self.prefix}rank/{r}" for r in range(self.world_size) if r != self.rank]
+            return [(int(k.rsplit("/", 1)[1]), self.store.get(k).decode(errors="replace"))
+                    for k in keys if self.store.check([k])]
+        except Exception:
+            return None
+
+
+def watch_proxies(a2a, board: FailureBoard | None = None) -> None:
     """Start a daemon thread that raises the ERROR flag, with the reason, when one of the rank's proxy
-    processes dies (so a kernel waiting for one of its flags stops at once)."""
-    threading.Thread(target=_watch, args=(weakref.ref(a2a),), daemon=True,
+    processes dies (so a kernel waiting for one of its flags stops at once) and tells the peers through
+    `board`; or when a peer says on `board` that its proxy died (every later wait on it would time out)."""
+    threading.Thread(target=_watch, args=(weakref.ref(a2a), board), daemon=True,
                      name=f"moe_a2a-proxy-watch-{a2a.rank}").start()
 
 
-def _watch(ref) -> None:
+def _watch(ref, board: FailureBoard | None) -> None:
     while True:
         time.sleep(PROXY_WATCH_S)
         a2a = ref()
@@ -188,11 +240,23 @@ def _watch(ref) -> None:
             return
         with a2a._watch_lock:  # close() takes it before unmapping the segment
             w = a2a._w
-            if a2a._closed or not w.proxies:
+            if a2a._closed or not w.proxies or w.flags_np[flag_word(Flag.SHUTDOWN)]:
                 return
             dead = a2a._status.dead_proxy()
-            if dead is not None and not w.flags_np[flag_word(Flag.SHUTDOWN)]:
+            if dead is not None:
                 if not w.flags_np[flag_word(Flag.ERROR)]:
                     write_error(w.segment, w.layout, ERROR_FAILED, f"rank {a2a.rank}: its {dead}")
+                if board is not None:
+                    board.post(f"its {dead}")
+                return
+            failed = board.failed_peers() if board is not None else None
+            if failed is None:
+                board = None  # the store is gone: keep watching our own proxies only
+            elif failed:
+                if not w.flags_np[flag_word(Flag.ERROR)]:
+                    why = "; ".join(f"rank {r}: {reason}" for r, reason in failed)
+                    write_error(w.segment, w.layout, ERROR_FAILED,
+                                f"rank {a2a.rank}: a peer failed for good ({why}): every call with it would "
+                                f"time out; missing peers {sorted(r for r, _ in failed)}")
                 return
         del a2a
