@@ -40,7 +40,7 @@ def _f32_to_bf16_rtne(x):
 
 # As in dispatch.py: counts not specialised, so an aborted call compiles nothing new.
 @triton.jit(do_not_specialize=["num_y_rows"])
-def _pack_combine_by_source_kernel(
+def _pack_expert_outputs_by_source_kernel(
     expert_y_ptr,        # in: (R, Y_WORDS) words, row stride `stride_y_r`: expert outputs, dispatch rows
     counts_ptr,          # in: (W, E) int32: the routing matrix of this call's dispatch
     base_ptr,            # out: uint8, byte address space of the staging area and peers' recv buffers
@@ -361,7 +361,7 @@ def reduce_combined_tokens(
     )
 
 
-_PACK_COMBINE = launch.LaunchCache(_pack_combine_by_source_kernel)
+_PACK_COMBINE = launch.LaunchCache(_pack_expert_outputs_by_source_kernel)
 _REDUCE = launch.LaunchCache(_reduce_combined_tokens_kernel)
 
 __all__ = ["pack_combine_by_source", "reduce_combined_tokens"]

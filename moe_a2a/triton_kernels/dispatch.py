@@ -159,7 +159,7 @@ def _pack_tokens_by_expert_kernel(
 
 
 @triton.jit(do_not_specialize=["num_out_rows"])
-def _unpack_tokens_by_expert_kernel(
+def _unpack_dispatched_tokens_kernel(
     # outputs
     out_num_tokens_ptr,  # (L,) int32: rows per local expert
     out_x_ptr,           # (R, X_WORDS) words, row stride `stride_out_x_r`: expert-major rows
@@ -469,6 +469,6 @@ def unpack_tokens_by_expert(
 
 
 _PACK = launch.LaunchCache(_pack_tokens_by_expert_kernel)
-_UNPACK = launch.LaunchCache(_unpack_tokens_by_expert_kernel)
+_UNPACK = launch.LaunchCache(_unpack_dispatched_tokens_kernel)
 
 __all__ = ["pack_tokens_by_expert", "unpack_tokens_by_expert"]

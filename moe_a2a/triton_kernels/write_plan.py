@@ -96,7 +96,7 @@ def _plan_private_writes_kernel(
 
 
 @triton.jit(do_not_specialize=["rank", "node_first", "timeout_ns", "max_spins"])
-def _plan_remainder_and_combine_kernel(
+def _plan_remainder_and_return_writes_kernel(
     # inputs
     counts_ptr,          # (W, E) int32, row stride `stride_counts_w`: this rank's and its node peers' rows final
     base_ptr,            # uint8: byte address space of this rank's recv buffer (`headers_bytes` into it)
@@ -272,6 +272,6 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
 
 
 _PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)
-_REST = launch.LaunchCache(_plan_remainder_and_combine_kernel)
+_REST = launch.LaunchCache(_plan_remainder_and_return_writes_kernel)
 
 __all__ = ["plan_private_writes", "plan_remainder_and_combine_writes"]

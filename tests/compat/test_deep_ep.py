@@ -551,3 +551,23 @@ def test_deep_ep_module_as_deep_ep_names_size_hint_handle_and_event():
         pass
     with pytest.raises(ValueError, match="enable_shrink"):
         m.Buffer(None, enable_shrink=True)
+
+
+def test_profiler_names_one_dispatch_and_one_combine_kernel():
+    """DeepEP's `bench_kineto(kernel_names=("dispatch", "combine"))` allows at most one profiler row per name:
+    of all our kernels, exactly one has "dispatch" in its name (the unpack, the longest of a dispatch) and
+    one has "combine" (the reduce)."""
+    import importlib
+    import pkgutil
+
+    import moe_a2a.triton_kernels as tk
+
+    names = set()
+    for mod in pkgutil.iter_modules(tk.__path__):
+        m = importlib.import_module(f"moe_a2a.triton_kernels.{mod.name}")
+        for obj in vars(m).values():
+            fn = getattr(obj, "fn", None)
+            if callable(fn) and getattr(fn, "__name__", "").endswith("_kernel"):
+                names.add(fn.__name__)
+    assert [n for n in sorted(names) if "dispatch" in n] == ["_unpack_dispatched_tokens_kernel"], sorted(names)
+    assert [n for n in sorted(names) if "combine" in n] == ["_reduce_combined_tokens_kernel"], sorted(names)

@@ -30,7 +30,7 @@ def main(world: int, node: int) -> None:
     wait, _, signal, status, _ = HALF_FLAGS["dispatch_plan"]
     shape = dict(W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L))
     kernels = [
-        _compile(write_plan._plan_remainder_and_combine_kernel,
+        _compile(write_plan._plan_remainder_and_return_writes_kernel,
                  dict(counts_ptr="*i32", base_ptr="*u8", epoch_ptr="*i64", failed_ptr="*i64", flags_ptr="*i64",
                       remainder_ptr="*i64", combine_ptr="*i64"),
                  dict(NODE=node, P=lay.private_rows, PRIVATE_SLOT_ROWS=lay.private_slot_rows,
