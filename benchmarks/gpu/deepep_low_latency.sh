@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# DeepEP's own low-latency test, unchanged, against moe_a2a's DeepEP facade (docs/compat.md).
+#
+#   bash benchmarks/gpu/deepep_low_latency.sh DEEPEP_CHECKOUT [the test's arguments, e.g. --num-processes 2]
+#
+# DEEPEP_CHECKOUT is a checkout of deepseek-ai/DeepEP (its deep_ep/utils/ and tests/legacy/test_low_latency.py
+# are used from there and never copied into this repository). The `deep_ep` package the test imports is
+# assembled under a temporary folder: `moe_a2a.compat.deep_ep` as the package, DeepEP's own test utilities as
+# `deep_ep.utils`, and a stand-in for its C++ extension holding only the names those utilities import.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+src=$(cd "${1:?usage: deepep_low_latency.sh DEEPEP_CHECKOUT [test arguments]}" && pwd); shift
+for need in deep_ep/utils/envs.py tests/legacy/test_low_latency.py; do
+  [ -f "$src/$need" ] || { echo "deepep_low_latency.sh: $src has no $need (a DeepEP checkout?)" >&2; exit 2; }
+done
+shim=$(mktemp -d); trap 'rm -rf "$shim"' EXIT
+mkdir -p "$shim/deep_ep"
+cat > "$shim/deep_ep/__init__.py" <<'PY'
+"""What DeepEP's test imports as `deep_ep`: moe_a2a's facade (assembled by deepep_low_latency.sh)."""
+from moe_a2a.compat.deep_ep import *  # noqa: F401,F403
+PY
+cat > "$shim/deep_ep/_C.py" <<'PY'
+"""Stand-in for DeepEP's C++ extension: the names its test utilities import; none is called by this test."""
+
+
+class EventHandle:
+    pass
+
+
+def __getattr__(name):
+    raise AttributeError(f"deep_ep._C.{name}: DeepEP's C++ extension is not part of moe_a2a")
+PY
+ln -s "$src/deep_ep/utils" "$shim/deep_ep/utils"
+export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset TRITON_INTERPRET
+python3 "$src/tests/legacy/test_low_latency.py" "$@"
