@@ -390,8 +390,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def clear_stale_regions() -> list[str]:
+    """Remove libfabric shm regions named with this process's pid. Called before this process opens any
+    endpoint: libfabric's shm regions are named by pid, so any `{our pid}:*` is a dead process's that had
+    our (recycled) pid and could not clean up, and it would make our endpoint's enable fail with
+    -FI_EBUSY."""
+    return remove_process_shm_files(os.getpid(), segments=False)
+
+
 def main(fd: int) -> None:
     _die_with_parent()
+    clear_stale_regions()
     conn = Connection(fd)
     sock = socket.socket(fileno=os.dup(fd))  # the same socket, for file descriptors (SCM_RIGHTS)
     spec: ProxySpec = conn.recv()
