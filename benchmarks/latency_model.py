@@ -83,7 +83,7 @@ FLAG_RTT_US = 6.14                # GPU -> proxy process -> GPU through pinned h
 HOST_STAGED_GBPS = 50.0
 # The write-plan kernels are ONE program: it reads the count rows in [16, W, L] tiles (16 KB of loads in
 # flight per step at E=256), one PCIe round trip per step when they are in host memory. No GPU timing of
-# these kernels exists (the 2-GPU machine was not lent): the rate is assumed, a sixth of HOST_STAGED_GBPS
+# these kernels exists yet: the rate is assumed, a sixth of HOST_STAGED_GBPS
 # (~2 µs per 16 KB step).
 PLAN_PCIE_GBPS = 8.0              # ASSUMPTION
 

@@ -225,7 +225,7 @@ class Proxy:
         for k in keys:
             n = pop(k, 0)
             if n:
-                if n > 1:  # a second of the same value: the next call's? never; keep it counted
+                if n > 1:  # the same value again (epochs wrap after 65 536 calls): leave the rest counted
                     counter[k] = n - 1
                 continue
             a = alternates[k]
