@@ -39,6 +39,15 @@ class Status:
         self.w, self.cfg = w, cfg
         self.abort_seen = 0  # the last epoch whose abort this rank has reported (or made)
         self._next_proxy_poll = 0.0
+        self.forger = None  # shrink mode (`runtime.shrink`): late node peers are masked, not waited for
+
+    def enable_shrink(self, mask) -> None:
+        """Shrink mode: a host wait that times out on node peers masks them (`mask`, a `RankMask`) and
+        goes on; masked peers' words are forged in this rank's sync area before every host wait."""
+        from .shrink import Forger
+
+        w = self.w
+        self.forger = Forger(mask, w.ready_words, w.counts_np, w.node.node_first, w.node.node_size)
 
     # ---- fatal: the proxy, a failed kernel wait, capacity -------------------------------------------
     def raise_fatal(self, epoch: int, force: bool = False) -> None:
@@ -148,6 +157,8 @@ class Status:
         flag, delta, _, _, what = HALF_FLAGS[half]
         words = w.ready_words[half.split("_")[0]] if half.endswith("recv") else None
         first, n = w.node.node_first, w.node.node_size
+        if self.forger is not None:
+            self.forger.apply()
         deadline = time.monotonic() + w.timeout_s
         spins = 0
         while True:
@@ -166,6 +177,11 @@ class Status:
             if w.flags_np[flag_word(Flag.ERROR)]:
                 self.raise_fatal(epoch, force=True)
             if time.monotonic() > deadline:
+                if self.forger is not None and missing:  # shrink: give up on them, not on the call
+                    self.forger.mask.mask(missing, f"{what}: nothing from them for {w.timeout_s:g}s (epoch {epoch})")
+                    self.forger.apply()
+                    deadline = time.monotonic() + w.timeout_s  # the proxy's own flag, if late, gets its time
+                    continue
                 self.raise_fatal(epoch, force=True)
                 raise TimeoutError(f"rank {w.rank}: {what}: timed out after {w.timeout_s:g}s (epoch {epoch}); "
                                    f"missing peers {missing}" + (" and the proxy (remote peers)" if proxy_late else ""))

@@ -1,0 +1,110 @@
+"""Shrink mode: the peers a rank has given up on (`RankMask`), and how a host wait stops waiting for them.
+
+A rank that stops calling (its process killed, or its code gone elsewhere) makes every wait on it time
+out. Without a mask that timeout is an error; with one (`AllToAll(rank_mask=...)`) the waiting rank
+*masks* the late peer instead and the call goes on without it: its tokens are dropped, no route is sent to
+its experts, and no later wait includes it (docs/protocol.md, section 7). Each rank decides alone, as
+DeepEP's shrink mode does; the survivors of a stopped rank all time out on it, so they agree.
+
+Why masking needs no agreement on offsets: a masked source's count row is zero here, and the only
+cross-rank offsets of the protocol, the remote remainder region's, are not used in shrink mode (its
+private region takes every route of a pair: `A2AConfig.max_private_tokens = max_routes`).
+
+How a wait skips a peer: the waiting host *forges* the peer's words in its own sync area (a peer's ready
+words there have one writer, the peer, which has stopped): `dispatch_ready` and `combine_ready` become
+`FORGED_EPOCH`, above any epoch, and its count row becomes zero. Every wait then passes for it, the
+kernels' own waits included, and the unpack takes no row from it; nothing in a kernel changes.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+# Above every epoch a call can reach (epochs count calls from 1): a forged ready word always passes.
+FORGED_EPOCH = 1 << 62
+
+log = logging.getLogger("moe_a2a")
+
+
+class RankMask:
+    """Which ranks this rank has masked, shared by the `AllToAll` instances of one user (the DeepEP
+    facade's two alternating ones), so that a peer masked in one is skipped by the others at once.
+
+    Attributes:
+        masked: the masked ranks (the host decides: shrink mode waits on the host).
+        tensor: `[W]` int32 on the device, 1 = masked (DeepEP's mask buffer), kept equal to `masked`.
+    """
+
+    def __init__(self, world_size: int, rank: int, device) -> None:
+        self.world_size, self.rank = world_size, rank
+        self.tensor = torch.zeros(world_size, dtype=torch.int32, device=device)
+        self.masked: set[int] = set()
+
+    def mask(self, ranks, why: str) -> None:
+        """Mask `ranks` (never this rank itself), saying why once in the log."""
+        new = sorted(set(int(r) for r in ranks) - self.masked - {self.rank})
+        for r in new:
+            self.masked.add(r)
+            self.tensor[r] = 1
+        if new:
+            log.warning("rank %d: masked rank(s) %s: %s; later calls go on without them", self.rank, new, why)
+
+    def set(self, rank: int, masked: bool) -> None:
+        """DeepEP's `low_latency_update_mask_buffer`: mask (True) or unmask (False) one rank."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank_to_mask: expected a rank in [0, {self.world_size}), got {rank!r}")
+        if masked:
+            if rank == self.rank:
+                raise ValueError(f"rank_to_mask: rank {rank} is this rank, which cannot mask itself")
+            self.mask([rank], "masked by the caller")
+        elif rank in self.masked:
+            self.masked.discard(rank)
+            self.tensor[rank] = 0
+
+    def clear(self) -> None:
+        """DeepEP's `low_latency_clean_mask_buffer`: unmask every rank."""
+        self.masked.clear()
+        self.tensor.zero_()
+
+    def drop_routes(self, indices: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+        """`indices` with the routes to masked ranks' experts set to -1 (a new tensor; the caller's is
+        left as it is), or `indices` itself when nothing is masked."""
+        if not self.masked:
+            return indices
+        owner = torch.where(indices >= 0, indices // num_local_experts, 0)
+        return torch.where((indices >= 0) & (self.tensor[owner] != 0), torch.full_like(indices, -1), indices)
+
+    def drop_route_slots(self, route_slot: torch.Tensor, indices: torch.Tensor, num_local_experts: int) -> None:
+        """In place: the route slots (`[T, K]`, -1 = no route) of routes to masked ranks' experts become -1,
+        so the reduce skips the expert outputs that a rank masked during this call never sent."""
+        if not self.masked:
+            return
+        owner = torch.where(indices >= 0, indices // num_local_experts, 0)
+        route_slot.masked_fill_((indices >= 0) & (self.tensor[owner] != 0), -1)
+
+
+class Forger:
+    """Keeps the masked peers' words forged in one rank's sync area (host views: `ready_words`, `counts`).
+    Called before each host wait: a newly masked peer's words are forged, an unmasked one's reset to 0 (it
+    then waits for that peer's next word again)."""
+
+    def __init__(self, mask: RankMask, ready_words: dict, counts, node_first: int, node_size: int) -> None:
+        self.mask, self.ready_words, self.counts = mask, ready_words, counts
+        self.node = range(node_first, node_first + node_size)
+        self.forged: set[int] = set()
+
+    def apply(self) -> None:
+        masked = self.mask.masked
+        for p in self.node:
+            if p in masked:  # every time: a masked peer that is still alive may have written since
+                for words in self.ready_words.values():
+                    words[p] = FORGED_EPOCH
+                self.counts[p] = 0
+            elif p in self.forged:
+                for words in self.ready_words.values():
+                    words[p] = 0
+        self.forged = masked & set(self.node)
+
+
+__all__ = ["FORGED_EPOCH", "RankMask", "Forger"]

@@ -1,0 +1,142 @@
+"""Shrink mode of `moe_a2a.compat.Buffer` (DeepEP's `enable_shrink`), between real processes: ranks that
+stop calling (at their dispatch, their combine, their clean, as DeepEP's own shrink test has them) or are
+killed outright are masked by every survivor, and the later calls complete among the survivors with the
+stopped ranks' tokens dropped, checked against torch."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from ..proxy._peers import Died, run_peers
+
+pytestmark = [pytest.mark.slow]
+
+T, E, K, H = 4, 12, 4, 64
+APIS = ("dispatch", "combine", "clean")
+
+
+def _inputs(rank: int, call: int):
+    g = torch.Generator().manual_seed(1000 * call + rank)
+    x = torch.randn(T, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    w = torch.rand(T, K, generator=g, dtype=torch.float32)
+    return x, idx, w
+
+
+def _shrink_rank(comm, store: str, node_size: int, stops: dict, calls: int, timeout_s: float, transport: str):
+    """One rank: `calls` rounds of dispatch, identity expert, combine, clean; stops (returns, or with
+    ("kill", api) SIGKILLs itself) at `stops[rank] = (call, api)`. Returns what it saw per call."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    from moe_a2a.compat import Buffer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=comm.rank, world_size=comm.size)
+    rank, W = comm.rank, comm.size
+    buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, W, E), enable_shrink=True,
+                 explicitly_destroy=True, transport=transport, node_group=node_size, timeout_s=timeout_s)
+    status = torch.zeros(W, dtype=torch.int32)
+    stop, seen = stops.get(rank), []
+
+    def stopping(call, api) -> bool:
+        if stop is None or stop[:2] != (call, api):
+            return False
+        if len(stop) > 2:  # killed outright: no close, no goodbye (its proxy follows its parent)
+            comm.die()
+        return True
+
+    def mask() -> list[int]:
+        buf.low_latency_query_mask_buffer(status)
+        return status.nonzero().flatten().tolist()
+
+    for call in range(calls):
+        x, idx, w = _inputs(rank, call)
+        got = {}
+        if stopping(call, "dispatch"):
+            break
+        t0 = time.monotonic()
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        # Plain lists: tensors would travel back through shared memory that dies with the process.
+        got.update(dispatch_s=time.monotonic() - t0, count=count.tolist(), layout=handle[1].tolist(),
+                   mask_dispatch=mask())
+        y = recv_x.clone()  # the identity expert
+        if stopping(call, "combine"):
+            break
+        t0 = time.monotonic()
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        got.update(combine_s=time.monotonic() - t0, combined=combined.float().tolist(), mask_combine=mask())
+        if stopping(call, "clean"):
+            break
+        t0 = time.monotonic()
+        buf.clean_low_latency_buffer(T, H, E)
+        got.update(clean_s=time.monotonic() - t0, mask_clean=mask())
+        seen.append(got)
+    buf.destroy()
+    return seen
+
+
+def _before(stop, call: int, api: str) -> bool:
+    """The rank with `stop` no longer takes part in (call, api)."""
+    return stop is not None and (stop[0], APIS.index(stop[1])) <= (call, APIS.index(api))
+
+
+def _check(got: list, W: int, stops: dict, calls: int) -> None:
+    L = E // W
+    survivors = [r for r in range(W) if r not in stops]
+    for r in survivors:
+        assert len(got[r]) == calls, (r, len(got[r]))
+        for call in range(calls):
+            g = got[r][call]
+            for api in APIS:
+                expected = sorted(q for q in range(W) if _before(stops.get(q), call, api))
+                assert g[f"mask_{api}"] == expected, (r, call, api, g[f"mask_{api}"], expected)
+            ins = [_inputs(s, call) for s in range(W)]
+            senders = [s for s in range(W) if not _before(stops.get(s), call, "dispatch")]
+            for l in range(L):
+                e = r * L + l
+                per_source = [int((ins[s][1] == e).sum()) if s in senders else 0 for s in range(W)]
+                assert int(g["count"][l]) == sum(per_source), (r, call, l)
+                begin = 0
+                for s in range(W):  # DeepEP's layout range: (begin << 32) | count per source
+                    assert int(g["layout"][l][s]) == (begin << 32) | per_source[s], (r, call, l, s)
+                    begin += per_source[s]
+            x, idx, w = ins[r]
+            owners_back = [o for o in range(W) if not _before(stops.get(o), call, "combine")]
+            keep = (idx >= 0) & torch.isin(torch.where(idx >= 0, idx // L, 0), torch.tensor(owners_back))
+            expected = (x.double() * (w.double() * keep).sum(1, keepdim=True)).to(torch.bfloat16)
+            torch.testing.assert_close(torch.tensor(g["combined"]), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.timeout(600)
+def test_ranks_that_stop_at_dispatch_combine_and_clean_are_masked_and_the_rest_goes_on(tmp_path):
+    """DeepEP's shrink test's pattern, on one node: rank 1 stops at its first dispatch, rank 3 at its first
+    combine, rank 5 at its first clean; each survivor's mask grows exactly at those points, and every
+    call after them is right among the survivors (routes to masked experts dropped, tokens of masked
+    sources not received)."""
+    W, calls, timeout_s = 6, 3, 8.0
+    stops = {1: (0, "dispatch"), 3: (0, "combine"), 5: (0, "clean")}
+    got = run_peers(W, _shrink_rank, str(tmp_path / "store"), W, stops, calls, timeout_s, "shm", timeout_s=500)
+    _check(got, W, stops, calls)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("node_size", [4], ids=["node-local"])
+def test_a_rank_killed_outright_is_masked_within_twice_the_timeout_and_later_calls_complete(tmp_path, node_size):
+    """SIGKILL between two calls (its proxy goes with it): the survivors' next call masks it within
+    2 x timeout_s and completes; the calls after it take no timeout at all."""
+    W, calls, timeout_s = 4, 3, 8.0
+    stops = {2: (1, "dispatch", "kill")}
+    got = run_peers(W, _shrink_rank, str(tmp_path / "store"), node_size, stops, calls, timeout_s, "shm",
+                    timeout_s=500)
+    assert isinstance(got[2], Died), got[2]
+    _check(got, W, stops, calls)
+    for r in (0, 1, 3):
+        first = got[r][1]
+        assert first["dispatch_s"] + first["combine_s"] + first["clean_s"] < 2 * timeout_s, first
+        later = got[r][2]
+        assert later["dispatch_s"] + later["combine_s"] + later["clean_s"] < timeout_s / 2, later
