@@ -26,6 +26,7 @@ from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, write_plan
+from .triton_kernels.quant import check_fused_quantize
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
@@ -75,6 +76,11 @@ class AllToAll:
             EFA this rank's share of the node's NICs, else the provider's first) or a list of names.
         proxies: proxy processes per rank, peer p carried by proxy p % k: an int in [1, remote peers] or
             "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
+        rank_mask: shrink mode (`runtime.shrink.RankMask`, shareable between instances): a peer that a
+            wait times out on is masked instead of failing the call, which goes on without it; routes to
+            masked ranks' experts are dropped (docs/protocol.md, section 7). Needs host waits (a CPU, or
+            `gpu_wait="host"`), and with remote peers `cfg.max_private_tokens >= max_num_tokens *
+            experts_per_token` (no shared remainder region, whose offsets would need every count row).
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
@@ -82,7 +88,7 @@ class AllToAll:
 
     def __init__(self, cfg: A2AConfig, group=None, node_group="auto", transport: str = "auto",
                  device=None, timeout_s: float = 30.0, gpu_wait: str = "auto", buffers: str = "auto",
-                 nics="auto", proxies="auto") -> None:
+                 nics="auto", proxies="auto", rank_mask=None) -> None:
         import torch.distributed as dist
 
         self._closed = True  # until the wiring exists: close() and __del__ have nothing to release
@@ -108,6 +114,9 @@ class AllToAll:
             if not dist.is_initialized():
                 raise ValueError("AllToAll needs torch.distributed initialised (or pass group=)")
             group = dist.group.WORLD
+        if rank_mask is not None:
+            check_rank_mask(rank_mask, cfg, gpu_wait, dist.get_rank(group), dist.get_world_size(group), device)
+        self.rank_mask = rank_mask
         self.cfg, self.group, self.timeout_s = cfg, group, float(timeout_s)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device(device) if device is not None else (
@@ -119,13 +128,19 @@ class AllToAll:
         # With the host names, every rank's configuration: a difference raises ValueError on every rank, here.
         # The emulated NIC's settings are part of the transport: ranks that differ are refused alike.
         hosts = fingerprint.exchange(self.group, cfg, node_group=node_group, buffers=buffers,
-                                     transport=transport if self.emulated_nic is None else f"emulated({self.emulated_nic})",
+                                     transport=(transport if self.emulated_nic is None else f"emulated({self.emulated_nic})")
+                                     + (" in shrink mode" if rank_mask is not None else ""),
                                      proxies=proxies, device=self.device)
         if transport == "emulated" and len(set(hosts)) > 1:  # every rank holds the same hosts: all refuse
             raise ValueError(f"transport='emulated' connects simulated nodes of one host (node_group); these ranks "
                              f"run on {len(set(hosts))} hosts {sorted(set(hosts))}")
         self.layout: Layout = cfg.layout(self.world_size, wiring.node_size(node_group, hosts, self.world_size))
         check_fits_in_memory(self.layout, ranks=1, host_staged=self.device.type != "cuda")
+        if rank_mask is not None and self.layout.node_size < self.world_size \
+                and self.layout.private_rows < cfg.max_routes:  # every rank has the same layout: all refuse
+            raise ValueError(f"rank_mask (shrink mode) with remote peers needs cfg.max_private_tokens >= "
+                             f"max_num_tokens * experts_per_token = {cfg.max_routes} (no shared remainder region), "
+                             f"got {cfg.max_private_tokens}")
         self.transport = wiring.choose_transport(transport, hosts)
         self.nics = wiring.choose_nics(nics, self.transport, self.rank, self.layout)
         self.num_proxies = wiring.choose_proxies(proxies, self.transport, self.nics,
@@ -138,16 +153,21 @@ class AllToAll:
         # caller named the NICs to use.
         self._w = Wiring(self.layout, group, self.rank, self.device, self.transport, self.nics, self.num_proxies,
                          buffers, gpu_wait, self.timeout_s, local_only=len(set(hosts)) == 1 and nics == "auto",
-                         emulated_nic=None if self.emulated_nic is None else str(self.emulated_nic))
+                         emulated_nic=None if self.emulated_nic is None else str(self.emulated_nic),
+                         shrink=rank_mask is not None)
         self._closed = False
         if self.emulated_nic is not None and self.with_proxy and self.rank == 0:
             emulated.log_settings(self.emulated_nic, "cuda" if self.placement == "nic" and self.device.type == "cuda"
                                   else "host")
         self._status, self._tracer = Status(self._w, cfg), Tracer(self._w)
+        if rank_mask is not None:
+            self._status.enable_shrink(rank_mask)
+        self._routes = None  # shrink mode: the routes this call's dispatch sent (masked ranks' dropped)
         self.route_slot = torch.full((cfg.max_num_tokens, cfg.experts_per_token), -1, dtype=torch.int32,
                                      device=self.device)
         if self.with_proxy:  # a peer whose proxy dies says so on the board: every rank stops within ~0.5 s
-            watch_proxies(self, FailureBoard.open(group, self.rank, self.world_size))
+            # (Shrink mode: a peer that stopped is masked by the timeouts instead, never an error here.)
+            watch_proxies(self, FailureBoard.open(group, self.rank, self.world_size) if rank_mask is None else None)
 
     # ---- what the wiring decided (read-only) ---------------------------------------------------------
     @property
@@ -204,7 +224,7 @@ class AllToAll:
         return num, x, xs
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, x, x_scale, indices,
-                 bound_m=None, do_send: bool = True, do_recv: bool = True) -> None:
+                 bound_m=None, do_send: bool = True, do_recv: bool = True, *, quantize=None) -> None:
         """Send every token to the ranks hosting its experts; receive this rank's tokens expert-major.
 
         Args:
@@ -217,6 +237,12 @@ class AllToAll:
             indices: `[T, K]` int32/int64 expert ids, `-1` = not routed.
             bound_m: optional 1-element int32 tensor on the device: live tokens (CUDA graphs).
             do_send / do_recv: run the send half, the receive half, or both (default).
+            quantize: fp8 quantisation fused into the send half's pack (`triton_kernels.quant.Fp8Quantize`
+                or a dict of its fields; in_dtype bf16/fp16/fp32): each row sent carries, in its payload
+                bytes, x[t]'s fp8 e4m3 bytes at [0, H) and its scales from `scale_offset_bytes`, as
+                `quant.quantize_fp8(x, block, round_scale=, ue8m0=)` writes them (the rest of the row's
+                payload bytes are unspecified); `x_scale` travels as without it. The receiver reads those
+                bytes out of `out_expert_x` (views). Used by the send half only, like `x`.
 
         Bad input raises ValueError before anything of it is sent and aborts the call on every rank (its
         peers raise `CallAborted` naming this rank; the next call works; docs/protocol.md, section 6). Bad
@@ -229,6 +255,7 @@ class AllToAll:
             self._expect(_IDLE, "dispatch(do_send=True)")
             try:
                 check_dispatch_inputs(self.cfg, self.device, x, x_scale, indices, bound_m)
+                quantize = check_fused_quantize("quantize", quantize, self.cfg)
                 if do_recv:
                     check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
                                        out_expert_x_scale)
@@ -241,7 +268,8 @@ class AllToAll:
                                        out_expert_x_scale)
         try:
             if do_send:
-                self._tracer.run("dispatch_send", self.epoch, self._dispatch_send, x, x_scale, indices, bound_m)
+                self._tracer.run("dispatch_send", self.epoch, self._dispatch_send, x, x_scale, indices, bound_m,
+                                 quantize)
             if do_recv:
                 self._tracer.run("dispatch_recv", self.epoch, self._dispatch_recv, out_expert_num_tokens,
                                  out_expert_x, out_expert_x_scale)
@@ -376,12 +404,16 @@ class AllToAll:
     # ---- the four halves ----------------------------------------------------------------------------
     # Each half is its kernels; they wait in their prologue and signal in their epilogue
     # (triton_kernels/node_sync.py; the steps and flags: docs/protocol.md, section 3).
-    def _dispatch_send(self, x, x_scale, indices, bound_m, abort: bool = False) -> None:
+    def _dispatch_send(self, x, x_scale, indices, bound_m, quantize=None, abort: bool = False) -> None:
         w = self._w
         self.epoch += 1
         self._T, self._bound_m = x.shape[0], bound_m
         self._status.host_wait("dispatch_send", self.epoch)
         slot = self.route_slot[: x.shape[0]]
+        if self.rank_mask is not None:  # routes to masked ranks' experts are not sent
+            kept = self.rank_mask.drop_routes(indices, self.layout.num_local_experts)
+            self._routes = kept if kept is not indices else indices.clone()  # the caller may edit theirs
+            indices = kept
         on_gpu = self.device.type == "cuda"
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=w.counts[self.rank], out_route_slot=slot,
                              bound_m=bound_m, epoch=w.node.epoch, bad_index=w.bad_index if on_gpu else None,
@@ -391,7 +423,7 @@ class AllToAll:
             write_plan.plan_private_writes(w.counts, w.write_tables, w.node.epoch, w.flags, self.rank,
                                            self.layout)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, w.base, w.send_offset_bytes, self.cfg,
-                                               bound_m=bound_m, node=w.node, **w.split["pack"])
+                                               bound_m=bound_m, node=w.node, quantize=quantize, **w.split["pack"])
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False) -> None:
@@ -438,6 +470,8 @@ class AllToAll:
     def _combine_recv(self, out_tokens, weights, accumulate, bound_m) -> None:
         w = self._w
         self._status.host_wait("combine_recv", self.epoch)
+        if self.rank_mask is not None:  # experts of ranks masked during this call sent nothing: skip them
+            self.rank_mask.drop_route_slots(self.route_slot[: self._T], self._routes, self.layout.num_local_experts)
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, w.base,
             w.recv_offset_bytes + self.layout.combine_recv_offset_bytes, self.cfg, accumulate=accumulate,
@@ -531,6 +565,19 @@ class AllToAll:
     def _expect(self, state: int, call: str) -> None:
         if self._state != state:
             raise ValueError(f"{call}: called out of order; the instance is {_STATE_NAMES[self._state]}")
+
+
+def check_rank_mask(mask, cfg: A2AConfig, gpu_wait: str, rank: int, world_size: int, device) -> None:
+    """`AllToAll(rank_mask=...)`: a `RankMask` of this rank and world, on a rank that waits on the host."""
+    from .runtime.shrink import RankMask
+
+    if not isinstance(mask, RankMask) or (mask.rank, mask.world_size) != (rank, world_size):
+        raise ValueError(f"rank_mask: expected a runtime.shrink.RankMask(world_size={world_size}, rank={rank}), "
+                         f"got {mask!r}")
+    on_gpu = (torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if on_gpu and gpu_wait != "host":
+        raise ValueError(f"rank_mask (shrink mode) needs gpu_wait='host' on a GPU, got gpu_wait={gpu_wait!r}: a "
+                         f"masked peer is decided by the host's waits")
 
 
 def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) -> None:

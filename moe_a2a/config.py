@@ -415,9 +415,14 @@ class Layout:
         return self.write_table_offset_bytes + ((int(table) * self.world_size + peer) * WRITE_TABLE_COLUMNS) * 8
 
     @cached_property
+    def peer_mask_offset_bytes(self) -> int:
+        """int64 [W]: shrink mode's masked peers (nonzero: masked), written by the model and the proxies."""
+        return self.write_table_offset_bytes + self.write_table_bytes
+
+    @cached_property
     def segment_sync_offset_bytes(self) -> int:
         """The sync area in the segment (used with remote peers or host waits)."""
-        return round_up(self.write_table_offset_bytes + self.write_table_bytes, PAGE_BYTES)
+        return round_up(self.peer_mask_offset_bytes + 8 * self.world_size, PAGE_BYTES)
 
     @cached_property
     def routing_offset_bytes(self) -> int:

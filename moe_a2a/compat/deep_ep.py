@@ -8,10 +8,11 @@ C = `num_max_dispatch_tokens_per_rank * num_ranks`, as DeepEP's.
 
 How it is built (docs/compat.md has the table of what matches DeepEP and what differs):
 - **one set of buffers for bf16 and fp8 calls.** Each `AllToAll` row is a bf16 row of H elements (2H
-  bytes) plus one 4-byte "scale" column. A bf16 call sends `x` as is. An fp8 call quantises `x`
-  (`triton_kernels.quant.quantize_fp8`, with DeepEP's `round_scale` / `use_ue8m0` options) straight into
-  a staging row of the same 2H bytes: fp8 payload in bytes [0, H), its scales (fp32, or UE8M0 codes
-  packed four per int32) from byte `round_up(H, 4)`; that row travels as if it were bf16. `use_fp8` may
+  bytes) plus one 4-byte "scale" column. A bf16 call sends `x` as is. An fp8 call has the dispatch's
+  pack kernel quantise `x` (`AllToAll.dispatch(quantize=quant.Fp8Quantize(...))`, `quantize_fp8`'s math
+  with DeepEP's `round_scale` / `use_ue8m0` options) straight into the 2H bytes of each row it sends: fp8
+  payload in bytes [0, H), its scales (fp32, or UE8M0 codes packed four per int32) from byte
+  `round_up(H, 4)`; that row travels as if it were bf16 (no separate quantisation pass). `use_fp8` may
   change from call to call; the memory is that of the larger payload (bf16), not both. The received
   `recv_x` of an fp8 call are views of the received rows: `[L, C, H]` fp8 with a row stride of 2H bytes,
   and the scales `[L, C, S]` (row stride 2H / 4); `.contiguous()` gives DeepEP's dense shapes.
@@ -22,7 +23,8 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
   alive); a call's receive buffers are reused two calls later. A dispatch whose handle is never combined
   (DeepEP's test dispatches twice in a row) is finished by a combine of nothing before its instance is
   reused; a handle combined twice (DeepEP's test does, with and without `zero_copy`) is dispatched
-  again first (the same payload and routes, so `recv_x` is rewritten with the same bytes).
+  again first (the same `x`, quantised again for fp8, and routes, so `recv_x` is rewritten with the same
+  bytes; `x` must be unchanged for that).
 - every tensor is created with an explicit device and dtype: nothing depends on torch's defaults.
 - input rejected by any call aborts that call on every rank (the peers raise
   `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works; the first call (which
@@ -40,7 +42,8 @@ import torch
 from ..all_to_all import AllToAll, CallAborted, check_combine_recv
 from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather, differences
-from ..triton_kernels.quant import quantize_fp8
+from ..runtime.shrink import RankMask
+from ..triton_kernels.quant import Fp8Quantize
 
 # DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
 topk_idx_t = torch.int64
@@ -104,6 +107,23 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+# get_low_latency_rdma_size_hint's answers in this process: (bytes, num_ranks) -> the sizes behind them
+# (None when two sizes gave the same bytes), so that shrink mode can build at construction.
+_HINTS: dict[tuple[int, int], tuple | None] = {}
+
+
+def _fits(sizes: tuple, key: tuple) -> bool:
+    """A call's sizes fit buffers built for `key` (shrink mode builds for top-k 8: fewer are padded)."""
+    return sizes[0] == key[0] and sizes[1] == key[1] and sizes[3] == key[3] and sizes[2] <= key[2]
+
+
+def _pad_routes(t: torch.Tensor, K: int, fill) -> torch.Tensor:
+    """`[T, k]` -> `[T, K]` with `fill` in the new columns (shrink mode's buffers are built for top-k 8)."""
+    if t.shape[1] == K:
+        return t
+    return torch.cat([t, torch.full((t.shape[0], K - t.shape[1]), fill, dtype=t.dtype, device=t.device)], dim=1)
+
+
 class Config:
     """DeepEP's `Config` (tuning of its high-throughput mode), so `from deep_ep import Buffer, Config`
     imports. Only the low-latency API is provided: its arguments are kept and never used."""
@@ -112,12 +132,14 @@ class Config:
         self.args, self.kwargs = args, kwargs
 
 
-def _config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: int) -> A2AConfig:
+def _config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: int,
+            shrink: bool = False) -> A2AConfig:
     """The instances' sizes: bf16 rows of `hidden` (an fp8 call's payload and scales fit in their bytes)
-    plus one 4-byte column (the source token index), capacity `num_max * num_ranks` per local expert."""
+    plus one 4-byte column (the source token index), capacity `num_max * num_ranks` per local expert.
+    Shrink mode: a private region that holds every route of a pair (no shared remainder region)."""
     return A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
                      in_dtype=torch.bfloat16, scale_block=hidden, out_dtype=torch.bfloat16,
-                     expert_capacity=num_max * num_ranks)
+                     expert_capacity=num_max * num_ranks, max_private_tokens=num_max * top_k if shrink else None)
 
 
 def fp8_scale_offset(hidden: int) -> int:
@@ -134,7 +156,7 @@ def fp8_fits(hidden: int) -> bool:
 class _Slot:
     """One of the two alternating `AllToAll` instances, its buffers and its current call."""
 
-    def __init__(self, a2a: AllToAll, num_max: int) -> None:
+    def __init__(self, a2a: AllToAll) -> None:
         self.a2a = a2a
         cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
         L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
@@ -143,19 +165,13 @@ class _Slot:
         self.src_info = self.exs.view(torch.int32).view(L, C)
         self.layout_range = torch.zeros(L, W, dtype=torch.int64, device=dev)
         self.counts = a2a.counts[:, a2a.rank * L:(a2a.rank + 1) * L].t()  # [L, W] view of the count matrix
-        # The staging rows of an fp8 call's payload (kept until the slot's next dispatch: a repeated
-        # combine sends them again), and the views of the same bytes in the received rows.
-        self.stage = torch.zeros(num_max, 2 * H, dtype=torch.uint8, device=dev)
-        self.stage_bf16 = self.stage.view(torch.bfloat16)
+        # An fp8 call's bytes in the received rows (the pack quantises x into the rows it sends, no staging).
         self.fp8 = None
         if fp8_fits(H):
             S, off = ceil_div(H, FP8_BLOCK), fp8_scale_offset(H)
             S4 = ceil_div(S, 4)
             rows = self.ex.view(torch.uint8)
             self.fp8 = {
-                "stage": self.stage[:, :H].view(torch.float8_e4m3fn),
-                "stage_scale": self.stage[:, off:off + 4 * S].view(torch.float32),
-                "stage_codes": self.stage[:, off:off + 4 * S4].view(torch.int32),
                 "recv": rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H),
                 "recv_scale": rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S),
                 "recv_codes": rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4),
@@ -164,7 +180,8 @@ class _Slot:
         # The current call.
         self.state, self.call = _FREE, -1
         self.T = 0
-        self.payload = None       # [T, H] bf16 what the dispatch sent (x, or the fp8 staging rows)
+        self.payload = None       # [T, H] bf16 the dispatch's x (a repeated combine sends it again)
+        self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
         self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
 
@@ -182,7 +199,10 @@ class Buffer:
             memory, the rest through the proxy and `transport`), accepted and ignored.
         explicitly_destroy: True: release with `destroy()` (or `close()`); False as well, or when the
             instances are garbage collected (their own finaliser), so both are honoured.
-        enable_shrink: masking a rank that stopped is not built yet: True raises ValueError.
+        enable_shrink: shrink mode (DeepEP's): a rank that stops calling is masked by each peer whose wait
+            on it times out (`timeout_s`), and the calls go on without it (its tokens dropped, nothing
+            sent to its experts); `low_latency_query_mask_buffer` says who is masked. Waits on the host
+            (`gpu_wait="host"`: not capturable in a CUDA graph); `moe_a2a.runtime.shrink` says how.
         transport, node_group, timeout_s, gpu_wait, device: passed to `AllToAll` (device default: the
             first dispatch's `x.device`).
     """
@@ -194,9 +214,6 @@ class Buffer:
                  node_group="auto", timeout_s: float = 30.0, gpu_wait: str = "auto", device=None) -> None:
         import torch.distributed as dist
 
-        if enable_shrink:
-            raise ValueError("enable_shrink=True: masking a rank that stopped is not supported by moe_a2a's "
-                             "DeepEP facade yet (docs/compat.md)")
         if group is None:
             if not dist.is_initialized():
                 raise ValueError("Buffer needs torch.distributed initialised (or pass group=)")
@@ -207,6 +224,9 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self._options = dict(group=group, transport=transport, node_group=node_group, timeout_s=timeout_s,
                              gpu_wait=gpu_wait, device=device)
+        self.enable_shrink = bool(enable_shrink)
+        self._mask: RankMask | None = None  # shrink mode: made with the instances (on their device)
+        self._pending_mask: set[int] = set()  # ranks masked by the caller before that
         self._slots: list[_Slot] = []
         self._key = None
         self._next = 0
@@ -214,6 +234,16 @@ class Buffer:
         self._ids = None      # [num_max, 1] float32 view of int32 0..num_max-1: the token-index column
         self._scratch = None  # what a combine of nothing sends and receives
         self._closed = False
+        if self.enable_shrink:
+            # A rank that stops before its first call must not hold the others in a collective build:
+            # shrink mode builds here, from the sizes of the hint that gave num_rdma_bytes (top-k <= 8).
+            sizes = _HINTS.get((num_rdma_bytes, self.group_size))
+            if sizes is None:
+                raise ValueError(f"enable_shrink=True: num_rdma_bytes ({num_rdma_bytes}) must come from "
+                                 f"Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, "
+                                 f"{self.group_size}, num_experts) called in this process: shrink mode builds the "
+                                 f"buffers at construction, from those sizes")
+            self._build(None, sizes, None)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -222,7 +252,11 @@ class Buffer:
         and fp8 calls alike; callers pass it back as `num_rdma_bytes`, which this facade does not need."""
         cfg = _config(num_max_dispatch_tokens_per_rank, num_experts, 8, hidden, num_ranks)
         lay = cfg.layout(num_ranks)
-        return 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
+        nbytes = 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
+        sizes = (num_max_dispatch_tokens_per_rank, num_experts, 8, hidden)
+        key = (nbytes, num_ranks)  # two sizes giving the same bytes: ambiguous, not remembered
+        _HINTS[key] = sizes if _HINTS.get(key, sizes) == sizes else None
+        return nbytes
 
     # ---- dispatch ---------------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -262,7 +296,7 @@ class Buffer:
             error = exc
         if not self._slots:
             self._build(error, sizes, x)  # collective: raises on every rank when any rank cannot build
-        elif error is None and sizes != self._key:
+        elif error is None and sizes != self._key and not (self.enable_shrink and _fits(sizes, self._key)):
             error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
                                f"num_experts, top-k, hidden) = {self._key}; got {sizes}: use another Buffer")
         if error is None:
@@ -280,18 +314,16 @@ class Buffer:
             slot.a2a.abort(str(error))
         T = x.shape[0]
         use_fp8 = bool(use_fp8)
+        if error is None and topk_idx.shape[1] < self._key[2]:
+            topk_idx = _pad_routes(topk_idx, self._key[2], -1)
         ue8m0 = use_fp8 and bool(use_ue8m0)
-        if use_fp8:
-            f = slot.fp8
-            quantize_fp8(x, FP8_BLOCK, out=f["stage"][:T], out_scale=(f["stage_codes"] if ue8m0 else f["stage_scale"])[:T],
-                         round_scale=bool(round_scale), ue8m0=ue8m0)
-            payload = slot.stage_bf16[:T]
-        else:
-            payload = x
-        slot.call, slot.T, slot.payload = self._calls, T, payload
+        # fp8: the pack quantises x straight into the rows it sends (fp8 bytes, then the scales).
+        quantize = Fp8Quantize(scale_offset_bytes=fp8_scale_offset(x.shape[1]), block=FP8_BLOCK,
+                               round_scale=bool(round_scale) or ue8m0, ue8m0=ue8m0) if use_fp8 else None
+        slot.call, slot.T, slot.payload, slot.quantize = self._calls, T, x, quantize
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
-        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, payload, self._ids[:T], topk_idx,
-                                                  do_recv=not return_recv_hook))
+        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._ids[:T], topk_idx,
+                                                  do_recv=not return_recv_hook, quantize=quantize))
         slot.state = _DISPATCH_SENT
         if not return_recv_hook:
             self._received(slot)
@@ -329,10 +361,14 @@ class Buffer:
         """
         self._check_open()
         slot = self._slot_of(handle)
+        K = slot.a2a.cfg.experts_per_token  # shrink mode's buffers are built for top-k 8: pad fewer
+        if isinstance(topk_idx, torch.Tensor) and isinstance(topk_weights, torch.Tensor) and topk_idx.dim() == 2 \
+                and topk_weights.dim() == 2 and topk_idx.shape[1] < K and topk_weights.shape[1] == topk_idx.shape[1]:
+            topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
         self._settle(slot)
         if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                      self._ids[:slot.T], topk_idx))
+                                                      self._ids[:slot.T], topk_idx, quantize=slot.quantize))
             slot.state = _DISPATCHED
             self._layout_ranges(slot)
         a2a = slot.a2a
@@ -403,6 +439,63 @@ class Buffer:
             for t in (s.num, s.ex, s.exs, s.layout_range, s.combine_buf):
                 if t is not None:
                     t.zero_()
+        if self.enable_shrink:
+            self._empty_call()
+
+    # ---- shrink mode: the mask ---------------------------------------------------------------
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Shrink mode: mask (`mask=True`: nothing is sent to it or awaited from it) or unmask one rank
+        on this rank."""
+        self._check_shrink("low_latency_update_mask_buffer")
+        if self._mask is None:  # before the first dispatch: kept until the instances exist
+            if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) \
+                    or not 0 <= rank_to_mask < self.group_size or (mask and rank_to_mask == self.rank):
+                raise ValueError(f"rank_to_mask: expected a rank in [0, {self.group_size}) other than this rank "
+                                 f"({self.rank}) to mask, got {rank_to_mask!r}")
+            (self._pending_mask.add if mask else self._pending_mask.discard)(rank_to_mask)
+            return
+        self._mask.set(rank_to_mask, bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Shrink mode: write into `mask_status` (`[num_ranks]` int32, any device) 1 for each rank this rank
+        has masked, 0 for the others (stream-ordered on a GPU)."""
+        self._check_shrink("low_latency_query_mask_buffer")
+        if not isinstance(mask_status, torch.Tensor) or tuple(mask_status.shape) != (self.group_size,) \
+                or mask_status.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"mask_status: expected an int32 [{self.group_size}] tensor, got "
+                             f"{(tuple(mask_status.shape), mask_status.dtype) if isinstance(mask_status, torch.Tensor) else type(mask_status).__name__}")
+        if self._mask is None:
+            mask_status.zero_()
+            for r in self._pending_mask:
+                mask_status[r] = 1
+        else:
+            mask_status.copy_(self._mask.tensor)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Shrink mode: unmask every rank (a rank still stopped is masked again by the next wait on it)."""
+        self._check_shrink("low_latency_clean_mask_buffer")
+        self._pending_mask.clear()
+        if self._mask is not None:
+            self._mask.clear()
+
+    def _check_shrink(self, name: str) -> None:
+        self._check_open()
+        if not self.enable_shrink:
+            raise ValueError(f"{name}: needs a Buffer built with enable_shrink=True")
+
+    def _empty_call(self) -> None:
+        """Shrink mode's `clean_low_latency_buffer`: a call of no tokens on every rank, so that a rank which
+        stopped before it is masked by every peer there (as DeepEP's clean does), not at the next call."""
+        index, self._next = self._next, self._next ^ 1
+        self._calls += 1
+        slot = self._slots[index]
+        self._retire(slot)
+        a2a, s, H = slot.a2a, self._scratch_buffers(), slot.a2a.cfg.hidden_dim
+        x = torch.empty(0, H, dtype=torch.bfloat16, device=a2a.device)
+        slot.call, slot.T = self._calls, 0
+        self._run(slot, lambda: a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._ids[:0], s["idx"][:0]))
+        self._run(slot, lambda: a2a.combine(s["out"][:0], s["idx"][:0], s["w"][:0], slot.ex))
+        slot.state = _FREE
 
     def check(self) -> None:
         """`AllToAll.check()` of both instances: raise what went wrong in calls already issued (for CUDA-graph
@@ -578,7 +671,7 @@ class Buffer:
                 if num_experts % self.group_size:
                     raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
                                      f"({self.group_size})")
-                cfg = _config(num_max, num_experts, top_k, hidden, self.group_size)
+                cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink)
             except ValueError as exc:
                 error = exc
         names = ("num_max_dispatch_tokens_per_rank", "num_experts", "top-k (topk_idx.shape[1])", "hidden (x.shape[1])")
@@ -603,7 +696,15 @@ class Buffer:
                              + "\n  ".join(diff))
         options = dict(self._options)
         if options["device"] is None:
-            options["device"] = x.device
+            options["device"] = x.device if x is not None else (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.enable_shrink:  # one mask for both instances: a peer masked in one is skipped by the other
+            self._mask = RankMask(self.group_size, self.rank, options["device"])
+            for r in sorted(self._pending_mask):
+                self._mask.set(r, True)
+            options["rank_mask"] = self._mask
+            if torch.device(options["device"]).type == "cuda":
+                options["gpu_wait"] = "host"
         built: list[AllToAll] = []
         try:
             # Under torch's stock default device, whatever the caller set (DeepEP's test sets cuda): the
@@ -611,7 +712,7 @@ class Buffer:
             with torch.device("cpu"):
                 for _ in range(2):
                     built.append(AllToAll(cfg, **options))
-            slots = [_Slot(a2a, cfg.max_num_tokens) for a2a in built]
+            slots = [_Slot(a2a) for a2a in built]
         except BaseException:
             for a2a in built:
                 a2a.close()

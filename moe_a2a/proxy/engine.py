@@ -330,6 +330,7 @@ class TransferEngine(ImmediateCounts):
         self.provider = provider
         self.num_domains = num_domains
         self.timeout_s = timeout_s
+        self.post_timeout_s = timeout_s  # how long a post retries -FI_EAGAIN (shrink mode: shorter)
         self.idle_yield = idle_yield
         self.local_only = local_only
         self._closed = False
@@ -716,7 +717,7 @@ class TransferEngine(ImmediateCounts):
 
     def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, imm: int, msg: int | None = None) -> None:
         """Slow path of a post: retry ``-FI_EAGAIN`` while progressing; raise anything else."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.post_timeout_s
         writemsg, ep, plain_msg = grp.post_info[p][:3]
         msg = plain_msg if msg is None else msg
         while rc == _NEG_EAGAIN:
@@ -728,7 +729,7 @@ class TransferEngine(ImmediateCounts):
         if rc:
             self._free_ctx.append(ctx)
             if rc == _NEG_EAGAIN:
-                raise PeerTimeout(f"fi_writemsg to {grp.peers[p]} returned -FI_EAGAIN for {self.timeout_s}s "
+                raise PeerTimeout(f"fi_writemsg to {grp.peers[p]} returned -FI_EAGAIN for {self.post_timeout_s}s "
                                   f"(peer not progressing or not reachable) [imm {imm:#x}]", position=p)
             raise lf.FabricError("fi_writemsg", rc, peer=grp.peers[p], context=f"imm {imm:#x}")
 

@@ -54,6 +54,8 @@ class ProxySpec:
     gpu_uuid: str | None = None
     # Transport "emulated": its NIC settings as the model process read them (MOE_A2A_EMULATED_NIC; "": none).
     emulated_nic: str = ""
+    # Shrink mode: a peer a wait times out on is masked (segment words), not an error (docs/protocol.md, 7).
+    shrink: bool = False
 
 
 

@@ -70,6 +70,10 @@ class _Stop(Exception):
     """The owner asked the proxy to exit, or died."""
 
 
+# Shrink mode: a post retries -FI_EAGAIN for this fraction of the proxy's timeout, then masks the peer.
+SHRINK_POST_FRACTION = 0.25
+
+
 class _EpochImms(NamedTuple):
     """The immediates one call counts (`Proxy._epoch_imms`): what arrives keyed by exact value."""
 
@@ -95,6 +99,8 @@ class Proxy:
         own = spec.fd_buffers
         on_gpu = own is not None and own[0] == "cuda"
         self.engine = make_engine(spec, on_gpu)  # libfabric's TransferEngine, or the emulated NIC
+        if spec.shrink:  # a post blocked on a stopped peer must not hold the live ones past their timeouts
+            self.engine.post_timeout_s = SHRINK_POST_FRACTION * spec.timeout_s
         # Least access (docs/threat-model.md): peers write count rows (and, host-staged, tokens) into
         # the segment, and it is the source of our writes; never readable remotely.
         self.region = self.engine.register(self.seg.addr, self.seg.nbytes, ACCESS_SOURCE_AND_TARGET)
@@ -146,9 +152,14 @@ class Proxy:
         # remote peer of ours, in posting order (computed once: nothing but reading in the hot loop).
         self._table_words = memoryview(self.seg.numpy(lay.write_table_offset_bytes, lay.write_table_bytes // 8,
                                                       np.int64)).cast("B").cast("q")
-        self._slots = {t: tuple((p - (p > r), ((int(t) * lay.world_size + p) * WRITE_TABLE_COLUMNS))
-                                for p in self.remote) for t in (WriteTable.PRIVATE, WriteTable.REMAINDER,
-                                                                WriteTable.COMBINE)}
+        self._all_slots = {t: tuple((p - (p > r), ((int(t) * lay.world_size + p) * WRITE_TABLE_COLUMNS))
+                                    for p in self.remote) for t in (WriteTable.PRIVATE, WriteTable.REMAINDER,
+                                                                    WriteTable.COMBINE)}
+        self._slots = self._all_slots
+        # Shrink mode (docs/protocol.md, section 7): peers masked (word p nonzero) get no write and are not
+        # awaited. The model writes the words it decided; this proxy those of peers it timed out on.
+        self.peer_mask = self.seg.numpy(lay.peer_mask_offset_bytes, lay.world_size, np.int64)
+        self.masked: frozenset[int] = frozenset()
         self.trace = self.seg.numpy(lay.trace_offset_bytes, 2 * len(TRACE_EVENTS), np.int64).reshape(-1, 2)
         self._tracing, self._epoch = False, 0
         self._in_call = False
@@ -197,12 +208,14 @@ class Proxy:
         The hot loop of every phase: the check is set arithmetic on the engine's live counter (C speed,
         0.14 µs a peer against 0.7 for a lookup per key), and only what is still missing is looked at."""
         counter = self.engine.imm_counter
+        if self.masked:  # peers masked earlier in this call
+            keys = frozenset(k for k in keys if decode_imm(k)[1] not in self.masked)
         arrived = counter.keys()
         missing = set(keys) - arrived
         if alternates and missing:
             back = {a: k for k, a in alternates.items()}
             missing -= {back[a] for a in arrived & back.keys()}
-        slow = [p for p in self.node_peers if self.node_ready[p] < epoch] if node_rows else []
+        slow = [p for p in self.node_peers if self.node_ready[p] < epoch and p not in self.masked] if node_rows else []
         if missing or slow:
             start = time.monotonic()
             back = {a: k for k, a in alternates.items()} if alternates else {}
@@ -218,8 +231,12 @@ class Proxy:
                     break
                 if time.monotonic() - start > self.spec.timeout_s:
                     miss = sorted({decode_imm(i)[1] for i in missing} | set(slow))
-                    raise TimeoutError(f"rank {self.rank}: {what} (epoch {epoch}) timed out after "
-                                       f"{self.spec.timeout_s:g}s; missing peers {miss}")
+                    if not self.spec.shrink:
+                        raise TimeoutError(f"rank {self.rank}: {what} (epoch {epoch}) timed out after "
+                                           f"{self.spec.timeout_s:g}s; missing peers {miss}")
+                    self._mask_peers(miss, f"{what}: nothing from them for {self.spec.timeout_s:g}s (epoch {epoch})")
+                    keys = frozenset(k for k in keys if decode_imm(k)[1] not in self.masked)
+                    break
         took_alternates = []
         pop = counter.pop
         for k in keys:
@@ -238,9 +255,20 @@ class Proxy:
     # ---- posting ------------------------------------------------------------------------------
     def _post_table(self, table: WriteTable, header=None, imm: int | None = None) -> int:
         """Post our remote peers' rows of one write table (planned by the kernels); the number posted."""
-        return self.engine.post_table(self.data_group, self.data_src, self._table_words, self._slots[table],
-                                      self.send_base, self.recv_base, header=header, imm=imm,
-                                      skip_empty=table == WriteTable.REMAINDER)
+        slots, posted = self._slots[table], 0
+        while True:
+            try:
+                return posted + self.engine.post_table(self.data_group, self.data_src, self._table_words, slots,
+                                                       self.send_base, self.recv_base, header=header, imm=imm,
+                                                       skip_empty=table == WriteTable.REMAINDER)
+            except PeerTimeout as exc:
+                if not self.spec.shrink:
+                    raise
+                # Shrink mode: that peer is masked; the rows after it are posted (those before it were).
+                at = next(i for i, sl in enumerate(slots) if sl[0] == exc.position)
+                peer = exc.position + (exc.position >= self.rank)
+                self._mask_peers([peer], f"posting to it failed: {exc}")
+                slots, posted = slots[at + 1:], posted + at
 
     def _reached(self, word: ShardWord, epoch: int, what: str) -> None:
         """Publish our step `word` for `epoch`; the primary (and, for ROWS_LANDED, every shard) then
@@ -290,6 +318,8 @@ class Proxy:
         self._in_call = False  # between calls the model may compute for long: sleeping is fine
         self.wait_local(F.ROUTE_READY, e)
         self._in_call = True
+        if self.spec.shrink and self._read_mask():  # the model wrote this call's mask before its route kernel
+            imms = self._epoch_imms(e)
         self._tracing, self._epoch = self.primary and bool(self.flags[F.TRACE]), e  # one trace area: the primary's
         posted = self.engine.writes_posted
         mark(0)  # route_ready_seen
@@ -337,9 +367,28 @@ class Proxy:
         self._step_done(ShardWord.COMBINE_WRITES_DONE, F.COMBINE_WRITES_DONE, e, "combine: writes done",
                         11)  # combine_writes_done
 
+    def _read_mask(self) -> bool:
+        """Shrink mode: take the masked peers from the segment's words; True when they changed (the
+        write-table slots and the immediates to count are then rebuilt without them)."""
+        masked = frozenset(p for p in self.peers if self.peer_mask[p])
+        if masked == self.masked:
+            return False
+        self.masked = masked
+        self._slots = {t: tuple(sl for p, sl in zip(self.remote, slots) if p not in masked)
+                       for t, slots in self._all_slots.items()}
+        return True
+
+    def _mask_peers(self, peers, why: str) -> None:
+        """Shrink mode: give up on `peers` (a wait on them timed out): say so in the segment's words, which
+        the model reads after this call's flags, and stop posting to them and waiting for them."""
+        for p in peers:
+            self.peer_mask[p] = 1
+        self._read_mask()
+        print(f"moe_a2a proxy of rank {self.rank}: masked rank(s) {sorted(peers)}: {why}", file=sys.stderr, flush=True)
+
     def _epoch_imms(self, e: int) -> "_EpochImms":
         """The immediates of call `e` this proxy counts, keyed by exact value (built between calls)."""
-        r, remote = self.rank, self.remote
+        r, remote = self.rank, [p for p in self.remote if p not in self.masked]
         return _EpochImms(
             private=frozenset(encode_imm(Imm.DISPATCH, p, e) for p in remote),
             private_more={encode_imm(Imm.DISPATCH, p, e): encode_imm(Imm.DISPATCH_MORE, p, e) for p in remote},

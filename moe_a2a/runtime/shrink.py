@@ -85,26 +85,52 @@ class RankMask:
 
 
 class Forger:
-    """Keeps the masked peers' words forged in one rank's sync area (host views: `ready_words`, `counts`).
-    Called before each host wait: a newly masked peer's words are forged, an unmasked one's reset to 0 (it
-    then waits for that peer's next word again)."""
+    """Keeps one rank's view of the masked peers in force (`w`: the rank's `Wiring`), before and after
+    each host wait:
+    - node peers: their words in this rank's sync area forged (ready words `FORGED_EPOCH`, count row 0);
+      an unmasked one's ready words reset to 0 (its next word is awaited again);
+    - remote peers: the mask words of the segment tell the proxies whom to skip (they add the peers they
+      time out on, taken into the `RankMask` here), and a masked peer's count row in its private slot's
+      header is zeroed (the plan kernel copies it from there every call).
+    """
 
-    def __init__(self, mask: RankMask, ready_words: dict, counts, node_first: int, node_size: int) -> None:
-        self.mask, self.ready_words, self.counts = mask, ready_words, counts
-        self.node = range(node_first, node_first + node_size)
+    def __init__(self, mask: RankMask, w) -> None:
+        self.mask, self.w = mask, w
+        lay = w.layout
+        self.node = range(w.node.node_first, w.node.node_first + w.node.node_size)
+        self.remote = lay.remote_peers(w.rank) if w.with_proxy else []
+        # The proxy also waits for node peers' count rows, and masks those it times out on.
+        self.proxy_peers = [p for p in range(lay.world_size) if p != w.rank] if w.with_proxy else []
+        self.header = {p: w.stage_recv_offset_bytes + lay.private_header_offset_bytes(p) for p in self.remote}
+        self.row_bytes = lay.routing_row_bytes
         self.forged: set[int] = set()
 
     def apply(self) -> None:
-        masked = self.mask.masked
+        w, mask = self.w, self.mask
+        if self.proxy_peers:
+            words = w.peer_mask_np
+            taken = [p for p in self.proxy_peers if words[p] and p not in mask.masked]
+            if taken:
+                mask.mask(taken, "this rank's proxy timed out on them")
+        masked = mask.masked
         for p in self.node:
             if p in masked:  # every time: a masked peer that is still alive may have written since
-                for words in self.ready_words.values():
+                for words in w.ready_words.values():
                     words[p] = FORGED_EPOCH
-                self.counts[p] = 0
+                w.counts_np[p] = 0
             elif p in self.forged:
-                for words in self.ready_words.values():
+                for words in w.ready_words.values():
                     words[p] = 0
-        self.forged = masked & set(self.node)
+        for p in self.proxy_peers:
+            if p in masked:
+                if p not in self.forged:
+                    w.peer_mask_np[p] = 1
+                    if p in self.header:
+                        at = self.header[p]
+                        w.base[at: at + self.row_bytes].zero_()  # stream-ordered before the plan kernel
+            elif p in self.forged:
+                w.peer_mask_np[p] = 0
+        self.forged = set(masked)
 
 
 __all__ = ["FORGED_EPOCH", "RankMask", "Forger"]

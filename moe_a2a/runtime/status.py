@@ -46,8 +46,7 @@ class Status:
         goes on; masked peers' words are forged in this rank's sync area before every host wait."""
         from .shrink import Forger
 
-        w = self.w
-        self.forger = Forger(mask, w.ready_words, w.counts_np, w.node.node_first, w.node.node_size)
+        self.forger = Forger(mask, self.w)
 
     # ---- fatal: the proxy, a failed kernel wait, capacity -------------------------------------------
     def raise_fatal(self, epoch: int, force: bool = False) -> None:
@@ -165,6 +164,8 @@ class Status:
             missing = [p for p in range(first, first + n) if int(words[p]) < epoch] if words is not None else []
             proxy_late = w.with_proxy and int(w.flags_np[flag_word(flag)]) < epoch + delta
             if not missing and not proxy_late:
+                if self.forger is not None and w.with_proxy:  # the peers the proxy gave up on in this call
+                    self.forger.apply()
                 # Re-read what passed with acquire loads: the data the kernel reads next is ordered after
                 # them (plain loads are enough on x86, not on Arm).
                 if words is not None:

@@ -89,8 +89,10 @@ class Wiring:
     """
 
     def __init__(self, layout: Layout, group, rank: int, device, transport: str, nics, num_proxies: int,
-                 buffers: str, gpu_wait: str, timeout_s: float, local_only: bool, emulated_nic: str | None = None) -> None:
+                 buffers: str, gpu_wait: str, timeout_s: float, local_only: bool, emulated_nic: str | None = None,
+                 shrink: bool = False) -> None:
         self.layout, self.group, self.rank, self.device = layout, group, rank, device
+        self.shrink = shrink  # shrink mode: the proxies mask the peers they time out on (runtime/shrink.py)
         self.emulated_nic = emulated_nic or ""  # transport "emulated": its NIC settings, for the proxies
         self.transport, self.nics, self.num_proxies = transport, nics, num_proxies
         self.timeout_s, self.local_only, self._gpu_wait = timeout_s, local_only, gpu_wait
@@ -140,7 +142,7 @@ class Wiring:
                              parent_pid=os.getpid(), idle_yield=(os.cpu_count() or 1) < 2 * lay.node_size * (1 + k),
                              fd_buffers=fd_buffers, domains=domains, local_only=self.local_only, shard=j, shards=k,
                              cpu_override=self.cpu_override, gpu_ordinal=ordinal, gpu_uuid=gpu_uuid,
-                             emulated_nic=self.emulated_nic)
+                             emulated_nic=self.emulated_nic, shrink=self.shrink)
             self.proxies.append(ProxyHandle(spec, fds))
         # Start-up, not a call: a proxy imports and opens its endpoint, slower with many ranks on few cores.
         self.proxy_address = [h.address(max(self.timeout_s, STARTUP_S)) for h in self.proxies]
@@ -275,6 +277,7 @@ class Wiring:
         # The writes the kernels plan for the proxy (triton_kernels/write_plan.py), read by the proxy.
         self.write_tables = self.view(seg.addr + lay.write_table_offset_bytes, lay.write_table_bytes).view(
             torch.int64).view(int(WriteTable.NUM_TABLES), W, WRITE_TABLE_COLUMNS)
+        self.peer_mask_np = seg.numpy(lay.peer_mask_offset_bytes, W, "int64")  # shrink mode's masked peers
         self.node = NodeSync(
             epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),
             failed=torch.zeros(1, dtype=torch.int64, device=dev),

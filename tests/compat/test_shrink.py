@@ -113,19 +113,21 @@ def _check(got: list, W: int, stops: dict, calls: int) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_ranks_that_stop_at_dispatch_combine_and_clean_are_masked_and_the_rest_goes_on(tmp_path):
-    """DeepEP's shrink test's pattern, on one node: rank 1 stops at its first dispatch, rank 3 at its first
-    combine, rank 5 at its first clean; each survivor's mask grows exactly at those points, and every
-    call after them is right among the survivors (routes to masked experts dropped, tokens of masked
-    sources not received)."""
+@pytest.mark.parametrize("node_size", [6, 3], ids=["node-local", "remote"])
+def test_ranks_that_stop_at_dispatch_combine_and_clean_are_masked_and_the_rest_goes_on(tmp_path, node_size):
+    """DeepEP's shrink test's pattern, on one node and across two simulated nodes: rank 1 stops at its
+    first dispatch, rank 3 at its first combine, rank 5 at its first clean (each closes its Buffer, so
+    posts to it fail); each survivor's mask grows exactly at those points, and every call after them is
+    right among the survivors (routes to masked experts dropped, tokens of masked sources not received)."""
     W, calls, timeout_s = 6, 3, 8.0
     stops = {1: (0, "dispatch"), 3: (0, "combine"), 5: (0, "clean")}
-    got = run_peers(W, _shrink_rank, str(tmp_path / "store"), W, stops, calls, timeout_s, "shm", timeout_s=500)
+    got = run_peers(W, _shrink_rank, str(tmp_path / "store"), node_size, stops, calls, timeout_s, "shm",
+                    timeout_s=500)
     _check(got, W, stops, calls)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("node_size", [4], ids=["node-local"])
+@pytest.mark.parametrize("node_size", [4, 2], ids=["node-local", "remote"])
 def test_a_rank_killed_outright_is_masked_within_twice_the_timeout_and_later_calls_complete(tmp_path, node_size):
     """SIGKILL between two calls (its proxy goes with it): the survivors' next call masks it within
     2 x timeout_s and completes; the calls after it take no timeout at all."""
@@ -140,3 +142,43 @@ def test_a_rank_killed_outright_is_masked_within_twice_the_timeout_and_later_cal
         assert first["dispatch_s"] + first["combine_s"] + first["clean_s"] < 2 * timeout_s, first
         later = got[r][2]
         assert later["dispatch_s"] + later["combine_s"] + later["clean_s"] < timeout_s / 2, later
+
+
+def _refusals_rank(comm, store: str):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch.distributed as dist
+
+    from moe_a2a.compat import Buffer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=comm.rank, world_size=comm.size)
+    seen = []
+    for make in (lambda: Buffer(None, num_rdma_bytes=12345, enable_shrink=True),  # not a hint's bytes
+                 lambda: Buffer(None).low_latency_query_mask_buffer(torch.zeros(1, dtype=torch.int32))):
+        try:
+            make()
+            seen.append(None)
+        except ValueError as exc:
+            seen.append(str(exc))
+    buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), enable_shrink=True,
+                 transport="shm", timeout_s=5.0)
+    status = torch.ones(1, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    seen.append(status.tolist())
+    for bad in (lambda: buf.low_latency_update_mask_buffer(0, True), lambda: buf.low_latency_update_mask_buffer(7, True),
+                lambda: buf.low_latency_query_mask_buffer(torch.zeros(2, dtype=torch.int32))):
+        try:
+            bad()
+            seen.append(None)
+        except ValueError as exc:
+            seen.append(str(exc))
+    buf.destroy()
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_shrink_mode_refuses_unknown_sizes_masking_itself_and_bad_mask_tensors(tmp_path):
+    got = run_peers(1, _refusals_rank, str(tmp_path / "store"), timeout_s=100)[0]
+    assert "get_low_latency_rdma_size_hint" in got[0], got[0]
+    assert "enable_shrink=True" in got[1], got[1]
+    assert got[2] == [0]
+    assert "this rank" in got[3] and "[0, 1)" in got[4] and "mask_status" in got[5], got[3:]
