@@ -10,6 +10,9 @@
 - the walk over received rows: dispatch unpack (rows in, expert-major out) and combine pack (the same
   rows back out, by source) walk exactly the same rows with `recv_pair_tables`, `node_peer_tables` and
   `tile_rows`, so both directions agree on every row by construction; `copy_row_words` moves them;
+- fp8 block quantisation (`fp8_block_quantize`, `fp8_e4m3_store`, `ue8m0_code`): the one copy of the
+  math of `quant.quantize_fp8`, which dispatch pack's fused quantisation uses too (same bytes by
+  construction);
 - `live_token_block`: the token ids of a pack / reduce program and which of them are live.
 """
 from __future__ import annotations
@@ -368,12 +371,63 @@ def copy_row_words(src_ptr, src_words, dst_ptr, dst_words, is_row, WORDS: tl.con
 
 
 # ================================================================================================
+# fp8 e4m3 block quantisation (the formula and why each step: quant.py's overview)
+# ================================================================================================
+@triton.jit
+def fp8_block_quantize(x, ROUND_SCALE: tl.constexpr):
+    """x: [N, C] fp32, one scale block per row (masked elements 0). Returns (q [N, C] fp32 in [-448, 448],
+    exactly representable after the fp8 cast's rounding, scale [N] fp32)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.div_rn(amax, 448.0)
+    scale = tl.where(scale >= 1.1754943508222875e-38, scale, 1.0)  # 2**-126
+    if ROUND_SCALE:
+        # 2 ** ceil(log2(scale)) of a positive normal fp32: clear the mantissa, carrying into the
+        # exponent when it was not zero (scale <= 3.4e38 / 448: the exponent cannot overflow).
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    q = tl.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return q, scale
+
+
+@triton.jit
+def fp8_e4m3_store(ptr, offs, q, mask, FP8_VIA_BITS: tl.constexpr):
+    """Store `q` (fp32 in [-448, 448]) as e4m3fn bytes at `ptr + offs` (`ptr`: uint8). On a GPU the
+    native cast (`cvt.rn.satfinite`); with FP8_VIA_BITS (the interpreter, whose fp8 cast flushes
+    subnormals) the same RNE encoding in integer arithmetic."""
+    if FP8_VIA_BITS:
+        bits = q.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = tl.abs(q)
+        abits = a.to(tl.int32, bitcast=True)
+        # Normal e4m3 (|q| >= 2**-6): keep 3 of fp32's 23 mantissa bits with round-half-even on the
+        # raw bits (a carry correctly bumps the exponent), then rebias the exponent from 127 to 7.
+        rounded = abits + 0x7FFFF + ((abits >> 20) & 1)
+        normal = (rounded >> 20) - (120 << 3)
+        # Subnormal e4m3 (|q| < 2**-6, steps of 2**-9): the code is RNE(|q| * 512); adding and
+        # removing 2**23 rounds to an integer with the FPU's round-half-even (|q| * 512 is exact).
+        subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        code = sign | tl.where(a >= 0.015625, normal, subnormal)
+        tl.store(ptr + offs, code.to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptr.to(tl.pointer_type(tl.float8e4nv)) + offs, q.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def ue8m0_code(scale):
+    """The UE8M0 code of a power-of-two fp32 scale: its biased exponent byte (scale = 2 ** (code - 127))."""
+    return ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+
+
+# ================================================================================================
 # Tokens of a pack / reduce program
 # ================================================================================================
 @triton.jit
-def live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M: tl.constexpr):
-    """(this program's BLOCK_T token ids along grid axis 0, which of them are < min(T, bound_m))."""
-    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+def live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M: tl.constexpr,
+                     REPEAT: tl.constexpr = 1):
+    """(this program's BLOCK_T token ids along grid axis 0, which of them are < min(T, bound_m)).
+    With REPEAT > 1, BLOCK_T * REPEAT entries: each token id REPEAT times in a row (one per group of
+    a row the program handles: the fused quantisation of dispatch pack)."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T * REPEAT) // REPEAT
     num_live = num_tokens
     if HAS_BOUND_M:
         num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)

@@ -11,7 +11,9 @@ process) are addressed as int64 byte offsets from ONE uint8 tensor `base`: on GP
 one UVA space, and under `TRITON_INTERPRET=1` raw host addresses work the same way.
 
 - `pack_tokens_by_expert`: x[t] (+ its fp32 scales) -> `send + route_slot[t, k] * Sd` for every live k.
-  Each token is read once and written K times.
+  Each token is read once and written K times. With `quantize` (`quant.Fp8Quantize`) the pack quantises
+  instead of copying: bf16/fp16/fp32 rows in, into each slot's payload bytes the fp8 bytes and scales
+  `quant.quantize_fp8` writes (the same `_details.py` helpers), so no separate quantisation pass runs.
 - `unpack_tokens_by_expert`: the rows every source sent to this rank -> `out_expert_x` in the order of
   `reference.dispatch`. All offsets come from the `[W, E]` count matrix, on the device: no host sync,
   nothing computed on the host per call, so it can be captured in a CUDA graph.
@@ -32,6 +34,7 @@ from . import _checks as check
 from . import _details as d
 from . import _launch as launch
 from .node_sync import NodeSync, launch_wait_apart
+from .quant import Fp8Quantize, check_fused_quantize
 
 # ================================================================================================
 # Kernels
@@ -63,6 +66,14 @@ def _pack_tokens_by_expert_kernel(
     BLOCK_W: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_BOUND_M: tl.constexpr,
+    # Fused fp8 quantisation (quant.Fp8Quantize): x_ptr is then x's elements (bf16/fp16/fp32), X_WORDS = H,
+    # BLOCK_W the elements of a chunk (whole Q_BLOCK groups), WORD_BYTES = 1 and ALIGN_WORDS in bytes.
+    QUANT: tl.constexpr = False,
+    Q_BLOCK: tl.constexpr = 128,             # elements per scale, a power of two
+    Q_SCALES: tl.constexpr = 0,              # scale groups per row, ceil(H / Q_BLOCK)
+    Q_SCALE_OFFSET_BYTES: tl.constexpr = 0,  # where a row's scales start (a multiple of 4)
+    ROUND_SCALE: tl.constexpr = False, UE8M0: tl.constexpr = False,
+    FP8_VIA_BITS: tl.constexpr = False,      # the interpreter: fp8 bytes by integer encoding
     # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
     failed_ptr=None, counter_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None,
     sync_bytes=0, node_first=0, timeout_ns=0, max_spins=0,
@@ -82,6 +93,9 @@ def _pack_tokens_by_expert_kernel(
 
     Reads the chunk once and writes it to the K slots of each token: T*x_bytes read, up to K*T*x_bytes
     written. The chunk-0 programs also copy the tokens' S scales (4*S bytes per slot).
+    With QUANT a chunk is BLOCK_W elements of x, whole Q_BLOCK groups, held as one tile row per (token,
+    group): each group is quantised once (`_details.fp8_block_quantize`, quantize_fp8's math) and its fp8
+    bytes and scale written to the K slots: T*H*itemsize read, up to K*T*(H + scale bytes) written.
     With NODE_SYNC the last program to finish publishes this rank's count row and epoch to every
     same-node peer (they then pull the packed rows from this send buffer) and, with remote peers,
     raises SEND_READY for the proxy, after waiting (prologue) until the proxy's writes out of this send
@@ -92,7 +106,11 @@ def _pack_tokens_by_expert_kernel(
             go = d.node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0, 1, True,
                              PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX, KERNEL_WAIT)
         num_tokens = tl.where(go, num_tokens, 0)
-    tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
+    G: tl.constexpr = BLOCK_W // Q_BLOCK  # QUANT: scale groups per chunk, tile rows per token
+    if QUANT:  # token ids and liveness per tile row: each token G times
+        tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M, G)
+    else:
+        tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
     if REMOTE_FIRST:
         # Axis 1 is the slowest in the launch order: programs of the first half (remote rows) start first.
@@ -104,14 +122,26 @@ def _pack_tokens_by_expert_kernel(
     base_words = base_ptr.to(tl.pointer_type(word_ty))
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
 
-    cols = chunk * BLOCK_W + tl.arange(0, BLOCK_W)
-    x_mask = is_live[:, None] & (cols < X_WORDS)[None, :]
-    rows = tl.load(x_ptr + tokens[:, None] * stride_x_t + cols[None, :], mask=x_mask)
+    if QUANT:
+        # Tile row i is token i // G, scale group chunk*G + i % G of its row: Q_BLOCK elements.
+        group = chunk * G + tl.arange(0, BLOCK_T * G) % G
+        cols = group[:, None] * Q_BLOCK + tl.arange(0, Q_BLOCK)[None, :]        # elements of x
+        x_mask = is_live[:, None] & (cols < X_WORDS)
+        xq = tl.load(x_ptr + tokens[:, None] * stride_x_t + cols, mask=x_mask, other=0.0).to(tl.float32)
+        q, q_scale = d.fp8_block_quantize(xq, ROUND_SCALE)
+        group_ok = is_live & (group < Q_SCALES)
+    else:
+        cols = chunk * BLOCK_W + tl.arange(0, BLOCK_W)
+        x_mask = is_live[:, None] & (cols < X_WORDS)[None, :]
+        rows = tl.load(x_ptr + tokens[:, None] * stride_x_t + cols[None, :], mask=x_mask)
     if HAS_SCALES:
         s_cols = tl.arange(0, S_PAD)
+        s_live = is_live
+        if QUANT:  # the first of a token's G tile rows copies its scales
+            s_live = is_live & (tl.arange(0, BLOCK_T * G) % G == 0)
         # Only chunk 0 copies scales: fold `chunk == 0` into the column bound (a scalar condition
         # broadcast into a block mask is also what the interpreter mishandles).
-        s_mask = is_live[:, None] & (s_cols < tl.where(chunk == 0, S, 0))[None, :]
+        s_mask = s_live[:, None] & (s_cols < tl.where(chunk == 0, S, 0))[None, :]
         scales = tl.load(x_scale_ptr + tokens[:, None] * stride_scale_t + s_cols[None, :] * stride_scale_s,
                          mask=s_mask)
 
@@ -130,7 +160,21 @@ def _pack_tokens_by_expert_kernel(
         else:
             dst_bytes = send_bytes + slot * SD_BYTES
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
-        tl.store(base_words + dst_words[:, None] + cols[None, :], rows, mask=x_mask & has_slot[:, None])
+        if QUANT:  # words are bytes: the fp8 payload at [0, H), the scales from Q_SCALE_OFFSET_BYTES
+            d.fp8_e4m3_store(base_ptr, dst_words[:, None] + cols, q, x_mask & has_slot[:, None], FP8_VIA_BITS)
+            q_ok = group_ok & has_slot
+            scale_bytes = dst_bytes + Q_SCALE_OFFSET_BYTES
+            if UE8M0:  # one code byte per group (byte j = group j), as quantize_fp8 packs them
+                tl.store(base_ptr + scale_bytes + group, d.ue8m0_code(q_scale), mask=q_ok)
+                if Q_SCALES % 4 != 0:  # the last group's tile row zeroes the padding bytes of the last int32
+                    pad = Q_SCALES + tl.arange(0, 4)
+                    pad_mask = (q_ok & (group == Q_SCALES - 1))[:, None] & (pad < (Q_SCALES + 3) // 4 * 4)[None, :]
+                    tl.store(base_ptr + scale_bytes[:, None] + pad[None, :],
+                             tl.zeros([BLOCK_T * G, 4], dtype=tl.uint8), mask=pad_mask)
+            else:
+                tl.store(base_ptr.to(tl.pointer_type(tl.float32)) + scale_bytes // 4 + group, q_scale, mask=q_ok)
+        else:
+            tl.store(base_words + dst_words[:, None] + cols[None, :], rows, mask=x_mask & has_slot[:, None])
         if HAS_SCALES:
             dst_scale = (dst_bytes + SCALE_OFFSET_BYTES) // 4
             tl.store(base_i32 + dst_scale[:, None] + s_cols[None, :], scales, mask=s_mask & has_slot[:, None])
@@ -289,6 +333,7 @@ def pack_tokens_by_expert(
     node: NodeSync | None = None,
     remote_send_offset_bytes: int | None = None,
     node_slots: torch.Tensor | None = None,
+    quantize: "Fp8Quantize | dict | None" = None,
 ) -> None:
     """Copy every live route's token into its expert-major slot of this rank's dispatch send buffer.
 
@@ -308,15 +353,21 @@ def pack_tokens_by_expert(
             `[node_slots[0], node_slots[1])` (`[2]` int32 on x's device, from `route_tokens`) go to the
             send buffer at `send_offset_bytes`, every other slot to the one at `remote_send_offset_bytes`
             (a multiple of 16). Both or neither.
+        quantize: fused fp8 quantisation (`quant.Fp8Quantize` or a dict of its fields; cfg.in_dtype
+            bf16/fp16/fp32): each slot's payload bytes get x[t]'s fp8 bytes at `[0, H)` and its scales
+            from `quantize.scale_offset_bytes`, the bytes `quant.quantize_fp8` writes for the token (the
+            rest of the payload bytes are not written), in place of the bytes of x[t]. None: a copy.
 
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
     """
     launch_wait_apart(node, "dispatch_send", send_base)  # a kernel of its own when the words are in host memory
+    if isinstance(quantize, dict):  # hashable for the launch key (an Fp8Quantize is checked after a miss)
+        quantize = check_fused_quantize("quantize", quantize, cfg)
     key = None
     if isinstance(x, torch.Tensor) and x.is_cuda:
         key = launch.key(x, x_scale, route_slot, send_base, send_offset_bytes, cfg, bound_m, node,
-                         remote_send_offset_bytes, node_slots)
+                         remote_send_offset_bytes, node_slots, quantize)
         if _PACK.hit(key):
             return
     check.config(cfg)
@@ -336,19 +387,34 @@ def pack_tokens_by_expert(
     check.integer("send_offset_bytes", send_offset_bytes)
     check.bound_m(bound_m, device)
     split = check.split("remote_send_offset_bytes", remote_send_offset_bytes, node_slots, device)
+    quantize = check_fused_quantize("quantize", quantize, cfg)
     if T == 0 and node is None:
         return
 
-    x_row_bytes = x.stride(0) * x.element_size()
     remote = remote_send_offset_bytes if split else send_offset_bytes
-    word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
-                                               send_offset_bytes, remote, cfg.dispatch_stride_bytes)
-    # The hint is on the offset from base, so base and offset must each be 16-byte aligned.
-    align = launch.align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes, remote)
-    x_words = launch.as_words(x, word_dtype)
-    row_words = cfg.x_bytes // word_bytes
-    block_w = launch.chunk_words(row_words, word_bytes)
     block_t = launch.tokens_per_program(device, T)
+    quant_args = {}
+    if quantize is not None:
+        # x is read in elements, the slots written in bytes; a chunk is whole scale groups (the tile
+        # holds one row per (token, group)), as many bytes of x as a copy chunk (1024 bf16 elements).
+        word_bytes, x_words, row_words = 1, x, cfg.hidden_dim
+        align = launch.align_words(1, send_base.data_ptr(), send_offset_bytes, remote)
+        block_w = max(quantize.block, launch.chunk_words(row_words, x.element_size()))
+        quant_args = dict(QUANT=True, Q_BLOCK=quantize.block, Q_SCALES=quantize.num_scales(cfg.hidden_dim),
+                          Q_SCALE_OFFSET_BYTES=quantize.scale_offset_bytes, ROUND_SCALE=quantize.round_scale,
+                          UE8M0=quantize.ue8m0, FP8_VIA_BITS=device.type != "cuda")
+        warps = launch.num_warps(block_t * block_w, x.element_size())
+    else:
+        x_row_bytes = x.stride(0) * x.element_size()
+        word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
+                                                   send_offset_bytes, remote, cfg.dispatch_stride_bytes)
+        # The hint is on the offset from base, so base and offset must each be 16-byte aligned.
+        align = launch.align_words(word_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(), send_offset_bytes,
+                                   remote)
+        x_words = launch.as_words(x, word_dtype)
+        row_words = cfg.x_bytes // word_bytes
+        block_w = launch.chunk_words(row_words, word_bytes)
+        warps = launch.num_warps(block_t * block_w, word_bytes)
     S = cfg.num_scales
     scale_i32 = x_scale.view(torch.int32) if cfg.has_scales else x_words  # dummy pointer without scales
     stride_scale = x_scale.stride() if cfg.has_scales else (0, 0)
@@ -370,7 +436,7 @@ def pack_tokens_by_expert(
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_T=block_t, BLOCK_W=block_w,
         HAS_SCALES=cfg.has_scales, HAS_BOUND_M=bound_m is not None,
-        num_warps=launch.num_warps(block_t * block_w, word_bytes), **sync_args,
+        num_warps=warps, **quant_args, **sync_args,
     )
 
 

@@ -26,21 +26,27 @@ NVIDIA GPUs; with it the result is bit-identical to the same formula in torch.
 Two ways to produce the fp8 byte, chosen by the launcher:
 - on GPU, `.to(tl.float8e4nv)` (a `cvt.rn.satfinite` instruction; the clamp makes saturation moot);
 - on CPU (`TRITON_INTERPRET=1`), the interpreter's fp8 cast flushes e4m3 subnormals to zero, so the
-  kernel computes the encoding with integer arithmetic and stores it through a uint8 view. Tests check
-  this path bitwise against torch's `.to(torch.float8_e4m3fn)`, and on a GPU the two paths against
-  each other.
+  kernel computes the encoding with integer arithmetic. Tests check this path bitwise against torch's
+  `.to(torch.float8_e4m3fn)`, and on a GPU the two paths against each other.
+
+The `@triton.jit` math is in `_details.py` (`fp8_block_quantize`, `fp8_e4m3_store`, `ue8m0_code`), the
+one copy: dispatch pack's fused quantisation (`dispatch.pack_tokens_by_expert(quantize=...)`) calls the
+same helpers, so its bytes are these by construction.
 
 Memory traffic per token: H * itemsize read, H bytes + 4 * ceil(H / block) bytes written (UE8M0:
 ceil(H / block) bytes).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
+
 import torch
 import triton
 import triton.language as tl
 
-from ..config import ceil_div, next_power_of_2
+from ..config import A2AConfig, ceil_div, next_power_of_2
 from . import _checks as check
+from . import _details as d
 
 FP8_E4M3_MAX = 448.0
 
@@ -48,7 +54,7 @@ FP8_E4M3_MAX = 448.0
 @triton.jit(do_not_specialize=["num_tokens"])  # one binary for every T (decode/prefill alike)
 def _quantize_fp8_kernel(
     x_ptr,            # (T, H) bf16/fp16/fp32, last stride 1
-    out_ptr,          # (T, H) float8_e4m3fn, or its uint8 view when FP8_VIA_BITS; last stride 1
+    out_ptr,          # (T, H) uint8 view of the float8_e4m3fn output, last stride 1
     scale_ptr,        # (T, S) float32, S = ceil(H / block), any strides; UE8M0: uint8 view of the
                       # (T, ceil(S / 4)) int32 codes (byte j of a row = block j), strides in bytes
     bound_m_ptr,      # (1,) int32 live token count; read only when HAS_BOUND_M
@@ -79,36 +85,11 @@ def _quantize_fp8_kernel(
     mask = row_ok[:, None] & (cols[None, :] < tl.minimum(col_start + block, hidden))
     x = tl.load(x_ptr + rows[:, None] * stride_x_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.div_rn(amax, 448.0)
-    scale = tl.where(scale >= 1.1754943508222875e-38, scale, 1.0)  # 2**-126, see the overview
-    if ROUND_SCALE:
-        # 2 ** ceil(log2(scale)) of a positive normal fp32: clear the mantissa, carrying into the
-        # exponent when it was not zero (scale <= 3.4e38 / 448: the exponent cannot overflow).
-        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    q = tl.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-
-    out_offs = rows[:, None] * stride_out_t + cols[None, :]
-    if FP8_VIA_BITS:
-        bits = q.to(tl.int32, bitcast=True)
-        sign = (bits >> 24) & 0x80
-        a = tl.abs(q)
-        abits = a.to(tl.int32, bitcast=True)
-        # Normal e4m3 (|q| >= 2**-6): keep 3 of fp32's 23 mantissa bits with round-half-even on the
-        # raw bits (a carry correctly bumps the exponent), then rebias the exponent from 127 to 7.
-        rounded = abits + 0x7FFFF + ((abits >> 20) & 1)
-        normal = (rounded >> 20) - (120 << 3)
-        # Subnormal e4m3 (|q| < 2**-6, steps of 2**-9): the code is RNE(|q| * 512); adding and
-        # removing 2**23 rounds to an integer with the FPU's round-half-even (|q| * 512 is exact).
-        subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-        code = sign | tl.where(a >= 0.015625, normal, subnormal)
-        tl.store(out_ptr + out_offs, code.to(tl.uint8), mask=mask)
-    else:
-        tl.store(out_ptr + out_offs, q.to(tl.float8e4nv), mask=mask)
+    # The math is _details.py's (one copy, shared with dispatch pack's fused quantisation).
+    q, scale = d.fp8_block_quantize(x, ROUND_SCALE)
+    d.fp8_e4m3_store(out_ptr, rows[:, None] * stride_out_t + cols[None, :], q, mask, FP8_VIA_BITS)
     if UE8M0:
-        exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased: scale = 2 ** (exponent - 127)
-        tl.store(scale_ptr + rows * stride_scale_t + pid_s * stride_scale_s, exponent.to(tl.uint8), mask=row_ok)
+        tl.store(scale_ptr + rows * stride_scale_t + pid_s * stride_scale_s, d.ue8m0_code(scale), mask=row_ok)
         # The last block's program zeroes the padding bytes of the row's last int32 (S not a multiple of 4);
         # the condition is folded into the column bound, a block mask of tensors only.
         num_blocks = tl.cdiv(hidden, block)
@@ -185,7 +166,7 @@ def quantize_fp8(
     block_t = max(1, min(next_power_of_2(T), 4096 // block_c))
     grid = (ceil_div(T, block_t), S)
     _quantize_fp8_kernel[grid](
-        x, out.view(torch.uint8) if via_bits else out, scale_arg,
+        x, out.view(torch.uint8), scale_arg,
         bound_m if bound_m is not None else out,  # never read without HAS_BOUND_M
         T, H, block, x.stride(0), out.stride(0), stride_scale_t, stride_scale_s,
         BLOCK_T=block_t, BLOCK_C=block_c, HAS_BOUND_M=bound_m is not None, FP8_VIA_BITS=via_bits,
@@ -220,4 +201,76 @@ def ue8m0_to_float(codes: torch.Tensor, num_scales: int) -> torch.Tensor:
     return (byte << 23).view(torch.float32)                              # exponent field only
 
 
-__all__ = ["quantize_fp8", "dequantize_fp8", "ue8m0_to_float", "FP8_E4M3_MAX"]
+# ================================================================================================
+# fp8 quantisation fused into dispatch pack
+# ================================================================================================
+@dataclass(frozen=True)
+class Fp8Quantize:
+    """fp8 quantisation fused into dispatch pack (`AllToAll.dispatch(..., quantize=)`,
+    `dispatch.pack_tokens_by_expert(..., quantize=)`): the pack reads the `[T, H]` bf16/fp16/fp32 rows
+    of `x` and writes into every destination row, inside the bytes of the config's payload
+    (`A2AConfig.x_bytes`), exactly what `quantize_fp8(x, block, round_scale=, ue8m0=)` would write
+    for the token: its fp8 e4m3 bytes at `[0, H)` and its scales from byte `scale_offset_bytes` (fp32
+    per block, or with `ue8m0` the UE8M0 codes packed four per int32, padding bytes zero). Other bytes
+    of the row's payload are not written. `ue8m0` implies `round_scale`, as in `quantize_fp8`.
+
+    Frozen and hashable (a launch of the pack is remembered by it). A dict of these fields is taken too.
+    """
+
+    scale_offset_bytes: int   # a multiple of 4, >= H; the scales end within cfg.x_bytes
+    block: int = 128          # elements per scale: a power of two <= MAX_FUSED_BLOCK
+    round_scale: bool = False
+    ue8m0: bool = False
+
+    def num_scales(self, hidden: int) -> int:
+        return ceil_div(hidden, self.block)
+
+    def scale_bytes(self, hidden: int) -> int:
+        """Bytes of a row's scales: 4 per block, or with ue8m0 4 per four blocks (one byte per block)."""
+        return 4 * ceil_div(self.num_scales(hidden), 4) if self.ue8m0 else 4 * self.num_scales(hidden)
+
+
+# The pack's tile holds whole scale blocks (one tile row per block): at most this many elements each.
+MAX_FUSED_BLOCK = 4096
+_FUSED_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_fused_quantize(name: str, value, cfg: A2AConfig) -> Fp8Quantize | None:
+    """`value` (None, an `Fp8Quantize` or a dict of its fields) as a normalised `Fp8Quantize` (round_scale
+    set with ue8m0) that fits `cfg`'s rows; None for None. ValueError naming `name` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in fields(Fp8Quantize)})
+        if unknown or "scale_offset_bytes" not in value:
+            check.fail(name, "a dict of Fp8Quantize fields (scale_offset_bytes required; block, round_scale, "
+                       "ue8m0)", f"keys {sorted(value)}")
+        value = Fp8Quantize(**value)
+    if not isinstance(value, Fp8Quantize):
+        check.fail(name, "None, a quant.Fp8Quantize or a dict of its fields", type(value).__name__)
+    block, offset = value.block, value.scale_offset_bytes
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_FUSED_BLOCK \
+            or block & (block - 1):
+        check.fail(f"{name}.block", f"a power of two in [1, {MAX_FUSED_BLOCK}] (the pack's tile holds whole "
+                   f"blocks)", repr(block))
+    for flag in ("round_scale", "ue8m0"):
+        if not isinstance(getattr(value, flag), bool):
+            check.fail(f"{name}.{flag}", "a bool", repr(getattr(value, flag)))
+    if cfg.in_dtype not in _FUSED_IN_DTYPES:
+        check.fail(name, "a config whose in_dtype is bfloat16, float16 or float32 (the tokens it quantises)",
+                   f"in_dtype {str(cfg.in_dtype).removeprefix('torch.')}")
+    H = cfg.hidden_dim
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset % 4 or offset < H:
+        check.fail(f"{name}.scale_offset_bytes", f"a multiple of 4 >= hidden_dim ({H}: the scales follow the fp8 "
+                   f"payload)", repr(offset))
+    end = offset + value.scale_bytes(H)
+    if end > cfg.x_bytes:
+        check.fail(name, f"fp8 payload and scales within a row's {cfg.x_bytes} payload bytes (H={H} x "
+                   f"{cfg.in_dtype.itemsize})", f"scales at [{offset}, {end}) (block {block}"
+                   + (", ue8m0)" if value.ue8m0 else ", fp32)"))
+    if value.ue8m0 and not value.round_scale:
+        value = replace(value, round_scale=True)
+    return value
+
+
+__all__ = ["quantize_fp8", "dequantize_fp8", "ue8m0_to_float", "FP8_E4M3_MAX", "Fp8Quantize", "check_fused_quantize"]

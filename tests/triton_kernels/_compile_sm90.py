@@ -1,7 +1,8 @@
-"""Compile the write-plan kernels for sm_90 without a device (run by test_compile_sm90.py in a process of
-its own: under TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile).
+"""Compile kernels for sm_90 without a device (run by test_compile_sm90.py in a process of its own: under
+TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile).
 
-    python3 -m tests.triton_kernels._compile_sm90 WORLD NODE
+    python3 -m tests.triton_kernels._compile_sm90 WORLD NODE     # the write-plan kernels
+    python3 -m tests.triton_kernels._compile_sm90 pack           # dispatch pack (copy and fused fp8), quantize_fp8
 """
 import inspect
 import sys
@@ -13,11 +14,14 @@ from triton.compiler import ASTSource
 
 from moe_a2a.config import A2AConfig, next_power_of_2
 from moe_a2a.protocol.words import HALF_FLAGS, Flag, flag_word
-from moe_a2a.triton_kernels import write_plan
+from moe_a2a.triton_kernels import dispatch, quant, write_plan
 
 
 def _compile(fn, pointers: dict, constexprs: dict):
     names = inspect.signature(fn.fn).parameters
+    # Meta-parameters left out take their defaults, as a launch does (not runtime ints: `if` on them is static).
+    constexprs = {**{n: p.default for n, p in names.items() if "constexpr" in str(p.annotation)
+                     and p.default is not inspect.Parameter.empty}, **constexprs}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i64") for n in names}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", 90, 32))
@@ -49,5 +53,46 @@ def main(world: int, node: int) -> None:
     print("compiled", [k.name for k in kernels])
 
 
+def main_pack() -> None:
+    """Dispatch pack at the DeepEP facade's decode shape (bf16 rows of H=7168 plus a 4-byte column), as a
+    copy and with the fused fp8 quantisation (fp32 scales, UE8M0 codes with S % 4 != 0 at H=7040), with
+    and without node synchronisation / remote rows first; and quantize_fp8, which shares its math."""
+    pointers = dict(x_ptr="*bf16", x_scale_ptr="*i32", route_slot_ptr="*i32", base_ptr="*u8", bound_m_ptr="*i32",
+                    failed_ptr="*i64", counter_ptr="*i32", epoch_ptr="*i64", flags_ptr="*i64",
+                    peer_sync_bytes_ptr="*i64", node_slots_ptr="*i32")
+    kernels = []
+    for H, fused, ue8m0, sync in ((7168, None, False, False), (7168, True, False, True), (7168, True, True, False),
+                                  (7040, True, True, True)):
+        cfg = A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=H,
+                        in_dtype=torch.bfloat16, scale_block=H)
+        meta = dict(K=8, MAX_SLOTS=cfg.max_routes, S=1, S_PAD=1, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
+                    SD_BYTES=cfg.dispatch_stride_bytes, BLOCK_T=1, HAS_SCALES=True, HAS_BOUND_M=True)
+        if fused:
+            q = quant.Fp8Quantize(scale_offset_bytes=H, round_scale=True, ue8m0=ue8m0)
+            meta.update(X_WORDS=H, BLOCK_W=1024, WORD_BYTES=1, ALIGN_WORDS=16, QUANT=True, Q_BLOCK=q.block,
+                        Q_SCALES=q.num_scales(H), Q_SCALE_OFFSET_BYTES=q.scale_offset_bytes, ROUND_SCALE=True,
+                        UE8M0=ue8m0, FP8_VIA_BITS=False)
+            pointers_x = dict(pointers)
+        else:
+            meta.update(X_WORDS=cfg.x_bytes // 4, BLOCK_W=512, WORD_BYTES=4, ALIGN_WORDS=4)
+            pointers_x = dict(pointers, x_ptr="*i32")
+        if sync:
+            meta.update(NODE_SYNC=True, HAS_PROXY=True, USE_PTX=True, NODE=4, SPLIT=True, REMOTE_FIRST=True, E=256,
+                        E_PAD=256)
+        kernels.append(_compile(dispatch._pack_tokens_by_expert_kernel, pointers_x, meta))
+    for ue8m0 in (False, True):
+        kernels.append(_compile(quant._quantize_fp8_kernel,
+                                dict(x_ptr="*bf16", out_ptr="*u8", scale_ptr="*u8" if ue8m0 else "*fp32",
+                                     bound_m_ptr="*i32"),
+                                dict(BLOCK_T=32, BLOCK_C=128, HAS_BOUND_M=True, FP8_VIA_BITS=False,
+                                     ROUND_SCALE=ue8m0, UE8M0=ue8m0)))
+    for k in kernels:
+        assert k.asm.get("cubin"), "no cubin"
+    print("compiled", [k.name for k in kernels])
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[1] == "pack":
+        main_pack()
+    else:
+        main(int(sys.argv[1]), int(sys.argv[2]))

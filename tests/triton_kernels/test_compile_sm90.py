@@ -1,4 +1,5 @@
-"""The write-plan kernels compile for Hopper (sm_90) on a machine without a GPU.
+"""The write-plan kernels, dispatch pack (copy and fused fp8 quantisation) and quantize_fp8 compile for
+Hopper (sm_90) on a machine without a GPU.
 
 The interpreter runs Python semantics: a name bound inside one `if` and used after it, or a type that
 changes across a loop, passes there and fails only when the GPU compiles the kernel (seen once, on the
@@ -15,12 +16,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _compile(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "tests.triton_kernels._compile_sm90", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,node", [(64, 8), (3, 1)], ids=["W64-N8", "W3-N1"])
 def test_write_plan_kernels_compile_for_sm90(world, node):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "tests.triton_kernels._compile_sm90", str(world), str(node)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    _check(_compile(str(world), str(node)))
+
+
+@pytest.mark.timeout(300)
+def test_pack_and_quantize_kernels_compile_for_sm90():
+    _check(_compile("pack"))
+
+
+def _check(r: subprocess.CompletedProcess) -> None:
     if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip(f"Triton has no ptxas for sm_90 on this machine: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
