@@ -78,7 +78,7 @@ class AllToAll:
             "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
         rank_mask: shrink mode (`runtime.shrink.RankMask`, shareable between instances): a peer that a
             wait times out on is masked instead of failing the call, which goes on without it; routes to
-            masked ranks' experts are dropped (docs/protocol.md, section 7). Needs host waits (a CPU, or
+            masked ranks' experts are dropped (docs/protocol.md, section 6, shrink mode). Needs host waits (a CPU, or
             `gpu_wait="host"`), and with remote peers `cfg.max_private_tokens >= max_num_tokens *
             experts_per_token` (no shared remainder region, whose offsets would need every count row).
 

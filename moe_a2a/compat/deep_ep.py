@@ -698,6 +698,9 @@ class Buffer:
         if options["device"] is None:
             options["device"] = x.device if x is not None else (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        options["device"] = torch.device(options["device"])
+        if options["device"].type == "cuda" and options["device"].index is None:  # "cuda": the current one
+            options["device"] = torch.device("cuda", torch.cuda.current_device())
         if self.enable_shrink:  # one mask for both instances: a peer masked in one is skipped by the other
             self._mask = RankMask(self.group_size, self.rank, options["device"])
             for r in sorted(self._pending_mask):

@@ -54,7 +54,7 @@ class ProxySpec:
     gpu_uuid: str | None = None
     # Transport "emulated": its NIC settings as the model process read them (MOE_A2A_EMULATED_NIC; "": none).
     emulated_nic: str = ""
-    # Shrink mode: a peer a wait times out on is masked (segment words), not an error (docs/protocol.md, 7).
+    # Shrink mode: a peer a wait times out on is masked (segment words), not an error (docs/protocol.md, section 6, shrink mode).
     shrink: bool = False
 
 

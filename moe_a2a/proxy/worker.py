@@ -156,7 +156,7 @@ class Proxy:
                                     for p in self.remote) for t in (WriteTable.PRIVATE, WriteTable.REMAINDER,
                                                                     WriteTable.COMBINE)}
         self._slots = self._all_slots
-        # Shrink mode (docs/protocol.md, section 7): peers masked (word p nonzero) get no write and are not
+        # Shrink mode (docs/protocol.md, section 6, shrink mode): peers masked (word p nonzero) get no write and are not
         # awaited. The model writes the words it decided; this proxy those of peers it timed out on.
         self.peer_mask = self.seg.numpy(lay.peer_mask_offset_bytes, lay.world_size, np.int64)
         self.masked: frozenset[int] = frozenset()

@@ -3,7 +3,7 @@
 A rank that stops calling (its process killed, or its code gone elsewhere) makes every wait on it time
 out. Without a mask that timeout is an error; with one (`AllToAll(rank_mask=...)`) the waiting rank
 *masks* the late peer instead and the call goes on without it: its tokens are dropped, no route is sent to
-its experts, and no later wait includes it (docs/protocol.md, section 7). Each rank decides alone, as
+its experts, and no later wait includes it (docs/protocol.md, section 6, shrink mode). Each rank decides alone, as
 DeepEP's shrink mode does; the survivors of a stopped rank all time out on it, so they agree.
 
 Why masking needs no agreement on offsets: a masked source's count row is zero here, and the only

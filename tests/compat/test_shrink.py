@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from ..conftest import TEST_DEVICE
 from ..proxy._peers import Died, run_peers
 
 pytestmark = [pytest.mark.slow]
@@ -27,11 +28,14 @@ def _inputs(rank: int, call: int):
     return x, idx, w
 
 
-def _shrink_rank(comm, store: str, node_size: int, stops: dict, calls: int, timeout_s: float, transport: str):
+def _shrink_rank(comm, store: str, node_size: int, stops: dict, calls: int, timeout_s: float, transport: str,
+                 device: str = TEST_DEVICE):
     """One rank: `calls` rounds of dispatch, identity expert, combine, clean; stops (returns, or with
-    ("kill", api) SIGKILLs itself) at `stops[rank] = (call, api)`. Returns what it saw per call."""
+    ("kill", api) SIGKILLs itself) at `stops[rank] = (call, api)`. Returns what it saw per call.
+    On a GPU every rank shares it (shrink mode waits on the host)."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["TRITON_INTERPRET"] = "1"
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
 
     from moe_a2a.compat import Buffer
@@ -39,7 +43,8 @@ def _shrink_rank(comm, store: str, node_size: int, stops: dict, calls: int, time
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=comm.rank, world_size=comm.size)
     rank, W = comm.rank, comm.size
     buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, W, E), enable_shrink=True,
-                 explicitly_destroy=True, transport=transport, node_group=node_size, timeout_s=timeout_s)
+                 explicitly_destroy=True, transport=transport, node_group=node_size, timeout_s=timeout_s,
+                 device=device)
     status = torch.zeros(W, dtype=torch.int32)
     stop, seen = stops.get(rank), []
 
@@ -55,7 +60,7 @@ def _shrink_rank(comm, store: str, node_size: int, stops: dict, calls: int, time
         return status.nonzero().flatten().tolist()
 
     for call in range(calls):
-        x, idx, w = _inputs(rank, call)
+        x, idx, w = (t.to(device) for t in _inputs(rank, call))
         got = {}
         if stopping(call, "dispatch"):
             break
@@ -146,13 +151,14 @@ def test_a_rank_killed_outright_is_masked_within_twice_the_timeout_and_later_cal
 
 def _refusals_rank(comm, store: str):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
 
     from moe_a2a.compat import Buffer
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=comm.rank, world_size=comm.size)
     seen = []
-    for make in (lambda: Buffer(None, num_rdma_bytes=12345, enable_shrink=True),  # not a hint's bytes
+    for make in (lambda: Buffer(None, num_rdma_bytes=12345, enable_shrink=True, device="cpu"),  # not a hint's bytes
                  lambda: Buffer(None).low_latency_query_mask_buffer(torch.zeros(1, dtype=torch.int32))):
         try:
             make()
@@ -160,7 +166,7 @@ def _refusals_rank(comm, store: str):
         except ValueError as exc:
             seen.append(str(exc))
     buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), enable_shrink=True,
-                 transport="shm", timeout_s=5.0)
+                 transport="shm", timeout_s=5.0, device="cpu")
     status = torch.ones(1, dtype=torch.int32)
     buf.low_latency_query_mask_buffer(status)
     seen.append(status.tolist())

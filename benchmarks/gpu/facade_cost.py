@@ -1,0 +1,124 @@
+"""The DeepEP facade's cost against `AllToAll` fed pre-quantised input, decode sizes, one node.
+
+    python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json]
+
+One rank per GPU (N <= the GPUs here, default all), T=128 tokens, H=7168, 288 experts, top-8; every rank
+routes at random. Per variant, eager (one dispatch + combine pair, CUDA events around it) and one CUDA
+graph holding two pairs (replayed, timed per replay): the median over `--reps` after a warm-up, in µs
+per pair.
+- `facade_fp8`: `Buffer.low_latency_dispatch(use_fp8=True)` + `low_latency_combine` (bf16 in, fp8 on the
+  wire: the quantisation is the facade's);
+- `a2a_prequantised`: `AllToAll.dispatch` of fp8 rows with their scales (quantised before, not timed) +
+  `AllToAll.combine`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+
+import torch
+
+T, H, E, K = 128, 7168, 288, 8
+
+
+def _median_us(fn, reps: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def _rank(rank: int, n: int, port: int, reps: int, queue) -> None:
+    import torch.distributed as dist
+
+    from moe_a2a import A2AConfig, AllToAll
+    from moe_a2a.compat import Buffer
+    from moe_a2a.triton_kernels.quant import quantize_fp8
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.topk(torch.rand(T, E, generator=g), K, dim=1).indices.to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    L = E // n
+    results = {}
+
+    buf = Buffer(None, transport="shm", device=dev, gpu_wait="kernel", timeout_s=60.0)
+    y_facade = torch.zeros(L, T * n, H, dtype=torch.bfloat16, device=dev)
+
+    def facade_pair():
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        buf.low_latency_combine(y_facade, idx, w, handle, out=out)
+
+    cfg = A2AConfig(max_num_tokens=T, num_experts=E, experts_per_token=K, hidden_dim=H,
+                    in_dtype=torch.float8_e4m3fn, scale_block=128, out_dtype=torch.bfloat16, expert_capacity=T * n)
+    a2a = AllToAll(cfg, transport="shm", device=dev, gpu_wait="kernel", timeout_s=60.0)
+    xq, xs = quantize_fp8(x, 128)
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    y = torch.zeros(ex.shape[0], H, dtype=torch.bfloat16, device=dev)
+
+    def a2a_pair():
+        a2a.dispatch(num, ex, exs, xq, xs, idx)
+        a2a.combine(out, idx, w, y)
+
+    for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):
+        dist.barrier()
+        eager = _median_us(pair, reps)
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            pair()
+            pair()
+        graph_us = _median_us(graph.replay, reps) / 2
+        results[name] = {"eager_us_per_pair": round(eager, 1), "graph_us_per_pair": round(graph_us, 1)}
+    buf.check()
+    a2a.check()
+    buf.close()
+    a2a.close()
+    queue.put((rank, results))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, queue)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    summary = {"config": {"ranks": args.ranks, "T": T, "H": H, "experts": E, "top_k": K, "reps": args.reps,
+                          "gpu": torch.cuda.get_device_name(0)}, "per_rank": [got[r] for r in range(args.ranks)]}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
