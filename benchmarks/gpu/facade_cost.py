@@ -1,6 +1,6 @@
 """The DeepEP facade's cost against `AllToAll` fed pre-quantised input, decode sizes, one node.
 
-    python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json]
+    python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json] [--profile]
 
 One rank per GPU (N <= the GPUs here, default all), T=128 tokens, H=7168, 288 experts, top-8; every rank
 routes at random. Per variant, eager (one dispatch + combine pair, CUDA events around it) and one CUDA
@@ -39,7 +39,7 @@ def _median_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, n: int, port: int, reps: int, queue) -> None:
+def _rank(rank: int, n: int, port: int, reps: int, profile: bool, queue) -> None:
     import torch.distributed as dist
 
     from moe_a2a import A2AConfig, AllToAll
@@ -86,6 +86,15 @@ def _rank(rank: int, n: int, port: int, reps: int, queue) -> None:
             pair()
         graph_us = _median_us(graph.replay, reps) / 2
         results[name] = {"eager_us_per_pair": round(eager, 1), "graph_us_per_pair": round(graph_us, 1)}
+    if profile:  # the kernels of one eager pair of each variant, by GPU time (where the difference goes)
+        for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    pair()
+                torch.cuda.synchronize()
+            results[name]["kernels_us_per_pair"] = {
+                e.key[:60]: round(e.device_time_total / 20, 2) for e in prof.key_averages() if e.device_time_total > 0}
     buf.check()
     a2a.check()
     buf.close()
@@ -98,6 +107,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="also list each variant's kernels (torch profiler)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -106,7 +116,7 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, queue)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, args.profile, queue)) for r in range(args.ranks)]
     for p in procs:
         p.start()
     got = dict(queue.get(timeout=600) for _ in procs)

@@ -39,7 +39,7 @@ def _f32_to_bf16_rtne(x):
 
 
 # As in dispatch.py: counts not specialised, so an aborted call compiles nothing new.
-@triton.jit(do_not_specialize=["num_y_rows"])
+@triton.jit(do_not_specialize=["num_y_rows"], repr=launch.compiled_as(launch.COMBINE_SYMBOL))
 def _pack_expert_outputs_by_source_kernel(
     expert_y_ptr,        # in: (R, Y_WORDS) words, row stride `stride_y_r`: expert outputs, dispatch rows
     counts_ptr,          # in: (W, E) int32: the routing matrix of this call's dispatch
@@ -68,7 +68,9 @@ def _pack_expert_outputs_by_source_kernel(
     PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     aborted_ptr=None, ABORT_BYTES: tl.constexpr = 0,  # a call this rank aborts: told to the node (NODE_SYNC)
 ):
-    """Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
+    """Compiled as `moe_a2a::combine()` (`_launch.compiled_as`, for profilers that look for it).
+
+    Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
 
     Row i of pair (local expert l, source s) has block index b = sum_{j<l} counts[s, rank*L+j] + i in
     source s's block and goes to
@@ -124,7 +126,7 @@ def _pack_expert_outputs_by_source_kernel(
                                NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens"], repr=launch.compiled_as(launch.COMBINE_SYMBOL))
 def _reduce_combined_tokens_kernel(
     out_tokens_ptr,      # out: (T, H) out_dtype, row stride `stride_out_t` (also in when ACCUMULATE)
     # inputs
@@ -158,7 +160,9 @@ def _reduce_combined_tokens_kernel(
     # Only remote rows staged (SPLIT): slots outside [node_slots[0], node_slots[1]) are read at remote_recv_bytes.
     node_slots_ptr=None, remote_recv_bytes=0, SPLIT: tl.constexpr = False,
 ):
-    """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
+    """Compiled as `moe_a2a::combine()` (`_launch.compiled_as`, for profilers that look for it).
+
+    Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
     elements.
 
     Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs) and writes one.

@@ -41,7 +41,7 @@ from .quant import Fp8Quantize, check_fused_quantize
 # ================================================================================================
 # Row and token counts are not specialised: an aborted call (no tokens in, one scratch row out) must not
 # compile new variants while its peers wait for it.
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens"], repr=launch.compiled_as(launch.DISPATCH_SYMBOL))
 def _pack_tokens_by_expert_kernel(
     x_ptr,               # in: (T, X_WORDS) words, row stride `stride_x_t`: the payload bytes of x
     x_scale_ptr,         # in: (T, S) int32 (fp32 bits), strides (stride_scale_t, stride_scale_s)
@@ -88,7 +88,9 @@ def _pack_tokens_by_expert_kernel(
     # the second half this node's rows and publishes to the node (the wire starts before packing ends).
     REMOTE_FIRST: tl.constexpr = False,
 ):
-    """Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
+    """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
+
+    Grid: (cdiv(T, BLOCK_T), cdiv(X_WORDS, BLOCK_W)): one program per BLOCK_T tokens x BLOCK_W-word
     chunk of their payload.
 
     Reads the chunk once and writes it to the K slots of each token: T*x_bytes read, up to K*T*x_bytes
@@ -202,7 +204,7 @@ def _pack_tokens_by_expert_kernel(
                                NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
-@triton.jit(do_not_specialize=["num_out_rows"])
+@triton.jit(do_not_specialize=["num_out_rows"], repr=launch.compiled_as(launch.DISPATCH_SYMBOL))
 def _unpack_dispatched_tokens_kernel(
     # outputs
     out_num_tokens_ptr,  # (L,) int32: rows per local expert
@@ -241,7 +243,9 @@ def _unpack_dispatched_tokens_kernel(
     aborted_ptr=None, CALL_ABORTED_WORD: tl.constexpr = 0,  # over capacity: this rank aborts the call
     ABORT_AT_COMBINE: tl.constexpr = False,
 ):
-    """Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
+    """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
+
+    Grid: (G,) persistent programs; program g copies row tiles g, g+G, ... of the dense received
     rows (BLOCK_R rows x BLOCK_W-word chunks). Tiles ignore (source, expert) boundaries, so a skewed
     routing (every token to one expert) spreads over all programs like a uniform one.
 

@@ -553,21 +553,35 @@ def test_deep_ep_module_as_deep_ep_names_size_hint_handle_and_event():
         m.Buffer(None, enable_shrink=True)
 
 
-def test_profiler_names_one_dispatch_and_one_combine_kernel():
-    """DeepEP's `bench_kineto(kernel_names=("dispatch", "combine"))` allows at most one profiler row per name:
-    of all our kernels, exactly one has "dispatch" in its name (the unpack, the longest of a dispatch) and
-    one has "combine" (the reduce)."""
+def test_profiler_names_one_dispatch_and_one_combine_symbol():
+    """DeepEP's `bench_kineto(kernel_names=("dispatch", "combine"))` allows at most one profiler row per name
+    and, with receive hooks, splits the trace events holding "::dispatch" into send and receive: of all our
+    kernels' compiled names, the pack and unpack share the one holding "dispatch" (`moe_a2a::dispatch()`
+    demangled), the combine pack and reduce the one holding "combine"."""
     import importlib
     import pkgutil
 
     import moe_a2a.triton_kernels as tk
+    from moe_a2a.triton_kernels import _launch
 
-    names = set()
+    compiled: dict[str, set] = {}
     for mod in pkgutil.iter_modules(tk.__path__):
         m = importlib.import_module(f"moe_a2a.triton_kernels.{mod.name}")
         for obj in vars(m).values():
             fn = getattr(obj, "fn", None)
             if callable(fn) and getattr(fn, "__name__", "").endswith("_kernel"):
-                names.add(fn.__name__)
-    assert [n for n in sorted(names) if "dispatch" in n] == ["_unpack_dispatched_tokens_kernel"], sorted(names)
-    assert [n for n in sorted(names) if "combine" in n] == ["_reduce_combined_tokens_kernel"], sorted(names)
+                symbol = obj.repr if hasattr(obj, "repr") else obj.kwargs.get("repr")  # JIT / interpreter
+                compiled.setdefault(symbol(None) if symbol else fn.__name__, set()).add(fn.__name__)
+    names = sorted(compiled)
+    assert [n for n in names if "dispatch" in n] == [_launch.DISPATCH_SYMBOL], names
+    assert [n for n in names if "combine" in n] == [_launch.COMBINE_SYMBOL], names
+    assert compiled[_launch.DISPATCH_SYMBOL] == {"_pack_tokens_by_expert_kernel", "_unpack_dispatched_tokens_kernel"}
+    assert compiled[_launch.COMBINE_SYMBOL] == {"_pack_expert_outputs_by_source_kernel", "_reduce_combined_tokens_kernel"}
+    # What the profiler shows: the symbols demangle to C++ names holding "::dispatch" / "::combine".
+    import shutil
+    import subprocess
+
+    if shutil.which("c++filt"):
+        out = subprocess.run(["c++filt", _launch.DISPATCH_SYMBOL, _launch.COMBINE_SYMBOL], capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert out == ["moe_a2a::dispatch()", "moe_a2a::combine()"], out

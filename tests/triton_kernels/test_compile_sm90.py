@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_a2a.triton_kernels import _launch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,7 +32,10 @@ def test_write_plan_kernels_compile_for_sm90(world, node):
 
 @pytest.mark.timeout(300)
 def test_pack_and_quantize_kernels_compile_for_sm90():
-    _check(_compile("pack"))
+    r = _compile("pack")
+    _check(r)
+    # The packs compile under the symbol profilers see as `moe_a2a::dispatch()` (_launch.compiled_as).
+    assert _launch.DISPATCH_SYMBOL in r.stdout, r.stdout
 
 
 def _check(r: subprocess.CompletedProcess) -> None:

@@ -98,11 +98,11 @@ def _pack_both(c: FusedCase):
     x, idx, ids = _inputs(c)
     _, slot = route_slots(idx, cfg.num_experts, c.bound_m)
     # Staging rows of the payload's bytes, zeroed, as the facade's were.
-    stage = torch.zeros(c.T, cfg.x_bytes, dtype=torch.uint8)
+    stage = torch.zeros(c.T, cfg.x_bytes, dtype=torch.uint8, device=DEVICE)
     S = q.num_scales(c.H)
     off = q.scale_offset_bytes
     scale = stage[:, off:off + 4 * -(-S // 4)].view(torch.int32) if q.ue8m0 else stage[:, off:off + 4 * S].view(torch.float32)
-    quantize_fp8(x, q.block, out=stage[:, :c.H].view(torch.float8_e4m3fn), out_scale=scale,
+    quantize_fp8(x.to(DEVICE), q.block, out=stage[:, :c.H].view(torch.float8_e4m3fn), out_scale=scale,
                  round_scale=q.round_scale, ue8m0=q.ue8m0)
     stage_rows = stage.view(c.dtype)
 
