@@ -242,7 +242,8 @@ class AllToAll:
                 bytes, x[t]'s fp8 e4m3 bytes at [0, H) and its scales from `scale_offset_bytes`, as
                 `quant.quantize_fp8(x, block, round_scale=, ue8m0=)` writes them (the rest of the row's
                 payload bytes are unspecified); `x_scale` travels as without it. The receiver reads those
-                bytes out of `out_expert_x` (views). Used by the send half only, like `x`.
+                bytes out of `out_expert_x` (views); its unpack copies only them (every rank of a call
+                passes the same `quantize`). Used by the send half only, like `x`.
 
         Bad input raises ValueError before anything of it is sent and aborts the call on every rank (its
         peers raise `CallAborted` naming this rank; the next call works; docs/protocol.md, section 6). Bad
@@ -408,6 +409,9 @@ class AllToAll:
         w = self._w
         self.epoch += 1
         self._T, self._bound_m = x.shape[0], bound_m
+        # A quantised call's rows hold fp8 bytes and scales only: the unpack copies just those.
+        self._copy_bytes = None if quantize is None else quantize.scale_offset_bytes + quantize.scale_bytes(
+            self.cfg.hidden_dim)
         self._status.host_wait("dispatch_send", self.epoch)
         slot = self.route_slot[: x.shape[0]]
         if self.rank_mask is not None:  # routes to masked ranks' experts are not sent
@@ -436,7 +440,8 @@ class AllToAll:
         aborted = self._status.aborted_sources(self.epoch)
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, w.counts, self.rank, w.base, w.peer_send_bytes,
-            w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node)  # remote sources' rows
+            w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,  # remote sources' rows
+            copy_bytes=self._copy_bytes)
         self._state = _DISPATCH_DONE
         if aborting:
             return

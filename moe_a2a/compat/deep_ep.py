@@ -43,6 +43,7 @@ from ..all_to_all import AllToAll, CallAborted, check_combine_recv
 from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather, differences
 from ..runtime.shrink import RankMask
+from ..triton_kernels.dispatch import source_ranges
 from ..triton_kernels.quant import Fp8Quantize
 
 # DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
@@ -542,10 +543,8 @@ class Buffer:
     @staticmethod
     def _layout_ranges(slot: _Slot) -> None:
         """handle[1] from the count matrix (`AllToAll.counts`, every source's row for this call):
-        `(begin << 32) | count` with begin = the rows of earlier sources, as
-        cumsum * 2**32 - count * (2**32 - 1)."""
-        torch.cumsum(slot.counts, dim=1, dtype=torch.int64, out=slot.layout_range)
-        slot.layout_range.mul_(1 << 32).sub_(slot.counts, alpha=(1 << 32) - 1)
+        `(begin << 32) | count` with begin = the rows of earlier sources (one kernel launch)."""
+        source_ranges(slot.counts, slot.layout_range)
 
     def _receive_dispatch(self, slot: _Slot) -> None:
         if slot.state == _DISPATCH_SENT:

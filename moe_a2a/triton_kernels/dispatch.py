@@ -323,6 +323,23 @@ def _unpack_dispatched_tokens_kernel(
                      + s_cols[None, :] * stride_out_scale_s, v, mask=mask)
 
 
+@triton.jit
+def _source_ranges_kernel(
+    counts_ptr,          # in: (L, W) int32, strides (stride_l, stride_w): routes of source s to local expert l
+    out_ptr,             # out: (L, W) int64, contiguous: (begin << 32) | count
+    stride_l, stride_w,
+    L: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Grid: (cdiv(L, BLOCK_L),). Per local expert, the rows of each source within the expert's received
+    rows (ordered by source): begin = the rows of the sources before it, as DeepEP's layout range."""
+    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
+    s = tl.arange(0, W_PAD)[None, :]
+    mask = (l < L) & (s < W)
+    c = tl.load(counts_ptr + l * stride_l + s * stride_w, mask=mask, other=0).to(tl.int64)
+    begin = tl.cumsum(c, axis=1) - c
+    tl.store(out_ptr + l * W + s, (begin << 32) | c, mask=mask)
+
+
 # ================================================================================================
 # Launchers
 # ================================================================================================
@@ -456,6 +473,7 @@ def unpack_tokens_by_expert(
     cfg: A2AConfig,
     layout: Layout,
     node: NodeSync | None = None,
+    copy_bytes: int | None = None,
 ) -> None:
     """Copy every row sent to this rank into the expert-major dispatch output (`reference.dispatch`).
 
@@ -478,6 +496,9 @@ def unpack_tokens_by_expert(
             until each same-node source published this call's epoch, and with remote peers until the
             proxy raised DISPATCH_RECV_READY (then `counts` must be the counts of this rank's sync
             area, where those sources and the proxy put their rows).
+        copy_bytes: copy only the first `copy_bytes` bytes of each row's payload (rounded up to the copy
+            word; the rest of the output row is left as it was): the bytes a fused fp8 quantisation
+            wrote (`AllToAll.dispatch(quantize=)`), half of a bf16 row. None: the whole payload.
 
     Every offset is computed on the device from `counts`: no host sync, CUDA-graph safe.
     """
@@ -485,7 +506,7 @@ def unpack_tokens_by_expert(
     key = None
     if isinstance(out_expert_x, torch.Tensor) and out_expert_x.is_cuda:
         key = launch.key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank, base, peer_send_bytes,
-                         recv_bytes, cfg, layout, node)
+                         recv_bytes, cfg, layout, node, copy_bytes)
         if _UNPACK.hit(key):
             return
     check.config(cfg)
@@ -506,6 +527,8 @@ def unpack_tokens_by_expert(
     check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
     check.peer_table("peer_send_bytes", peer_send_bytes, W, device)
     check.integer("recv_bytes", recv_bytes)
+    if copy_bytes is not None:
+        check.integer("copy_bytes", copy_bytes, 1, cfg.x_bytes + 1)
 
     out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
     # Sources' rows start at base + (recv_bytes or peer_send_bytes[s]) + multiples of Sd (16-aligned);
@@ -516,7 +539,8 @@ def unpack_tokens_by_expert(
     align = launch.align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, recv_bytes, base.data_ptr())
     x_words = launch.as_words(out_expert_x, word_dtype)
     row_words = cfg.x_bytes // word_bytes
-    block_w = launch.chunk_words(row_words, word_bytes)
+    copy_words = row_words if copy_bytes is None else min(row_words, ceil_div(copy_bytes, word_bytes))
+    block_w = launch.chunk_words(copy_words, word_bytes)
     S = cfg.num_scales
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
     stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
@@ -528,7 +552,7 @@ def unpack_tokens_by_expert(
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, P=layout.private_rows, PRIVATE_OFFSET_BYTES=layout.private_offset_bytes,
         HEADER_ROWS=layout.header_rows,
-        X_WORDS=row_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
+        X_WORDS=copy_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
@@ -538,7 +562,31 @@ def unpack_tokens_by_expert(
     )
 
 
+def source_ranges(counts: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[l, s] = (begin << 32) | counts[l, s]`, begin = `sum_{s' < s} counts[l, s']`: where expert l's
+    rows from source s start among its received rows (DeepEP's `layout_range`), in one launch.
+
+    Args:
+        counts: `[L, W]` int32, any strides (e.g. the transposed columns of this rank's experts in the
+            count matrix), on the device.
+        out: `[L, W]` int64, contiguous, same device.
+    """
+    key = launch.key(counts, out) if out.is_cuda else None
+    if key is not None and _SOURCE_RANGES.hit(key):
+        return
+    check.tensor("counts", counts, dtypes=(torch.int32,), shape=(None, None), strides="any")
+    L, W = counts.shape
+    check.tensor("out", out, dtypes=(torch.int64,), shape=(L, W), device=counts.device)
+    if not out.is_contiguous():
+        check.fail("out", "a contiguous tensor", f"strides {out.stride()}")
+    W_PAD = next_power_of_2(W)
+    block_l = min(next_power_of_2(L), max(1, 4096 // W_PAD))
+    _SOURCE_RANGES.launch(key, (ceil_div(L, block_l),), counts, out, counts.stride(0), counts.stride(1),
+                          L=L, W=W, W_PAD=W_PAD, BLOCK_L=block_l)
+
+
 _PACK = launch.LaunchCache(_pack_tokens_by_expert_kernel)
 _UNPACK = launch.LaunchCache(_unpack_dispatched_tokens_kernel)
+_SOURCE_RANGES = launch.LaunchCache(_source_ranges_kernel)
 
-__all__ = ["pack_tokens_by_expert", "unpack_tokens_by_expert"]
+__all__ = ["pack_tokens_by_expert", "source_ranges", "unpack_tokens_by_expert"]
