@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = {".py", ".md", ".sh", ".ipynb", ".toml"}
@@ -14,7 +15,15 @@ MENTION = re.compile(r"(?<![\w$/.:-])((?:\.\./|[\w-]+/)*[\w-]+\.(?:md|txt|ipynb)
 
 
 def _tracked() -> list[pathlib.Path]:
-    return [p for p in ROOT.rglob("*") if p.is_file() and not SKIP & set(p.relative_to(ROOT).parts)
+    """The repository's files: git's tracked and untracked-but-not-ignored ones (a virtualenv or build
+    output inside the checkout is not the repository), or every file when there is no git."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
+                             capture_output=True, check=True).stdout.decode()
+        found = [ROOT / name for name in out.split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        found = list(ROOT.rglob("*"))
+    return [p for p in found if p.is_file() and not SKIP & set(p.relative_to(ROOT).parts)
             and "egg-info" not in str(p)]
 
 
