@@ -243,7 +243,9 @@ class AllToAll:
                 `quant.quantize_fp8(x, block, round_scale=, ue8m0=)` writes them (the rest of the row's
                 payload bytes are unspecified); `x_scale` travels as without it. The receiver reads those
                 bytes out of `out_expert_x` (views); its unpack copies only them (every rank of a call
-                passes the same `quantize`). Used by the send half only, like `x`.
+                passes the same `quantize`). Used by the send half only, like `x`. Required (ValueError
+                without it) when `A2AConfig.payload_bytes` makes the rows narrower than a token: then
+                every row is only these bytes, at half a bf16 row's stride.
 
         Bad input raises ValueError before anything of it is sent and aborts the call on every rank (its
         peers raise `CallAborted` naming this rank; the next call works; docs/protocol.md, section 6). Bad
@@ -257,6 +259,10 @@ class AllToAll:
             try:
                 check_dispatch_inputs(self.cfg, self.device, x, x_scale, indices, bound_m)
                 quantize = check_fused_quantize("quantize", quantize, self.cfg)
+                if quantize is None and self.cfg.x_bytes < self.cfg.token_bytes:
+                    raise ValueError(f"quantize: expected a quant.Fp8Quantize: this config's rows carry "
+                                     f"{self.cfg.x_bytes} of a token's {self.cfg.token_bytes} bytes "
+                                     f"(A2AConfig.payload_bytes), so every dispatch quantises in the pack")
                 if do_recv:
                     check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
                                        out_expert_x_scale)

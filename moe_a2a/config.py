@@ -90,6 +90,11 @@ class A2AConfig:
             DeepEP's low-latency kernels and vLLM's batched experts take). An expert that receives more
             than C rows is an error (reported at the next call; the rows past C are not written).
             Needs expert_padding == 1.
+        payload_bytes: None (default): each dispatched token carries its `hidden_dim * in_dtype` bytes.
+            An int (a multiple of 4, at most that): the bytes each dispatched row carries instead, for an
+            instance whose every dispatch quantises in the pack (`AllToAll.dispatch(quantize=)`): its
+            fp8 bytes and scales, about half a bf16 row, so rows are packed, sent and unpacked at half
+            the stride. A dispatch without `quantize` is refused by such an instance.
     """
 
     max_num_tokens: int = 128
@@ -102,6 +107,7 @@ class A2AConfig:
     expert_padding: int = 1
     max_private_tokens: int | None = None
     expert_capacity: int | None = None
+    payload_bytes: int | None = None
     _scale_block: int | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -146,6 +152,11 @@ class A2AConfig:
             if self.expert_padding != 1:
                 raise ValueError(f"A2AConfig.expert_capacity: every expert starts at l * expert_capacity, so "
                                  f"expert_padding must be 1, got {self.expert_padding}")
+        pb = self.payload_bytes
+        if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb % 4
+                               or not 4 <= pb <= self.token_bytes):
+            raise ValueError(f"A2AConfig.payload_bytes must be None or a multiple of 4 in [4, {self.token_bytes}] "
+                             f"(hidden_dim x in_dtype's size), got {pb!r}")
         if scale_block is not None and scale_block > MAX_CONFIG_VALUES["hidden_dim"]:
             raise ValueError(f"A2AConfig.scale_block must be <= {MAX_CONFIG_VALUES['hidden_dim']:,}, "
                              f"got {scale_block:,}")
@@ -174,9 +185,14 @@ class A2AConfig:
         return self.out_dtype.itemsize
 
     @cached_property
-    def x_bytes(self) -> int:
-        """Payload bytes of one dispatched token."""
+    def token_bytes(self) -> int:
+        """Bytes of one token of the dispatch input: hidden_dim x in_dtype's size."""
         return self.hidden_dim * self.in_itemsize
+
+    @cached_property
+    def x_bytes(self) -> int:
+        """Payload bytes of one dispatched row: `payload_bytes`, by default a whole token."""
+        return self.token_bytes if self.payload_bytes is None else self.payload_bytes
 
     @cached_property
     def scale_bytes(self) -> int:

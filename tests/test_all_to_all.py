@@ -402,3 +402,59 @@ def test_an_expert_over_capacity_is_reported_not_written_out_of_bounds():
     assert errors[0] is not None and "CapacityExceeded" in errors[0], errors
     assert "local expert 0 (expert 0) received 16 rows" in errors[0] and "expert_capacity=3" in errors[0], errors
     assert errors[1] is not None and "CallAborted" in errors[1] and "aborted by rank 0" in errors[1], errors
+
+
+def _narrow_rows(a2a, rank):
+    """A plain dispatch is refused (on every rank); fused fp8 calls put quantize_fp8's bytes in each row."""
+    from moe_a2a.triton_kernels.quant import Fp8Quantize, quantize_fp8
+
+    cfg, dev = a2a.cfg, a2a.device
+    T, H, K, E = cfg.max_num_tokens, cfg.hidden_dim, cfg.experts_per_token, cfg.num_experts
+    q = Fp8Quantize(scale_offset_bytes=H, block=32)
+    out = []
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    y = torch.zeros(ex.shape[0], H, dtype=torch.bfloat16, device=dev)
+
+    def inputs(r, seed):
+        g = torch.Generator().manual_seed(100 * seed + r)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, E, (T, K), generator=g)
+        ids = (r * 1000 + torch.arange(T, dtype=torch.int32)).view(torch.float32).view(-1, 1)
+        return x, idx, ids
+
+    x, idx, ids = inputs(rank, 0)
+    try:
+        a2a.dispatch(num, ex, exs, x.to(dev), ids.to(dev), idx.to(dev))
+        out.append("no error")
+    except ValueError as exc:
+        out.append(str(exc))
+    for seed in (1, 2):
+        x, idx, ids = inputs(rank, seed)
+        a2a.dispatch(num, ex, exs, x.to(dev), ids.to(dev), idx.to(dev), quantize=q)
+        rows = ex.cpu().view(torch.uint8)
+        src = exs.cpu().view(torch.int32)[:, 0]
+        wrong = 0
+        for i in range(int(num.sum())):
+            r, t = divmod(int(src[i]), 1000)
+            xr = inputs(r, seed)[0]
+            fp8, scale = quantize_fp8(xr[t:t + 1], 32)
+            wrong += not torch.equal(rows[i, :H], fp8.view(torch.uint8)[0])
+            wrong += not torch.equal(rows[i, H:H + 4 * scale.shape[1]], scale.view(torch.uint8).view(-1))
+        out.append((int(num.sum()), wrong))
+        a2a.combine(torch.empty(T, H, dtype=torch.bfloat16, device=dev), idx.to(dev),
+                    torch.zeros(T, K, device=dev), y)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_rows_of_only_the_quantised_bytes_carry_fused_fp8_calls_and_refuse_plain_ones():
+    """A2AConfig.payload_bytes: rows of fp8 bytes and scales only, across the proxy (node size 1)."""
+    H = 64
+    cfg = A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=H, in_dtype=torch.bfloat16,
+                    scale_block=H, payload_bytes=H + 4 * (H // 32))
+    with LocalCluster(cfg, world_size=2, node_size=1, transport="shm", device=TEST_DEVICE, timeout_s=30) as cl:
+        got = cl.run(_narrow_rows)
+    for r in range(2):
+        assert "quantize: expected a quant.Fp8Quantize" in got[r][0] and "aborted this call" in got[r][0], got[r][0]
+        for received, wrong in got[r][1:]:
+            assert received > 0 and wrong == 0, got[r]

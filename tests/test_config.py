@@ -127,3 +127,20 @@ def test_node_experts_are_the_experts_of_the_node_ranks():
         first, end = lay.node_experts(r)
         hosts = {e // lay.num_local_experts for e in range(first, end)}
         assert hosts == set(lay.node_peers(r)) and end - first == 2 * lay.num_local_experts
+
+
+def test_payload_bytes_narrows_the_dispatch_rows_and_is_validated():
+    import pytest
+    import torch
+
+    from moe_a2a.config import A2AConfig
+
+    wide = A2AConfig(hidden_dim=7168, in_dtype=torch.bfloat16, scale_block=7168)
+    narrow = A2AConfig(hidden_dim=7168, in_dtype=torch.bfloat16, scale_block=7168, payload_bytes=7168 + 224)
+    assert wide.x_bytes == wide.token_bytes == 14336 and wide.dispatch_stride_bytes == 14352
+    assert narrow.token_bytes == 14336 and narrow.x_bytes == 7392 and narrow.dispatch_stride_bytes == 7408
+    assert narrow.combine_stride_bytes == wide.combine_stride_bytes  # the combine's rows are whole tokens
+    assert narrow.layout(2).send_bytes < wide.layout(2).send_bytes
+    for bad in (0, 6, 14340, True, 7392.0, "7392"):
+        with pytest.raises(ValueError, match="payload_bytes"):
+            A2AConfig(hidden_dim=7168, in_dtype=torch.bfloat16, payload_bytes=bad)

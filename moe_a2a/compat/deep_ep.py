@@ -7,19 +7,23 @@ docs/compat.md). It is a thin layer over `moe_a2a.AllToAll` with a fixed expert 
 C = `num_max_dispatch_tokens_per_rank * num_ranks`, as DeepEP's.
 
 How it is built (docs/compat.md has the table of what matches DeepEP and what differs):
-- **one set of buffers for bf16 and fp8 calls.** Each `AllToAll` row is a bf16 row of H elements (2H
-  bytes) plus one 4-byte "scale" column. A bf16 call sends `x` as is. An fp8 call has the dispatch's
+- **one set of receive buffers for bf16 and fp8 calls.** The received rows are bf16 rows of H elements
+  (2H bytes) plus one 4-byte "scale" column. A bf16 call sends `x` as is. An fp8 call has the dispatch's
   pack kernel quantise `x` (`AllToAll.dispatch(quantize=quant.Fp8Quantize(...))`, `quantize_fp8`'s math
-  with DeepEP's `round_scale` / `use_ue8m0` options) straight into the 2H bytes of each row it sends: fp8
-  payload in bytes [0, H), its scales (fp32, or UE8M0 codes packed four per int32) from byte
-  `round_up(H, 4)`; that row travels as if it were bf16 (no separate quantisation pass). `use_fp8` may
-  change from call to call; the memory is that of the larger payload (bf16), not both. The received
-  `recv_x` of an fp8 call are views of the received rows: `[L, C, H]` fp8 with a row stride of 2H bytes,
-  and the scales `[L, C, S]` (row stride 2H / 4); `.contiguous()` gives DeepEP's dense shapes.
+  with DeepEP's `round_scale` / `use_ue8m0` options) straight into each row it sends: fp8 payload in bytes
+  [0, H), its scales (fp32, or UE8M0 codes packed four per int32) from byte `round_up(H, 4)` (no separate
+  quantisation pass). Those rows travel through an fp8 instance per slot, made at the first fp8 call,
+  whose rows carry just these bytes (`A2AConfig.payload_bytes`, about H + H/32): the pack, the wire and
+  the unpack stride over half a bf16 row. Its receive half writes the same receive buffers as the bf16
+  instance, so `use_fp8` may change from call to call and the extra memory is the fp8 instances' send
+  and receive rows, not a second set of outputs. The received `recv_x` of an fp8 call are views of the
+  received rows: `[L, C, H]` fp8 with a row stride of 2H bytes, and the scales `[L, C, S]` (row stride
+  2H / 4); `.contiguous()` gives DeepEP's dense shapes. (Shrink mode sends fp8 calls in bf16 rows: its
+  instances are all made at construction, when no fp8 call has been seen.)
 - **handle[0] without a copy.** The scale column of every row carries its source token index (int32 bits;
   `AllToAll` moves scales bit-exactly), so the received scale column *is* DeepEP's `src_info`.
   handle[1] (`layout_range`) is computed from the exchanged count matrix after the receive.
-- **two calls in flight.** Two `AllToAll` instances used alternately (two micro-batches, two handles
+- **two calls in flight.** Two slots of `AllToAll` instances used alternately (two micro-batches, two handles
   alive); a call's receive buffers are reused two calls later. A dispatch whose handle is never combined
   (DeepEP's test dispatches twice in a row) is finished by a combine of nothing before its instance is
   reused; a handle combined twice (DeepEP's test does, with and without `zero_copy`) is dispatched
@@ -134,13 +138,15 @@ class Config:
 
 
 def _config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: int,
-            shrink: bool = False) -> A2AConfig:
-    """The instances' sizes: bf16 rows of `hidden` (an fp8 call's payload and scales fit in their bytes)
-    plus one 4-byte column (the source token index), capacity `num_max * num_ranks` per local expert.
-    Shrink mode: a private region that holds every route of a pair (no shared remainder region)."""
+            shrink: bool = False, fp8: bool = False) -> A2AConfig:
+    """The instances' sizes: bf16 rows of `hidden` plus one 4-byte column (the source token index),
+    capacity `num_max * num_ranks` per local expert. `fp8`: the fp8 instances' rows carry only an fp8
+    call's payload and fp32 scales (`fp8_payload_bytes`) instead of 2H bytes. Shrink mode: a private
+    region that holds every route of a pair (no shared remainder region)."""
     return A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
                      in_dtype=torch.bfloat16, scale_block=hidden, out_dtype=torch.bfloat16,
-                     expert_capacity=num_max * num_ranks, max_private_tokens=num_max * top_k if shrink else None)
+                     expert_capacity=num_max * num_ranks, max_private_tokens=num_max * top_k if shrink else None,
+                     payload_bytes=fp8_payload_bytes(hidden) if fp8 else None)
 
 
 def fp8_scale_offset(hidden: int) -> int:
@@ -148,24 +154,33 @@ def fp8_scale_offset(hidden: int) -> int:
     return round_up(hidden, 4)
 
 
+def fp8_payload_bytes(hidden: int) -> int:
+    """Bytes of an fp8 call's row: fp8 payload, then fp32 scales (UE8M0 codes take fewer)."""
+    return fp8_scale_offset(hidden) + 4 * ceil_div(hidden, FP8_BLOCK)
+
+
 def fp8_fits(hidden: int) -> bool:
     """An fp8 call's payload and fp32 scales fit in the bytes of a bf16 row (any even H >= 4), at
     4-byte-aligned offsets."""
-    return hidden % 2 == 0 and fp8_scale_offset(hidden) + 4 * ceil_div(hidden, FP8_BLOCK) <= 2 * hidden
+    return hidden % 2 == 0 and fp8_payload_bytes(hidden) <= 2 * hidden
 
 
 class _Slot:
-    """One of the two alternating `AllToAll` instances, its buffers and its current call."""
+    """One of the two alternating micro-batch slots: its receive buffers, its `AllToAll` instances (bf16
+    rows, and fp8 rows from the first fp8 call), and its current call."""
 
     def __init__(self, a2a: AllToAll) -> None:
-        self.a2a = a2a
+        self.instances: dict[bool, AllToAll] = {}  # by use_fp8 (without an fp8 one, fp8 calls use bf16 rows)
+        self._count_views: dict[bool, torch.Tensor] = {}
         cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
         L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
-        self.num, self.ex, self.exs = a2a.empty_dispatch_outputs()  # int32 [L]; bf16 [L*C, H]; f32 [L*C, 1]
+        # Shared by the instances (their receive halves write here): int32 [L]; bf16 [L*C, H]; f32 [L*C, 1].
+        self.num, self.ex, self.exs = a2a.empty_dispatch_outputs()
         self.recv_bf16 = self.ex.view(L, C, H)
         self.src_info = self.exs.view(torch.int32).view(L, C)
         self.layout_range = torch.zeros(L, W, dtype=torch.int64, device=dev)
-        self.counts = a2a.counts[:, a2a.rank * L:(a2a.rank + 1) * L].t()  # [L, W] view of the count matrix
+        self.add(False, a2a)
+        self.use(False)
         # An fp8 call's bytes in the received rows (the pack quantises x into the rows it sends, no staging).
         self.fp8 = None
         if fp8_fits(H):
@@ -185,6 +200,17 @@ class _Slot:
         self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
         self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
+
+    def add(self, use_fp8: bool, a2a: AllToAll) -> None:
+        L = a2a.layout.num_local_experts
+        self.instances[use_fp8] = a2a
+        self._count_views[use_fp8] = a2a.counts[:, a2a.rank * L:(a2a.rank + 1) * L].t()  # [L, W] view
+
+    def use(self, use_fp8: bool) -> None:
+        """Make the instance of this slot's next call `a2a`, and its count matrix's columns of this rank's
+        experts `counts`."""
+        key = use_fp8 if use_fp8 in self.instances else False
+        self.a2a, self.counts = self.instances[key], self._count_views[key]
 
 
 class Buffer:
@@ -234,6 +260,7 @@ class Buffer:
         self._calls = 0
         self._ids = None      # [num_max, 1] float32 view of int32 0..num_max-1: the token-index column
         self._scratch = None  # what a combine of nothing sends and receives
+        self._instance_options: dict = {}  # AllToAll's arguments, from the first call
         self._closed = False
         if self.enable_shrink:
             # A rank that stops before its first call must not hold the others in a collective build:
@@ -249,11 +276,13 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes one rank's two instances take at these sizes (top-k up to 8, DeepEP's assumption), bf16
-        and fp8 calls alike; callers pass it back as `num_rdma_bytes`, which this facade does not need."""
-        cfg = _config(num_max_dispatch_tokens_per_rank, num_experts, 8, hidden, num_ranks)
-        lay = cfg.layout(num_ranks)
-        nbytes = 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
+        """Bytes one rank's instances take at these sizes (top-k up to 8, DeepEP's assumption): the two bf16
+        ones and, once an fp8 call was made, the two fp8 ones (their rows about half as wide); callers pass
+        it back as `num_rdma_bytes`, which this facade does not need."""
+        nbytes = 0
+        for fp8 in (False, True) if fp8_fits(hidden) else (False,):
+            lay = _config(num_max_dispatch_tokens_per_rank, num_experts, 8, hidden, num_ranks, fp8=fp8).layout(num_ranks)
+            nbytes += 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
         sizes = (num_max_dispatch_tokens_per_rank, num_experts, 8, hidden)
         key = (nbytes, num_ranks)  # two sizes giving the same bytes: ambiguous, not remembered
         _HINTS[key] = sizes if _HINTS.get(key, sizes) == sizes else None
@@ -309,12 +338,15 @@ class Buffer:
         self._calls += 1  # every rank counts every call, aborted ones included
         slot = self._slots[index]
         self._retire(slot)  # the slot's previous call, if it was left unfinished
+        use_fp8 = bool(use_fp8)
+        if use_fp8 and True not in slot.instances and not self.enable_shrink and fp8_fits(self._key[3]):
+            self._build_fp8()  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
+        slot.use(use_fp8)
         if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
             slot.a2a.abort(str(error))
         T = x.shape[0]
-        use_fp8 = bool(use_fp8)
         if error is None and topk_idx.shape[1] < self._key[2]:
             topk_idx = _pad_routes(topk_idx, self._key[2], -1)
         ue8m0 = use_fp8 and bool(use_ue8m0)
@@ -503,14 +535,16 @@ class Buffer:
         replays, which make no host call)."""
         self._check_open()
         for s in self._slots:
-            s.a2a.check()
+            for a2a in s.instances.values():
+                a2a.check()
 
     def close(self) -> None:
         """Stop both instances (their proxies, shared memory). Idempotent; every later call raises
         ValueError."""
         self._closed = True
         for s in self._slots:
-            s.a2a.close()
+            for a2a in s.instances.values():
+                a2a.close()
         self._slots = []
 
     def destroy(self) -> None:
@@ -721,7 +755,26 @@ class Buffer:
             raise
         dev = built[0].device
         self._ids = torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev).view(torch.float32).view(-1, 1)
-        self._slots, self._key = slots, sizes
+        self._slots, self._key, self._instance_options = slots, sizes, options
+
+    def _build_fp8(self) -> None:
+        """At the first fp8 call (on every rank): each slot's fp8 instance, whose rows carry the fp8 bytes
+        and scales only (`fp8_payload_bytes`, about half a bf16 row), so that the pack, the wire and the
+        unpack of an fp8 call stride over half the bytes. It writes the slot's receive buffers (shared with
+        the bf16 instance): what it adds is its send and receive rows, not a second set of outputs."""
+        num_max, E, K, H = self._key
+        cfg = _config(num_max, E, K, H, self.group_size, fp8=True)
+        built: list[AllToAll] = []
+        try:
+            with torch.device("cpu"):  # as in _build: the construction's host tables are CPU tensors
+                for _ in self._slots:
+                    built.append(AllToAll(cfg, **self._instance_options))
+        except BaseException:
+            for a2a in built:
+                a2a.close()
+            raise
+        for slot, a2a in zip(self._slots, built):
+            slot.add(True, a2a)
 
 
 __all__ = ["topk_idx_t", "Buffer", "Config", "EventOverlap", "Handle"]

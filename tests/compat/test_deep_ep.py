@@ -537,10 +537,12 @@ def test_deep_ep_module_as_deep_ep_names_size_hint_handle_and_event():
             sys.modules.pop("deep_ep", None)
         else:
             sys.modules["deep_ep"] = saved
-    # The size hint: both instances, bf16 rows (fp8 calls share them), top-k 8.
+    # The size hint: the two bf16 instances and the two fp8 ones (rows of fp8 bytes and scales), top-k 8.
     lay = _config(128, 256, 8, 7168, 2).layout(2)
-    assert hint == 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False)) > 0
+    lay8 = _config(128, 256, 8, 7168, 2, fp8=True).layout(2)
+    assert hint == sum(2 * (y.send_bytes + y.recv_bytes + y.segment_bytes(False)) for y in (lay, lay8)) > 0
     assert lay.dispatch_stride_bytes == 2 * 7168 + 16  # a bf16 row and the token-index column
+    assert lay8.dispatch_stride_bytes == 7168 + 224 + 16  # fp8 bytes, fp32 scales, the token-index column
     src, ranges = torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int64)
     h = Handle(src, ranges, 4, 64, 8, 0, 1, 3)
     assert h[0] is src and h[1] is ranges and tuple(h[2:5]) == (4, 64, 8) and h.src_info is src

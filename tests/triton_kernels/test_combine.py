@@ -82,7 +82,7 @@ def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> No
 
 
 @pytest.mark.timeout(150)
-@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), accumulate=st.booleans())
 def test_combine_matches_reference(case: Case, accumulate: bool) -> None:
     check_combine(case, accumulate)

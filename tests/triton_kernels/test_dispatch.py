@@ -62,7 +62,7 @@ def check_dispatch(case: Case, device: str = TEST_DEVICE) -> None:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_dispatch_matches_reference(case: Case) -> None:
     check_dispatch(case)

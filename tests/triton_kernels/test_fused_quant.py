@@ -152,6 +152,36 @@ def test_fused_pack_writes_the_bytes_of_quantize_fp8_then_pack(case: FusedCase) 
     check_fused(case)
 
 
+def check_compact_rows(c: FusedCase) -> None:
+    """A config whose rows carry just the quantised bytes (`A2AConfig.payload_bytes`) gets, in every
+    slot at its narrower stride, the same fp8 bytes, scales and scale column as the whole-row config."""
+    q = c.quantize
+    cfg_c = replace(c.cfg, payload_bytes=q.scale_offset_bytes + q.scale_bytes(c.H))
+    _, wide, cfg, slot, world = _pack_both(replace(c, split=False))
+    x, idx, ids = _inputs(c)
+    narrow_world = SimWorld.create(cfg_c, world_size=1, node_size=1, device=DEVICE)
+    pack_tokens_by_expert(x.to(DEVICE), ids.to(DEVICE), slot.to(DEVICE), narrow_world.arena,
+                          narrow_world.send_bytes[0], cfg_c, bound_m=bound_tensor(c.bound_m, DEVICE), quantize=q)
+    narrow = narrow_world.arena.cpu()
+    assert cfg_c.dispatch_stride_bytes < cfg.dispatch_stride_bytes
+    used = q.scale_offset_bytes + q.scale_bytes(c.H)
+    for j in range(int((slot >= 0).sum())):
+        w0 = world.send_bytes[0] + j * cfg.dispatch_stride_bytes
+        n0 = narrow_world.send_bytes[0] + j * cfg_c.dispatch_stride_bytes
+        got, want = narrow[n0:n0 + cfg_c.dispatch_stride_bytes], wide[w0:w0 + cfg.dispatch_stride_bytes]
+        assert torch.equal(got[:c.H], want[:c.H]), j                                  # fp8 bytes
+        assert torch.equal(got[q.scale_offset_bytes:used], want[q.scale_offset_bytes:used]), j  # scales
+        s0 = cfg_c.dispatch_scale_offset_bytes
+        assert torch.equal(got[s0:s0 + 4], want[cfg.dispatch_scale_offset_bytes:][:4]), j  # the token index
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=fused_cases())
+def test_fused_pack_into_rows_of_only_the_quantised_bytes_sends_the_same_bytes(case: FusedCase) -> None:
+    check_compact_rows(case)
+
+
 EDGE_CASES = [
     # DeepSeek decode row: H=7168 bf16, 56 groups (UE8M0: 14 int32, no padding), 7 chunks of 1024 elements.
     pytest.param(FusedCase(T=3, H=7168, K=8, E=16, round_scale=True, ue8m0=True, mask_percent=20),

@@ -100,7 +100,7 @@ def toy_y(cfg, rank: int, ex: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_world=4))
 def test_node_synchronised_calls_equal_the_harness_path(case: Case) -> None:
     case = dataclasses.replace(case, node_size=case.world_size)
