@@ -314,7 +314,11 @@ def _unpack_dispatched_tokens_kernel(
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
         d.copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
-        if HAS_SCALES:
+        if HAS_SCALES and S == 1:  # one word per row (the DeepEP facade's token index): 1-D, 3 us less
+            src_scale = (src_bytes + SCALE_OFFSET_BYTES) // 4  # than a [BLOCK_R, 1] tile on the H200
+            tl.store(out_scale_ptr + out_row * stride_out_scale_r, tl.load(base_i32 + src_scale, mask=is_row),
+                     mask=is_row)
+        elif HAS_SCALES:
             s_cols = tl.arange(0, S_PAD)
             mask = is_row[:, None] & (s_cols < S)[None, :]
             src_scale = (src_bytes + SCALE_OFFSET_BYTES) // 4

@@ -163,7 +163,7 @@ def check_compact_rows(c: FusedCase) -> None:
     pack_tokens_by_expert(x.to(DEVICE), ids.to(DEVICE), slot.to(DEVICE), narrow_world.arena,
                           narrow_world.send_bytes[0], cfg_c, bound_m=bound_tensor(c.bound_m, DEVICE), quantize=q)
     narrow = narrow_world.arena.cpu()
-    assert cfg_c.dispatch_stride_bytes < cfg.dispatch_stride_bytes
+    assert cfg_c.dispatch_stride_bytes <= cfg.dispatch_stride_bytes
     used = q.scale_offset_bytes + q.scale_bytes(c.H)
     for j in range(int((slot >= 0).sum())):
         w0 = world.send_bytes[0] + j * cfg.dispatch_stride_bytes
