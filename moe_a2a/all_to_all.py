@@ -114,13 +114,13 @@ class AllToAll:
             if not dist.is_initialized():
                 raise ValueError("AllToAll needs torch.distributed initialised (or pass group=)")
             group = dist.group.WORLD
-        if rank_mask is not None:
-            check_rank_mask(rank_mask, cfg, gpu_wait, dist.get_rank(group), dist.get_world_size(group), device)
-        self.rank_mask = rank_mask
         self.cfg, self.group, self.timeout_s = cfg, group, float(timeout_s)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        if rank_mask is not None:
+            check_rank_mask(rank_mask, gpu_wait, self.rank, self.world_size, self.device)
+        self.rank_mask = rank_mask
         if buffers == "gpu" and self.device.type != "cuda":
             raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
         if buffers == "memfd" and self.device.type != "cpu":
@@ -224,7 +224,8 @@ class AllToAll:
         return num, x, xs
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, x, x_scale, indices,
-                 bound_m=None, do_send: bool = True, do_recv: bool = True, *, quantize=None) -> None:
+                 bound_m=None, do_send: bool = True, do_recv: bool = True, *, quantize=None,
+                 out_source_ranges=None) -> None:
         """Send every token to the ranks hosting its experts; receive this rank's tokens expert-major.
 
         Args:
@@ -246,6 +247,9 @@ class AllToAll:
                 passes the same `quantize`). Used by the send half only, like `x`. Required (ValueError
                 without it) when `A2AConfig.payload_bytes` makes the rows narrower than a token: then
                 every row is only these bytes, at half a bf16 row's stride.
+            out_source_ranges: optional `[L, W]` int64 (contiguous), written by the receive half:
+                `(begin << 32) | count` per (local expert l, source rank s): expert l's rows from s are
+                its rows [begin, begin + count) (DeepEP's `layout_range`; in the unpack's launch).
 
         Bad input raises ValueError before anything of it is sent and aborts the call on every rank (its
         peers raise `CallAborted` naming this rank; the next call works; docs/protocol.md, section 6). Bad
@@ -265,21 +269,21 @@ class AllToAll:
                                      f"(A2AConfig.payload_bytes), so every dispatch quantises in the pack")
                 if do_recv:
                     check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
-                                       out_expert_x_scale)
+                                           out_expert_x_scale, out_source_ranges)
             except ValueError as exc:
                 self._abort_call(exc)  # raises exc, once the call is void on every rank
         elif do_recv:
             self._expect(_DISPATCH_SENT, "dispatch(do_recv=True)")
             # Nothing is lost: the send half is done, a corrected receive may follow.
             check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
-                                       out_expert_x_scale)
+                                           out_expert_x_scale, out_source_ranges)
         try:
             if do_send:
                 self._tracer.run("dispatch_send", self.epoch, self._dispatch_send, x, x_scale, indices, bound_m,
                                  quantize)
             if do_recv:
                 self._tracer.run("dispatch_recv", self.epoch, self._dispatch_recv, out_expert_num_tokens,
-                                 out_expert_x, out_expert_x_scale)
+                                 out_expert_x, out_expert_x_scale, False, out_source_ranges)
         except (CallAborted, CapacityExceeded):  # the call ended on every rank: the instance stays usable
             raise
         except BaseException as exc:
@@ -436,7 +440,7 @@ class AllToAll:
                                                bound_m=bound_m, node=w.node, quantize=quantize, **w.split["pack"])
         self._state = _DISPATCH_SENT
 
-    def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False) -> None:
+    def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False, out_source_ranges=None) -> None:
         w = self._w
         if self.with_proxy:  # once every count row is in: the remainder and combine writes for the proxy
             self._status.host_wait("dispatch_plan", self.epoch)
@@ -447,7 +451,7 @@ class AllToAll:
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, w.counts, self.rank, w.base, w.peer_send_bytes,
             w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,  # remote sources' rows
-            copy_bytes=self._copy_bytes)
+            copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges)
         self._state = _DISPATCH_DONE
         if aborting:
             return
@@ -578,15 +582,14 @@ class AllToAll:
             raise ValueError(f"{call}: called out of order; the instance is {_STATE_NAMES[self._state]}")
 
 
-def check_rank_mask(mask, cfg: A2AConfig, gpu_wait: str, rank: int, world_size: int, device) -> None:
+def check_rank_mask(mask, gpu_wait: str, rank: int, world_size: int, device: torch.device) -> None:
     """`AllToAll(rank_mask=...)`: a `RankMask` of this rank and world, on a rank that waits on the host."""
     from .runtime.shrink import RankMask
 
     if not isinstance(mask, RankMask) or (mask.rank, mask.world_size) != (rank, world_size):
         raise ValueError(f"rank_mask: expected a runtime.shrink.RankMask(world_size={world_size}, rank={rank}), "
                          f"got {mask!r}")
-    on_gpu = (torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-    if on_gpu and gpu_wait != "host":
+    if device.type == "cuda" and gpu_wait != "host":
         raise ValueError(f"rank_mask (shrink mode) needs gpu_wait='host' on a GPU, got gpu_wait={gpu_wait!r}: a "
                          f"masked peer is decided by the host's waits")
 
@@ -618,8 +621,12 @@ def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) 
                              f"got {int(bound_m[0])}")
         routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
 
-def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs) -> None:
+def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, ranges=None) -> None:
     """The receive half's output contracts."""
+    if ranges is not None:
+        _check("out_source_ranges", ranges, (lay.num_local_experts, lay.world_size), torch.int64, device)
+        if not ranges.is_contiguous():
+            raise ValueError(f"out_source_ranges: expected a contiguous tensor, got strides {ranges.stride()}")
     _check("out_expert_num_tokens", num, (lay.num_local_experts,), torch.int32, device)
     _check("out_expert_x", x, None, cfg.in_dtype, device)
     if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.shape[0] < lay.max_dispatch_rows:

@@ -17,26 +17,11 @@ import argparse
 import json
 import os
 import socket
-import statistics
 
 import torch
+from _timing import median_us
 
 T, H, E, K = 128, 7168, 288, 8
-
-
-def _median_us(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def _rank(rank: int, n: int, port: int, reps: int, profile: bool, queue) -> None:
@@ -78,13 +63,13 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, queue) -> None
 
     for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):
         dist.barrier()
-        eager = _median_us(pair, reps)
+        eager = median_us(pair, reps)
         dist.barrier()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             pair()
             pair()
-        graph_us = _median_us(graph.replay, reps) / 2
+        graph_us = median_us(graph.replay, reps) / 2
         results[name] = {"eager_us_per_pair": round(eager, 1), "graph_us_per_pair": round(graph_us, 1)}
     if profile:  # the kernels of one eager pair of each variant, by GPU time (where the difference goes)
         for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):

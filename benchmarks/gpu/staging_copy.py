@@ -8,13 +8,13 @@ one peer of 2 simulated nodes) up to prefill runs. Events around each copy, medi
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from _timing import median_us
 from moe_a2a.proxy.memory import device_view
 
 
@@ -25,20 +25,6 @@ def _copy_kernel(src_ptr, dst_ptr, n_words, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n_words
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
-
-
-def _time(fn, reps=50, warmup=10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main(out_path: str | None) -> None:
@@ -52,11 +38,11 @@ def main(out_path: str | None) -> None:
         n = nbytes // 4
         for programs in (sms, 4 * sms):
             grid = (min(programs, triton.cdiv(n, 2048)),)
-            sm_d2h = _time(lambda: _copy_kernel[grid](gpu, host_dev, n, BLOCK=2048, num_warps=4))
-            sm_h2d = _time(lambda: _copy_kernel[grid](host_dev, gpu, n, BLOCK=2048, num_warps=4))
+            sm_d2h = median_us(lambda: _copy_kernel[grid](gpu, host_dev, n, BLOCK=2048, num_warps=4), 50)
+            sm_h2d = median_us(lambda: _copy_kernel[grid](host_dev, gpu, n, BLOCK=2048, num_warps=4), 50)
             rows.append({"bytes": nbytes, "how": f"SM, {grid[0]} programs", "d2h_us": sm_d2h, "h2d_us": sm_h2d})
-        ce_d2h = _time(lambda: host.copy_(gpu, non_blocking=True))
-        ce_h2d = _time(lambda: gpu.copy_(host, non_blocking=True))
+        ce_d2h = median_us(lambda: host.copy_(gpu, non_blocking=True), 50)
+        ce_h2d = median_us(lambda: gpu.copy_(host, non_blocking=True), 50)
         rows.append({"bytes": nbytes, "how": "copy engine", "d2h_us": ce_d2h, "h2d_us": ce_h2d})
         assert torch.equal(host, gpu.cpu())
     print(f"{'bytes':>10} {'how':<22} {'GPU->host µs':>13} {'GB/s':>7} {'host->GPU µs':>13} {'GB/s':>7}")

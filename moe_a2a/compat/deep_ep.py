@@ -22,7 +22,7 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
   instances are all made at construction, when no fp8 call has been seen.)
 - **handle[0] without a copy.** The scale column of every row carries its source token index (int32 bits;
   `AllToAll` moves scales bit-exactly), so the received scale column *is* DeepEP's `src_info`.
-  handle[1] (`layout_range`) is computed from the exchanged count matrix after the receive.
+  handle[1] (`layout_range`) is written by the receive's unpack, from the count matrix it reads anyway.
 - **two calls in flight.** Two slots of `AllToAll` instances used alternately (two micro-batches, two handles
   alive); a call's receive buffers are reused two calls later. A dispatch whose handle is never combined
   (DeepEP's test dispatches twice in a row) is finished by a combine of nothing before its instance is
@@ -39,6 +39,7 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -47,7 +48,6 @@ from ..all_to_all import AllToAll, CallAborted, check_combine_recv
 from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather, differences
 from ..runtime.shrink import RankMask
-from ..triton_kernels.dispatch import source_ranges
 from ..triton_kernels.quant import Fp8Quantize
 
 # DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
@@ -159,6 +159,13 @@ def fp8_payload_bytes(hidden: int) -> int:
     return fp8_scale_offset(hidden) + 4 * ceil_div(hidden, FP8_BLOCK)
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8_quantize(hidden: int, round_scale: bool, ue8m0: bool) -> Fp8Quantize:
+    """An fp8 call's fused quantisation (one object per option set: a launch is remembered by it)."""
+    return Fp8Quantize(scale_offset_bytes=fp8_scale_offset(hidden), block=FP8_BLOCK, round_scale=round_scale,
+                       ue8m0=ue8m0)
+
+
 def fp8_fits(hidden: int) -> bool:
     """An fp8 call's payload and fp32 scales fit in the bytes of a bf16 row (any even H >= 4), at
     4-byte-aligned offsets."""
@@ -171,7 +178,6 @@ class _Slot:
 
     def __init__(self, a2a: AllToAll) -> None:
         self.instances: dict[bool, AllToAll] = {}  # by use_fp8 (without an fp8 one, fp8 calls use bf16 rows)
-        self._count_views: dict[bool, torch.Tensor] = {}
         cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
         L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
         # Shared by the instances (their receive halves write here): int32 [L]; bf16 [L*C, H]; f32 [L*C, 1].
@@ -202,15 +208,11 @@ class _Slot:
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
 
     def add(self, use_fp8: bool, a2a: AllToAll) -> None:
-        L = a2a.layout.num_local_experts
         self.instances[use_fp8] = a2a
-        self._count_views[use_fp8] = a2a.counts[:, a2a.rank * L:(a2a.rank + 1) * L].t()  # [L, W] view
 
     def use(self, use_fp8: bool) -> None:
-        """Make the instance of this slot's next call `a2a`, and its count matrix's columns of this rank's
-        experts `counts`."""
-        key = use_fp8 if use_fp8 in self.instances else False
-        self.a2a, self.counts = self.instances[key], self._count_views[key]
+        """Make the instance of this slot's next call `a2a`."""
+        self.a2a = self.instances[use_fp8 if use_fp8 in self.instances else False]
 
 
 class Buffer:
@@ -351,12 +353,12 @@ class Buffer:
             topk_idx = _pad_routes(topk_idx, self._key[2], -1)
         ue8m0 = use_fp8 and bool(use_ue8m0)
         # fp8: the pack quantises x straight into the rows it sends (fp8 bytes, then the scales).
-        quantize = Fp8Quantize(scale_offset_bytes=fp8_scale_offset(x.shape[1]), block=FP8_BLOCK,
-                               round_scale=bool(round_scale) or ue8m0, ue8m0=ue8m0) if use_fp8 else None
+        quantize = _fp8_quantize(x.shape[1], bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
         slot.call, slot.T, slot.payload, slot.quantize = self._calls, T, x, quantize
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
         self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._ids[:T], topk_idx,
-                                                  do_recv=not return_recv_hook, quantize=quantize))
+                                                  do_recv=not return_recv_hook, quantize=quantize,
+                                                  out_source_ranges=slot.layout_range))
         slot.state = _DISPATCH_SENT
         if not return_recv_hook:
             self._received(slot)
@@ -401,9 +403,9 @@ class Buffer:
         self._settle(slot)
         if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                      self._ids[:slot.T], topk_idx, quantize=slot.quantize))
+                                                      self._ids[:slot.T], topk_idx, quantize=slot.quantize,
+                                                      out_source_ranges=slot.layout_range))
             slot.state = _DISPATCHED
-            self._layout_ranges(slot)
         a2a = slot.a2a
         cfg = a2a.cfg
         shape = (a2a.layout.num_local_experts, cfg.expert_capacity, cfg.hidden_dim)
@@ -567,24 +569,18 @@ class Buffer:
             slot.state, slot.combine_args = _FREE, None
             raise
 
-    def _received(self, slot: _Slot) -> None:
-        """After the dispatch's receive half: the layout ranges, the caller's statistics."""
+    @staticmethod
+    def _received(slot: _Slot) -> None:
+        """After the dispatch's receive half (whose unpack wrote handle[1]): the caller's statistics."""
         slot.state = _DISPATCHED
-        self._layout_ranges(slot)
         if slot.stats is not None:
             slot.stats.add_(slot.num)
-
-    @staticmethod
-    def _layout_ranges(slot: _Slot) -> None:
-        """handle[1] from the count matrix (`AllToAll.counts`, every source's row for this call):
-        `(begin << 32) | count` with begin = the rows of earlier sources (one kernel launch)."""
-        source_ranges(slot.counts, slot.layout_range)
 
     def _receive_dispatch(self, slot: _Slot) -> None:
         if slot.state == _DISPATCH_SENT:
             T = slot.T
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload, self._ids[:T],
-                                                      None, do_send=False))
+                                                      None, do_send=False, out_source_ranges=slot.layout_range))
             self._received(slot)
 
     def _receive_combine(self, slot: _Slot) -> None:

@@ -242,6 +242,8 @@ def _unpack_dispatched_tokens_kernel(
     ABORT_WORD: tl.constexpr = 0,     # flags word naming a source that aborted the call (with NODE_SYNC)
     aborted_ptr=None, CALL_ABORTED_WORD: tl.constexpr = 0,  # over capacity: this rank aborts the call
     ABORT_AT_COMBINE: tl.constexpr = False,
+    out_ranges_ptr=None,  # (L, W) int64, with HAS_RANGES: (begin << 32) | count per (local expert, source)
+    HAS_RANGES: tl.constexpr = False,
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -277,6 +279,11 @@ def _unpack_dispatched_tokens_kernel(
     rest_bytes = recv_bytes + (remainder_row[None, :] + block_start - P) * SD_BYTES
     split = tl.where(is_pull[None, :], 1 << 62, P - block_start)
 
+    if HAS_RANGES:  # begin = the earlier sources' rows of the expert (DeepEP's layout_range)
+        l2 = tl.arange(0, L_PAD)[:, None]
+        s2 = tl.arange(0, W_PAD)[None, :]
+        tl.store(out_ranges_ptr + l2 * W + s2, ((tl.cumsum(cnt, axis=1) - cnt) << 32) | cnt,
+                 mask=(l2 < tl.where((pid == 0) & ok, L, 0)) & (s2 < W))
     NPAIR: tl.constexpr = L_PAD * W_PAD
     cnt = tl.reshape(cnt, (NPAIR,))
     dense_start = tl.reshape(dense_start, (NPAIR,))
@@ -325,23 +332,6 @@ def _unpack_dispatched_tokens_kernel(
             v = tl.load(base_i32 + src_scale[:, None] + s_cols[None, :], mask=mask)
             tl.store(out_scale_ptr + out_row[:, None] * stride_out_scale_r
                      + s_cols[None, :] * stride_out_scale_s, v, mask=mask)
-
-
-@triton.jit
-def _source_ranges_kernel(
-    counts_ptr,          # in: (L, W) int32, strides (stride_l, stride_w): routes of source s to local expert l
-    out_ptr,             # out: (L, W) int64, contiguous: (begin << 32) | count
-    stride_l, stride_w,
-    L: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
-):
-    """Grid: (cdiv(L, BLOCK_L),). Per local expert, the rows of each source within the expert's received
-    rows (ordered by source): begin = the rows of the sources before it, as DeepEP's layout range."""
-    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
-    s = tl.arange(0, W_PAD)[None, :]
-    mask = (l < L) & (s < W)
-    c = tl.load(counts_ptr + l * stride_l + s * stride_w, mask=mask, other=0).to(tl.int64)
-    begin = tl.cumsum(c, axis=1) - c
-    tl.store(out_ptr + l * W + s, (begin << 32) | c, mask=mask)
 
 
 # ================================================================================================
@@ -478,6 +468,7 @@ def unpack_tokens_by_expert(
     layout: Layout,
     node: NodeSync | None = None,
     copy_bytes: int | None = None,
+    out_source_ranges: torch.Tensor | None = None,
 ) -> None:
     """Copy every row sent to this rank into the expert-major dispatch output (`reference.dispatch`).
 
@@ -503,6 +494,9 @@ def unpack_tokens_by_expert(
         copy_bytes: copy only the first `copy_bytes` bytes of each row's payload (rounded up to the copy
             word; the rest of the output row is left as it was): the bytes a fused fp8 quantisation
             wrote (`AllToAll.dispatch(quantize=)`), half of a bf16 row. None: the whole payload.
+        out_source_ranges: optional `[L, W]` int64, contiguous, out: `(begin << 32) | count` per (local
+            expert l, source s): expert l's rows from s are its rows [begin, begin + count) (DeepEP's
+            `layout_range`), begin = the rows of the sources before s.
 
     Every offset is computed on the device from `counts`: no host sync, CUDA-graph safe.
     """
@@ -510,7 +504,7 @@ def unpack_tokens_by_expert(
     key = None
     if isinstance(out_expert_x, torch.Tensor) and out_expert_x.is_cuda:
         key = launch.key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank, base, peer_send_bytes,
-                         recv_bytes, cfg, layout, node, copy_bytes)
+                         recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges)
         if _UNPACK.hit(key):
             return
     check.config(cfg)
@@ -533,6 +527,9 @@ def unpack_tokens_by_expert(
     check.integer("recv_bytes", recv_bytes)
     if copy_bytes is not None:
         check.integer("copy_bytes", copy_bytes, 1, cfg.x_bytes + 1)
+    if out_source_ranges is not None:
+        check.tensor("out_source_ranges", out_source_ranges, dtypes=(torch.int64,), shape=(L, W), device=device,
+                     strides="contiguous")
 
     out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
     # Sources' rows start at base + (recv_bytes or peer_send_bytes[s]) + multiples of Sd (16-aligned);
@@ -562,35 +559,12 @@ def unpack_tokens_by_expert(
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
         HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
         ABORT_WORD=flag_word(Flag.ABORTED),
-        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args,
+        num_warps=launch.num_warps(block_r * block_w, word_bytes), out_ranges_ptr=out_source_ranges,
+        HAS_RANGES=out_source_ranges is not None, **sync_args,
     )
-
-
-def source_ranges(counts: torch.Tensor, out: torch.Tensor) -> None:
-    """`out[l, s] = (begin << 32) | counts[l, s]`, begin = `sum_{s' < s} counts[l, s']`: where expert l's
-    rows from source s start among its received rows (DeepEP's `layout_range`), in one launch.
-
-    Args:
-        counts: `[L, W]` int32, any strides (e.g. the transposed columns of this rank's experts in the
-            count matrix), on the device.
-        out: `[L, W]` int64, contiguous, same device.
-    """
-    key = launch.key(counts, out) if out.is_cuda else None
-    if key is not None and _SOURCE_RANGES.hit(key):
-        return
-    check.tensor("counts", counts, dtypes=(torch.int32,), shape=(None, None), strides="any")
-    L, W = counts.shape
-    check.tensor("out", out, dtypes=(torch.int64,), shape=(L, W), device=counts.device)
-    if not out.is_contiguous():
-        check.fail("out", "a contiguous tensor", f"strides {out.stride()}")
-    W_PAD = next_power_of_2(W)
-    block_l = min(next_power_of_2(L), max(1, 4096 // W_PAD))
-    _SOURCE_RANGES.launch(key, (ceil_div(L, block_l),), counts, out, counts.stride(0), counts.stride(1),
-                          L=L, W=W, W_PAD=W_PAD, BLOCK_L=block_l)
 
 
 _PACK = launch.LaunchCache(_pack_tokens_by_expert_kernel)
 _UNPACK = launch.LaunchCache(_unpack_dispatched_tokens_kernel)
-_SOURCE_RANGES = launch.LaunchCache(_source_ranges_kernel)
 
-__all__ = ["pack_tokens_by_expert", "source_ranges", "unpack_tokens_by_expert"]
+__all__ = ["pack_tokens_by_expert", "unpack_tokens_by_expert"]

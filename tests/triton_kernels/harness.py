@@ -108,13 +108,15 @@ class DispatchResult:
     num_tokens: list[torch.Tensor]      # per rank [L] int32
     expert_x: list[torch.Tensor]        # per rank [max_dispatch_rows, H] in_dtype (poison where unwritten)
     expert_x_scale: list[torch.Tensor | None]
+    source_ranges: list[torch.Tensor] | None = None  # per rank [L, W] int64 (unpack's out_source_ranges)
 
 
 def to_device(result: DispatchResult, device) -> DispatchResult:
     """The same result with every tensor on `device`."""
     move = lambda ts: [t if t is None else t.to(device) for t in ts]  # noqa: E731
     return DispatchResult(result.counts.to(device), move(result.route_slot), move(result.num_tokens),
-                          move(result.expert_x), move(result.expert_x_scale))
+                          move(result.expert_x), move(result.expert_x_scale),
+                          None if result.source_ranges is None else move(result.source_ranges))
 
 
 def to_cpu(result: DispatchResult) -> DispatchResult:
@@ -151,7 +153,7 @@ def run_dispatch(world: SimWorld, xs, x_scales, indices, bound_ms=None) -> Dispa
             world.copy(world.send_bytes[r], world.recv_bytes[w[0]], w)
 
     R = lay.max_dispatch_rows
-    num_tokens, expert_x, expert_x_scale = [], [], []
+    num_tokens, expert_x, expert_x_scale, ranges = [], [], [], []
     for me in range(W):
         n = torch.full((lay.num_local_experts,), -7, dtype=torch.int32, device=dev)
         ex = torch.full((R, cfg.hidden_dim * cfg.in_itemsize), POISON, dtype=torch.uint8,
@@ -160,12 +162,15 @@ def run_dispatch(world: SimWorld, xs, x_scales, indices, bound_ms=None) -> Dispa
         if cfg.has_scales:
             # Strided on purpose: columns of a wider tensor (the kernel takes any strides for scales).
             exs = torch.full((R, cfg.num_scales + 3), float("nan"), device=dev)[:, 1:1 + cfg.num_scales]
+        rng = torch.full((lay.num_local_experts, W), -1, dtype=torch.int64, device=dev)
         unpack_tokens_by_expert(n, ex, exs, counts, me, world.arena,
-                                world.peer_table(me, world.send_bytes), world.recv_bytes[me], cfg, lay)
+                                world.peer_table(me, world.send_bytes), world.recv_bytes[me], cfg, lay,
+                                out_source_ranges=rng)
+        ranges.append(rng)
         num_tokens.append(n)
         expert_x.append(ex)
         expert_x_scale.append(exs)
-    return DispatchResult(counts, slots, num_tokens, expert_x, expert_x_scale)
+    return DispatchResult(counts, slots, num_tokens, expert_x, expert_x_scale, ranges)
 
 
 def run_combine(world: SimWorld, dispatched: DispatchResult, weights, expert_ys, out_tokens=None,
