@@ -168,14 +168,14 @@ def test_a_silent_rank_is_named_by_the_others_timeouts_and_the_cluster_stays_usa
 
 # ---- 32 ranks on one node -----------------------------------------------------------------------------
 @pytest.mark.timeout(600)
-def test_32_ranks_on_one_node_start_three_times():
-    """32 ranks and 32 proxies on one node (2 cores in CI), started and closed three times in a row. The
+def test_32_ranks_on_one_node_start_twice():
+    """32 ranks and 32 proxies on one node (2 cores in CI), started and closed twice in a row. The
     ranks fork from one template process (one import of torch, not 32) and their bootstrap group waits
     with the start-up allowance, not timeout_s: before, start-up took most of a minute and failed now and
     then with a timeout inside AllToAll.__init__, reported as another rank's 'Connection closed by peer'."""
     cfg = A2AConfig(max_num_tokens=1, num_experts=32, experts_per_token=1, hidden_dim=8, in_dtype=torch.float32)
     took = []
-    for _ in range(3):
+    for _ in range(2):
         t0 = time.monotonic()
         with LocalCluster(cfg, world_size=32, node_size=32, transport="shm", device="cpu", timeout_s=30) as cl:
             assert cl.run(lambda a2a, rank: (rank, a2a.world_size, a2a.epoch)) == [(r, 32, 0) for r in range(32)]

@@ -70,7 +70,7 @@ class Handle(NamedTuple):
             rows from rank s are rows [begin, begin + count) of its segment (rows are ordered by source
             rank, then token, then top-k slot, so each source's rows are contiguous).
         num_max_dispatch_tokens_per_rank, hidden, num_experts: the call's sizes.
-        slot, call: which of the two instances, and the Buffer's call number (a stale handle is refused).
+        slot, call: which of the two slots, and the Buffer's call number (a stale handle is refused).
         num_tokens: T of this rank's `x`.
 
     `src_info` and `layout_range` are views of the slot's buffers, valid (like `recv_x`) until the
@@ -166,6 +166,7 @@ def _fp8_quantize(hidden: int, round_scale: bool, ue8m0: bool) -> Fp8Quantize:
                        ue8m0=ue8m0)
 
 
+@functools.lru_cache(maxsize=None)
 def fp8_fits(hidden: int) -> bool:
     """An fp8 call's payload and fp32 scales fit in the bytes of a bf16 row (any even H >= 4), at
     4-byte-aligned offsets."""
@@ -177,7 +178,9 @@ class _Slot:
     rows, and fp8 rows from the first fp8 call), and its current call."""
 
     def __init__(self, a2a: AllToAll) -> None:
-        self.instances: dict[bool, AllToAll] = {}  # by use_fp8 (without an fp8 one, fp8 calls use bf16 rows)
+        # By use_fp8 (without an fp8 one, fp8 calls use bf16 rows); `a2a` is the current call's.
+        self.instances: dict[bool, AllToAll] = {False: a2a}
+        self.a2a = a2a
         cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
         L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
         # Shared by the instances (their receive halves write here): int32 [L]; bf16 [L*C, H]; f32 [L*C, 1].
@@ -185,8 +188,6 @@ class _Slot:
         self.recv_bf16 = self.ex.view(L, C, H)
         self.src_info = self.exs.view(torch.int32).view(L, C)
         self.layout_range = torch.zeros(L, W, dtype=torch.int64, device=dev)
-        self.add(False, a2a)
-        self.use(False)
         # An fp8 call's bytes in the received rows (the pack quantises x into the rows it sends, no staging).
         self.fp8 = None
         if fp8_fits(H):
@@ -206,9 +207,6 @@ class _Slot:
         self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
         self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
-
-    def add(self, use_fp8: bool, a2a: AllToAll) -> None:
-        self.instances[use_fp8] = a2a
 
     def use(self, use_fp8: bool) -> None:
         """Make the instance of this slot's next call `a2a`."""
@@ -261,6 +259,7 @@ class Buffer:
         self._next = 0
         self._calls = 0
         self._ids = None      # [num_max, 1] float32 view of int32 0..num_max-1: the token-index column
+        self._ids_by_T: dict[int, torch.Tensor] = {}
         self._scratch = None  # what a combine of nothing sends and receives
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
         self._closed = False
@@ -356,7 +355,7 @@ class Buffer:
         quantize = _fp8_quantize(x.shape[1], bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
         slot.call, slot.T, slot.payload, slot.quantize = self._calls, T, x, quantize
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
-        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._ids[:T], topk_idx,
+        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids(T), topk_idx,
                                                   do_recv=not return_recv_hook, quantize=quantize,
                                                   out_source_ranges=slot.layout_range))
         slot.state = _DISPATCH_SENT
@@ -403,7 +402,7 @@ class Buffer:
         self._settle(slot)
         if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                      self._ids[:slot.T], topk_idx, quantize=slot.quantize,
+                                                      self._token_ids(slot.T), topk_idx, quantize=slot.quantize,
                                                       out_source_ranges=slot.layout_range))
             slot.state = _DISPATCHED
         a2a = slot.a2a
@@ -454,7 +453,7 @@ class Buffer:
         return slot.combine_buf
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP's reset for reuse: zero both instances' receive buffers (recv_x, recv_count, the handles'
+        """DeepEP's reset for reuse: zero both slots' receive buffers (recv_x, recv_count, the handles'
         src_info and layout_range) and the zero-copy combine buffers, stream-ordered. Local: no peer
         writes into these buffers outside this rank's own calls, so, unlike DeepEP's, it needs no
         barrier (calling it on every rank, as DeepEP requires, does the same). Before the first dispatch
@@ -528,12 +527,12 @@ class Buffer:
         a2a, s, H = slot.a2a, self._scratch_buffers(), slot.a2a.cfg.hidden_dim
         x = torch.empty(0, H, dtype=torch.bfloat16, device=a2a.device)
         slot.call, slot.T = self._calls, 0
-        self._run(slot, lambda: a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._ids[:0], s["idx"][:0]))
+        self._run(slot, lambda: a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids(0), s["idx"][:0]))
         self._run(slot, lambda: a2a.combine(s["out"][:0], s["idx"][:0], s["w"][:0], slot.ex))
         slot.state = _FREE
 
     def check(self) -> None:
-        """`AllToAll.check()` of both instances: raise what went wrong in calls already issued (for CUDA-graph
+        """`AllToAll.check()` of every instance: raise what went wrong in calls already issued (for CUDA-graph
         replays, which make no host call)."""
         self._check_open()
         for s in self._slots:
@@ -541,7 +540,7 @@ class Buffer:
                 a2a.check()
 
     def close(self) -> None:
-        """Stop both instances (their proxies, shared memory). Idempotent; every later call raises
+        """Stop every instance (their proxies, shared memory). Idempotent; every later call raises
         ValueError."""
         self._closed = True
         for s in self._slots:
@@ -579,7 +578,7 @@ class Buffer:
     def _receive_dispatch(self, slot: _Slot) -> None:
         if slot.state == _DISPATCH_SENT:
             T = slot.T
-            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload, self._ids[:T],
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload, self._token_ids(T),
                                                       None, do_send=False, out_source_ranges=slot.layout_range))
             self._received(slot)
 
@@ -630,6 +629,13 @@ class Buffer:
                              f"the call was aborted): combine a handle before the dispatch two calls later")
         return slot
 
+    def _token_ids(self, T: int) -> torch.Tensor:
+        """`[T, 1]`: tokens 0..T-1 as the scale column's int32 bits (a view made once per T)."""
+        ids = self._ids_by_T.get(T)
+        if ids is None:
+            ids = self._ids_by_T[T] = self._ids[:T]
+        return ids
+
     def _scratch_buffers(self) -> dict:
         if self._scratch is None:
             cfg, dev = self._slots[0].a2a.cfg, self._slots[0].a2a.device
@@ -657,7 +663,8 @@ class Buffer:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
             raise ValueError(f"x: expected a [T, H] bfloat16 tensor, got "
                              f"{(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.shape[1] > 1 and x.stride(1) != 1:
+        T, H = x.shape
+        if H > 1 and x.stride(1) != 1:
             raise ValueError(f"x: expected last stride 1, got strides {x.stride()}")
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -665,9 +672,8 @@ class Buffer:
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
             raise ValueError(f"topk_idx: expected a [T, K] tensor, got "
                              f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
-        if x.shape[0] > num_max:
-            raise ValueError(f"x: {x.shape[0]} tokens > num_max_dispatch_tokens_per_rank ({num_max})")
-        H = x.shape[1]
+        if T > num_max:
+            raise ValueError(f"x: {T} tokens > num_max_dispatch_tokens_per_rank ({num_max})")
         if use_fp8 and not fp8_fits(H):
             raise ValueError(f"use_fp8=True needs an even hidden size >= 4 (its fp8 payload and scales travel in "
                              f"the bytes of a bf16 row), got hidden {H}")
@@ -684,7 +690,7 @@ class Buffer:
                              f"{(tuple(stats.shape), stats.dtype, str(stats.device)) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
 
     def _build(self, error: ValueError | None, sizes: tuple | None, x) -> None:
-        """The first call: build both instances, sized from its arguments, on every rank or on none.
+        """The first call: build both slots' bf16 instances, sized from its arguments, on every rank or on none.
 
         Every rank first sends its verdict on its own input and its sizes (one all-gather over the group):
         if any rank rejected its input, or the sizes differ, every rank raises (the rejecting rank its
@@ -730,7 +736,7 @@ class Buffer:
         options["device"] = torch.device(options["device"])
         if options["device"].type == "cuda" and options["device"].index is None:  # "cuda": the current one
             options["device"] = torch.device("cuda", torch.cuda.current_device())
-        if self.enable_shrink:  # one mask for both instances: a peer masked in one is skipped by the other
+        if self.enable_shrink:  # one mask for all instances: a peer masked in one is skipped by the others
             self._mask = RankMask(self.group_size, self.rank, options["device"])
             for r in sorted(self._pending_mask):
                 self._mask.set(r, True)
@@ -770,7 +776,7 @@ class Buffer:
                 a2a.close()
             raise
         for slot, a2a in zip(self._slots, built):
-            slot.add(True, a2a)
+            slot.instances[True] = a2a
 
 
 __all__ = ["topk_idx_t", "Buffer", "Config", "EventOverlap", "Handle"]

@@ -146,7 +146,7 @@ def check_fused(c: FusedCase) -> None:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=fused_cases())
 def test_fused_pack_writes_the_bytes_of_quantize_fp8_then_pack(case: FusedCase) -> None:
     check_fused(case)
@@ -176,7 +176,7 @@ def check_compact_rows(c: FusedCase) -> None:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=fused_cases())
 def test_fused_pack_into_rows_of_only_the_quantised_bytes_sends_the_same_bytes(case: FusedCase) -> None:
     check_compact_rows(case)
