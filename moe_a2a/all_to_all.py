@@ -420,8 +420,7 @@ class AllToAll:
         self.epoch += 1
         self._T, self._bound_m = x.shape[0], bound_m
         # A quantised call's rows hold fp8 bytes and scales only: the unpack copies just those.
-        self._copy_bytes = None if quantize is None else quantize.scale_offset_bytes + quantize.scale_bytes(
-            self.cfg.hidden_dim)
+        self._copy_bytes = None if quantize is None else quantize.row_bytes(self.cfg.hidden_dim)
         self._status.host_wait("dispatch_send", self.epoch)
         slot = self.route_slot[: x.shape[0]]
         if self.rank_mask is not None:  # routes to masked ranks' experts are not sent

@@ -1,6 +1,6 @@
 """The DeepEP facade's cost against `AllToAll` fed pre-quantised input, decode sizes, one node.
 
-    python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json] [--profile]
+    python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json] [--profile] [--interleave]
 
 One rank per GPU (N <= the GPUs here, default all), T=128 tokens, H=7168, 288 experts, top-8; every rank
 routes at random. Per variant, eager (one dispatch + combine pair, CUDA events around it) and one CUDA
@@ -10,6 +10,9 @@ per pair.
   wire: the quantisation is the facade's);
 - `a2a_prequantised`: `AllToAll.dispatch` of fp8 rows with their scales (quantised before, not timed) +
   `AllToAll.combine`.
+`--profile`: each variant's kernels by name (eager pairs) and by position in the graph (pack and unpack
+share a name). `--interleave`: eager pairs of the two variants alternated 3 x reps times (host noise hits
+both alike): median and 10th / 90th percentiles.
 """
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ import os
 import socket
 
 import torch
-from _timing import median_us
+from _timing import kernel_positions, median_us
 
 T, H, E, K = 128, 7168, 288, 8
 
 
-def _rank(rank: int, n: int, port: int, reps: int, profile: bool, queue) -> None:
+def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bool, queue) -> None:
     import torch.distributed as dist
 
     from moe_a2a import A2AConfig, AllToAll
@@ -61,7 +64,8 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, queue) -> None
         a2a.dispatch(num, ex, exs, xq, xs, idx)
         a2a.combine(out, idx, w, y)
 
-    for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):
+    pairs = (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair))
+    for name, pair in pairs:
         dist.barrier()
         eager = median_us(pair, reps)
         dist.barrier()
@@ -71,6 +75,24 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, queue) -> None
             pair()
         graph_us = median_us(graph.replay, reps) / 2
         results[name] = {"eager_us_per_pair": round(eager, 1), "graph_us_per_pair": round(graph_us, 1)}
+        if profile:
+            results[name]["graph_kernels_in_order"] = kernel_positions(graph.replay)
+    if interleave:
+        times = {name: [] for name, _ in pairs}
+        dist.barrier()
+        for i in range(3 * reps):
+            for name, pair in (pairs if i % 2 else pairs[::-1]):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                pair()
+                b.record()
+                b.synchronize()
+                times[name].append(a.elapsed_time(b) * 1e3)
+        for name, t in times.items():
+            t.sort()
+            results[name]["interleaved_eager_us"] = {"median": round(t[len(t) // 2], 1),
+                                                     "p10": round(t[len(t) // 10], 1),
+                                                     "p90": round(t[9 * len(t) // 10], 1)}
     if profile:  # the kernels of one eager pair of each variant, by GPU time (where the difference goes)
         for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):
             torch.cuda.synchronize()
@@ -93,6 +115,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="also list each variant's kernels (torch profiler)")
+    ap.add_argument("--interleave", action="store_true", help="also time eager pairs of the variants alternated")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -101,7 +124,7 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, args.profile, queue)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, args.profile, args.interleave, queue)) for r in range(args.ranks)]
     for p in procs:
         p.start()
     got = dict(queue.get(timeout=600) for _ in procs)

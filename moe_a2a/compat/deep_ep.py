@@ -156,7 +156,7 @@ def fp8_scale_offset(hidden: int) -> int:
 
 def fp8_payload_bytes(hidden: int) -> int:
     """Bytes of an fp8 call's row: fp8 payload, then fp32 scales (UE8M0 codes take fewer)."""
-    return fp8_scale_offset(hidden) + 4 * ceil_div(hidden, FP8_BLOCK)
+    return _fp8_quantize(hidden, False, False).row_bytes(hidden)
 
 
 @functools.lru_cache(maxsize=None)

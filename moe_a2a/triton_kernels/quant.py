@@ -229,6 +229,10 @@ class Fp8Quantize:
         """Bytes of a row's scales: 4 per block, or with ue8m0 4 per four blocks (one byte per block)."""
         return 4 * ceil_div(self.num_scales(hidden), 4) if self.ue8m0 else 4 * self.num_scales(hidden)
 
+    def row_bytes(self, hidden: int) -> int:
+        """Bytes of a row it writes, from byte 0 to the end of the scales."""
+        return self.scale_offset_bytes + self.scale_bytes(hidden)
+
 
 # The pack's tile holds whole scale blocks (one tile row per block): at most this many elements each.
 MAX_FUSED_BLOCK = 4096
@@ -263,7 +267,7 @@ def check_fused_quantize(name: str, value, cfg: A2AConfig) -> Fp8Quantize | None
     if isinstance(offset, bool) or not isinstance(offset, int) or offset % 4 or offset < H:
         check.fail(f"{name}.scale_offset_bytes", f"a multiple of 4 >= hidden_dim ({H}: the scales follow the fp8 "
                    f"payload)", repr(offset))
-    end = offset + value.scale_bytes(H)
+    end = value.row_bytes(H)
     if end > cfg.x_bytes:
         check.fail(name, f"fp8 payload and scales within a row's {cfg.x_bytes} payload bytes (H={H} x "
                    f"{cfg.in_dtype.itemsize})", f"scales at [{offset}, {end}) (block {block}"

@@ -54,7 +54,7 @@ class FusedCase:
 
 def _fits(c: FusedCase) -> bool:
     q = c.quantize
-    return q.scale_offset_bytes + q.scale_bytes(c.H) <= c.H * c.dtype.itemsize
+    return q.row_bytes(c.H) <= c.H * c.dtype.itemsize
 
 
 @st.composite
@@ -129,7 +129,7 @@ def check_fused(c: FusedCase) -> None:
     # Which bytes of a slot's payload the fused pack writes: the fp8 bytes and the scales.
     written = torch.zeros(cfg.dispatch_stride_bytes, dtype=torch.bool)
     written[:c.H] = True
-    written[q.scale_offset_bytes:q.scale_offset_bytes + q.scale_bytes(c.H)] = True
+    written[q.scale_offset_bytes:q.row_bytes(c.H)] = True
     written[cfg.x_bytes:] = True  # the config's scale column and the row's tail: as the plain pack
     want = plain.clone()
     sd = cfg.dispatch_stride_bytes
@@ -156,7 +156,7 @@ def check_compact_rows(c: FusedCase) -> None:
     """A config whose rows carry just the quantised bytes (`A2AConfig.payload_bytes`) gets, in every
     slot at its narrower stride, the same fp8 bytes, scales and scale column as the whole-row config."""
     q = c.quantize
-    cfg_c = replace(c.cfg, payload_bytes=q.scale_offset_bytes + q.scale_bytes(c.H))
+    cfg_c = replace(c.cfg, payload_bytes=q.row_bytes(c.H))
     _, wide, cfg, slot, world = _pack_both(replace(c, split=False))
     x, idx, ids = _inputs(c)
     narrow_world = SimWorld.create(cfg_c, world_size=1, node_size=1, device=DEVICE)
@@ -164,7 +164,7 @@ def check_compact_rows(c: FusedCase) -> None:
                           narrow_world.send_bytes[0], cfg_c, bound_m=bound_tensor(c.bound_m, DEVICE), quantize=q)
     narrow = narrow_world.arena.cpu()
     assert cfg_c.dispatch_stride_bytes <= cfg.dispatch_stride_bytes
-    used = q.scale_offset_bytes + q.scale_bytes(c.H)
+    used = q.row_bytes(c.H)
     for j in range(int((slot >= 0).sum())):
         w0 = world.send_bytes[0] + j * cfg.dispatch_stride_bytes
         n0 = narrow_world.send_bytes[0] + j * cfg_c.dispatch_stride_bytes
