@@ -212,6 +212,10 @@ class _Slot:
         """Make the instance of this slot's next call `a2a`."""
         self.a2a = self.instances[use_fp8 if use_fp8 in self.instances else False]
 
+    def free(self) -> None:
+        """The call ended (an exception in one of its halves ends it on every rank): the slot is free."""
+        self.state, self.combine_args = _FREE, None
+
 
 class Buffer:
     """DeepEP's `Buffer` for the low-latency path, over `moe_a2a.AllToAll`.
@@ -261,6 +265,7 @@ class Buffer:
         self._ids = None      # [num_max, 1] float32 view of int32 0..num_max-1: the token-index column
         self._ids_by_T: dict[int, torch.Tensor] = {}
         self._scratch = None  # what a combine of nothing sends and receives
+        self._y_last, self._y_rows = None, None  # _rows_of's last tensor and its view
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
         self._closed = False
         if self.enable_shrink:
@@ -315,13 +320,12 @@ class Buffer:
         use_ue8m0); recv_count int32 `[L]`; a `Handle`; an `EventOverlap` (without an event unless
         `async_finish` on a GPU); the hook or None.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         error, sizes = None, None
         try:
-            if kwargs.get("dispatch_wait_recv_cost_stats") is not None:
-                raise ValueError("dispatch_wait_recv_cost_stats: not measured by moe_a2a's DeepEP facade "
-                                 "(docs/compat.md)")
-            self._refuse_unknown(kwargs, ("dispatch_wait_recv_cost_stats",))
+            if kwargs:
+                self._refuse_kwargs(kwargs, "dispatch_wait_recv_cost_stats")
             sizes = self._sizes(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
         except ValueError as exc:
             error = exc
@@ -338,7 +342,8 @@ class Buffer:
         index, self._next = self._next, self._next ^ 1
         self._calls += 1  # every rank counts every call, aborted ones included
         slot = self._slots[index]
-        self._retire(slot)  # the slot's previous call, if it was left unfinished
+        if slot.state != _FREE:
+            self._retire(slot)  # the slot's previous call, if it was left unfinished
         use_fp8 = bool(use_fp8)
         if use_fp8 and True not in slot.instances and not self.enable_shrink and fp8_fits(self._key[3]):
             self._build_fp8()  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
@@ -347,19 +352,23 @@ class Buffer:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
             slot.a2a.abort(str(error))
-        T = x.shape[0]
-        if error is None and topk_idx.shape[1] < self._key[2]:
+        T, H = x.shape
+        if sizes[2] < self._key[2]:
             topk_idx = _pad_routes(topk_idx, self._key[2], -1)
         ue8m0 = use_fp8 and bool(use_ue8m0)
         # fp8: the pack quantises x straight into the rows it sends (fp8 bytes, then the scales).
-        quantize = _fp8_quantize(x.shape[1], bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
+        quantize = _fp8_quantize(H, bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
         slot.call, slot.T, slot.payload, slot.quantize = self._calls, T, x, quantize
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
-        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids(T), topk_idx,
-                                                  do_recv=not return_recv_hook, quantize=quantize,
-                                                  out_source_ranges=slot.layout_range))
-        slot.state = _DISPATCH_SENT
-        if not return_recv_hook:
+        try:
+            slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids(T), topk_idx,
+                              do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range)
+        except BaseException:
+            slot.free()
+            raise
+        if return_recv_hook:
+            slot.state = _DISPATCH_SENT
+        else:
             self._received(slot)
         if use_fp8:
             f = slot.fp8
@@ -370,7 +379,7 @@ class Buffer:
         handle = Handle(slot.src_info, slot.layout_range, cfg.max_num_tokens, cfg.hidden_dim, cfg.num_experts,
                         index, slot.call, T)
         hook = self._hook(slot, slot.call, self._receive_dispatch) if return_recv_hook else None
-        return recv_x, slot.num, handle, self._event(async_finish, slot), hook
+        return recv_x, slot.num, handle, self._event(slot) if async_finish else EventOverlap(), hook
 
     # ---- combine ----------------------------------------------------------------------------
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
@@ -393,13 +402,16 @@ class Buffer:
         Returns `(combined_x, event, hook)`: combined_x `[T, H]` bfloat16 (valid once the hook ran when
         `return_recv_hook`), an `EventOverlap`, the hook or None.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         slot = self._slot_of(handle)
         K = slot.a2a.cfg.experts_per_token  # shrink mode's buffers are built for top-k 8: pad fewer
-        if isinstance(topk_idx, torch.Tensor) and isinstance(topk_weights, torch.Tensor) and topk_idx.dim() == 2 \
-                and topk_weights.dim() == 2 and topk_idx.shape[1] < K and topk_weights.shape[1] == topk_idx.shape[1]:
+        if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[1] < K \
+                and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
+                and topk_weights.shape[1] == topk_idx.shape[1]:
             topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
-        self._settle(slot)
+        if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
+            self._settle(slot)
         if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
                                                       self._token_ids(slot.T), topk_idx, quantize=slot.quantize,
@@ -411,10 +423,8 @@ class Buffer:
         if out is None:
             out = torch.empty(slot.T, cfg.hidden_dim, dtype=torch.bfloat16, device=a2a.device)
         try:
-            if kwargs.get("combine_wait_recv_cost_stats") is not None:
-                raise ValueError("combine_wait_recv_cost_stats: not measured by moe_a2a's DeepEP facade "
-                                 "(docs/compat.md)")
-            self._refuse_unknown(kwargs, ("combine_wait_recv_cost_stats",))
+            if kwargs:
+                self._refuse_kwargs(kwargs, "combine_wait_recv_cost_stats")
             if use_logfmt:
                 raise ValueError("use_logfmt=True: LogFMT-compressed combine is not supported by moe_a2a's DeepEP "
                                  "facade (docs/compat.md)")
@@ -425,7 +435,7 @@ class Buffer:
                 y = slot.combine_buf
             else:
                 y = x
-                if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != torch.bfloat16 \
+                if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != torch.bfloat16 \
                         or x.device != a2a.device:
                     raise ValueError(f"x: expected {list(shape)} bfloat16 expert outputs on {a2a.device}, got "
                                      f"{(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -433,12 +443,16 @@ class Buffer:
                 check_combine_recv(cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
         except ValueError as exc:
             self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
-        expert_y = y.contiguous().view(-1, cfg.hidden_dim)
+        expert_y = self._rows_of(y)
         slot.combine_args = (out, topk_idx, topk_weights, expert_y)
-        self._run(slot, lambda: a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook))
+        try:
+            a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)
+        except BaseException:
+            slot.free()
+            raise
         slot.state = _COMBINE_SENT if return_recv_hook else _COMBINED
         hook = self._hook(slot, slot.call, self._receive_combine) if return_recv_hook else None
-        return out, self._event(async_finish, slot), hook
+        return out, self._event(slot) if async_finish else EventOverlap(), hook
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """The `[L, C, H]` bfloat16 buffer that `low_latency_combine(..., zero_copy=True)` sends from, for
@@ -561,12 +575,23 @@ class Buffer:
     # ---- the calls of a slot ------------------------------------------------------------------
     def _run(self, slot: _Slot, half) -> None:
         """One half of the slot's `AllToAll` call. An exception ends the call (on every rank, for the
-        ValueError, CallAborted and CapacityExceeded that leave the instance usable): the slot is free."""
+        ValueError, CallAborted and CapacityExceeded that leave the instance usable): the slot is free.
+        (low_latency_dispatch and low_latency_combine inline this for their own halves.)"""
         try:
             half()
         except BaseException:
-            slot.state, slot.combine_args = _FREE, None
+            slot.free()
             raise
+
+    def _rows_of(self, y: torch.Tensor) -> torch.Tensor:
+        """`[L, C, H]` expert outputs as the `[L*C, H]` rows `AllToAll.combine` takes (the view of the
+        last contiguous tensor is kept: engines pass the same buffer every step)."""
+        if y is self._y_last and y.is_contiguous() and y.data_ptr() == self._y_rows.data_ptr():
+            return self._y_rows
+        rows = y.contiguous().view(-1, y.shape[-1])
+        if rows.data_ptr() == y.data_ptr():  # a view, not a copy: safe to keep
+            self._y_last, self._y_rows = y, rows
+        return rows
 
     @staticmethod
     def _received(slot: _Slot) -> None:
@@ -596,7 +621,8 @@ class Buffer:
     def _retire(self, slot: _Slot) -> None:
         """Before the slot's next dispatch: finish its call. A dispatch never combined gets a combine of
         nothing (zero weights into scratch rows: every rank does it, as every rank skipped that combine)."""
-        self._settle(slot)
+        if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
+            self._settle(slot)
         if slot.state == _DISPATCHED:
             s = self._scratch_buffers()
             T = slot.T
@@ -613,8 +639,10 @@ class Buffer:
             receive(slot)
         return hook
 
-    def _event(self, async_finish: bool, slot: _Slot) -> EventOverlap:
-        if async_finish and slot.a2a.device.type == "cuda":
+    @staticmethod
+    def _event(slot: _Slot) -> EventOverlap:
+        """async_finish: an event recorded on the current stream after the call (none on a CPU)."""
+        if slot.a2a.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(slot.a2a.device))
             return EventOverlap(event)
@@ -647,8 +675,11 @@ class Buffer:
 
     # ---- checks -------------------------------------------------------------------------------
     @staticmethod
-    def _refuse_unknown(kwargs: dict, known: tuple) -> None:
-        unknown = [k for k in kwargs if k not in known]
+    def _refuse_kwargs(kwargs: dict, stats_name: str) -> None:
+        """DeepEP's wait-cost statistics (`stats_name`) are not measured; other names are unknown."""
+        if kwargs.get(stats_name) is not None:
+            raise ValueError(f"{stats_name}: not measured by moe_a2a's DeepEP facade (docs/compat.md)")
+        unknown = [k for k in kwargs if k != stats_name]
         if unknown:
             raise ValueError(f"unexpected arguments {unknown}")
 
@@ -666,9 +697,10 @@ class Buffer:
         T, H = x.shape
         if H > 1 and x.stride(1) != 1:
             raise ValueError(f"x: expected last stride 1, got strides {x.stride()}")
-        for name, value in (("num_max_dispatch_tokens_per_rank", num_max), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: expected an int, got {value!r}")
+        if type(num_max) is not int or type(num_experts) is not int:
+            for name, value in (("num_max_dispatch_tokens_per_rank", num_max), ("num_experts", num_experts)):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"{name}: expected an int, got {value!r}")
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
             raise ValueError(f"topk_idx: expected a [T, K] tensor, got "
                              f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")

@@ -225,7 +225,7 @@ def _unpack_dispatched_tokens_kernel(
     P: tl.constexpr,                    # private rows per source
     PRIVATE_OFFSET_BYTES: tl.constexpr,
     HEADER_ROWS: tl.constexpr,          # rows before each source's private rows (its count row)
-    X_WORDS: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+    X_WORDS: tl.constexpr, S: tl.constexpr,
     SCALE_OFFSET_BYTES: tl.constexpr, SD_BYTES: tl.constexpr,
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -321,17 +321,9 @@ def _unpack_dispatched_tokens_kernel(
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
         d.copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
-        if HAS_SCALES and S == 1:  # one word per row (the DeepEP facade's token index): 1-D, 3 us less
-            src_scale = (src_bytes + SCALE_OFFSET_BYTES) // 4  # than a [BLOCK_R, 1] tile on the H200
-            tl.store(out_scale_ptr + out_row * stride_out_scale_r, tl.load(base_i32 + src_scale, mask=is_row),
-                     mask=is_row)
-        elif HAS_SCALES:
-            s_cols = tl.arange(0, S_PAD)
-            mask = is_row[:, None] & (s_cols < S)[None, :]
-            src_scale = (src_bytes + SCALE_OFFSET_BYTES) // 4
-            v = tl.load(base_i32 + src_scale[:, None] + s_cols[None, :], mask=mask)
-            tl.store(out_scale_ptr + out_row[:, None] * stride_out_scale_r
-                     + s_cols[None, :] * stride_out_scale_s, v, mask=mask)
+        if HAS_SCALES:  # in the payload's tile shape (copy_row_columns says why)
+            d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
+                               out_row * stride_out_scale_r, stride_out_scale_s, is_row, S, BLOCK_W)
 
 
 # ================================================================================================
@@ -553,7 +545,7 @@ def unpack_tokens_by_expert(
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, P=layout.private_rows, PRIVATE_OFFSET_BYTES=layout.private_offset_bytes,
         HEADER_ROWS=layout.header_rows,
-        X_WORDS=copy_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
+        X_WORDS=copy_words, S=S,
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
