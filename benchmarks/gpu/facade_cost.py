@@ -1,6 +1,7 @@
 """The DeepEP facade's cost against `AllToAll` fed pre-quantised input, decode sizes, one node.
 
     python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json] [--profile] [--interleave]
+                                          [--host-split]
 
 One rank per GPU (N <= the GPUs here, default all), T=128 tokens, H=7168, 288 experts, top-8; every rank
 routes at random. Per variant, eager (one dispatch + combine pair, CUDA events around it) and one CUDA
@@ -12,7 +13,10 @@ per pair.
   `AllToAll.combine`.
 `--profile`: each variant's kernels by name (eager pairs) and by position in the graph (pack and unpack
 share a name). `--interleave`: eager pairs of the two variants alternated 3 x reps times (host noise hits
-both alike): median and 10th / 90th percentiles.
+both alike): median and 10th / 90th percentiles. `--host-split`: the host time of each half (a sync after
+each pair, so no launch-queue waits), 2 x reps pairs alternated, for the two variants and for
+`facade_instances_direct`, the facade's own `AllToAll` instances called with the arguments the facade gives
+them: facade_fp8 minus it is the facade's own Python.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import argparse
 import json
 import os
 import socket
+import statistics
+import time
 
 import torch
 from _timing import kernel_positions, median_us
@@ -27,7 +33,8 @@ from _timing import kernel_positions, median_us
 T, H, E, K = 128, 7168, 288, 8
 
 
-def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bool, queue) -> None:
+def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bool, host_split: bool,
+          queue) -> None:
     import torch.distributed as dist
 
     from moe_a2a import A2AConfig, AllToAll
@@ -93,6 +100,44 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
             results[name]["interleaved_eager_us"] = {"median": round(t[len(t) // 2], 1),
                                                      "p10": round(t[len(t) // 10], 1),
                                                      "p90": round(t[9 * len(t) // 10], 1)}
+    if host_split:
+        from moe_a2a.compat.deep_ep import _fp8_quantize
+
+        quantize, turn = _fp8_quantize(H, False, False), {}
+        y_rows = y_facade.view(-1, H)
+
+        def direct_dispatch():  # what low_latency_dispatch(use_fp8=True) calls, in the slots' order
+            slot = buf._slots[buf._next]
+            buf._next ^= 1
+            turn["slot"] = slot
+            slot.instances[True].dispatch(slot.num, slot.ex, slot.exs, x, buf._token_ids(T), idx, quantize=quantize,
+                                          out_source_ranges=slot.layout_range)
+
+        halves = {
+            "facade_fp8": (lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[2],
+                           lambda handle: buf.low_latency_combine(y_facade, idx, w, handle, out=out)),
+            "facade_instances_direct": (direct_dispatch,
+                                        lambda _: turn["slot"].instances[True].combine(out, idx, w, y_rows)),
+            "a2a_prequantised": (lambda: a2a.dispatch(num, ex, exs, xq, xs, idx),
+                                 lambda _: a2a.combine(out, idx, w, y)),
+        }
+        host = {name: ([], []) for name in halves}
+        order = list(halves)
+        dist.barrier()
+        for i in range(2 * reps):
+            for name in (order if i % 2 else order[::-1]):
+                dispatch, combine = halves[name]
+                t0 = time.perf_counter()
+                handle = dispatch()
+                t1 = time.perf_counter()
+                combine(handle)
+                t2 = time.perf_counter()
+                torch.cuda.synchronize()
+                host[name][0].append((t1 - t0) * 1e6)
+                host[name][1].append((t2 - t1) * 1e6)
+        for name, (d_us, c_us) in host.items():
+            results.setdefault(name, {})["host_us"] = {"dispatch": round(statistics.median(d_us), 1),
+                                                       "combine": round(statistics.median(c_us), 1)}
     if profile:  # the kernels of one eager pair of each variant, by GPU time (where the difference goes)
         for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):
             torch.cuda.synchronize()
@@ -116,6 +161,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="also list each variant's kernels (torch profiler)")
     ap.add_argument("--interleave", action="store_true", help="also time eager pairs of the variants alternated")
+    ap.add_argument("--host-split", action="store_true", help="also the host time of each half, per variant")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -124,7 +170,8 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, args.profile, args.interleave, queue)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, args.profile, args.interleave,
+                                             args.host_split, queue)) for r in range(args.ranks)]
     for p in procs:
         p.start()
     got = dict(queue.get(timeout=600) for _ in procs)
