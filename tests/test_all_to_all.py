@@ -109,6 +109,22 @@ def test_skew_and_duplicates_and_empty_ranks(cluster):
     assert check_against_reference(cfg, results) == []
 
 
+def _scale_rows(a2a, rank):
+    _, ex, exs = a2a.empty_dispatch_outputs()
+    return ex.shape[0], None if exs is None else (tuple(exs.shape), exs.stride(), exs.data_ptr() % 64)
+
+
+def test_empty_dispatch_outputs_scale_rows_are_64_byte_aligned(cluster):
+    """The unpack's scale stores vectorise into rows whose stride is a multiple of 16 words."""
+    cfg, c, cl = cluster
+    for rows, scales in cl.run(_scale_rows):
+        if not cfg.has_scales:
+            assert scales is None
+            continue
+        shape, stride, misalign = scales
+        assert shape == (rows, cfg.num_scales) and stride[1] == 1 and stride[0] % 16 == 0 and misalign == 0
+
+
 def _split_with_work_between(a2a, rank, seed):
     """Send halves, unrelated work, receive halves: must equal one full call (the reference)."""
     cfg, dev = a2a.cfg, a2a.device
