@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import fingerprint
-from .config import A2AConfig, Layout, round_up
+from .config import A2AConfig, Layout
 from .protocol.segment import ShardWords
 from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
 from .proxy import emulated
@@ -214,16 +214,16 @@ class AllToAll:
     def empty_dispatch_outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`(out_expert_num_tokens int32[L], out_expert_x [max_rows, H] in_dtype,
         out_expert_x_scale [max_rows, num_scales] float32 | None)` on this rank's device, sized for
-        the worst case (`Layout.max_dispatch_rows`). The scales' rows are 64-byte aligned (row stride a
-        multiple of 16): the unpack then writes them with vector stores (H200: 10 µs, not 12.5, at decode)."""
+        the worst case (`Layout.max_dispatch_rows`). The scales' rows are 64-byte aligned (row stride
+        `cfg.scale_row_words`): the unpack then writes them with vector stores (H200: 10 µs, not 12.5, at
+        decode)."""
         cfg, lay = self.cfg, self.layout
         rows = lay.max_dispatch_rows
         num = torch.zeros(lay.num_local_experts, dtype=torch.int32, device=self.device)
         x = torch.zeros(rows, cfg.hidden_dim, dtype=cfg.in_dtype, device=self.device)
         xs = None
         if cfg.has_scales:
-            xs = torch.zeros(rows, round_up(cfg.num_scales, 16), dtype=torch.float32, device=self.device)
-            xs = xs[:, :cfg.num_scales]
+            xs = torch.zeros(rows, cfg.scale_row_words, dtype=torch.float32, device=self.device)[:, :cfg.num_scales]
         return num, x, xs
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, x, x_scale, indices,

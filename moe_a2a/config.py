@@ -199,6 +199,13 @@ class A2AConfig:
         return self.num_scales * 4
 
     @cached_property
+    def scale_row_words(self) -> int:
+        """Row stride (fp32 words) of received scales as `AllToAll.empty_dispatch_outputs` allocates them:
+        num_scales rounded up to 16, so that every row starts 64-byte aligned and the unpack's scale
+        stores vectorise (docs/perf-notes.md)."""
+        return round_up(self.num_scales, 16)
+
+    @cached_property
     def dispatch_scale_offset_bytes(self) -> int:
         """Where a slot's fp32 scales start: right after the payload, 16-byte aligned."""
         return round_up(self.x_bytes, ROW_ALIGN_BYTES)

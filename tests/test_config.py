@@ -22,6 +22,9 @@ def test_decode_sizes_match_the_design():
 def test_strides_are_16_byte_aligned_for_odd_sizes():
     cfg = A2AConfig(hidden_dim=7, in_dtype=torch.float8_e4m3fn, scale_block=3, out_dtype=torch.float16)
     assert cfg.num_scales == 3
+    assert cfg.scale_row_words == 16  # received scale rows 64-byte aligned
+    assert A2AConfig(in_dtype=torch.float8_e4m3fn).scale_row_words == 64  # 56 scales
+    assert A2AConfig().scale_row_words == 0  # bf16: no scales
     assert cfg.dispatch_scale_offset_bytes % 16 == 0 and cfg.dispatch_stride_bytes % 16 == 0
     assert cfg.combine_stride_bytes == 16
 

@@ -169,7 +169,7 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     rows = [int(c[:, :L].sum()) for c in counts_dev]
     num, ex, exs = (torch.zeros(L, dtype=torch.int32, device=device),
                     torch.empty(max_rows, H, dtype=cfg.in_dtype, device=device),
-                    torch.empty(max_rows, cfg.num_scales, dtype=torch.float32, device=device))
+                    torch.empty(max_rows, cfg.scale_row_words, dtype=torch.float32, device=device)[:, :cfg.num_scales])
     ey = torch.randn(max_rows, H, device=device, dtype=torch.bfloat16).to(cfg.out_dtype)
     slots = [routing.route_tokens(s[2], cfg.num_experts)[1] for s in sets]
     out = torch.empty(T, H, dtype=cfg.out_dtype, device=device)
