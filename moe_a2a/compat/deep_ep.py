@@ -265,7 +265,6 @@ class Buffer:
         self._ids = None      # [num_max, 1] float32 view of int32 0..num_max-1: the token-index column
         self._ids_by_T: dict[int, torch.Tensor] = {}
         self._scratch = None  # what a combine of nothing sends and receives
-        self._y_last, self._y_rows = None, None  # _rows_of's last tensor and its view
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
         self._closed = False
         if self.enable_shrink:
@@ -443,7 +442,7 @@ class Buffer:
                 check_combine_recv(cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
         except ValueError as exc:
             self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
-        expert_y = self._rows_of(y)
+        expert_y = y.contiguous().view(-1, cfg.hidden_dim)
         slot.combine_args = (out, topk_idx, topk_weights, expert_y)
         try:
             a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)
@@ -582,16 +581,6 @@ class Buffer:
         except BaseException:
             slot.free()
             raise
-
-    def _rows_of(self, y: torch.Tensor) -> torch.Tensor:
-        """`[L, C, H]` expert outputs as the `[L*C, H]` rows `AllToAll.combine` takes (the view of the
-        last contiguous tensor is kept: engines pass the same buffer every step)."""
-        if y is self._y_last and y.is_contiguous() and y.data_ptr() == self._y_rows.data_ptr():
-            return self._y_rows
-        rows = y.contiguous().view(-1, y.shape[-1])
-        if rows.data_ptr() == y.data_ptr():  # a view, not a copy: safe to keep
-            self._y_last, self._y_rows = y, rows
-        return rows
 
     @staticmethod
     def _received(slot: _Slot) -> None:

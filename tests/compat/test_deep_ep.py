@@ -590,22 +590,3 @@ def test_profiler_names_one_dispatch_and_one_combine_symbol():
                              text=True, check=True).stdout.split()
         assert out == ["moe_a2a::dispatch()", "moe_a2a::combine()"], out
 
-
-def test_the_expert_output_view_is_kept_only_while_it_is_a_view_of_the_same_tensor():
-    """low_latency_combine keeps the [L*C, H] view of the last expert outputs (engines pass one buffer per
-    step): a new tensor, one written in place, or a non-contiguous one (copied, never kept) reads right."""
-    from moe_a2a.compat.deep_ep import Buffer
-
-    buf = Buffer.__new__(Buffer)  # _rows_of needs no instances
-    buf._y_last = buf._y_rows = None
-    y = torch.arange(24.0).view(2, 3, 4)
-    rows = buf._rows_of(y)
-    assert rows.shape == (6, 4) and rows.data_ptr() == y.data_ptr()
-    assert buf._rows_of(y) is rows
-    y.add_(1)
-    assert torch.equal(buf._rows_of(y), y.reshape(6, 4))
-    strided = torch.arange(24.0).view(4, 3, 2).transpose(0, 2)  # [2, 3, 4], not contiguous
-    assert torch.equal(buf._rows_of(strided), strided.reshape(6, 4))
-    assert buf._y_last is y  # the copy was not kept
-    other = torch.zeros(2, 3, 4)
-    assert buf._rows_of(other).data_ptr() == other.data_ptr() and buf._y_last is other
