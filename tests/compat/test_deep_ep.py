@@ -589,4 +589,3 @@ def test_profiler_names_one_dispatch_and_one_combine_symbol():
         out = subprocess.run(["c++filt", _launch.DISPATCH_SYMBOL, _launch.COMBINE_SYMBOL], capture_output=True,
                              text=True, check=True).stdout.split()
         assert out == ["moe_a2a::dispatch()", "moe_a2a::combine()"], out
-
