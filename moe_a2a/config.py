@@ -21,7 +21,7 @@ W*T*K rows (duplicates included).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,22 @@ def _dtypes():
 
     fp8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
     return fp8, fp8 + (torch.bfloat16, torch.float16, torch.float32), (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _cached_hash(self) -> int:
+    """The hash of a frozen config, computed once: configs key every remembered kernel launch, on every
+    call, and hashing a tuple of a dozen fields costs ~1 µs. Equal configs hash alike (the compared
+    fields, as dataclass's own hash)."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+        self.__dict__["_hash"] = h  # not through the frozen __setattr__
+    return h
+
+
+def _state_without_hash(self) -> dict:
+    """Pickled state without the cached hash: a str field hashes differently in another process."""
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -96,6 +112,8 @@ class A2AConfig:
             fp8 bytes and scales, about half a bf16 row, so rows are packed, sent and unpacked at half
             the stride. A dispatch without `quantize` is refused by such an instance.
     """
+
+    __hash__, __getstate__ = _cached_hash, _state_without_hash
 
     max_num_tokens: int = 128
     num_experts: int = 256
@@ -240,6 +258,8 @@ class Layout:
 
     Plain ints only (no torch), so the proxy process can receive it without importing torch.
     Build it with `A2AConfig.layout(world_size, node_size)`."""
+
+    __hash__, __getstate__ = _cached_hash, _state_without_hash
 
     world_size: int
     node_size: int

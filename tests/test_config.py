@@ -147,3 +147,24 @@ def test_payload_bytes_narrows_the_dispatch_rows_and_is_validated():
     for bad in (0, 6, 14340, True, 7392.0, "7392"):
         with pytest.raises(ValueError, match="payload_bytes"):
             A2AConfig(hidden_dim=7168, in_dtype=torch.bfloat16, payload_bytes=bad)
+
+
+def test_hash_is_cached_per_config_and_left_out_of_pickles():
+    # Launch keys hash the config on every call: equal configs must still hash alike, and the cached
+    # hash of a str field ("auto") must not travel to a process whose str hashes differ.
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    a, b = A2AConfig(hidden_dim=1024), A2AConfig(hidden_dim=1024)
+    assert a == b and hash(a) == hash(b) and a.__dict__["_hash"] == hash(a)
+    assert hash(dataclasses.replace(a, hidden_dim=2048)) != hash(a)
+    assert {a: 1}[b] == 1 and {a.layout(4): 1}[b.layout(4)] == 1
+    blob = pickle.dumps(a)
+    assert "_hash" not in pickle.loads(blob).__dict__
+    code = ("import pickle, sys; from moe_a2a.config import A2AConfig; c = pickle.loads(sys.stdin.buffer.read()); "
+            "print({A2AConfig(hidden_dim=1024): 'hit'}.get(c, 'miss'))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONHASHSEED": "0"})  # this one: random
+    assert out.stdout.decode().strip() == "hit", out.stderr.decode()[-2000:]

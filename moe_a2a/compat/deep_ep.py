@@ -333,9 +333,9 @@ class Buffer:
         elif error is None and sizes != self._key and not (self.enable_shrink and _fits(sizes, self._key)):
             error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
                                f"num_experts, top-k, hidden) = {self._key}; got {sizes}: use another Buffer")
-        if error is None:
+        if error is None and cumulative_local_expert_recv_stats is not None:  # x's device: AllToAll checks it
             try:
-                self._check_on_device(x, cumulative_local_expert_recv_stats)
+                self._check_stats(cumulative_local_expert_recv_stats)
             except ValueError as exc:
                 error = exc
         index, self._next = self._next, self._next ^ 1
@@ -700,13 +700,11 @@ class Buffer:
                              f"the bytes of a bf16 row), got hidden {H}")
         return (num_max, num_experts, topk_idx.shape[1], H)
 
-    def _check_on_device(self, x, stats) -> None:
+    def _check_stats(self, stats) -> None:
         a2a = self._slots[0].a2a
-        if x.device != a2a.device:
-            raise ValueError(f"x: expected device {a2a.device}, got {x.device}")
         L = a2a.layout.num_local_experts
-        if stats is not None and (not isinstance(stats, torch.Tensor) or tuple(stats.shape) != (L,)
-                                  or stats.dtype not in (torch.int32, torch.int64) or stats.device != a2a.device):
+        if (not isinstance(stats, torch.Tensor) or tuple(stats.shape) != (L,)
+                or stats.dtype not in (torch.int32, torch.int64) or stats.device != a2a.device):
             raise ValueError(f"cumulative_local_expert_recv_stats: expected an int32 [{L}] tensor on {a2a.device}, got "
                              f"{(tuple(stats.shape), stats.dtype, str(stats.device)) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
 

@@ -344,7 +344,7 @@ def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works(
 
 def _bad_calls(a2a, rank):
     """Refusals: the first call's on every rank (nothing built), then one rank's bad statistics tensor
-    (dispatch), use_logfmt, zero_copy with nothing written (combine), a stale handle (every rank, nothing
+    and one rank's x on another device (dispatch), use_logfmt, zero_copy with nothing written (combine), a stale handle (every rank, nothing
     sent); a good call after each."""
     from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
@@ -380,6 +380,8 @@ def _bad_calls(a2a, rank):
         stats = torch.zeros(E // 2, dtype=torch.float32 if rank == 1 else torch.int32, device=dev)
         attempt(lambda: buf.low_latency_dispatch(x, idx, T_MAX, E, cumulative_local_expert_recv_stats=stats))
         good()
+        attempt(lambda: buf.low_latency_dispatch(x.to("meta") if rank == 0 else x, idx, T_MAX, E))
+        good()
         for bad in ({"use_logfmt": rank == 1}, {"zero_copy": rank == 0}):
             _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
             attempt(lambda: buf.low_latency_combine(zeros(), idx, w, handle, **bad))
@@ -401,15 +403,16 @@ def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
         got = cl.run(_bad_calls)
     for r in range(2):
         seen = got[r]
-        assert len(seen) == 13, seen
+        assert len(seen) == 15, seen
         assert seen[0].startswith("ValueError: unexpected arguments ['bogus']"), seen[0]
         assert seen[1].startswith("ValueError: dispatch_wait_recv_cost_stats: not measured"), seen[1]
         assert seen[2].startswith("ValueError: x: expected a [T, H] bfloat16"), seen[2]
         assert all("the Buffer's first, on every rank" in e for e in seen[:3]), seen[:3]
-        assert seen[11].startswith("ValueError: handle: call") and "is over" in seen[11], seen[11]
+        assert seen[13].startswith("ValueError: handle: call") and "is over" in seen[13], seen[13]
     # One rank's refusal aborts the call on every rank: it raises ValueError, its peer CallAborted.
     for i, bad_rank, what in ((4, 1, "cumulative_local_expert_recv_stats: expected an int32"),
-                              (6, 1, "use_logfmt=True"), (8, 0, "zero_copy=True: nothing was written")):
+                              (6, 0, "x: expected device"), (8, 1, "use_logfmt=True"),
+                              (10, 0, "zero_copy=True: nothing was written")):
         assert got[bad_rank][i].startswith(f"ValueError: {what}") and "aborted this call" in got[bad_rank][i], \
             got[bad_rank][i]
         assert got[1 - bad_rank][i].startswith("CallAborted") and f"rank {bad_rank}" in got[1 - bad_rank][i], \
@@ -422,7 +425,7 @@ def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
     outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins],
                              [(2 * x_ref.float()).to(torch.bfloat16) for _, x_ref, _ in want])
     for r in range(2):
-        for i in (3, 5, 7, 9, 10, 12):
+        for i in (3, 5, 7, 9, 11, 12, 14):
             torch.testing.assert_close(got[r][i].float(), outs[r].float(), rtol=2 ** -7, atol=1e-5)
 
 
