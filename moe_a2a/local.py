@@ -357,6 +357,11 @@ def _template_main(world_size: int, rank_args: tuple, conns: list, control, abor
                 control.send(("exit", rank, os.waitstatus_to_exitcode(status)))
             except OSError:  # the caller is gone: reap the rest anyway
                 pass
+    # Out at once: an interpreter that imported torch and triton takes about a second to tear down, and
+    # LocalCluster.close waits for this process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Template:

@@ -1,4 +1,4 @@
-"""Run a function in N real processes (multiprocessing ``spawn``) with a tiny all-gather between them.
+"""Run a function in N real processes (forked by multiprocessing's forkserver) with a tiny all-gather between them.
 
 The parent relays: each child sends ``("gather", obj)`` and gets back the list of every rank's object;
 ``("result", value)`` / ``("error", traceback)`` end a child. A child that dies (killed on purpose by a
@@ -55,13 +55,27 @@ def _child(rank: int, size: int, conn, fn, args, timeout_s: float) -> None:
         conn.close()
 
 
+def _context():
+    """multiprocessing's "forkserver", its server having imported torch: each peer is forked from it, so a
+    test's N peers do not each import torch (seconds of CPU apiece on the CI machine's two cores). The server
+    touches no GPU and starts no thread, so forking it is safe on GPU machines too."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CTX
+
+
+_CTX = None
+
+
 def run_peers(size: int, fn, *args, timeout_s: float = 30.0) -> list:
-    """Run ``fn(comm, *args)`` in ``size`` spawned processes; return their results by rank.
+    """Run ``fn(comm, *args)`` in ``size`` fresh processes; return their results by rank.
 
     Raises ``AssertionError`` with the children's tracebacks if any raised, ``TimeoutError`` if they
     did not all finish within ``timeout_s``. A rank that died without a result yields :class:`Died`.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     conns, procs = [], []
     for rank in range(size):
         parent_end, child_end = ctx.Pipe()
