@@ -446,7 +446,7 @@ class AllToAll:
             self._routes = kept if kept is not indices else indices.clone()  # the caller may edit theirs
             indices = kept
         on_gpu = self.device.type == "cuda"
-        routing.route_tokens(indices, self.cfg.num_experts, out_counts=w.counts[self.rank], out_route_slot=slot,
+        routing.route_tokens(indices, self.cfg.num_experts, out_counts=w.own_counts, out_route_slot=slot,
                              bound_m=bound_m, epoch=w.node.epoch, bad_index=w.bad_index if on_gpu else None,
                              ready=w.route_ready if self.with_proxy else None, abort=abort,
                              bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"])

@@ -11,13 +11,17 @@ import weakref
 
 from ..protocol import host_atomics
 from ..protocol.segment import read_error, write_error
-from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, HALF_FLAGS, Flag, decode_abort, decode_bad_bound_m,
-                              decode_bad_index, decode_capacity, decode_wait_status, flag_word)
+from ..protocol.words import (ABORT_EPOCH_SHIFT, ERROR_FAILED, ERROR_TIMEOUT, HALF_FLAGS, Flag, decode_abort,
+                              decode_bad_bound_m, decode_bad_index, decode_capacity, decode_wait_status, flag_word)
 
 # How often a rank looks at its own proxy processes: a dead proxy is reported within this (and a kernel
 # waiting for one of its flags stops at once, through the ERROR flag). A sleeping thread costs the
 # model's launches nothing measurable; a busy-polling one would hold the GIL.
 PROXY_WATCH_S = 0.25
+
+# The words of what kernels record that leaves the instance usable (read after every combine).
+_CAPACITY, _BAD_BOUND_M, _BAD_INDEX, _ABORTED = (flag_word(f) for f in (Flag.CAPACITY_EXCEEDED, Flag.BAD_BOUND_M,
+                                                                         Flag.BAD_INDEX, Flag.ABORTED))
 
 
 class CallAborted(RuntimeError):
@@ -108,6 +112,10 @@ class Status:
         capacity and a bad `bound_m` (the call was aborted on every rank), a peer's abort (CallAborted)
         and an out-of-range index dropped on the GPU (ValueError)."""
         flags = self.w.flags_np
+        # The common case, nothing recorded, in four reads (an abort already reported stays in its word).
+        if not (flags[_CAPACITY] or flags[_BAD_BOUND_M] or flags[_BAD_INDEX]) \
+                and flags[_ABORTED] >> ABORT_EPOCH_SHIFT <= self.abort_seen:
+            return
         over = self.capacity_exceeded()
         if over:
             self.abort_seen = max(self.abort_seen, epoch)

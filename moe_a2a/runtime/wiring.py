@@ -83,7 +83,7 @@ class Wiring:
     send_offset_bytes / recv_offset_bytes: this rank's buffers; stage_*: where rows to and from other
         nodes are (the same unless the placement splits by node).
     peer_send_bytes / peer_recv_bytes: `[W]` int64 offsets of node peers' buffers (-1: remote peer).
-    node: the kernels' `NodeSync`.  counts: `[W, E]` int32 count matrix of the sync area.
+    node: the kernels' `NodeSync`.  counts: `[W, E]` int32 count matrix of the sync area (own_counts: this rank's row).
     flags / flags_host / flags_np: the flags area on the device, as a CPU tensor, as numpy.
     ready_words / counts_np: host views of the sync area, for ranks that wait on the host (else None).
     """
@@ -271,6 +271,7 @@ class Wiring:
         # Rows of same-node sources are written by their kernels, rows of remote sources by the proxy.
         self.counts = self.view(sync_addr + lay.node_counts_offset_bytes, lay.routing_bytes).view(
             torch.int32).view(W, lay.num_experts)
+        self.own_counts = self.counts[r]  # this rank's count row, which its routing kernel writes
         self.bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
         self.bad_bound_m = self.flags[flag_word(Flag.BAD_BOUND_M): flag_word(Flag.BAD_BOUND_M) + 1]
         self.route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]
