@@ -12,6 +12,12 @@
 #   bash benchmarks/gpu/run.sh emulated            1 or 2 GPUs: the write-plan kernels compiled, the emulated-NIC
 #                                                  tests, decode over the emulated NIC (full speed and EFA-like),
 #                                                  and the proxy's host cost (`bench proxy`) on this host
+#   bash benchmarks/gpu/run.sh compat [tests|deepep|cost]
+#                                                  the DeepEP facade on every GPU here, one rank per GPU: its
+#                                                  tests compiled; DeepEP's own low-latency test, unchanged,
+#                                                  from the checkout at $DEEPEP (default out/deepep; its commit
+#                                                  from $DEEPEP/COMMIT or git), with --shrink-test from 6 GPUs;
+#                                                  the facade's cost (graph, eager, host split) and its Python
 #
 # Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
 # runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
@@ -23,7 +29,9 @@ suite=${1:-}
 part=${2:-all}
 case "$suite:$part" in
   quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more|emulated:all) ;;
-  *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more] | emulated" >&2; exit 2 ;;
+  compat:all|compat:tests|compat:deepep|compat:cost) ;;
+  *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more] | emulated" \
+          "| compat [tests|deepep|cost]" >&2; exit 2 ;;
 esac
 RES=${OUT:+$OUT/$suite}
 RES=${RES:-docs/results/$suite}
@@ -128,6 +136,26 @@ emulated:all)
        --node 1 --iters 100 --warmup 10 --json "$RES/e2e_emulated_efa_w2n1.json"
   step 240 moe-a2a bench proxy --worlds 2,8,16,32,64,128,256 --provider tcp --json "$RES/bench_proxy_tcp.json"
   step 120 moe-a2a bench proxy --worlds 8,64 --provider shm --json "$RES/bench_proxy_shm.json"
+  ;;
+compat:all|compat:tests)
+  step 400 "${gpu_tests[@]}" --timeout 300 tests/compat
+  ;;&
+compat:all|compat:deepep)
+  deepep=${DEEPEP:-out/deepep}
+  ngpu=$(nvidia-smi -L | wc -l)
+  { cat "$deepep/COMMIT" 2>/dev/null || git -C "$deepep" rev-parse HEAD 2>/dev/null || echo unknown; } \
+    >"$RES/deepep_commit.txt"
+  step 400 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --num-processes "$ngpu"
+  # DeepEP's shrink test stops ranks 1, 3 and 5: it needs 6 ranks or more
+  if [ "$ngpu" -ge 6 ]; then
+    step 400 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --num-processes "$ngpu" --shrink-test
+  fi
+  ;;&
+compat:all|compat:cost)
+  ngpu=$(nvidia-smi -L | wc -l)
+  step 300 python3 benchmarks/gpu/facade_cost.py --ranks "$ngpu" --interleave --host-split --out "$RES/facade_cost.json"
+  step 120 python3 benchmarks/gpu/facade_cost.py --ranks "$ngpu" --profile --out "$RES/facade_cost_profile.json"
+  step 120 python3 benchmarks/facade_python.py --device cuda
   ;;
 esac
 echo "=== $suite $part: $failed step(s) failed; results in $RES"
