@@ -94,7 +94,8 @@ class Handle(NamedTuple):
 class EventOverlap:
     """DeepEP's `EventOverlap`: what `async_finish=True` returns. On a GPU it holds a CUDA event recorded
     on the stream the call was issued on, after the call's work; `current_stream_wait()` makes the
-    current stream wait for it. Without an event (CPU, or `async_finish=False`) every method is a no-op.
+    current stream wait for it. Without an event (CPU, or `async_finish=False`: one shared instance) every
+    method is a no-op.
     `with event:` waits at the end of the block, as DeepEP's."""
 
     def __init__(self, event: "torch.cuda.Event | None" = None, extra_tensors=None) -> None:
@@ -111,6 +112,9 @@ class EventOverlap:
     def __exit__(self, *exc) -> None:
         self.current_stream_wait()
 
+
+# What a call without async_finish returns: an EventOverlap without an event (its methods are no-ops).
+_NO_EVENT = EventOverlap()
 
 # get_low_latency_rdma_size_hint's answers in this process: (bytes, num_ranks) -> the sizes behind them
 # (None when two sizes gave the same bytes), so that shrink mode can build at construction.
@@ -185,20 +189,19 @@ class _Slot:
         L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
         # Shared by the instances (their receive halves write here): int32 [L]; bf16 [L*C, H]; f32 [L*C, 1].
         self.num, self.ex, self.exs = a2a.empty_dispatch_outputs()
-        self.recv_bf16 = self.ex.view(L, C, H)
+        self.shape = (L, C, H)
         self.src_info = self.exs.view(torch.int32).view(L, C)
         self.layout_range = torch.zeros(L, W, dtype=torch.int64, device=dev)
-        # An fp8 call's bytes in the received rows (the pack quantises x into the rows it sends, no staging).
-        self.fp8 = None
+        # What a dispatch returns as recv_x, by (use_fp8, use_ue8m0): views of the received rows. An fp8
+        # call's bytes are in them as its pack wrote them (it quantises x into the rows it sends).
+        self.recv_x = {(False, False): self.ex.view(L, C, H)}
         if fp8_fits(H):
             S, off = ceil_div(H, FP8_BLOCK), fp8_scale_offset(H)
             S4 = ceil_div(S, 4)
             rows = self.ex.view(torch.uint8)
-            self.fp8 = {
-                "recv": rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H),
-                "recv_scale": rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S),
-                "recv_codes": rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4),
-            }
+            fp8 = rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H)
+            self.recv_x[True, False] = (fp8, rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S))
+            self.recv_x[True, True] = (fp8, rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4))
         self.combine_buf: torch.Tensor | None = None  # get_next_low_latency_combine_buffer, made on first use
         # The current call.
         self.state, self.call = _FREE, -1
@@ -207,10 +210,6 @@ class _Slot:
         self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
         self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
-
-    def use(self, use_fp8: bool) -> None:
-        """Make the instance of this slot's next call `a2a`."""
-        self.a2a = self.instances[use_fp8 if use_fp8 in self.instances else False]
 
     def free(self) -> None:
         """The call ended (an exception in one of its halves ends it on every rank): the slot is free."""
@@ -341,15 +340,18 @@ class Buffer:
         index, self._next = self._next, self._next ^ 1
         self._calls += 1  # every rank counts every call, aborted ones included
         slot = self._slots[index]
-        if slot.state != _FREE:
-            self._retire(slot)  # the slot's previous call, if it was left unfinished
+        if slot.state == _COMBINED:  # the previous call ended (what it left is replaced below)
+            slot.state = _FREE
+        elif slot.state != _FREE:
+            self._retire(slot)  # the slot's previous call, left unfinished
         use_fp8 = bool(use_fp8)
         if use_fp8 and True not in slot.instances and not self.enable_shrink and fp8_fits(self._key[3]):
             self._build_fp8()  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
-        slot.use(use_fp8)
+        slot.a2a = slot.instances.get(use_fp8) or slot.instances[False]  # no fp8 instance: bf16 rows
         if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
+            slot.payload = slot.stats = slot.combine_args = None
             slot.a2a.abort(str(error))
         T, H = x.shape
         if sizes[2] < self._key[2]:
@@ -360,7 +362,8 @@ class Buffer:
         slot.call, slot.T, slot.payload, slot.quantize = self._calls, T, x, quantize
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
         try:
-            slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids(T), topk_idx,
+            ids = self._ids_by_T.get(T)
+            slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, ids if ids is not None else self._token_ids(T), topk_idx,
                               do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range)
         except BaseException:
             slot.free()
@@ -369,16 +372,9 @@ class Buffer:
             slot.state = _DISPATCH_SENT
         else:
             self._received(slot)
-        if use_fp8:
-            f = slot.fp8
-            recv_x = (f["recv"], f["recv_codes"] if ue8m0 else f["recv_scale"])
-        else:
-            recv_x = slot.recv_bf16
-        cfg = slot.a2a.cfg
-        handle = Handle(slot.src_info, slot.layout_range, cfg.max_num_tokens, cfg.hidden_dim, cfg.num_experts,
-                        index, slot.call, T)
+        handle = Handle(slot.src_info, slot.layout_range, self._key[0], H, self._key[1], index, slot.call, T)
         hook = self._hook(slot, slot.call, self._receive_dispatch) if return_recv_hook else None
-        return recv_x, slot.num, handle, self._event(slot) if async_finish else EventOverlap(), hook
+        return slot.recv_x[use_fp8, ue8m0], slot.num, handle, self._event(slot) if async_finish else _NO_EVENT, hook
 
     # ---- combine ----------------------------------------------------------------------------
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
@@ -404,9 +400,9 @@ class Buffer:
         if self._closed:
             self._check_open()
         slot = self._slot_of(handle)
-        K = slot.a2a.cfg.experts_per_token  # shrink mode's buffers are built for top-k 8: pad fewer
-        if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[1] < K \
-                and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
+        K = self._key[2]  # shrink mode's buffers are built for top-k 8: pad fewer
+        if self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
+                and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
                 and topk_weights.shape[1] == topk_idx.shape[1]:
             topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
         if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
@@ -416,11 +412,10 @@ class Buffer:
                                                       self._token_ids(slot.T), topk_idx, quantize=slot.quantize,
                                                       out_source_ranges=slot.layout_range))
             slot.state = _DISPATCHED
-        a2a = slot.a2a
-        cfg = a2a.cfg
-        shape = (a2a.layout.num_local_experts, cfg.expert_capacity, cfg.hidden_dim)
+        a2a, shape = slot.a2a, slot.shape
+        H = shape[2]
         if out is None:
-            out = torch.empty(slot.T, cfg.hidden_dim, dtype=torch.bfloat16, device=a2a.device)
+            out = torch.empty(slot.T, H, dtype=torch.bfloat16, device=a2a.device)
         try:
             if kwargs:
                 self._refuse_kwargs(kwargs, "combine_wait_recv_cost_stats")
@@ -439,10 +434,10 @@ class Buffer:
                     raise ValueError(f"x: expected {list(shape)} bfloat16 expert outputs on {a2a.device}, got "
                                      f"{(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__}")
             if return_recv_hook:  # checked before sending: a receive that cannot run would leave the call open
-                check_combine_recv(cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
+                check_combine_recv(a2a.cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
         except ValueError as exc:
             self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
-        expert_y = y.contiguous().view(-1, cfg.hidden_dim)
+        expert_y = y.reshape(-1, H)  # a view of contiguous outputs (a copy of others)
         slot.combine_args = (out, topk_idx, topk_weights, expert_y)
         try:
             a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)
@@ -451,7 +446,7 @@ class Buffer:
             raise
         slot.state = _COMBINE_SENT if return_recv_hook else _COMBINED
         hook = self._hook(slot, slot.call, self._receive_combine) if return_recv_hook else None
-        return out, self._event(slot) if async_finish else EventOverlap(), hook
+        return out, self._event(slot) if async_finish else _NO_EVENT, hook
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """The `[L, C, H]` bfloat16 buffer that `low_latency_combine(..., zero_copy=True)` sends from, for
@@ -635,7 +630,7 @@ class Buffer:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(slot.a2a.device))
             return EventOverlap(event)
-        return EventOverlap()
+        return _NO_EVENT
 
     def _slot_of(self, handle) -> _Slot:
         if not isinstance(handle, Handle) or not 0 <= handle.slot < len(self._slots):
