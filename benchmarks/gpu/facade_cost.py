@@ -110,7 +110,7 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
             slot = buf._slots[buf._next]
             buf._next ^= 1
             turn["slot"] = slot
-            slot.instances[True].dispatch(slot.num, slot.ex, slot.exs, x, buf._token_ids(T), idx, quantize=quantize,
+            slot.instances[True].dispatch(slot.num, slot.ex, slot.exs, x, buf._token_ids[T], idx, quantize=quantize,
                                           out_source_ranges=slot.layout_range)
 
         halves = {

@@ -121,6 +121,18 @@ _NO_EVENT = EventOverlap()
 _HINTS: dict[tuple[int, int], tuple | None] = {}
 
 
+class _Prefixes(dict):
+    """`prefixes[T]` is `rows[:T]`, a view made once per T (the slice costs a µs on every call)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def __missing__(self, T: int) -> torch.Tensor:
+        view = self[T] = self.rows[:T]
+        return view
+
+
 def _fits(sizes: tuple, key: tuple) -> bool:
     """A call's sizes fit buffers built for `key` (shrink mode builds for top-k 8: fewer are padded)."""
     return sizes[0] == key[0] and sizes[1] == key[1] and sizes[3] == key[3] and sizes[2] <= key[2]
@@ -261,8 +273,7 @@ class Buffer:
         self._key = None
         self._next = 0
         self._calls = 0
-        self._ids = None      # [num_max, 1] float32 view of int32 0..num_max-1: the token-index column
-        self._ids_by_T: dict[int, torch.Tensor] = {}
+        self._token_ids: _Prefixes | None = None  # [T, 1]: tokens 0..T-1, the scale column (made at the build)
         self._scratch = None  # what a combine of nothing sends and receives
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
         self._closed = False
@@ -362,8 +373,7 @@ class Buffer:
         slot.call, slot.T, slot.payload, slot.quantize = self._calls, T, x, quantize
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
         try:
-            ids = self._ids_by_T.get(T)
-            slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, ids if ids is not None else self._token_ids(T), topk_idx,
+            slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
                               do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range)
         except BaseException:
             slot.free()
@@ -409,7 +419,7 @@ class Buffer:
             self._settle(slot)
         if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                      self._token_ids(slot.T), topk_idx, quantize=slot.quantize,
+                                                      self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
                                                       out_source_ranges=slot.layout_range))
             slot.state = _DISPATCHED
         a2a, shape = slot.a2a, slot.shape
@@ -535,7 +545,7 @@ class Buffer:
         a2a, s, H = slot.a2a, self._scratch_buffers(), slot.a2a.cfg.hidden_dim
         x = torch.empty(0, H, dtype=torch.bfloat16, device=a2a.device)
         slot.call, slot.T = self._calls, 0
-        self._run(slot, lambda: a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids(0), s["idx"][:0]))
+        self._run(slot, lambda: a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[0], s["idx"][:0]))
         self._run(slot, lambda: a2a.combine(s["out"][:0], s["idx"][:0], s["w"][:0], slot.ex))
         slot.state = _FREE
 
@@ -587,7 +597,7 @@ class Buffer:
     def _receive_dispatch(self, slot: _Slot) -> None:
         if slot.state == _DISPATCH_SENT:
             T = slot.T
-            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload, self._token_ids(T),
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload, self._token_ids[T],
                                                       None, do_send=False, out_source_ranges=slot.layout_range))
             self._received(slot)
 
@@ -640,13 +650,6 @@ class Buffer:
             raise ValueError(f"handle: call {handle.call} is over (its buffers were reused by a later dispatch, or "
                              f"the call was aborted): combine a handle before the dispatch two calls later")
         return slot
-
-    def _token_ids(self, T: int) -> torch.Tensor:
-        """`[T, 1]`: tokens 0..T-1 as the scale column's int32 bits (a view made once per T)."""
-        ids = self._ids_by_T.get(T)
-        if ids is None:
-            ids = self._ids_by_T[T] = self._ids[:T]
-        return ids
 
     def _scratch_buffers(self) -> dict:
         if self._scratch is None:
@@ -770,7 +773,8 @@ class Buffer:
                 a2a.close()
             raise
         dev = built[0].device
-        self._ids = torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev).view(torch.float32).view(-1, 1)
+        self._token_ids = _Prefixes(torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev)
+                                    .view(torch.float32).view(-1, 1))
         self._slots, self._key, self._instance_options = slots, sizes, options
 
     def _build_fp8(self) -> None:

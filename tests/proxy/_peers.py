@@ -55,6 +55,9 @@ def _child(rank: int, size: int, conn, fn, args, timeout_s: float) -> None:
         conn.close()
 
 
+_CTX = None  # made at the first run_peers
+
+
 def _context():
     """multiprocessing's "forkserver", its server having imported torch: each peer is forked from it, so a
     test's N peers do not each import torch (seconds of CPU apiece on the CI machine's two cores). The server
@@ -64,9 +67,6 @@ def _context():
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed"])
     return _CTX
-
-
-_CTX = None
 
 
 def run_peers(size: int, fn, *args, timeout_s: float = 30.0) -> list:
