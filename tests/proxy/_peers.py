@@ -61,7 +61,8 @@ _CTX = None  # made at the first run_peers
 def _context():
     """multiprocessing's "forkserver", its server having imported torch: each peer is forked from it, so a
     test's N peers do not each import torch (seconds of CPU apiece on the CI machine's two cores). The server
-    touches no GPU and starts no thread, so forking it is safe on GPU machines too."""
+    touches no GPU and starts no thread, so forking it is safe on GPU machines too. Its environment is this
+    process's when it started (the first run_peers): a setting a peer needs travels as an argument."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
