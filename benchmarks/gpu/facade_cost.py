@@ -13,7 +13,8 @@ per pair.
   `AllToAll.combine`.
 `--profile`: each variant's kernels by name (eager pairs) and by position in the graph (pack and unpack
 share a name). `--interleave`: eager pairs of the two variants alternated 3 x reps times (host noise hits
-both alike): median and 10th / 90th percentiles. `--host-split`: the host time of each half (a sync after
+both alike): median and 10th / 90th percentiles, and of the gap paired round by round
+(`facade_minus_a2a_interleaved_eager_us`). `--host-split`: the host time of each half (a sync after
 each pair, so no launch-queue waits), 2 x reps pairs alternated, for the two variants and for
 `facade_instances_direct`, the facade's own `AllToAll` instances called with the arguments the facade gives
 them: facade_fp8 minus it is the facade's own Python.
@@ -95,6 +96,11 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
                 b.record()
                 b.synchronize()
                 times[name].append(a.elapsed_time(b) * 1e3)
+        # Paired by round (each round runs both): the gap without the machine's slow drifts.
+        gaps = sorted(f - a for f, a in zip(times["facade_fp8"], times["a2a_prequantised"]))
+        results["facade_minus_a2a_interleaved_eager_us"] = {"median": round(gaps[len(gaps) // 2], 1),
+                                                            "p10": round(gaps[len(gaps) // 10], 1),
+                                                            "p90": round(gaps[9 * len(gaps) // 10], 1)}
         for name, t in times.items():
             t.sort()
             results[name]["interleaved_eager_us"] = {"median": round(t[len(t) // 2], 1),
