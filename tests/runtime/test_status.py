@@ -1,4 +1,5 @@
-"""The failure board: what a rank whose proxy died posts, and what its peers read (one store, no processes)."""
+"""The failure board: what a rank whose proxy died posts, and what its peers read (one store, no processes); what
+kernels record, raised once each."""
 import torch.distributed as dist
 
 from moe_a2a.runtime.status import FailureBoard
@@ -34,3 +35,37 @@ def test_a_store_that_stops_answering_ends_the_watching_not_the_calls():
     board = FailureBoard(GoneStore(), "moe_a2a/failures/x/", 0, 2)
     assert board.failed_peers() is None  # the watch thread then stops reading the board
     board.post("its proxy process exited")  # swallowed: the peers' own timeouts remain
+
+
+def test_what_kernels_record_is_raised_once_each_and_nothing_recorded_raises_nothing():
+    # Status.raise_recorded reads four words when nothing is recorded; each recorded word still raises
+    # its own error once, and an abort already reported stays quiet.
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pytest
+
+    from moe_a2a.config import A2AConfig
+    from moe_a2a.protocol.words import (Flag, encode_abort, encode_bad_bound_m, encode_bad_index, encode_capacity,
+                                        flag_word)
+    from moe_a2a.runtime.status import CallAborted, CapacityExceeded, Status
+
+    cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=64, expert_capacity=8)
+    lay = cfg.layout(2)
+    flags = np.zeros(flag_word(max(Flag)) + 1, dtype=np.int64)
+    status = Status(SimpleNamespace(flags_np=flags, layout=lay, rank=1), cfg)
+    status.raise_recorded(3)  # nothing recorded
+    over = encode_capacity(2, 9, lay.num_local_experts)
+    cases = [(Flag.CAPACITY_EXCEEDED, over, CapacityExceeded, "received 9 rows"),
+             (Flag.BAD_BOUND_M, encode_bad_bound_m(-3), ValueError, "got -3"),
+             (Flag.ABORTED, encode_abort(4, 0), CallAborted, "call 4 was aborted by rank 0"),
+             (Flag.BAD_INDEX, encode_bad_index(3, 1, cfg.experts_per_token), ValueError, r"indices\[3, 1\]")]
+    for flag, word, error, needle in cases:
+        flags[flag_word(flag)] = word
+        with pytest.raises(error, match=needle):
+            status.raise_recorded(3)
+        status.raise_recorded(3)  # said once (the abort's word stays: it is older than what was reported)
+    assert status.abort_seen == 4 and flags[flag_word(Flag.ABORTED)] == encode_abort(4, 0)
+    flags[flag_word(Flag.ABORTED)] = encode_abort(6, 1)  # a later call's abort: raised
+    with pytest.raises(CallAborted, match="call 6 was aborted by rank 1"):
+        status.raise_recorded(6)
