@@ -344,8 +344,8 @@ def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works(
 
 def _bad_calls(a2a, rank):
     """Refusals: the first call's on every rank (nothing built), then one rank's bad statistics tensor
-    and one rank's x on another device (dispatch), use_logfmt, zero_copy with nothing written (combine), a stale handle (every rank, nothing
-    sent); a good call after each."""
+    and one rank's x on another device (dispatch), use_logfmt, zero_copy with nothing written (combine),
+    a stale handle (every rank, nothing sent); a good call after each."""
     from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
 
