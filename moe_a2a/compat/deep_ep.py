@@ -351,10 +351,8 @@ class Buffer:
         index, self._next = self._next, self._next ^ 1
         self._calls += 1  # every rank counts every call, aborted ones included
         slot = self._slots[index]
-        if slot.state == _COMBINED:  # the previous call ended (what it left is replaced below)
-            slot.state = _FREE
-        elif slot.state != _FREE:
-            self._retire(slot)  # the slot's previous call, left unfinished
+        if slot.state != _FREE:
+            self._retire(slot)  # the slot's previous call, if it was left unfinished
         use_fp8 = bool(use_fp8)
         if use_fp8 and True not in slot.instances and not self.enable_shrink and fp8_fits(self._key[3]):
             self._build_fp8()  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
@@ -362,7 +360,6 @@ class Buffer:
         if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
-            slot.payload = slot.stats = slot.combine_args = None
             slot.a2a.abort(str(error))
         T, H = x.shape
         if sizes[2] < self._key[2]:
