@@ -1,10 +1,15 @@
-"""Dispatch pack with the fused fp8 quantisation against `quantize_fp8` + the plain pack, bitwise.
+"""Dispatch pack with the fused fp8 quantisation against the documented formula, written here in plain torch.
 
-The plain path is what the DeepEP facade did before the fusion: quantise x into a staging row of the
-payload's bytes (fp8 at [0, H), scales from `scale_offset_bytes`), then pack the staging rows as if they
-were rows of in_dtype. The fused pack must write the same bytes into every slot (payload, scales, the
-config's own scale column) and nothing else: the rest of a slot's payload bytes, and every slot no live
-route names, keep the arena's poison. Runs under TRITON_INTERPRET=1 on CPU tensors (tests/conftest.py).
+The formula (moe_a2a/triton_kernels/quant.py, module docstring), per token and per block of `block`
+elements: scale = amax / 448 (correctly rounded fp32), 1 where that is below 2**-126; with round_scale,
+2 ** ceil(log2(scale)); fp8 = e4m3fn(clamp(x / scale, -448, 448)) with round-to-nearest-even; UE8M0 codes
+= the power-of-two scale's biased exponent, one byte per block, padding bytes of the last int32 zero.
+`torch_fp8_blocks` computes it with no code of the package (frexp / ldexp for the power of two, torch's
+own fp8 cast for the rounding, itself checked on known ties below). The expected arena is then built
+byte by byte: every live route's slot gets its token's fp8 bytes at [0, H), its scales from
+`scale_offset_bytes` and the config's own scale column (the facade's token index); every other byte of
+the arena keeps its poison. The fused pack must write exactly that arena, bitwise.
+Runs under TRITON_INTERPRET=1 on CPU tensors (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from moe_a2a.config import A2AConfig, round_up
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert
-from moe_a2a.triton_kernels.quant import Fp8Quantize, check_fused_quantize, quantize_fp8
+from moe_a2a.triton_kernels.quant import Fp8Quantize, check_fused_quantize
 
 from ..conftest import TEST_DEVICE, examples
 from .harness import POISON, SimWorld, bound_tensor, route_slots
@@ -92,93 +97,105 @@ def _inputs(c: FusedCase):
     return x, idx, ids
 
 
-def _pack_both(c: FusedCase):
-    """(arena of the plain path, arena of the fused path, cfg, slot, the two buffer offsets)."""
-    cfg, q = c.cfg, c.quantize
-    x, idx, ids = _inputs(c)
-    _, slot = route_slots(idx, cfg.num_experts, c.bound_m)
-    # Staging rows of the payload's bytes, zeroed, as the facade's were.
-    stage = torch.zeros(c.T, cfg.x_bytes, dtype=torch.uint8, device=DEVICE)
-    S = q.num_scales(c.H)
-    off = q.scale_offset_bytes
-    scale = stage[:, off:off + 4 * -(-S // 4)].view(torch.int32) if q.ue8m0 else stage[:, off:off + 4 * S].view(torch.float32)
-    quantize_fp8(x.to(DEVICE), q.block, out=stage[:, :c.H].view(torch.float8_e4m3fn), out_scale=scale,
-                 round_scale=q.round_scale, ue8m0=q.ue8m0)
-    stage_rows = stage.view(c.dtype)
+def torch_fp8_blocks(x: torch.Tensor, block: int, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula in plain torch: (fp8 e4m3fn codes uint8 [T, H], scales float32 [T, ceil(H / block)])."""
+    T, H = x.shape
+    S = -(-H // block)
+    blocks = torch.zeros(T, S * block, dtype=torch.float32)
+    blocks[:, :H] = x.float()                                      # exact: bf16/fp16/fp32 -> fp32
+    blocks = blocks.view(T, S, block)
+    scale = blocks.abs().amax(-1) / 448.0                         # the zero padding never raises amax
+    scale = torch.where(scale < 2.0 ** -126, torch.ones_like(scale), scale)
+    if round_scale:  # scale = m * 2**e, m in [0.5, 1): a power of two when m == 0.5, else 2**e rounds it up
+        m, e = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(m == 0.5, e - 1, e))
+    q = (blocks / scale[..., None]).clamp(-448.0, 448.0).view(T, S * block)[:, :H]
+    return q.to(torch.float8_e4m3fn).view(torch.uint8), scale
 
-    arenas = []
-    for fused in (False, True):
-        world = SimWorld.create(cfg, world_size=1, node_size=1, device=DEVICE)  # POISON everywhere
-        send = world.send_bytes[0]
-        extra = {}
-        if c.split:  # the recv buffer after the send buffer serves as the remote rows' staging buffer
-            assert world.layout.recv_bytes >= cfg.max_routes * cfg.dispatch_stride_bytes
-            n = int((slot >= 0).sum())
-            extra = dict(remote_send_offset_bytes=world.recv_bytes[0],
-                         node_slots=torch.tensor([n // 3, n - n // 3], dtype=torch.int32, device=DEVICE))
-        rows = x if fused else stage_rows
-        pack_tokens_by_expert(rows.to(DEVICE), ids.to(DEVICE), slot.to(DEVICE), world.arena, send, cfg,
-                              bound_m=bound_tensor(c.bound_m, DEVICE), quantize=q if fused else None, **extra)
-        arenas.append(world.arena.cpu())
-    return arenas[0], arenas[1], cfg, slot, world
+
+def test_torch_fp8_cast_rounds_to_nearest_even() -> None:
+    """The oracle's one borrowed step: torch's e4m3fn cast rounds ties to even, subnormals included."""
+    ties = torch.tensor([1.0625, 1.1875, 3 * 2.0 ** -10, 2.0 ** -10, 5 * 2.0 ** -10, 432.0, -1.0625])
+    want = torch.tensor([1.0, 1.25, 2 * 2.0 ** -9, 0.0, 2 * 2.0 ** -9, 448.0, -1.0])
+    assert torch.equal(ties.to(torch.float8_e4m3fn).float(), want)
+    assert torch.tensor([2.0 ** -9, 448.0]).to(torch.float8_e4m3fn).view(torch.uint8).tolist() == [0x01, 0x7E]
+
+
+def expected_arena(c: FusedCase, cfg: A2AConfig, world: SimWorld, slot: torch.Tensor, node_slots=None) -> torch.Tensor:
+    """The arena a fused pack of `c` into `world` must leave: poison but for each live route's slot."""
+    q = c.quantize
+    x, _, ids = _inputs(c)
+    fp8, scale = torch_fp8_blocks(x, q.block, q.round_scale)
+    S = q.num_scales(c.H)
+    if q.ue8m0:  # scale = 2 ** (code - 127): frexp's exponent is log2(scale) + 1; padding bytes zero
+        codes = torch.zeros(c.T, 4 * -(-S // 4), dtype=torch.uint8)
+        codes[:, :S] = (torch.frexp(scale)[1] - 1 + 127).to(torch.uint8)
+        scale_bytes = codes
+    else:
+        scale_bytes = scale.contiguous().view(torch.uint8)
+    col = ids.contiguous().view(torch.uint8)                     # the config's scale column: 4 bytes a token
+    want = torch.full_like(world.arena.cpu(), POISON)
+    sd, off, col_at = cfg.dispatch_stride_bytes, q.scale_offset_bytes, cfg.dispatch_scale_offset_bytes
+    for t, k in torch.nonzero(slot >= 0).tolist():
+        j = int(slot[t, k])
+        remote = node_slots is not None and not (node_slots[0] <= j < node_slots[1])
+        row = (world.recv_bytes[0] if remote else world.send_bytes[0]) + j * sd
+        want[row: row + c.H] = fp8[t]
+        want[row + off: row + off + scale_bytes.shape[1]] = scale_bytes[t]
+        want[row + col_at: row + col_at + 4] = col[t]
+    return want
+
+
+def _pack_fused(c: FusedCase, cfg: A2AConfig | None = None):
+    """(arena after the fused pack, the arena it must be, the number of live routes)."""
+    cfg = cfg or c.cfg
+    x, idx, ids = _inputs(c)
+    _, slot = route_slots(idx, cfg.num_experts, c.bound_m)          # the routing's plain-torch statement
+    world = SimWorld.create(cfg, world_size=1, node_size=1, device=DEVICE)  # POISON everywhere
+    extra, node_slots = {}, None
+    n = int((slot >= 0).sum())
+    if c.split:  # the recv buffer after the send buffer serves as the remote rows' staging buffer
+        assert world.layout.recv_bytes >= cfg.max_routes * cfg.dispatch_stride_bytes
+        node_slots = [n // 3, n - n // 3]
+        extra = dict(remote_send_offset_bytes=world.recv_bytes[0],
+                     node_slots=torch.tensor(node_slots, dtype=torch.int32, device=DEVICE))
+    pack_tokens_by_expert(x.to(DEVICE), ids.to(DEVICE), slot.to(DEVICE), world.arena, world.send_bytes[0], cfg,
+                          bound_m=bound_tensor(c.bound_m, DEVICE), quantize=c.quantize, **extra)
+    return world.arena.cpu(), expected_arena(c, cfg, world, slot, node_slots), n
+
+
+def assert_same_arena(got: torch.Tensor, want: torch.Tensor) -> None:
+    diff = got != want
+    assert not bool(diff.any()), (f"{int(diff.sum())} bytes differ, first at arena byte "
+                                  f"{int(torch.nonzero(diff)[0])}")
 
 
 def check_fused(c: FusedCase) -> None:
-    plain, fused, cfg, slot, world = _pack_both(c)
-    q = c.quantize
-    # Which bytes of a slot's payload the fused pack writes: the fp8 bytes and the scales.
-    written = torch.zeros(cfg.dispatch_stride_bytes, dtype=torch.bool)
-    written[:c.H] = True
-    written[q.scale_offset_bytes:q.row_bytes(c.H)] = True
-    written[cfg.x_bytes:] = True  # the config's scale column and the row's tail: as the plain pack
-    want = plain.clone()
-    sd = cfg.dispatch_stride_bytes
-    n = int((slot >= 0).sum())  # slots 0..n-1, each in the send buffer or (split) the remote one
-    starts = [world.send_bytes[0]] + ([world.recv_bytes[0]] if c.split else [])
-    for base in starts:
-        for j in range(n):
-            row = want[base + j * sd: base + (j + 1) * sd]
-            row[~written] = POISON
-    diff = fused != want
-    assert not bool(diff.any()), (f"{int(diff.sum())} bytes differ, first at arena byte "
-                                  f"{int(torch.nonzero(diff)[0])}")
-    assert n == 0 or not torch.equal(plain, torch.full_like(plain, POISON))  # something was packed
+    got, want, n = _pack_fused(c)
+    assert_same_arena(got, want)
+    assert n == 0 or not torch.equal(want, torch.full_like(want, POISON))  # something was packed
 
 
 @pytest.mark.timeout(120)
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=fused_cases())
-def test_fused_pack_writes_the_bytes_of_quantize_fp8_then_pack(case: FusedCase) -> None:
+def test_fused_pack_writes_the_formula_s_bytes_and_nothing_else(case: FusedCase) -> None:
     check_fused(case)
 
 
 def check_compact_rows(c: FusedCase) -> None:
-    """A config whose rows carry just the quantised bytes (`A2AConfig.payload_bytes`) gets, in every
-    slot at its narrower stride, the same fp8 bytes, scales and scale column as the whole-row config."""
-    q = c.quantize
-    cfg_c = replace(c.cfg, payload_bytes=q.row_bytes(c.H))
-    _, wide, cfg, slot, world = _pack_both(replace(c, split=False))
-    x, idx, ids = _inputs(c)
-    narrow_world = SimWorld.create(cfg_c, world_size=1, node_size=1, device=DEVICE)
-    pack_tokens_by_expert(x.to(DEVICE), ids.to(DEVICE), slot.to(DEVICE), narrow_world.arena,
-                          narrow_world.send_bytes[0], cfg_c, bound_m=bound_tensor(c.bound_m, DEVICE), quantize=q)
-    narrow = narrow_world.arena.cpu()
-    assert cfg_c.dispatch_stride_bytes <= cfg.dispatch_stride_bytes
-    used = q.row_bytes(c.H)
-    for j in range(int((slot >= 0).sum())):
-        w0 = world.send_bytes[0] + j * cfg.dispatch_stride_bytes
-        n0 = narrow_world.send_bytes[0] + j * cfg_c.dispatch_stride_bytes
-        got, want = narrow[n0:n0 + cfg_c.dispatch_stride_bytes], wide[w0:w0 + cfg.dispatch_stride_bytes]
-        assert torch.equal(got[:c.H], want[:c.H]), j                                  # fp8 bytes
-        assert torch.equal(got[q.scale_offset_bytes:used], want[q.scale_offset_bytes:used]), j  # scales
-        s0 = cfg_c.dispatch_scale_offset_bytes
-        assert torch.equal(got[s0:s0 + 4], want[cfg.dispatch_scale_offset_bytes:][:4]), j  # the token index
+    """A config whose rows carry just the quantised bytes (`A2AConfig.payload_bytes`) gets the same
+    bytes in every slot, at its narrower stride."""
+    cfg_c = replace(c.cfg, payload_bytes=c.quantize.row_bytes(c.H))
+    assert cfg_c.dispatch_stride_bytes <= c.cfg.dispatch_stride_bytes
+    got, want, _ = _pack_fused(replace(c, split=False), cfg_c)
+    assert_same_arena(got, want)
 
 
 @pytest.mark.timeout(120)
 @settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=fused_cases())
-def test_fused_pack_into_rows_of_only_the_quantised_bytes_sends_the_same_bytes(case: FusedCase) -> None:
+def test_fused_pack_into_rows_of_only_the_quantised_bytes_writes_the_formula_s_bytes(case: FusedCase) -> None:
     check_compact_rows(case)
 
 
