@@ -5,8 +5,9 @@
 - moe_a2a, eager: the same calls made from Python back to back, events around each half (launch
   gaps included: when the host is slower than the GPU, that is what an eager caller pays);
 - the NCCL `all_to_all_single` baseline (`bench/nccl.py`), eager;
-- the floor: bytes moved / measured bandwidth, the slower of HBM (4.3 TB/s) and NVLink (358 GB/s for a
-  64 MiB copy on our 2 x H200), + one GPU<->GPU flag round trip (2.7 µs) per half.
+- the floor: bytes moved / bandwidth, the slower of HBM (4.3 TB/s) and NVLink, + one GPU<->GPU flag round
+  trip per half. The NVLink bandwidth and the round trip are ASSUMPTIONS (`ASSUMED`): no raw file of them
+  is in the repository, so the floor is an estimate, and the JSON records the values it used.
 
 One rank per GPU where there are several (LocalCluster puts rank i on GPU i % num_gpus). Besides the
 medians, one graph-mode call is traced with the kernel-side stamps (%globaltimer at the start and end
@@ -18,9 +19,13 @@ from __future__ import annotations
 
 import statistics
 
-HBM_GBPS = 4300.0          # H200 device copy, measured
-NVLINK_GBPS = 358.0        # GPU0 -> GPU1 copy_ of 64 MiB, measured (2 x H200, NV18)
-FLAG_RTT_US = 2.7          # GPU <-> GPU flag round trip through peer memory, measured
+HBM_GBPS = 4300.0          # H200 device copy: copy_bw_GBps of docs/results/kernels.json (4261), rounded
+
+# The floor's two other inputs are assumptions, not measurements of the repository: a 2 x H200 (NV18)
+# measurement of 2026-11-30 (a 64 MiB GPU0 -> GPU1 `copy_`; a one-program kernel per GPU answering the
+# other's flag through peer memory), raw file lost. Pass measured values to `floor_us` when there are some.
+ASSUMED = {"nvlink_gbps": 358.0, "peer_flag_rtt_us": 2.7,
+           "source": "assumption: 2 x H200 measurement of 2026-11-30, raw file lost"}
 
 
 def _stats(v: list[float]) -> dict:
@@ -29,12 +34,14 @@ def _stats(v: list[float]) -> dict:
             "min": s[0], "n": len(s)}
 
 
-def floor_us(cfg, world: int) -> dict:
+def floor_us(cfg, world: int, nvlink_gbps: float = ASSUMED["nvlink_gbps"],
+             peer_flag_rtt_us: float = ASSUMED["peer_flag_rtt_us"]) -> dict:
     """Bytes-moved floor of each half for uniform routing, one rank per GPU, all on one node.
 
     dispatch: pack reads T tokens and writes T*K rows; unpack reads T*K rows (a (W-1)/W share over
     NVLink) and writes them. combine: pack reads and writes T*K rows (the remote share over NVLink);
-    reduce reads T*K rows and writes T. Each half also needs one flag hand-off."""
+    reduce reads T*K rows and writes T. Each half also needs one flag hand-off. `nvlink_gbps` and
+    `peer_flag_rtt_us` default to the ASSUMED values; the result's "assumed" says which were used."""
     T, K = cfg.max_num_tokens, cfg.experts_per_token
     row, y = cfg.dispatch_stride_bytes, cfg.combine_stride_bytes
     remote = (world - 1) / world
@@ -43,8 +50,11 @@ def floor_us(cfg, world: int) -> dict:
     hbm_c = T * K * y + T * K * y * (1 - remote) + T * K * y + T * y
     nvl_c = T * K * y * remote
     # HBM and NVLink traffic overlap (different engines), so the slower of the two bounds each half.
-    us = lambda hbm, nvl: max(hbm / (HBM_GBPS * 1e3), nvl / (NVLINK_GBPS * 1e3)) + FLAG_RTT_US  # noqa: E731
-    return {"dispatch": us(hbm_d, nvl_d), "combine": us(hbm_c, nvl_c),
+    us = lambda hbm, nvl: max(hbm / (HBM_GBPS * 1e3), nvl / (nvlink_gbps * 1e3)) + peer_flag_rtt_us  # noqa: E731
+    assumed = {"nvlink_gbps": nvlink_gbps, "peer_flag_rtt_us": peer_flag_rtt_us,
+               "source": ASSUMED["source"] if (nvlink_gbps, peer_flag_rtt_us) ==
+               (ASSUMED["nvlink_gbps"], ASSUMED["peer_flag_rtt_us"]) else "given by the caller"}
+    return {"dispatch": us(hbm_d, nvl_d), "combine": us(hbm_c, nvl_c), "assumed": assumed,
             "bytes": {"dispatch_hbm": hbm_d, "dispatch_nvlink": nvl_d, "combine_hbm": hbm_c, "combine_nvlink": nvl_c}}
 
 
@@ -149,7 +159,7 @@ def _slowest_rank_median(rows: list[dict], key: str) -> float:
 
 def print_table(res: dict) -> None:
     print(f"{res['world']} ranks ({res['node']} per node) on {res['device']}; µs, median per rank, slowest rank")
-    print(f"{'preset':<9}{'half':<10}{'graph':>10}{'eager':>10}{'nccl':>10}{'floor':>10}")
+    print(f"{'preset':<9}{'half':<10}{'graph':>10}{'eager':>10}{'nccl':>10}{'floor*':>10}")
     for preset, row in res["presets"].items():
         for half in ("dispatch", "combine", "total"):
             graph = _slowest_rank_median(row["graph"], half)
@@ -161,6 +171,9 @@ def print_table(res: dict) -> None:
                 vals = [r.get(key, {}).get("median") for r in row["nccl"]]
                 nccl = f"{max(vals):.1f}" if all(v is not None for v in vals) else "-"
             print(f"{preset:<9}{half:<10}{graph:>10.1f}{eager:>10.1f}{nccl:>10}{floor:>10.1f}")
+    a = next(iter(res["presets"].values()), {}).get("floor", {}).get("assumed", ASSUMED)
+    print(f"* floor with NVLink {a['nvlink_gbps']:g} GB/s and a peer flag round trip of {a['peer_flag_rtt_us']:g} µs "
+          f"({a['source']}): an estimate")
 
 
 def plot_timeline(res: dict, path: str) -> None:
