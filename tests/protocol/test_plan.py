@@ -1,4 +1,7 @@
-"""The protocol arithmetic: writes never overlap, stay inside buffers, and imm counts add up."""
+"""The protocol arithmetic: writes never overlap, stay inside buffers, imm counts add up, and every write
+puts each row where the protocol, simulated row by row without plan.py, says it goes."""
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
@@ -67,54 +70,98 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
                 assert src >= lay.combine_stage_offset_bytes and src + n <= lay.send_bytes
 
 
-# The writes spelled out one peer at a time from the per-rank definitions: the specification the
-# proxy's vectorised versions (all peers at once) must match exactly.
-def _private_by_peer(counts, r, lay):
-    n, off, P, S = plan.rank_counts(counts[r], lay), plan.send_offsets(counts[r], lay), lay.private_rows, \
-        lay.dispatch_stride_bytes
-    # the count row lands in the last 4E bytes of r's header rows, its rows right after them
-    head = lay.private_offset_bytes + (r * (lay.header_rows + P) + lay.header_rows) * S - 4 * lay.num_experts
-    return [(d, off[d] * S, min(n[d], P) * S, head) for d in lay.remote_peers(r)]
+# The protocol simulated row by row from its definition (docs/design.md, "Buffer layout"; docs/protocol.md,
+# 2.4), with no function of plan.py: the expectations the vectorised writes must reproduce exactly.
+@dataclass
+class Simulated:
+    """Every remote row's journey, as byte offsets: maps `dst -> src` per (sender, receiver) pair."""
+
+    private: dict = field(default_factory=dict)      # (s, d) -> {dst in d's recv: src in s's send}
+    header: dict = field(default_factory=dict)       # (s, d) -> where s's count row lands in d's recv buffer
+    remainder: dict = field(default_factory=dict)    # (s, d) -> {dst: src}, only pairs with rows beyond P
+    combine: dict = field(default_factory=dict)      # (expert rank d, home s) -> {dst in s's recv: src in d's send}
+    imms: dict = field(default_factory=dict)         # d -> {remote s: DISPATCH writes s sends d}
+    segments: dict = field(default_factory=dict)     # d -> (rows per local expert, first row of each)
 
 
-def _remainder_by_peer(counts, r, lay):
-    n, off, P, S = plan.rank_counts(counts[r], lay), plan.send_offsets(counts[r], lay), lay.private_rows, \
-        lay.dispatch_stride_bytes
-    return [(d, (off[d] + P) * S, (n[d] - P) * S, plan.remainder_offsets(plan.recv_counts(counts, d, lay), lay)[r] * S)
-            for d in lay.remote_peers(r) if n[d] > P]
+def simulate(experts: list[list[int]], lay) -> Simulated:
+    """experts[s]: the expert of each of source s's live routes. Walks every route of every source."""
+    W, L, P, S, C = lay.world_size, lay.num_local_experts, lay.private_rows, lay.dispatch_stride_bytes, \
+        lay.combine_stride_bytes
+    # A source's send slots hold its routes expert-major (stable), so each destination's run is contiguous.
+    slots_to = [[[j for j, e in enumerate(sorted(experts[s])) if e // L == d] for d in range(W)] for s in range(W)]
+    sim = Simulated()
+    for d in range(W):
+        remainder_at = W * lay.private_slot_rows      # the remainder region: sources in rank order, holes kept
+        for s in range(W):
+            mine = slots_to[s][d]
+            if not lay.same_node(s, d):
+                rows_at = lay.private_offset_bytes + (s * lay.private_slot_rows + lay.header_rows) * S
+                sim.header[s, d] = rows_at - lay.routing_row_bytes     # the count row, right before the rows
+                sim.private[s, d] = {rows_at + i * S: j * S for i, j in enumerate(mine[:P])}
+                if len(mine) > P:
+                    sim.remainder[s, d] = {(remainder_at + i) * S: j * S for i, j in enumerate(mine[P:])}
+                sim.imms.setdefault(d, {})[s] = 1 + (len(mine) > P)
+            remainder_at += max(0, len(mine) - P)
+        staged = 0                                    # expert rank d stages outputs source-major, all sources
+        for s in range(W):
+            mine = slots_to[s][d]
+            if not lay.same_node(s, d):
+                sim.combine[d, s] = {lay.combine_recv_offset_bytes + j * C:
+                                     lay.combine_stage_offset_bytes + (staged + i) * C for i, j in enumerate(mine)}
+            staged += len(mine)
+        totals = [sum(e == d * L + l for ex in experts for e in ex) for l in range(L)]
+        padded = [-(-n // lay.expert_padding) * lay.expert_padding for n in totals]
+        sim.segments[d] = (totals, [sum(padded[:l]) for l in range(L)])
+    return sim
 
 
-def _combine_by_peer(counts, r, lay):
-    n, S = plan.recv_counts(counts, r, lay), lay.combine_stride_bytes
-    stage = plan.combine_stage_offsets(n)
-    return [(s, lay.combine_stage_offset_bytes + stage[s] * S, n[s] * S,
-             lay.combine_recv_offset_bytes + plan.send_offsets(counts[s], lay)[r] * S)
-            for s in lay.remote_peers(r)]
+def rows_of(write, stride: int, skip: int = 0) -> dict:
+    """A write (peer, src, length, dst) as {dst row byte: src row byte}; `skip` bytes of header first."""
+    _, src, n, dst = (int(v) for v in write)
+    assert n % stride == 0, write
+    return {dst + skip + i * stride: src + i * stride for i in range(n // stride)}
 
 
 @settings(max_examples=80, deadline=None)
 @given(W=st.sampled_from([1, 2, 3, 4, 8, 16]), node=st.sampled_from([1, 2, 4]), L=st.sampled_from([1, 2, 3, 9]),
-       T=st.integers(1, 40), K=st.integers(1, 8), private=st.sampled_from([None, 0, 1, 7]), seed=st.integers(0, 999))
-def test_vectorised_writes_equal_the_per_peer_definitions(W, node, L, T, K, private, seed):
+       T=st.integers(1, 40), K=st.integers(1, 8), private=st.sampled_from([None, 0, 1, 7]),
+       pad=st.sampled_from([1, 4, 16]), seed=st.integers(0, 999))
+def test_writes_equal_the_protocol_simulated_row_by_row(W, node, L, T, K, private, pad, seed):
     node = node if W % node == 0 else 1
     cfg = A2AConfig(max_num_tokens=T, num_experts=L * W, experts_per_token=K, hidden_dim=8,
-                    in_dtype=torch.float32, max_private_tokens=private)
+                    in_dtype=torch.float32, max_private_tokens=private, expert_padding=pad)
     lay = cfg.layout(W, node)
     rng = np.random.default_rng(seed)
     hot = rng.integers(0, lay.num_experts)  # skewed: some peers beyond the private region, others not
-    experts = np.where(rng.random((W, T * K)) < 0.5, hot, rng.integers(-1, lay.num_experts, (W, T * K)))
-    counts = np.stack([np.bincount(e[e >= 0], minlength=lay.num_experts) for e in experts]).astype(np.int64)
+    draws = np.where(rng.random((W, T * K)) < 0.5, hot, rng.integers(-1, lay.num_experts, (W, T * K)))
+    experts = [[int(e) for e in row if e >= 0] for row in draws]
+    counts = np.array([[ex.count(e) for e in range(lay.num_experts)] for ex in experts], dtype=np.int64)
+    sim = simulate(experts, lay)
     routes = plan.route_matrix(counts, lay)
-    assert (routes == np.stack([plan.rank_counts(c, lay) for c in counts])).all()
+    assert routes.tolist() == [[sum(e // L == d for e in ex) for d in range(W)] for ex in experts]
+    S, C = lay.dispatch_stride_bytes, lay.combine_stride_bytes
     for r in range(W):
-        for got, want in ((plan.private_writes(counts[r], r, lay), _private_by_peer(counts, r, lay)),
-                          (plan.remainder_writes(routes, r, lay), _remainder_by_peer(counts, r, lay)),
-                          (plan.combine_writes(routes, r, lay), _combine_by_peer(counts, r, lay))):
-            assert got.dtype == np.int64 and got.shape == (len(want), 4)
-            assert got.tolist() == [[int(v) for v in w] for w in want]
-        n = plan.recv_counts(counts, r, lay)
-        assert plan.expected_dispatch_imms(routes, r, lay) == {s: 1 + int(n[s] > lay.private_rows)
-                                                               for s in lay.remote_peers(r)}
+        remote = [p for p in range(W) if not lay.same_node(r, p)]
+        # One private write to every remote peer (zero rows too: it carries the count row and the immediate).
+        priv = plan.private_writes(counts[r], r, lay)
+        assert priv.dtype == np.int64 and priv[:, 0].tolist() == remote
+        for w in priv:
+            d = int(w[0])
+            assert int(w[3]) == sim.header[r, d], (r, d)
+            assert rows_of(w, S, skip=lay.routing_row_bytes) == sim.private[r, d], (r, d)
+        rem = plan.remainder_writes(routes, r, lay)
+        assert rem.dtype == np.int64 and rem[:, 0].tolist() == [d for d in remote if (r, d) in sim.remainder]
+        for w in rem:
+            assert rows_of(w, S) == sim.remainder[r, int(w[0])], (r, int(w[0]))
+        # Combine: rank r as the expert side, one write to every remote home, zero-length ones kept.
+        comb = plan.combine_writes(routes, r, lay)
+        assert comb.dtype == np.int64 and comb[:, 0].tolist() == remote
+        for w in comb:
+            assert rows_of(w, C) == sim.combine[r, int(w[0])], (r, int(w[0]))
+        assert plan.expected_dispatch_imms(routes, r, lay) == sim.imms.get(r, {})
+        totals, starts = plan.expert_segments(counts, r, lay)
+        assert (totals.tolist(), starts.tolist()) == sim.segments[r], r
 
 
 def test_validate_counts_refuses_overflowing_rows():
