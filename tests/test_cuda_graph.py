@@ -5,10 +5,10 @@ import torch
 
 from moe_a2a import LocalCluster
 from moe_a2a.config import A2AConfig
-from moe_a2a.bench.demo import check_against_reference, make_inputs, toy_expert
+from moe_a2a.bench.demo import make_inputs
+from moe_a2a.oracle import check_against_reference, fill_sentinel, record_call, toy_expert
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="CUDA graphs need a GPU; run on the GPU machine (benchmarks/gpu/run.sh)")
+needs_gpu = pytest.mark.gpu(reason="CUDA graphs; run on the GPU machine (benchmarks/gpu/run.sh)")
 
 
 def _graph_rank(a2a, rank, live_tokens):
@@ -35,18 +35,18 @@ def _graph_rank(a2a, rank, live_tokens):
         if xs is not None:
             xs.copy_(nxs)
         out.zero_()
+        fill_sentinel(ex, exs)
         graph.replay()
         torch.cuda.synchronize()
         k = n[rank]
-        rows = int(sum((c + cfg.expert_padding - 1) // cfg.expert_padding * cfg.expert_padding for c in num.tolist()))
-        calls.append({"x": x[:k].clone(), "x_scale": None if xs is None else xs[:k].clone(),
-                      "indices": idx[:k].clone(), "weights": w[:k].clone(), "num": num.clone(),
-                      "expert_x": ex[:rows].clone(), "expert_x_scale": None if exs is None else exs[:rows].clone(),
-                      "out": out[:k].clone(), "untouched": out[k:].abs().sum().item()})
+        calls.append({**record_call(cfg, x[:k].clone(), None if xs is None else xs[:k].clone(), idx[:k].clone(),
+                                    w[:k].clone(), num, ex, exs, out[:k]),
+                      "untouched": out[k:].abs().sum().item()})
     return {"calls": calls}
 
 
 @needs_gpu
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cuda_graph_replays_with_changing_routing_and_token_counts():
     cfg = A2AConfig(max_num_tokens=32, num_experts=16, experts_per_token=4, hidden_dim=256,

@@ -13,11 +13,7 @@ import time
 import pytest
 import torch
 
-from .conftest import TEST_DEVICE
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    TEST_DEVICE != "cuda" or not torch.cuda.is_available(),
-    reason="the emulated NIC's CUDA carrier needs a CUDA GPU and compiled kernels (MOE_A2A_TEST_DEVICE=cuda)")]
+pytestmark = [pytest.mark.slow, pytest.mark.gpu(reason="the emulated NIC's CUDA carrier")]
 
 IMM = 0x5A000000
 
@@ -119,7 +115,8 @@ def test_emulated_nic_on_gpu_matches_reference(in_dtype, private):
     streams; exact against the reference, with one write per peer (private region large enough) and
     several (private=1: the remainder path), random and skewed routing."""
     from moe_a2a import LocalCluster
-    from moe_a2a.bench.demo import check_against_reference, rank_roundtrip
+    from moe_a2a.bench.demo import rank_roundtrip
+    from moe_a2a.oracle import check_against_reference
 
     from .test_writes import _count_writes
 
@@ -143,7 +140,8 @@ def test_kernel_waits_over_the_emulated_nic_match_the_reference():
     """gpu_wait="kernel": the kernels wait for the proxies' flags themselves, as ranks with a GPU each do
     by default (on one shared GPU they are time-sliced: slower, still exact)."""
     from moe_a2a import LocalCluster
-    from moe_a2a.bench.demo import check_against_reference, rank_roundtrip
+    from moe_a2a.bench.demo import rank_roundtrip
+    from moe_a2a.oracle import check_against_reference
 
     cfg = _cfg(torch.bfloat16, 1)
     with LocalCluster(cfg, world_size=2, node_size=1, transport="emulated", device="cuda", timeout_s=60,
@@ -156,7 +154,8 @@ def test_kernel_waits_over_the_emulated_nic_match_the_reference():
 def test_emulated_nic_settings_on_gpu_are_honoured_and_results_still_match(monkeypatch):
     """MOE_A2A_EMULATED_NIC=2ms: every call waits for at least the one-way latency of its writes."""
     from moe_a2a import LocalCluster
-    from moe_a2a.bench.demo import check_against_reference, rank_roundtrip
+    from moe_a2a.bench.demo import rank_roundtrip
+    from moe_a2a.oracle import check_against_reference
 
     monkeypatch.setenv("MOE_A2A_EMULATED_NIC", "2ms,25GBps")
     cfg = _cfg(torch.bfloat16, None)
@@ -173,7 +172,7 @@ def test_emulated_nic_settings_on_gpu_are_honoured_and_results_still_match(monke
 @pytest.mark.timeout(600)
 def test_bad_input_on_one_rank_aborts_the_call_over_the_emulated_nic():
     from moe_a2a import LocalCluster
-    from moe_a2a.bench.demo import check_against_reference
+    from moe_a2a.oracle import check_against_reference
 
     from .test_abort import BAD_CALL, CFG, _calls
 

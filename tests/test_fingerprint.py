@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, store: str, transport: str, node_group: int, qu
 def test_every_mismatch_is_refused_on_every_rank_and_nothing_crashes(tmp_path, transport, node_group):
     import multiprocessing as mp
 
-    from moe_a2a.bench.demo import check_against_reference
+    from moe_a2a.oracle import check_against_reference
     from moe_a2a.local import _loads
 
     ctx = mp.get_context("spawn")

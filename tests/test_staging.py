@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moe_a2a import LocalCluster
-from moe_a2a.bench.demo import check_against_reference, rank_roundtrip
+from moe_a2a.bench.demo import rank_roundtrip
+from moe_a2a.oracle import check_against_reference
 from moe_a2a.config import A2AConfig
 
 from .conftest import TEST_DEVICE

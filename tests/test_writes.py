@@ -87,7 +87,7 @@ def _roundtrip_per_proxy(a2a, rank: int, calls: int):
     (1, "shm", 1),
 ], ids=["w4n2-tcp", "w4n1-overflow-shm"])
 def test_two_proxies_per_rank_match_the_reference_and_split_the_writes(node, transport, private):
-    from moe_a2a.bench.demo import check_against_reference
+    from moe_a2a.oracle import check_against_reference
 
     cfg = A2AConfig(max_num_tokens=5, num_experts=12, experts_per_token=3, hidden_dim=16, in_dtype=torch.bfloat16,
                     max_private_tokens=private)

@@ -308,7 +308,8 @@ def _plot_e2e(res: list[dict], path: str, title: str) -> None:
 def _timeline_rank(a2a, rank, seed):
     import torch
 
-    from .demo import make_inputs, toy_expert
+    from ..oracle import toy_expert
+    from .demo import make_inputs
 
     cfg, dev = a2a.cfg, a2a.device
     num, ex, exs = a2a.empty_dispatch_outputs()

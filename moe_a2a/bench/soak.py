@@ -2,8 +2,8 @@
 checked, and the resources of every rank and proxy watched for growth.
 
 Each rank computes every rank's inputs of a call from the call's seed (`demo.make_inputs`), so it can
-check its own results against `reference.py` without any exchange: the expert counts and rows bitwise,
-the combine to 1e-2. Every `--sample` calls it records, for itself and its proxy process, the resident
+check its own results with the end-to-end oracle (`moe_a2a.oracle`) without any exchange: counts, rows
+and untouched padding bitwise, the weighted sum to its ulp bound. Every `--sample` calls it records, for itself and its proxy process, the resident
 memory (VmRSS), the open file descriptors, and the machine's /dev/shm entries. Growth is the last sample
 minus the first one taken after warm-up.
 
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from .. import reference
-from .demo import _live_rows, make_inputs, toy_expert
+from ..oracle import check_call, fill_sentinel, record_call, toy_expert
+from .demo import make_inputs
 from ._util import progress
 
 ROUTINGS = ("random", "skew", "dupes")
@@ -38,23 +38,10 @@ def _sample(a2a, call: int) -> dict:
             "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else None}
 
 
-def _check_call(a2a, rank: int, seed: int, routing: str, num, ex, out) -> list[str]:
+def _check_call(a2a, rank: int, seed: int, routing: str, call: dict) -> list[str]:
     cfg, W = a2a.cfg, a2a.world_size
-    inputs = [make_inputs(cfg, r, cfg.max_num_tokens, seed, routing) for r in range(W)]
-    ref = reference.dispatch(cfg, [i[0] for i in inputs], [i[1] for i in inputs] if cfg.has_scales else None,
-                             [i[2] for i in inputs])
-    problems = []
-    want_num, want_ex, _ = ref[rank]
-    if not torch.equal(num.cpu(), want_num):
-        return [f"call {seed}: expert counts {num.tolist()} != {want_num.tolist()}"]
-    rows = _live_rows(cfg, want_num)
-    if not torch.equal(ex[rows].cpu().view(torch.uint8), want_ex[rows].view(torch.uint8)):
-        problems.append(f"call {seed}: expert rows differ from the reference")
-    ys = [toy_expert(e, s, cfg) for _, e, s in ref]
-    want_out = reference.combine(cfg, [i[2] for i in inputs], [i[3] for i in inputs], ys)[rank]
-    if not torch.allclose(out.cpu().float(), want_out.float(), atol=1e-2, rtol=1e-2):
-        problems.append(f"call {seed}: combine differs from the reference")
-    return problems
+    inputs = [make_inputs(cfg, r, cfg.max_num_tokens, seed, routing) + (None,) for r in range(W)]
+    return check_call(cfg, inputs, {rank: call}, where=f"call {seed} ")
 
 
 def soak_chunk(a2a, rank: int, first: int, count: int, warmup: int, sample_every: int, total: int) -> dict:
@@ -67,11 +54,12 @@ def soak_chunk(a2a, rank: int, first: int, count: int, warmup: int, sample_every
     for it in range(first, first + count):
         routing = ROUTINGS[it % len(ROUTINGS)] if it % 7 == 0 else "random"
         x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, it, routing))
+        fill_sentinel(ex, exs)
         a2a.dispatch(num, ex, exs, x, xs, idx)
         y = toy_expert(ex, exs, cfg)
         out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
         a2a.combine(out, idx, w, y)
-        problems += _check_call(a2a, rank, it, routing, num, ex, out)
+        problems += _check_call(a2a, rank, it, routing, record_call(cfg, x, xs, idx, w, num, ex, exs, out))
         if it >= warmup and ((it - warmup) % sample_every == 0 or it == total - 1):
             samples.append(_sample(a2a, it - warmup))
     return {"problems": problems, "samples": samples, "seconds": time.perf_counter() - start}

@@ -227,7 +227,7 @@ def _calls_and_writes(a2a, rank: int, iters: int):
 def test_dispatch_and_combine_over_the_emulated_nic_match_the_reference(monkeypatch, world, node, buffers, nic,
                                                                         private):
     from moe_a2a import LocalCluster
-    from moe_a2a.bench.demo import check_against_reference
+    from moe_a2a.oracle import check_against_reference
 
     monkeypatch.setenv(NIC_ENV, nic)  # read by each rank's AllToAll
     cfg, iters = _cfg(world, private), 2
