@@ -75,8 +75,8 @@ LAUNCH_GPU_US = 1.43              # one empty launch in a graph: the one-warp wa
 HALF_GAP_US = 4.0                 # between one half's graph and the next on the kernel timeline: 4.0/5.0
                                   # (e2e_graph_x2.json trace), 3.4/3.6 µs (e2e_graph_x2_n1.json trace)
 HBM_COPY_GBPS = 4261.0            # device copy (kernels.json): the HBM floor, for reference only
-NVLINK_GBPS = 358.0               # GPU0 -> GPU1 copy of 64 MiB, 2 x H200 NV18
-PEER_FLAG_RTT_US = 2.7            # GPU <-> GPU flag through peer memory
+NVLINK_GBPS = 358.0               # GPU0 -> GPU1 copy of 64 MiB, 2 x H200 NV18 (assumption: no raw file)
+PEER_FLAG_RTT_US = 2.7            # GPU <-> GPU flag through peer memory (assumption: no raw file)
 FLAG_RTT_US = 6.14                # GPU -> proxy process -> GPU through pinned host memory (flags.json)
 # Host-staged buffers: the row kernels read / write pinned host memory over PCIe. Pooled over the four
 # row kernels of both ranks in the e2e_graph_x2_n1.json trace: 89.0 MB in 1767 µs (span - kernel time).
@@ -198,10 +198,10 @@ PROVENANCE = {
     "HALF_GAP_US": ("measured", "kernel timelines of docs/results/e2e_graph_x2.json and e2e_graph_x2_n1.json "
                                 "(2026-11-30): dispatch end -> combine start 4.0, 5.0, 3.4, 3.6 µs"),
     "HBM_COPY_GBPS": ("measured", f"{_KJ}: copy_bw_GBps (floor only)"),
-    "NVLINK_GBPS": ("measured", "docs/benchmarks.md, hardware table (2 x H200, 2026-11-30): 64 MiB copy_, "
-                                "GPU0 -> GPU1"),
-    "PEER_FLAG_RTT_US": ("measured", "docs/benchmarks.md, hardware table (2 x H200, 2026-11-30): GPU-to-GPU flag "
-                                  "round trip"),
+    "NVLINK_GBPS": ("assumption", "a 2 x H200 measurement of 2026-11-30 (64 MiB copy_, GPU0 -> GPU1), raw file "
+                                  "lost (docs/benchmarks.md, hardware and host-side costs)"),
+    "PEER_FLAG_RTT_US": ("assumption", "a 2 x H200 measurement of 2026-11-30 (GPU-to-GPU flag round trip through "
+                                       "peer memory), raw file lost (docs/benchmarks.md, hardware and host-side costs)"),
     "FLAG_RTT_US": ("measured", "docs/results/flags.json (2026-11-29): median GPU -> proxy -> GPU"),
     "HOST_STAGED_GBPS": ("measured", f"{_RUN}: pack, unpack, combine pack, reduce spans of both ranks, "
                                      "bytes / (span - kernel time) = 50.4 GB/s"),
