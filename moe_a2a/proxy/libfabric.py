@@ -29,6 +29,7 @@ from ctypes import (
     c_size_t,
     c_ssize_t,
     c_uint8,
+    c_uint16,
     c_uint32,
     c_uint64,
     c_void_p,
@@ -324,6 +325,70 @@ MIRRORED_CONSTANTS = {
         "FI_EAGAIN", "FI_ENOSYS", "FI_ENODATA", "FI_EOTHER", "FI_EAVAIL", "FI_ETRUNC", "FI_EOVERRUN",
         "FI_ENORX")
 }
+
+# --------------------------------------------------------------------------------------------------
+# Where a domain's NIC sits: ``fi_info->nic`` (``struct fid_nic``, fabric.h), read by proxy/topology.py
+# to match NICs with GPUs by PCIe switch. Read only; ``fi_info.nic`` stays a bare pointer above.
+# --------------------------------------------------------------------------------------------------
+FI_BUS_UNSPEC = 0  # enum fi_bus_type
+FI_BUS_PCI = 1
+
+
+class fi_device_attr(Structure):
+    _fields_ = [("name", c_char_p), ("device_id", c_char_p), ("device_version", c_char_p),
+                ("vendor_id", c_char_p), ("driver", c_char_p), ("firmware", c_char_p)]
+
+
+class fi_pci_attr(Structure):
+    _fields_ = [("domain_id", c_uint16), ("bus_id", c_uint8), ("device_id", c_uint8), ("function_id", c_uint8)]
+
+
+class _fi_bus_attr_attr(Union):
+    _fields_ = [("pci", fi_pci_attr)]
+
+
+class fi_bus_attr(Structure):
+    _fields_ = [("bus_type", c_int), ("attr", _fi_bus_attr_attr)]
+
+
+class fi_link_attr(Structure):
+    _fields_ = [("address", c_char_p), ("mtu", c_size_t), ("speed", c_size_t), ("state", c_int),
+                ("network_type", c_char_p)]
+
+
+class fid_nic(Structure):
+    _fields_ = [("fid", fid), ("device_attr", POINTER(fi_device_attr)), ("bus_attr", POINTER(fi_bus_attr)),
+                ("link_attr", POINTER(fi_link_attr)), ("prov_attr", c_void_p)]
+
+
+MIRRORED_STRUCTS.update({"fi_device_attr": fi_device_attr, "fi_pci_attr": fi_pci_attr, "fi_bus_attr": fi_bus_attr,
+                         "fi_link_attr": fi_link_attr, "fid_nic": fid_nic})
+MIRRORED_CONSTANTS.update({"FI_BUS_UNSPEC": FI_BUS_UNSPEC, "FI_BUS_PCI": FI_BUS_PCI})
+
+
+def nic_pci_address(nic: int | None) -> str | None:
+    """The PCI address ("0000:4f:00.0") of the ``struct fid_nic`` at ``nic`` (an ``fi_info.nic``), or
+    None when there is none or its bus is not PCI (tcp and shm domains)."""
+    if not nic:
+        return None
+    bus = fid_nic.from_address(nic).bus_attr
+    if not bus or bus.contents.bus_type != FI_BUS_PCI:
+        return None
+    p = bus.contents.attr.pci
+    return f"{p.domain_id:04x}:{p.bus_id:02x}:{p.device_id:02x}.{p.function_id:x}"
+
+
+def list_domain_nics(provider: str) -> list[tuple[str, str | None]]:
+    """(domain name, its NIC's PCI address or None) for the domains :func:`list_domains` gives, in
+    the same order."""
+    head, nodes = _usable(provider, hmem=False, tx_size=None)
+    found: dict[str, str | None] = {}
+    for info in nodes:
+        name = info.domain_attr.contents.name.decode()
+        if found.get(name) is None:
+            found[name] = nic_pci_address(info.nic)
+    library().fi_freeinfo(head)
+    return list(found.items())
 
 # --------------------------------------------------------------------------------------------------
 # Function prototypes of ops-table entries (resolved per object, once)
