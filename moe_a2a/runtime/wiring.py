@@ -17,7 +17,6 @@ from ..config import Layout
 from ..protocol.segment import Flags
 from ..protocol.words import HALF_FLAGS, WRITE_TABLE_COLUMNS, Flag, WriteTable, flag_word
 from ..proxy import bootstrap, topology
-from ..proxy import libfabric as lf
 from ..proxy.engine import auto_provider
 from ..proxy.handle import ProxyHandle, ProxySpec
 from ..proxy.memory import SharedSegment, device_view, unique_name
@@ -58,13 +57,26 @@ def choose_transport(transport: str, hosts: list[str]) -> str:
     return "tcp" if chosen == "shm" and len(set(hosts)) > 1 else chosen
 
 
-def choose_nics(nics, transport: str, rank: int, layout: Layout) -> tuple[str, ...] | None:
-    """The domains this rank's proxies open (None: the provider's first)."""
+def choose_nics(nics, transport: str, rank: int, layout: Layout, device=None) -> tuple[str, ...] | None:
+    """The domains this rank's proxies open (None: the provider's first). "auto" over efa or verbs:
+    the NICs by PCIe topology next to this rank's GPU (`device`, default the current CUDA device;
+    `proxy.topology.choose_nics`), a `NicChoice` whose `rule` and `reason` say why (logged)."""
     if nics != "auto":
         return tuple(nics)
-    if transport != "efa":
+    if transport not in ("efa", "verbs"):
         return None
-    return tuple(topology.nics_for_rank(lf.list_domains("efa"), rank % layout.node_size, layout.node_size))
+    ordinal = uuid = None
+    try:
+        dev = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        if dev.type == "cuda":
+            ordinal = torch.cuda.current_device() if dev.index is None else dev.index
+            uuid = f"GPU-{torch.cuda.get_device_properties(ordinal).uuid}"  # NVML's form
+    except Exception as exc:  # noqa: BLE001 - without the UUID, the ordinal (if any) still finds the GPU
+        log.debug("moe_a2a rank %d: no GPU UUID for the NIC choice: %s", rank, exc)
+    choice = topology.choose_nics(transport, rank % layout.node_size, layout.node_size, ordinal, uuid)
+    log.info("moe_a2a rank %d: NICs %s by %s: %s", rank, ",".join(choice), choice.rule, choice.reason)
+    return choice
 
 
 def choose_proxies(proxies, transport: str, nics, remote_peers: int) -> int:
