@@ -4,7 +4,7 @@ import pickle
 import pytest
 import torch
 
-from moe_a2a.config import A2AConfig, round_up
+from moe_a2a.config import MAX_CONFIG_VALUES, A2AConfig, round_up
 from moe_a2a.protocol.words import Flag
 
 
@@ -76,8 +76,17 @@ def test_absurd_sizes_are_refused_naming_the_field_and_bound(name, bad):
 
 def test_largest_allowed_sizes_and_k_above_e_are_accepted():
     # Duplicates within a token's top-k are allowed, so K may exceed E (up to 1024).
-    A2AConfig(num_experts=4, experts_per_token=1024, max_num_tokens=2**20, hidden_dim=2**20)
-    A2AConfig(num_experts=2**16, expert_padding=2**20)
+    big = A2AConfig(num_experts=4, experts_per_token=1024, max_num_tokens=2**20, hidden_dim=2**20)
+    assert (big.max_num_tokens, big.num_experts, big.experts_per_token, big.hidden_dim) == (2**20, 4, 1024, 2**20)
+    assert big.dispatch_stride_bytes == big.combine_stride_bytes == 2 * 2**20  # bf16 rows, no scales
+    lay = big.layout(4)
+    assert lay.num_local_experts == 1 and lay.max_recv_routes == 4 * 2**20 * 1024  # 2**32: past any int32
+    wide = A2AConfig(num_experts=2**16, expert_padding=2**20)
+    assert (wide.num_experts, wide.expert_padding) == (2**16, 2**20)
+    assert wide.layout(8).num_local_experts == 2**13
+    # Every bound is accepted exactly (one past it is refused: test_absurd_sizes_are_refused_...).
+    for name, bound in MAX_CONFIG_VALUES.items():
+        assert getattr(A2AConfig(**{name: bound}), name) == bound, name
 
 
 def test_buffers_too_large_for_this_machine_are_refused_naming_the_sizes():
@@ -149,6 +158,7 @@ def test_payload_bytes_narrows_the_dispatch_rows_and_is_validated():
             A2AConfig(hidden_dim=7168, in_dtype=torch.bfloat16, payload_bytes=bad)
 
 
+@pytest.mark.slow
 def test_hash_is_cached_per_config_and_left_out_of_pickles():
     # Launch keys hash the config on every call: equal configs must still hash alike, and the cached
     # hash of a str field ("auto") must not travel to a process whose str hashes differ.

@@ -6,6 +6,8 @@ import pathlib
 import re
 import subprocess
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = {".py", ".md", ".sh", ".ipynb", ".toml"}
 SKIP = {".git", ".hypothesis", "old_pkg"}
@@ -38,6 +40,7 @@ def _resolves(mention: str, source: pathlib.Path, names: set[str], paths: set[st
     return ".." not in mention and pathlib.PurePath(mention).name in names
 
 
+@pytest.mark.slow
 def test_every_document_mentioned_is_in_the_repository():
     files = _tracked()
     names = {p.name for p in files}
@@ -60,3 +63,43 @@ def test_the_check_finds_an_outside_document(tmp_path):
     assert _resolves("docs/design.md", src, names, paths) and _resolves("design.md", src, names, paths)
     assert not _resolves("working-notes.md", src, names, paths)
     assert not _resolves("../../outside/design.md", src, names, paths)
+
+
+# ---- the marker rules of tests/conftest.py, checked themselves --------------------------------------
+def test_a_skip_for_want_of_a_gpu_needs_the_gpu_marker_and_every_skip_a_reason():
+    from .conftest import INTERPRETER_ONLY, skip_rule_violations
+
+    gpu_skip = pytest.mark.skipif(True, reason="needs a CUDA GPU (compiled kernels)").mark
+    [problem] = skip_rule_violations("t", [gpu_skip])
+    assert "not marked gpu" in problem, problem
+    assert skip_rule_violations("t", [gpu_skip, pytest.mark.gpu.mark]) == []
+    assert skip_rule_violations("t", [pytest.mark.skip(reason="cuda graphs").mark]) != []
+    assert skip_rule_violations("t", [pytest.mark.skipif(True, reason=INTERPRETER_ONLY + "on a GPU it faults").mark]) == []
+    assert skip_rule_violations("t", [pytest.mark.skipif(True, reason="tcp offers one domain here").mark]) == []
+    [problem] = skip_rule_violations("t", [pytest.mark.skipif(True).mark])
+    assert "without a reason" in problem
+
+
+def test_a_test_that_starts_processes_must_be_marked_slow():
+    from .conftest import spawn_rule_violation
+
+    assert "is not marked slow" in spawn_rule_violation("t", [], ["subprocess ['true']"])
+    assert spawn_rule_violation("t", [pytest.mark.slow.mark], ["subprocess ['true']"]) is None
+    assert spawn_rule_violation("t", [], []) is None
+
+
+@pytest.mark.slow
+def test_the_process_watch_sees_subprocesses_and_multiprocessing():
+    import multiprocessing
+    import os
+
+    from . import conftest
+
+    before = len(conftest.SPAWNS)
+    subprocess.run(["true"], check=True)
+    p = multiprocessing.get_context("fork").Process(target=os.getpid)
+    p.start()
+    p.join(30)
+    seen = conftest.SPAWNS[before:]
+    assert p.exitcode == 0 and any(s.startswith("subprocess ['true']") for s in seen), seen
+    assert any(s.startswith("multiprocessing ") for s in seen) and "os.fork" in seen, seen

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 SETUP = Path(__file__).resolve().parents[1] / ".ci" / "setup.sh"
+
+pytestmark = [pytest.mark.slow]  # runs .ci/setup.sh in bash
 ROOT_WARNING = ("WARNING: Running pip as the 'root' user can result in broken permissions and conflicting "
                 "behaviour with the system package manager.")
 

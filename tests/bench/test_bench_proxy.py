@@ -33,6 +33,7 @@ def _assert_row(row: dict, world: int) -> None:
     assert checks and all(checks.values()), row["checks"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_writes_json_with_the_keys_and_checks_the_bytes(tmp_path, capsys):
     path = tmp_path / "proxy.json"
@@ -51,6 +52,7 @@ def test_cli_writes_json_with_the_keys_and_checks_the_bytes(tmp_path, capsys):
     assert row["checks"]["peers_checked"] == [1, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_w8_with_remainders_posts_and_lands_what_the_tables_say():
     """P = 1 row: most peers get a remainder write (DISPATCH_MORE, then DISPATCH_REMAINDER) both ways."""
@@ -62,6 +64,7 @@ def test_w8_with_remainders_posts_and_lands_what_the_tables_say():
     assert row["checks"]["peers_checked"] == list(range(1, 8))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_shm_smoke():
     row = bp.bench_world(4, "shm", epochs=5, warmup=1, private_rows=2, timeout_s=20, gap_s=5e-4, check=True,
@@ -70,6 +73,7 @@ def test_shm_smoke():
     assert row["provider"] == "shm"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_dead_peer_process_fails_with_a_timeout_not_a_hang():
     with pytest.raises(TimeoutError) as info:

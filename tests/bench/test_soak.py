@@ -7,6 +7,8 @@ import torch
 from moe_a2a.bench import soak
 from moe_a2a.config import A2AConfig
 
+pytestmark = [pytest.mark.slow]  # a LocalCluster of its own
+
 
 @pytest.mark.timeout(300)
 def test_soak_checks_every_call_and_reports_growth():

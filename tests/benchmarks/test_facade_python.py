@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = [pytest.mark.slow]  # the benchmark runs as a process of its own
+
 
 @pytest.mark.timeout(300)
 def test_facade_python_smoke_reports_each_variant_and_the_lines_a_pair_runs():

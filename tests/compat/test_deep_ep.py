@@ -589,7 +589,7 @@ def test_profiler_names_one_dispatch_and_one_combine_symbol():
     import shutil
     import subprocess
 
-    if shutil.which("c++filt"):
-        out = subprocess.run(["c++filt", _launch.DISPATCH_SYMBOL, _launch.COMBINE_SYMBOL], capture_output=True,
-                             text=True, check=True).stdout.split()
-        assert out == ["moe_a2a::dispatch()", "moe_a2a::combine()"], out
+    assert shutil.which("c++filt"), "binutils' c++filt (installed with gcc) is missing: the demangling is unchecked"
+    out = subprocess.run(["c++filt", _launch.DISPATCH_SYMBOL, _launch.COMBINE_SYMBOL], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["moe_a2a::dispatch()", "moe_a2a::combine()"], out

@@ -61,6 +61,7 @@ def test_round_trip_shared_segment(backend):
         seg.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_default_backend_and_forcing_it():
     env = dict(os.environ)
@@ -115,6 +116,7 @@ def _writer(name: str, backend: str, timeout_s: float) -> None:
         seg.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_message_passing_between_processes(backend):
     seg = _segment()

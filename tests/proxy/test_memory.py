@@ -10,8 +10,6 @@ import pytest
 
 from moe_a2a.proxy.memory import SharedSegment, fd_from_process, recv_fds, send_fds, unique_name
 
-from ..conftest import TEST_DEVICE
-
 
 def _memfd(content: bytes) -> int:
     fd = os.memfd_create("moe_a2a-test")
@@ -24,6 +22,7 @@ def _python(code: str, **kw) -> subprocess.Popen:
                             stdin=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_proxy_process_imports_neither_torch_nor_triton():
     # The proxy starts once per rank: torch alone costs seconds and hundreds of MB there.
@@ -33,6 +32,7 @@ def test_proxy_process_imports_neither_torch_nor_triton():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_fds_cross_a_unix_socket_to_another_process():
     ours, theirs = socket.socketpair()
@@ -66,6 +66,7 @@ def test_recv_fds_times_out_and_refuses_a_wrong_count():
     os.close(fd)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_fd_pulled_from_a_sibling_process_with_pidfd_getfd():
     # Same-node ranks are siblings (children of one launcher), as here.
@@ -140,8 +141,9 @@ def test_process_shm_files_match_one_pid_exactly():
                 os.unlink(path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="cuMem allocations need a CUDA GPU (run with MOE_A2A_TEST_DEVICE=cuda)")
+@pytest.mark.gpu(reason="cuMem allocations")
 def test_cumem_buffer_is_mapped_by_another_process_through_its_fd():
     import torch
 

@@ -7,6 +7,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = [pytest.mark.slow]  # a Python process of its own per case
+
 # Plants what a dead process that had this pid left behind, then opens an shm endpoint, clearing first or not.
 _RECYCLED_PID = r'''
 import os, sys

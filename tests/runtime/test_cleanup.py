@@ -9,6 +9,8 @@ import pytest
 
 from moe_a2a.proxy.memory import process_shm_files
 
+pytestmark = [pytest.mark.slow]  # ranks started with multiprocessing, killed outright
+
 
 def _rank(rank: int, world: int, store: str, transport: str, queue) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"

@@ -11,14 +11,14 @@ from moe_a2a.bench.kernels import _rank_setup
 from moe_a2a.config import A2AConfig
 from moe_a2a.triton_kernels import combine, dispatch, routing
 
-from ..conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE, interpreter_only
 
 GUARD = 0x5A
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="guard bytes past `base` catch stray writes only in the "
-                    "interpreter; on a GPU such a write is an illegal memory access")
+@interpreter_only("guard bytes past `base` catch stray writes only there; on a GPU such a write is an "
+                  "illegal memory access")
 def test_bench_buffers_hold_every_byte_the_kernels_write() -> None:
     # The bench's shape (fp8 payload with scales, bf16 combine, rank 0 of 8 ranks, 4 per node), small.
     cfg = A2AConfig(max_num_tokens=16, num_experts=16, experts_per_token=4, hidden_dim=256,

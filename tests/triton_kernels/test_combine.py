@@ -114,9 +114,8 @@ def test_combine_edge_cases(case: Case, accumulate: bool) -> None:
     check_combine(case, accumulate)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="the edge cases with compiled kernels")
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels)")
 @pytest.mark.parametrize("case, accumulate", EDGE_CASES)
 def test_combine_edge_cases_gpu(case: Case, accumulate: bool) -> None:
     check_combine(case, accumulate, "cuda")

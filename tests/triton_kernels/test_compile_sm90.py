@@ -3,8 +3,9 @@ Hopper (sm_90) on a machine without a GPU.
 
 The interpreter runs Python semantics: a name bound inside one `if` and used after it, or a type that
 changes across a loop, passes there and fails only when the GPU compiles the kernel (seen once, on the
-H200). Triton compiles to PTX and cubin without a device (its own ptxas), so the CPU suite catches those
-too: in a process without TRITON_INTERPRET (`_compile_sm90.py`).
+H200). Triton compiles to PTX and cubin without a device (its own ptxas, shipped in its wheel under
+triton/backends/nvidia/bin), so the CPU suite catches those too: in a process without TRITON_INTERPRET
+(`_compile_sm90.py`). A missing ptxas is a broken toolchain and fails, saying so; it is no reason to skip.
 """
 import os
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 from moe_a2a.triton_kernels import _launch
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow]  # each compiles in a process of its own
 
 
 def _compile(*args: str) -> subprocess.CompletedProcess:
@@ -39,7 +42,7 @@ def test_pack_and_quantize_kernels_compile_for_sm90():
 
 
 def _check(r: subprocess.CompletedProcess) -> None:
-    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip(f"Triton has no ptxas for sm_90 on this machine: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    hint = ("\n(Triton's wheel ships ptxas in triton/backends/nvidia/bin; TRITON_PTXAS_PATH overrides it: a "
+            "missing one is a broken install)" if "ptxas" in r.stderr.lower() else "")
+    assert r.returncode == 0, r.stderr[-3000:] + hint
     assert "compiled" in r.stdout

@@ -102,9 +102,8 @@ def test_dispatch_edge_cases(case: Case) -> None:
     check_dispatch(case)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="the edge cases with compiled kernels")
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels)")
 @pytest.mark.parametrize("case", EDGE_CASES)
 def test_dispatch_edge_cases_gpu(case: Case) -> None:
     check_dispatch(case, "cuda")

@@ -220,8 +220,7 @@ def test_bad_arguments():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compares the native "
-                    "fp8 cast with the integer encoding the CPU tests check")
+@pytest.mark.gpu(reason="compares the native fp8 cast with the integer encoding the CPU tests check")
 def test_gpu_native_cast_equals_bit_encoding():
     gen = torch.Generator().manual_seed(7)
     magnitude = torch.exp2(torch.empty(64, 1000).uniform_(-14, 4, generator=gen))

@@ -13,16 +13,15 @@ from moe_a2a.triton_kernels import sync
 from moe_a2a.triton_kernels.sync import signal_flag
 
 from ..conftest import TEST_DEVICE
+from ..conftest import interpreter_only as _interpreter_only
 
 WORDS = FLAG_SLOT_BYTES // 8
 
 # The tests that launch the USE_PTX=False kernel directly are about the interpreter's path: compiled
 # (MOE_A2A_TEST_DEVICE=cuda, no TRITON_INTERPRET) it would get CPU pointers and is not the code a GPU
 # runs; the GPU's PTX path is tested below (test_gpu_*, test_device_epoch_offsets_the_signalled_value).
-interpreter_only = pytest.mark.skipif(
-    TEST_DEVICE == "cuda",
-    reason="tests the interpreter path (USE_PTX=False kernels on CPU tensors under TRITON_INTERPRET=1); "
-           "with compiled kernels the PTX path is covered by the test_gpu_* tests")
+interpreter_only = _interpreter_only("tests the USE_PTX=False kernels on CPU tensors; with compiled kernels "
+                                     "the PTX path is covered by the test_gpu_* tests")
 
 
 def new_flags() -> torch.Tensor:
@@ -99,8 +98,7 @@ def test_stamp_time_on_cpu_uses_the_host_clock():
 
 
 # ---- GPU: the PTX path on pinned host memory reached through UVA ----
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="needs a CUDA GPU: tests st.release.sys / %globaltimer")
+needs_gpu = pytest.mark.gpu(reason="tests st.release.sys / %globaltimer")
 
 
 @needs_gpu
