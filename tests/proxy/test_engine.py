@@ -18,8 +18,10 @@ from ._peers import Died, run_peers
 from ._providers import PROVIDERS, provider_params
 
 
-
-pytestmark = pytest.mark.parametrize("provider", provider_params(PROVIDERS))
+@pytest.fixture(params=provider_params(PROVIDERS))
+def provider(request) -> str:
+    """Each provider in turn, for the tests that take it (the others name theirs)."""
+    return request.param
 
 
 @pytest.fixture
@@ -175,6 +177,7 @@ def test_host_engine_refuses_gpu_registration_clearly(loop_engine):
         loop_engine.register(ctypes.addressof(buf), 4096, cuda_device=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_writes_verify_bytes(provider, seed):
@@ -183,6 +186,7 @@ def test_random_writes_verify_bytes(provider, seed):
     assert verified > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("size,num_domains", [
     pytest.param(2, 1, id="1peer"),
@@ -198,12 +202,11 @@ def test_scatter_all_to_all_with_barrier(provider, size, num_domains):
         assert r["domains"] == list(range(num_domains))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_scatter_over_named_domains_on_distinct_interfaces(provider):
-    """domains=[...] opens one fabric + domain per name (EFA: one per NIC; here tcp's two interfaces),
-    and a group's peers are sharded over them: every write and immediate still arrives."""
-    if provider != "tcp":
-        pytest.skip("shm has a single domain; tcp has one per interface")
+def test_scatter_over_named_domains_on_distinct_interfaces():
+    """domains=[...] opens one fabric + domain per name (EFA: one per NIC; here tcp's two interfaces: shm
+    has a single domain), and a group's peers are sharded over them: every write and immediate still arrives."""
     names = lf.list_domains("tcp")
     if len(names) < 2:
         pytest.skip(f"tcp offers one domain here ({names}); this needs two interfaces")
@@ -218,6 +221,7 @@ def test_scatter_over_named_domains_on_distinct_interfaces(provider):
         TransferEngine("tcp", domains="eth0")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_thousand_iterations_no_drift(provider):
     [a, b] = run_peers(2, w.all_to_all, provider, 1000, 1, 64)
@@ -226,6 +230,7 @@ def test_thousand_iterations_no_drift(provider):
         assert r["posted"] == r["completed"] == r["received"] == 2000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_back_pressure_small_queue(provider):
     # A tx queue of 8, at most 64 writes in flight, and a receiver that does not poll for 0.3 s: posting
@@ -236,6 +241,7 @@ def test_back_pressure_small_queue(provider):
     assert receiver["data_ok"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_killed_peer_gives_timeout_naming_it(provider):
     timeout_s = 1.0
@@ -248,9 +254,9 @@ def test_killed_peer_gives_timeout_naming_it(provider):
     assert root["write_s"] < 2 * timeout_s + 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_bootstrap_exchange_over_gloo(provider, tmp_path):
-    if provider != "tcp":
-        pytest.skip("bootstrap is provider-independent; run once (tcp)")
+def test_bootstrap_exchange_over_gloo(tmp_path):
+    """The bootstrap is provider-independent: run once."""
     results = run_peers(2, w.exchange_over_gloo, str(tmp_path / "init"), timeout_s=80)
     assert results[0] == results[1] and len(results[0]) == 2
