@@ -193,6 +193,13 @@ class AllToAll:
         return [(h.spec.shard, list(h.cpus), h.cpus_reason) for h in self._w.proxies]
 
     @property
+    def fabric_info(self) -> list[dict]:
+        """What each proxy's engine runs on, in shard order (`TransferEngine.fabric_info`: the libfabric
+        loaded, its path, version and the API requested, provider, domains, FI_HMEM, threading...); empty
+        without proxies, once closed, or on the emulated NIC."""
+        return [dict(h.fabric_info) for h in self._w.proxies if h.fabric_info]
+
+    @property
     def with_proxy(self) -> bool:
         """True when some peers are on other nodes: the proxy carries their rows."""
         return self._w.with_proxy

@@ -372,12 +372,25 @@ class TransferEngine(ImmediateCounts):
                 # One CQ for both directions: local write completions and remote-write immediates.
                 ep.bind(cq.ptr, lf.FI_TRANSMIT | lf.FI_RECV, "cq")
                 ep.bind(av.ptr, 0, "av")
+                # Before fi_enable: the provider reads it when the endpoint starts (efa).
+                cuda_api = ep.forbid_cuda_api()
                 ep.enable()
             self.address = EngineAddress(self.provider_name, tuple(ep.getname() for ep in self._eps))
             self.domain_names = tuple(self._infos[d % len(self._infos)].domain_name for d in range(num_domains))
         except BaseException:
             self.close()
             raise
+        lib = lf.library_info()
+        # What this engine runs on, picklable (the proxy reports it to the model process with "ready").
+        self.fabric_info = {
+            "path": lib["path"], "source": lib["source"], "version": lib["version"],
+            "api_version": lf.version_str(self.info.api_version), "provider": self.provider_name,
+            "fabric": self.info.fabric_name, "domains": self.domain_names,
+            "hmem": ("offered" if self.info.caps & lf.FI_HMEM else "not offered") if hmem else "not requested",
+            "threading": lf.THREADING_NAMES.get(self.info.threading, str(self.info.threading)),
+            "remote_only": self.info.remote_only, "cuda_api_permitted": cuda_api,
+        }
+        lf.log_fabric_once(self.fabric_info)
         # Completion bookkeeping.
         if max_inflight is None:
             max_inflight = min(cq_size // 2, 4096) * num_domains

@@ -67,6 +67,8 @@ class ProxyHandle:
         # The CPUs the proxy process may run on and why (what it reports with "ready"; empty until then).
         self.cpus: list[int] = []
         self.cpus_reason: str | None = None
+        # What its engine runs on (`TransferEngine.fabric_info`, with "ready"; None: the emulated NIC, or not yet).
+        self.fabric_info: dict | None = None
         ours, theirs = socket.socketpair()
         self._sock = ours
         self.conn = Connection(os.dup(ours.fileno()))
@@ -97,6 +99,11 @@ class ProxyHandle:
         msg = self._recv("ready", timeout_s)
         if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "ready":  # else a bare "ready"
             self.cpus, self.cpus_reason = list(msg[1]["cpus"]), msg[1]["reason"]
+            self.fabric_info = msg[1].get("fabric")
+            if self.fabric_info:  # here too: the proxy process has no log handler of its own
+                from .libfabric import log_fabric_once
+
+                log_fabric_once(self.fabric_info)
 
     def stop(self, seg: SharedSegment | None, layout: Layout, timeout_s: float = 5.0) -> None:
         """Ask the proxy to exit (SIGKILL after `timeout_s`), reap it and remove the files it left in

@@ -1,4 +1,4 @@
-"""ctypes shim over ``libfabric.so.1`` (API 1.17): RDM endpoints, RMA writes with immediates, CQs.
+"""ctypes shim over ``libfabric.so.1`` (API 1.17 to 1.22): RDM endpoints, RMA writes with immediates, CQs.
 
 Scope: exactly what the transfer engine needs, nothing more. Most ``fi_*`` calls are ``static inline``
 functions in the headers that call through ops tables (``ep->rma->writemsg(...)``), so this module mirrors
@@ -6,8 +6,18 @@ the C structs with the header's names, resolves each ops-table function pointer 
 declares the hot ones (``writemsg``, ``cq read``) with ``c_void_p`` integer arguments: measured on the CI
 machine, that halves the ctypes cost of a call (0.6 µs instead of 1.2-1.5 µs).
 
-Layouts are those of libfabric 1.17 on x86-64 (``tests/proxy/test_libfabric_layout.py`` checks every
-mirrored field against the C compiler on the installed headers; re-run it against any other libfabric).
+API version: we request the newest the loaded library offers, up to :data:`API_NEWEST` (the newest whose
+header layouts are mirrored here); ``efa`` needs >= 1.18 (below it EFA emulates RDMA writes on some
+devices and offers no ``FI_HMEM``), tcp and shm also run on 1.17 (Debian's). Structs that grew between
+1.17 and 1.22 are mirrored once per layout (``fi_cq_err_entry`` gained ``src_addr`` in 1.20: the library
+copies 88 bytes into an error entry at API >= 1.20, 80 below); :func:`mirrored_structs` gives the ones of
+an API version. Layouts are x86-64: ``tests/proxy/test_libfabric_layout.py`` checks every mirrored field
+against the C compiler on the installed headers, ``tests/proxy/test_libfabric_versions.py`` against the
+layouts of the 1.18 / 1.20 / 1.22 headers kept as data there.
+
+Which library: ``MOE_A2A_LIBFABRIC`` (a path) if set, else the EFA installer's
+(``/opt/amazon/efa/lib*/libfabric.so*``) when present, else the system's (:func:`library_candidates`);
+:func:`library_info` says which was loaded, its version and the API requested.
 
 Object lifetime: close in the reverse order of creation: endpoint, then AV and CQ, then MRs, then the
 domain, then the fabric (a domain with open MRs/endpoints refuses to close with ``-FI_EBUSY``).
@@ -17,6 +27,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno as _errno
+import glob
+import logging
 import os
 from ctypes import (
     CFUNCTYPE,
@@ -57,6 +69,8 @@ FI_REMOTE_WRITE = 1 << 13
 FI_REMOTE_CQ_DATA = 1 << 17
 FI_COMPLETION = 1 << 24
 FI_HMEM = 1 << 47
+FI_LOCAL_COMM = 1 << 51  # secondary caps: peers on this host / on other hosts
+FI_REMOTE_COMM = 1 << 52
 FI_NUMERICHOST = 1 << 55  # fi_getinfo flags: ``node`` is a numeric address...
 FI_SOURCE = 1 << 57  # ...and the local (source) address to bind to, not a destination
 FI_CONTEXT = 1 << 59
@@ -74,6 +88,13 @@ FI_AV_TABLE = 2  # enum fi_av_type
 FI_CQ_FORMAT_DATA = 3  # enum fi_cq_format
 FI_WAIT_NONE = 0  # enum fi_wait_obj
 FI_ENABLE = 6  # enum fi_control command
+FI_THREAD_SAFE = 1  # enum fi_threading
+FI_THREAD_DOMAIN = 3  # the application serialises all access to a domain's objects
+THREADING_NAMES = {0: "FI_THREAD_UNSPEC", FI_THREAD_SAFE: "FI_THREAD_SAFE", 2: "FI_THREAD_FID",
+                   FI_THREAD_DOMAIN: "FI_THREAD_DOMAIN", 4: "FI_THREAD_COMPLETION", 5: "FI_THREAD_ENDPOINT"}
+FI_OPT_ENDPOINT = 0  # fi_setopt level
+# fi_setopt name (bool), since the 1.18 headers: whether the provider may call the CUDA API in its data path.
+FI_OPT_CUDA_API_PERMITTED = 10
 FI_HMEM_SYSTEM = 0  # enum fi_hmem_iface
 FI_HMEM_CUDA = 1
 
@@ -81,6 +102,9 @@ FI_ADDR_UNSPEC = (1 << 64) - 1
 
 # errno values (fi_errno.h: FI_E* < 256 are the system errno values)
 FI_EAGAIN = _errno.EAGAIN
+FI_EINVAL = _errno.EINVAL
+FI_ENOPROTOOPT = _errno.ENOPROTOOPT
+FI_EOPNOTSUPP = _errno.EOPNOTSUPP
 FI_ENOSYS = _errno.ENOSYS
 FI_ENODATA = _errno.ENODATA
 FI_EOTHER = 256
@@ -105,13 +129,35 @@ _FI_ERRNO_NAMES = {
     FI_ENOAV: "FI_ENOAV", FI_EOVERRUN: "FI_EOVERRUN", FI_ENORX: "FI_ENORX",
 }
 
-# The API version we ask for. Structs below are the 1.17 layouts; a newer library keeps them for
-# callers that request 1.17 (attribute structs only grow at the end, ops tables too).
-API_VERSION = FI_VERSION(1, 17)
+# API versions. We request min(library version, API_NEWEST): a library keeps the layouts of every API
+# version it offers for callers that request it, and API_NEWEST is the newest whose layouts are mirrored
+# below and checked against its headers (a 2.x library is asked for 1.22: 2.0 changed semantics too).
+API_OLDEST = FI_VERSION(1, 17)
+API_NEWEST = FI_VERSION(1, 22)
+# efa below 1.18: RDMA write is emulated with sends on some device revisions and FI_HMEM is not offered
+# (fi_efa(7); prov/efa/src/efa_user_info.c, rdm/efa_rdm_util.c); hardware RDMA write first shipped in 1.18.
+EFA_API_MIN = FI_VERSION(1, 18)
+# Newest library major version accepted (2.x still serves 1.x API requests; 3.x may not).
+_LIBRARY_MAJOR_MAX = 2
+
+
+def version_str(version: int) -> str:
+    """``"1.22"`` for ``FI_VERSION(1, 22)``."""
+    return f"{version >> 16}.{version & 0xFFFF}"
+
+
+def negotiate_api(library_version: int) -> int:
+    """The API version to request from a library of ``library_version`` (an ``FI_VERSION``): the newest
+    both offer. ``OSError`` for a library older than 1.17 or of a major version after 2."""
+    if library_version < API_OLDEST or library_version >> 16 > _LIBRARY_MAJOR_MAX:
+        raise OSError(f"libfabric {version_str(library_version)}: this shim needs libfabric >= 1.17 and < "
+                      f"{_LIBRARY_MAJOR_MAX + 1}.0 (it mirrors the API 1.17 to {version_str(API_NEWEST)} layouts)")
+    return min(library_version, API_NEWEST)
 
 # --------------------------------------------------------------------------------------------------
-# Struct mirrors (x86-64, libfabric 1.17). Ops tables keep raw function pointers as c_void_p; the
-# prototypes are applied once, when an object is opened.
+# Struct mirrors (x86-64, libfabric 1.17-1.22). Ops tables keep raw function pointers as c_void_p; the
+# prototypes are applied once, when an object is opened. A struct that grew is mirrored per layout: the
+# header's name for the newest (API 1.22), ``<name>_<first API version>`` for older ones.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -152,7 +198,8 @@ class fi_ep_attr(Structure):
                 ("rx_ctx_cnt", c_size_t), ("auth_key_size", c_size_t), ("auth_key", POINTER(c_uint8))]
 
 
-class fi_domain_attr(Structure):
+class fi_domain_attr_1_17(Structure):
+    """``fi_domain_attr`` up to the 1.19 headers."""
     _fields_ = [("domain", c_void_p), ("name", c_char_p), ("threading", c_int),
                 ("control_progress", c_int), ("data_progress", c_int), ("resource_mgmt", c_int),
                 ("av_type", c_int), ("mr_mode", c_int), ("mr_key_size", c_size_t),
@@ -162,6 +209,12 @@ class fi_domain_attr(Structure):
                 ("cntr_cnt", c_size_t), ("mr_iov_limit", c_size_t), ("caps", c_uint64), ("mode", c_uint64),
                 ("auth_key", POINTER(c_uint8)), ("auth_key_size", c_size_t), ("max_err_data", c_size_t),
                 ("mr_cnt", c_size_t), ("tclass", c_uint32)]
+
+
+class fi_domain_attr(Structure):
+    """Since the 1.20 headers: ``max_ep_auth_key`` appended. The library allocates every ``fi_info``
+    (``fi_dupinfo``, ``fi_getinfo``): we only read and set fields of the common prefix."""
+    _fields_ = fi_domain_attr_1_17._fields_ + [("max_ep_auth_key", c_size_t)]
 
 
 class fi_fabric_attr(Structure):
@@ -216,17 +269,27 @@ class _fi_mr_attr_device(Union):
                 ("synapseai", c_int)]
 
 
-class fi_mr_attr(Structure):
-    # First field is ``const struct iovec *mr_iov``; since 1.20 it is a union with
-    # ``const struct fi_mr_dmabuf *dmabuf`` (same offset), selected by FI_MR_DMABUF.
+class fi_mr_attr_1_17(Structure):
+    """``fi_mr_attr`` of the 1.17 and 1.18 headers. The first field is ``const struct iovec *mr_iov``;
+    since 1.20 it is a union with ``const struct fi_mr_dmabuf *dmabuf`` (same offset), chosen by
+    ``FI_MR_DMABUF``."""
     _fields_ = [("mr_iov", c_void_p), ("iov_count", c_size_t), ("access", c_uint64), ("offset", c_uint64),
                 ("requested_key", c_uint64), ("context", c_void_p), ("auth_key_size", c_size_t),
                 ("auth_key", POINTER(c_uint8)), ("iface", c_int), ("device", _fi_mr_attr_device)]
 
 
+class fi_mr_attr_1_19(Structure):
+    """Since 1.19: ``hmem_data`` appended (read at API >= 1.19 when the domain has FI_HMEM)."""
+    _fields_ = fi_mr_attr_1_17._fields_ + [("hmem_data", c_void_p)]
+
+
+class fi_mr_attr(Structure):
+    """Since 1.22: ``page_size`` appended (read at API >= 1.22; 0: the system's)."""
+    _fields_ = fi_mr_attr_1_19._fields_ + [("page_size", c_size_t)]
+
+
 class fi_mr_dmabuf(Structure):
-    """Not in the 1.17 headers (added in 1.20); mirrored from the 1.20 ``fi_domain.h``. The layout test
-    checks it only where the installed headers define it."""
+    """Since the 1.20 headers (absent before: :func:`mirrored_structs` leaves it out below API 1.20)."""
     _fields_ = [("fd", c_int), ("offset", c_uint64), ("len", c_size_t), ("base_addr", c_void_p)]
 
 
@@ -235,9 +298,15 @@ class fi_av_attr(Structure):
                 ("name", c_char_p), ("map_addr", c_void_p), ("flags", c_uint64)]
 
 
-class fi_ops_av(Structure):
+class fi_ops_av_1_17(Structure):
     _fields_ = [("size", c_size_t), ("insert", c_void_p), ("insertsvc", c_void_p), ("insertsym", c_void_p),
                 ("remove", c_void_p), ("lookup", c_void_p), ("straddr", c_void_p), ("av_set", c_void_p)]
+
+
+class fi_ops_av(Structure):
+    """Since 1.20: three entries appended (auth keys, user ids); we call none of them."""
+    _fields_ = fi_ops_av_1_17._fields_ + [("insert_auth_key", c_void_p), ("lookup_auth_key", c_void_p),
+                                          ("set_user_id", c_void_p)]
 
 
 class fid_av(Structure):
@@ -254,10 +323,18 @@ class fi_cq_data_entry(Structure):
                 ("data", c_uint64)]
 
 
-class fi_cq_err_entry(Structure):
+class fi_cq_err_entry_1_17(Structure):
+    """``fi_cq_err_entry`` as ``fi_cq_readerr`` fills it at API 1.5 to 1.19 (80 bytes; the layout of the
+    1.17 to 1.19 headers)."""
     _fields_ = [("op_context", c_void_p), ("flags", c_uint64), ("len", c_size_t), ("buf", c_void_p),
                 ("data", c_uint64), ("tag", c_uint64), ("olen", c_size_t), ("err", c_int),
                 ("prov_errno", c_int), ("err_data", c_void_p), ("err_data_size", c_size_t)]
+
+
+class fi_cq_err_entry(Structure):
+    """Since 1.20: ``src_addr`` appended; at API >= 1.20 ``fi_cq_readerr`` copies all 88 bytes, so a
+    1.5-sized entry would be overrun by 8."""
+    _fields_ = fi_cq_err_entry_1_17._fields_ + [("src_addr", c_uint64)]
 
 
 class fi_ops_cq(Structure):
@@ -301,8 +378,8 @@ class fi_msg_rma(Structure):
                 ("rma_iov", c_void_p), ("rma_iov_count", c_size_t), ("context", c_void_p), ("data", c_uint64)]
 
 
-# Every mirrored struct with the header that defines it; the layout test generates its C program from
-# this table so the check cannot drift from the definitions above.
+# Every mirrored struct by its header name, in its newest layout (API_NEWEST); the layout tests generate
+# their C programs from `mirrored_structs` so the check cannot drift from the definitions above.
 MIRRORED_STRUCTS = {
     "iovec": iovec, "fid": fid, "fi_ops": fi_ops, "fi_context": fi_context, "fi_tx_attr": fi_tx_attr,
     "fi_rx_attr": fi_rx_attr, "fi_ep_attr": fi_ep_attr, "fi_domain_attr": fi_domain_attr,
@@ -314,17 +391,54 @@ MIRRORED_STRUCTS = {
     "fid_cq": fid_cq, "fi_ops_ep": fi_ops_ep, "fi_ops_cm": fi_ops_cm, "fi_ops_rma": fi_ops_rma,
     "fid_ep": fid_ep, "fi_rma_iov": fi_rma_iov, "fi_msg_rma": fi_msg_rma,
 }
-# Header constants checked by the layout test (name -> value as mirrored here).
+# Older layouts: header name -> ((API version up to which this layout holds, its mirror), ...), oldest
+# first; from the next version on the next entry (or MIRRORED_STRUCTS) applies. None: not in the headers.
+_OLDER_LAYOUTS = {
+    "fi_domain_attr": ((FI_VERSION(1, 19), fi_domain_attr_1_17),),
+    "fi_ops_av": ((FI_VERSION(1, 19), fi_ops_av_1_17),),
+    "fi_cq_err_entry": ((FI_VERSION(1, 19), fi_cq_err_entry_1_17),),
+    "fi_mr_dmabuf": ((FI_VERSION(1, 19), None),),
+    "fi_mr_attr": ((FI_VERSION(1, 18), fi_mr_attr_1_17), (FI_VERSION(1, 21), fi_mr_attr_1_19)),
+}
+
+
+def mirrored_structs(api: int) -> dict[str, type]:
+    """The mirror of every struct as the headers of API version ``api`` (1.17 to API_NEWEST) lay it out."""
+    if not API_OLDEST <= api <= API_NEWEST:
+        raise ValueError(f"mirrored_structs: API version {version_str(api)} outside the mirrored "
+                         f"{version_str(API_OLDEST)}..{version_str(API_NEWEST)}")
+    out = {}
+    for name, newest in MIRRORED_STRUCTS.items():
+        cls = newest
+        for until, older in _OLDER_LAYOUTS.get(name, ()):
+            if api <= until:
+                cls = older
+                break
+        if cls is not None:
+            out[name] = cls
+    return out
+
+
+# Header constants checked by the layout tests (name -> value as mirrored here).
 MIRRORED_CONSTANTS = {
     name: globals()[name] for name in (
         "FI_MSG", "FI_RMA", "FI_READ", "FI_WRITE", "FI_RECV", "FI_SEND", "FI_TRANSMIT", "FI_REMOTE_READ",
         "FI_REMOTE_WRITE", "FI_REMOTE_CQ_DATA", "FI_COMPLETION", "FI_HMEM", "FI_CONTEXT", "FI_NUMERICHOST",
-        "FI_SOURCE", "FI_MR_LOCAL",
-        "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_PROV_KEY", "FI_MR_HMEM", "FI_EP_RDM", "FI_AV_TABLE",
-        "FI_CQ_FORMAT_DATA", "FI_WAIT_NONE", "FI_ENABLE", "FI_HMEM_SYSTEM", "FI_HMEM_CUDA", "FI_ADDR_UNSPEC",
-        "FI_EAGAIN", "FI_ENOSYS", "FI_ENODATA", "FI_EOTHER", "FI_EAVAIL", "FI_ETRUNC", "FI_EOVERRUN",
-        "FI_ENORX")
+        "FI_SOURCE", "FI_LOCAL_COMM", "FI_REMOTE_COMM", "FI_MR_LOCAL",
+        "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_PROV_KEY", "FI_MR_HMEM", "FI_MR_DMABUF", "FI_EP_RDM",
+        "FI_AV_TABLE", "FI_CQ_FORMAT_DATA", "FI_WAIT_NONE", "FI_ENABLE", "FI_THREAD_SAFE", "FI_THREAD_DOMAIN", "FI_OPT_ENDPOINT",
+        "FI_OPT_CUDA_API_PERMITTED", "FI_HMEM_SYSTEM", "FI_HMEM_CUDA", "FI_ADDR_UNSPEC",
+        "FI_EAGAIN", "FI_EINVAL", "FI_ENOSYS", "FI_ENODATA", "FI_ENOPROTOOPT", "FI_EOPNOTSUPP", "FI_EOTHER",
+        "FI_EAVAIL", "FI_ETRUNC", "FI_EOVERRUN", "FI_ENORX")
 }
+# First API version whose headers define a constant (the rest are in every version mirrored).
+_CONSTANT_SINCE = {"FI_OPT_CUDA_API_PERMITTED": FI_VERSION(1, 18), "FI_MR_DMABUF": FI_VERSION(1, 20)}
+
+
+def mirrored_constants(api: int) -> dict[str, int]:
+    """The constants the headers of API version ``api`` define, with our values."""
+    return {k: v for k, v in MIRRORED_CONSTANTS.items() if _CONSTANT_SINCE.get(k, API_OLDEST) <= api}
+
 
 # --------------------------------------------------------------------------------------------------
 # Where a domain's NIC sits: ``fi_info->nic`` (``struct fid_nic``, fabric.h), read by proxy/topology.py
@@ -406,7 +520,8 @@ _MR_REG = CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_uint64, c_uint64, c_u
 _MR_REGATTR = CFUNCTYPE(c_int, c_void_p, c_void_p, c_uint64, POINTER(c_void_p))
 _AV_INSERT = CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, POINTER(c_uint64), c_uint64, c_void_p)
 _CM_GETNAME = CFUNCTYPE(c_int, c_void_p, c_void_p, POINTER(c_size_t))
-_CQ_READERR = CFUNCTYPE(c_ssize_t, c_void_p, POINTER(fi_cq_err_entry), c_uint64)
+_EP_SETOPT = CFUNCTYPE(c_int, c_void_p, c_int, c_int, c_void_p, c_size_t)
+_CQ_READERR = CFUNCTYPE(c_ssize_t, c_void_p, c_void_p, c_uint64)  # the entry's type depends on the API
 _CQ_STRERROR = CFUNCTYPE(c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_size_t)
 # Hot paths: every integer argument as c_void_p (ctypes converts a Python int to a pointer faster than
 # to c_uint64/c_size_t; measured 0.6 µs instead of 1.2-1.5 µs per call). Returns ssize_t.
@@ -417,7 +532,15 @@ CQ_READ_PROTO = CFUNCTYPE(c_ssize_t, c_void_p, c_void_p, c_void_p)  # (cq, buf, 
 # Library loading (at first use, never at import)
 # --------------------------------------------------------------------------------------------------
 
-_lib_cache: list = []  # [CDLL] once loaded; a list so no ``global`` statement is needed
+LIBFABRIC_ENV = "MOE_A2A_LIBFABRIC"  # a path: load this libfabric and no other
+# The EFA installer's prefix (lib on Debian/Ubuntu, lib64 on Amazon Linux/RHEL): its libfabric has the
+# efa provider built with CUDA support and is newer than a distribution's.
+EFA_INSTALLER_DIRS = ("/opt/amazon/efa/lib", "/opt/amazon/efa/lib64")
+SOURCE_OVERRIDE, SOURCE_EFA_INSTALLER, SOURCE_SYSTEM = LIBFABRIC_ENV, "EFA installer", "system"
+
+_log = logging.getLogger("moe_a2a.proxy")
+_lib_cache: list = []  # [(CDLL, library info dict)] once loaded; a list so no ``global`` statement is needed
+_logged_fabrics: set = set()  # what log_fabric_once said already, in this process
 
 
 class FabricError(Exception):
@@ -467,18 +590,49 @@ def strerror(err: int) -> str:
     return s.decode(errors="replace") if s else errno_name(err)
 
 
-def library() -> ctypes.CDLL:
-    """Load ``libfabric.so.1`` (``MOE_A2A_LIBFABRIC`` overrides the path) and declare the exported
-    functions we call. Raises ``OSError`` with what was tried if it cannot be loaded."""
-    if _lib_cache:
-        return _lib_cache[0]
-    path = os.environ.get("MOE_A2A_LIBFABRIC") or ctypes.util.find_library("fabric") or "libfabric.so.1"
+def _efa_installer_library(directory: str) -> str | None:
+    """The libfabric in ``directory``: ``libfabric.so.1``, else ``libfabric.so``, else the first
+    ``libfabric.so.*``; None when there is none."""
+    for name in ("libfabric.so.1", "libfabric.so"):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            return path
+    found = sorted(glob.glob(os.path.join(directory, "libfabric.so.*")))
+    return found[0] if found else None
+
+
+def library_candidates(environ=None) -> list[tuple[str, str]]:
+    """(path or soname, where it comes from) of each libfabric :func:`library` may load, preferred first:
+    ``MOE_A2A_LIBFABRIC`` alone when it is set; else the EFA installer's when present, then the system's
+    (``find_library``, else ``libfabric.so.1`` for the dynamic loader)."""
+    env = os.environ if environ is None else environ
+    override = env.get(LIBFABRIC_ENV)
+    if override:
+        return [(override, SOURCE_OVERRIDE)]
+    out = [(path, SOURCE_EFA_INSTALLER) for path in map(_efa_installer_library, EFA_INSTALLER_DIRS) if path]
+    out.append((ctypes.util.find_library("fabric") or "libfabric.so.1", SOURCE_SYSTEM))
+    return out
+
+
+class _Dl_info(Structure):
+    _fields_ = [("dli_fname", c_char_p), ("dli_fbase", c_void_p), ("dli_sname", c_char_p),
+                ("dli_saddr", c_void_p)]
+
+
+def _loaded_path(lib: ctypes.CDLL, fallback: str) -> str:
+    """The file the dynamic loader mapped for ``lib`` (a soname resolves to a path only there)."""
     try:
-        lib = ctypes.CDLL(path)
-    except OSError as e:
-        raise OSError(
-            f"cannot load libfabric from {path!r} ({e}); install it (Debian/Ubuntu: apt-get install "
-            f"libfabric1) or point MOE_A2A_LIBFABRIC at libfabric.so.1") from e
+        dladdr = ctypes.CDLL(None).dladdr
+        dladdr.restype, dladdr.argtypes = c_int, [c_void_p, POINTER(_Dl_info)]
+        info = _Dl_info()
+        if dladdr(ctypes.cast(lib.fi_version, c_void_p), byref(info)) and info.dli_fname:
+            return os.path.realpath(info.dli_fname.decode())
+    except (AttributeError, OSError):  # no dladdr in this libc: say what was asked for
+        pass
+    return fallback
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.fi_version.restype = c_uint32
     lib.fi_version.argtypes = []
     lib.fi_getinfo.restype = c_int
@@ -492,18 +646,76 @@ def library() -> ctypes.CDLL:
     lib.fi_fabric.argtypes = [POINTER(fi_fabric_attr), POINTER(c_void_p), c_void_p]
     lib.fi_strerror.restype = c_char_p
     lib.fi_strerror.argtypes = [c_int]
-    version = lib.fi_version()
-    if version >> 16 != 1 or (version & 0xFFFF) < 17:
-        raise OSError(f"libfabric at {path!r} is {version >> 16}.{version & 0xFFFF}; this shim mirrors the "
-                      f"1.17 ABI and needs libfabric 1.x >= 1.17")
-    _lib_cache.append(lib)
-    return lib
+
+
+def load_library(candidates: list[tuple[str, str]]) -> tuple[ctypes.CDLL, dict]:
+    """Load the first of ``candidates`` (see :func:`library_candidates`) that loads, and negotiate the API
+    version. Returns the library and its facts: ``path`` (the file mapped), ``source``, ``version``
+    (the library's), ``api_version`` (what we request). ``OSError`` naming what was tried, or the path
+    and version of a library this shim cannot use."""
+    tried = []
+    for path, source in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            tried.append(f"{path} ({source}): {e}")
+            continue
+        _declare(lib)
+        version = lib.fi_version()
+        where = _loaded_path(lib, path)
+        try:
+            api = negotiate_api(version)
+        except OSError as e:
+            raise OSError(f"libfabric at {where} ({source}) is {version_str(version)}: {e}; point "
+                          f"{LIBFABRIC_ENV} at another libfabric.so.1") from None
+        if tried:  # a preferred library is there but does not load: say so, it is probably not intended
+            _log.warning("libfabric: could not load %s; using %s (%s)", "; ".join(tried), where, source)
+        return lib, {"path": where, "source": source, "version": version_str(version),
+                     "api_version": version_str(api), "api": api}
+    raise OSError(f"cannot load libfabric: tried {'; '.join(tried)}; install it (Debian/Ubuntu: apt-get "
+                  f"install libfabric1; EFA: the EFA installer) or point {LIBFABRIC_ENV} at libfabric.so.1")
+
+
+def library() -> ctypes.CDLL:
+    """The libfabric of this process, loaded at first use (:func:`library_candidates` says which) with
+    the exported functions we call declared. ``OSError`` if none can be loaded or used."""
+    if not _lib_cache:
+        _lib_cache.append(load_library(library_candidates()))
+    return _lib_cache[0][0]
+
+
+def library_info() -> dict:
+    """Which libfabric this process loaded: ``path``, ``source`` (``MOE_A2A_LIBFABRIC``, ``EFA
+    installer`` or ``system``), ``version`` and ``api_version`` (``"1.22"``) and ``api`` (the
+    ``FI_VERSION`` requested)."""
+    library()
+    return dict(_lib_cache[0][1])
+
+
+def api_version() -> int:
+    """The API version requested from the loaded library (an ``FI_VERSION``)."""
+    library()
+    return _lib_cache[0][1]["api"]
 
 
 def runtime_version() -> tuple[int, int]:
     """(major, minor) of the loaded library."""
     v = library().fi_version()
     return v >> 16, v & 0xFFFF
+
+
+def log_fabric_once(facts: dict) -> None:
+    """Log (INFO, logger ``moe_a2a.proxy``) which libfabric, provider and FI_HMEM outcome an engine got,
+    once per distinct facts in this process (a benchmark opens many engines alike)."""
+    key = tuple(sorted((k, str(v)) for k, v in facts.items()))
+    if key in _logged_fabrics:
+        return
+    _logged_fabrics.add(key)
+    _log.info("libfabric %s (API %s) from %s (%s): provider %s, domains %s, FI_HMEM %s, threading %s, "
+              "remote-only %s, FI_OPT_CUDA_API_PERMITTED %s", facts.get("version"), facts.get("api_version"),
+              facts.get("path"), facts.get("source"), facts.get("provider"), ",".join(facts.get("domains", ())),
+              facts.get("hmem"), facts.get("threading"), facts.get("remote_only"),
+              facts.get("cuda_api_permitted"))
 
 
 def _libc() -> ctypes.CDLL:
@@ -561,6 +773,8 @@ class Info:
         self.tx_iov_limit = info.tx_attr.contents.iov_limit  # local iovecs per write (2: a header write)
         self.rx_size = info.rx_attr.contents.size
         self.max_msg_size = info.ep_attr.contents.max_msg_size
+        self.threading = info.domain_attr.contents.threading  # FI_THREAD_DOMAIN when the provider took the hint
+        self.api_version = info.fabric_attr.contents.api_version  # what fi_getinfo was asked for
         self.info = chosen  # the ctypes struct (valid until close)
 
     @property
@@ -573,6 +787,12 @@ class Info:
         """The provider picks MR keys; otherwise the requested key is used and must be unique."""
         return bool(self.mr_mode & FI_MR_PROV_KEY)
 
+    @property
+    def remote_only(self) -> bool:
+        """The endpoint serves peers on other hosts only (``FI_REMOTE_COMM`` without ``FI_LOCAL_COMM``): EFA
+        then opens no shm sub-provider (which would mirror every registration)."""
+        return bool(self.caps & FI_REMOTE_COMM) and not self.caps & FI_LOCAL_COMM
+
     def close(self) -> None:
         if self._head is not None:
             library().fi_freeinfo(self._head)
@@ -581,6 +801,14 @@ class Info:
     def __repr__(self) -> str:
         return (f"Info(prov={self.prov_name!r}, domain={self.domain_name!r}, mr_mode={self.mr_mode:#x}, "
                 f"cq_data_size={self.cq_data_size}, tx_size={self.tx_size})")
+
+
+# Providers whose endpoints ask for remote-only communication (FI_REMOTE_COMM without FI_LOCAL_COMM): the
+# proxy carries inter-node traffic only, and EFA then skips its shm sub-provider (prov/efa/src/efa_domain.c)
+# while still looping back over the device if a peer is local after all. Not shm (it offers FI_LOCAL_COMM
+# only) nor tcp (its loopback interface offers FI_LOCAL_COMM only: remote-only would skip 127.0.0.1, which
+# `local_only` binds to and CI runs on; prov/util/src/util_main.c).
+REMOTE_ONLY_PROVIDERS = ("efa", "verbs;ofi_rxm")
 
 
 def list_providers() -> list[str]:
@@ -599,23 +827,28 @@ def list_providers() -> list[str]:
     return names
 
 
-def _getinfo_raw(prov_name: str | None, *, hmem: bool, tx_size: int | None, source: str | None = None):
-    """``fi_getinfo`` with our hints. ``source``: a numeric local address to bind endpoints to
-    (``node`` with ``FI_SOURCE | FI_NUMERICHOST``): the tcp provider then listens on that address only,
-    instead of the first interface's (checked with ``ss -ltn`` by tests/proxy/test_security.py)."""
+def _getinfo_raw(prov_name: str | None, *, hmem: bool, tx_size: int | None, source: str | None = None,
+                 remote_only: bool = False):
+    """``fi_getinfo`` at the negotiated API version with our hints. ``source``: a numeric local address to
+    bind endpoints to (``node`` with ``FI_SOURCE | FI_NUMERICHOST``): the tcp provider then listens on that
+    address only, instead of the first interface's (checked with ``ss -ltn`` by
+    tests/proxy/test_security.py). ``remote_only``: ask ``FI_REMOTE_COMM`` without ``FI_LOCAL_COMM``."""
     lib = library()
     hints = lib.fi_dupinfo(None)  # fi_allocinfo() is an inline wrapper of fi_dupinfo(NULL)
     if not hints:
         raise MemoryError("fi_dupinfo(NULL) returned NULL")
     try:
         h = hints.contents
-        h.caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (FI_HMEM if hmem else 0)
+        h.caps = (FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (FI_HMEM if hmem else 0)
+                  | (FI_REMOTE_COMM if remote_only else 0))
         h.mode = FI_CONTEXT
         h.ep_attr.contents.type = FI_EP_RDM
         d = h.domain_attr.contents
         d.mr_mode = (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY
                      | (FI_MR_HMEM if hmem else 0))
         d.av_type = FI_AV_TABLE
+        # One thread drives an engine and all its domains (the proxy's loop): the provider may drop its locks.
+        d.threading = FI_THREAD_DOMAIN
         if tx_size:
             h.tx_attr.contents.size = tx_size
         if prov_name:
@@ -623,22 +856,38 @@ def _getinfo_raw(prov_name: str | None, *, hmem: bool, tx_size: int | None, sour
             h.fabric_attr.contents.prov_name = _libc().strdup(prov_name.encode())
         out = POINTER(fi_info)()
         node, flags = (source.encode(), FI_SOURCE | FI_NUMERICHOST) if source else (None, 0)
-        rc = lib.fi_getinfo(API_VERSION, node, None, flags, hints, byref(out))
+        rc = lib.fi_getinfo(api_version(), node, None, flags, hints, byref(out))
     finally:
         lib.fi_freeinfo(hints)
     if rc == -FI_ENODATA:
         raise FabricError("fi_getinfo", rc, f"no provider {prov_name or '(any)'} offers RDM endpoints with "
                           f"RMA writes{' and FI_HMEM' if hmem else ''}"
-                          f"{f' bound to {source}' if source else ''} here")
+                          f"{' for remote peers only' if remote_only else ''}"
+                          f"{f' bound to {source}' if source else ''} here (API "
+                          f"{version_str(api_version())}, libfabric {library_info()['path']})")
     _check("fi_getinfo", rc)
     return out
+
+
+def check_api_for(prov_name: str) -> None:
+    """``FabricError`` naming the loaded library's path and version when ``prov_name`` needs a newer API
+    than it offers (efa: >= 1.18)."""
+    if prov_name == "efa" and api_version() < EFA_API_MIN:
+        lib = library_info()
+        raise FabricError("fi_getinfo", -FI_ENOSYS,
+                          f"provider efa needs libfabric >= {version_str(EFA_API_MIN)} (hardware RDMA write, "
+                          f"FI_HMEM), found {lib['version']} at {lib['path']} ({lib['source']}); install the EFA "
+                          f"installer (/opt/amazon/efa) or point {LIBFABRIC_ENV} at a libfabric >= "
+                          f"{version_str(EFA_API_MIN)}")
 
 
 def _usable(provider: str, *, hmem: bool, tx_size: int | None, source: str | None = None):
     """(head of the fi_getinfo list, [the usable fi_info nodes]): RDM + RMA + >= 4 B of remote CQ data
     on ``provider`` (in 1.17 remote CQ data is not a capability bit: ``cq_data_size`` is checked)."""
     prov_name = PROVIDER_NAMES.get(provider, provider)
-    head = _getinfo_raw(prov_name, hmem=hmem, tx_size=tx_size, source=source)
+    check_api_for(prov_name)
+    head = _getinfo_raw(prov_name, hmem=hmem, tx_size=tx_size, source=source,
+                        remote_only=prov_name in REMOTE_ONLY_PROVIDERS)
     nodes, node = [], head
     while node:
         info = node.contents
@@ -728,7 +977,7 @@ class Domain:
         attr = fi_cq_attr(size=size, format=FI_CQ_FORMAT_DATA, wait_obj=FI_WAIT_NONE)
         ptr = c_void_p()
         _check("fi_cq_open", self._cq_open(self.ptr, byref(attr), byref(ptr), None))
-        return CQ(ptr.value)
+        return CQ(ptr.value, self.info.api_version)
 
     def av_open(self, count: int) -> "AV":
         attr = fi_av_attr(type=FI_AV_TABLE, count=count)
@@ -750,8 +999,8 @@ class Domain:
 
     def mr_regattr_cuda(self, addr: int, nbytes: int, access: int, requested_key: int, cuda_device: int,
                         dmabuf_fd: int | None = None, dmabuf_offset: int = 0) -> "MR":
-        """Register GPU memory with ``iface = FI_HMEM_CUDA``: by virtual address (API 1.17), or by
-        DMA-BUF fd (``FI_MR_DMABUF``, libfabric >= 1.20 only). Raises :class:`HmemUnsupported` when the
+        """Register GPU memory with ``iface = FI_HMEM_CUDA``: by virtual address, or by DMA-BUF fd
+        (``FI_MR_DMABUF``, API >= 1.20 only). Raises :class:`HmemUnsupported` when the
         provider or build cannot (e.g. shm without CUDA support returns ``-FI_ENOSYS``)."""
         if not self.info.caps & FI_HMEM:
             raise HmemUnsupported("fi_mr_regattr", -FI_ENOSYS,
@@ -759,14 +1008,16 @@ class Domain:
         flags = 0
         iov = iovec(addr, nbytes)
         dmabuf = fi_mr_dmabuf(fd=dmabuf_fd or 0, offset=dmabuf_offset, len=nbytes, base_addr=addr)
-        # Zeroed room after the 1.17 struct: newer libraries read fields appended later (hmem_data,
-        # page_size, ...) and must see zeros there.
-        raw = (c_uint8 * (sizeof(fi_mr_attr) + 64))()
-        attr = fi_mr_attr.from_buffer(raw)
+        # The layout of the API we asked for (hmem_data since 1.19, page_size since 1.22, read by the
+        # library at those versions), with zeroed room after it for a provider that reads further.
+        attr_type = mirrored_structs(self.info.api_version)["fi_mr_attr"]
+        raw = (c_uint8 * (sizeof(attr_type) + 64))()
+        attr = attr_type.from_buffer(raw)
         if dmabuf_fd is not None:
-            if runtime_version() < (1, 20):
+            if self.info.api_version < FI_VERSION(1, 20):  # the library reads the union as mr_iov below it
                 raise HmemUnsupported("fi_mr_regattr", -FI_ENOSYS,
-                                      f"DMA-BUF registration needs libfabric >= 1.20, loaded "
+                                      f"DMA-BUF registration needs libfabric API >= 1.20, requested "
+                                      f"{version_str(self.info.api_version)} of libfabric "
                                       f"{'.'.join(map(str, runtime_version()))}")
             attr.mr_iov = ctypes.addressof(dmabuf)
             flags |= FI_MR_DMABUF
@@ -829,20 +1080,22 @@ class AV:
 
 
 class CQ:
-    """A completion queue. ``read`` is the raw hot-path callable ``read(cq_ptr, buf_addr, count)``."""
+    """A completion queue. ``read`` is the raw hot-path callable ``read(cq_ptr, buf_addr, count)``.
+    ``api``: the API version the fabric was opened at (it decides how much ``fi_cq_readerr`` writes)."""
 
-    def __init__(self, ptr: int):
+    def __init__(self, ptr: int, api: int):
         self.ptr = ptr
         ops = fid_cq.from_address(ptr).ops
         self.read = _fn(CQ_READ_PROTO, ops, fi_ops_cq, "read")
         self._readerr = _fn(_CQ_READERR, ops, fi_ops_cq, "readerr")
         self._strerror = _fn(_CQ_STRERROR, ops, fi_ops_cq, "strerror")
+        self.err_entry_type = mirrored_structs(api)["fi_cq_err_entry"]  # 80 B below API 1.20, 88 from it
 
-    def readerr(self) -> tuple[fi_cq_err_entry, str]:
-        """``fi_cq_readerr`` after a read returned ``-FI_EAVAIL``: the entry and a decoded message
-        (``fi_strerror`` of ``err`` plus the provider's ``fi_cq_strerror`` of ``prov_errno``)."""
-        entry = fi_cq_err_entry()
-        rc = self._readerr(self.ptr, byref(entry), 0)
+    def readerr(self):
+        """``fi_cq_readerr`` after a read returned ``-FI_EAVAIL``: the entry (an ``err_entry_type``) and a
+        decoded message (``fi_strerror`` of ``err`` plus the provider's ``fi_cq_strerror`` of ``prov_errno``)."""
+        entry = self.err_entry_type()
+        rc = self._readerr(self.ptr, ctypes.addressof(entry), 0)
         if rc < 0:
             raise FabricError("fi_cq_readerr", rc)
         buf = ctypes.create_string_buffer(256)
@@ -868,6 +1121,8 @@ class Endpoint:
         self._control = _CONTROL(fops.control)
         self._getname = _fn(_CM_GETNAME, e.cm, fi_ops_cm, "getname")
         self.writemsg = _fn(WRITEMSG_PROTO, e.rma, fi_ops_rma, "writemsg")
+        setopt = fi_ops_ep.from_address(e.ops).setopt
+        self._setopt = _EP_SETOPT(setopt) if setopt else None
 
     def bind(self, obj_ptr: int, flags: int, what: str) -> None:
         """``fi_ep_bind`` (a CQ with ``FI_TRANSMIT|FI_RECV``, or an AV with 0)."""
@@ -875,6 +1130,29 @@ class Endpoint:
 
     def enable(self) -> None:
         _check("fi_enable", self._control(self.ptr, FI_ENABLE, None))
+
+    def setopt(self, optname: int, value, level: int = FI_OPT_ENDPOINT) -> int:
+        """``fi_setopt(&ep->fid, level, optname, &value, sizeof(value))`` with ``value`` a ctypes object.
+        Returns 0 or the negative errno, not raised: which refusals are harmless depends on the option
+        (-FI_ENOSYS: the provider has no setopt at all)."""
+        if self._setopt is None:
+            return -FI_ENOSYS
+        return self._setopt(self.ptr, level, optname, ctypes.addressof(value), sizeof(value))
+
+    def forbid_cuda_api(self) -> str:
+        """``FI_OPT_CUDA_API_PERMITTED = false`` (before ``fi_enable``): the provider must not call CUDA in
+        its data path (a CUDA call from the proxy may wait on the model's work). Returns the outcome:
+        ``"false"``, or why it stays as the provider has it; ``FabricError`` for an unexpected refusal."""
+        rc = self.setopt(FI_OPT_CUDA_API_PERMITTED, ctypes.c_bool(False))
+        if rc == 0:
+            return "false"
+        if rc in (-FI_ENOPROTOOPT, -FI_ENOSYS):  # tcp, shm before 1.18, any provider without the option
+            return f"not an option of this provider (-{errno_name(rc)})"
+        if rc == -FI_EINVAL:  # efa, shm, verbs, rxm: no CUDA library or device here, so none is called
+            return "no CUDA library or device for the provider (-FI_EINVAL)"
+        if rc == -FI_EOPNOTSUPP:  # its GPU support needs the CUDA API (efa without peer-to-peer, shm)
+            return "needed by the provider for GPU memory (-FI_EOPNOTSUPP)"
+        raise FabricError("fi_setopt(FI_OPT_CUDA_API_PERMITTED)", rc)
 
     def getname(self) -> bytes:
         size = c_size_t(0)

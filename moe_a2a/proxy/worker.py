@@ -476,7 +476,7 @@ def main(fd: int) -> None:
         gc.collect()
         gc.freeze()
         gc.disable()
-        conn.send(("ready", {"cpus": cpus, "reason": reason}))
+        conn.send(("ready", {"cpus": cpus, "reason": reason, "fabric": getattr(proxy.engine, "fabric_info", None)}))
         proxy.run()
     except _Stop:
         pass

@@ -1,14 +1,20 @@
 """The ctypes mirrors in ``moe_a2a.proxy.libfabric`` must match the C compiler on the installed headers.
 
-The C program is generated from ``MIRRORED_STRUCTS`` / ``MIRRORED_CONSTANTS`` themselves, so adding a
-struct or field to the shim adds it to this check: the mirror cannot drift silently.
+The C program is generated from the mirrors themselves (``mirrored_structs`` / ``mirrored_constants`` of
+the headers' API version, FI_MAJOR_VERSION.FI_MINOR_VERSION in fabric.h), so adding a struct or field to
+the shim adds it to this check: the mirror cannot drift silently. The layouts of the 1.18 to 1.22 headers
+are checked as data by test_libfabric_versions.py (printed by this program: ``python -m
+tests.proxy.test_libfabric_layout <libfabric>/include 1.22``).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -21,9 +27,15 @@ HEADERS = ["sys/uio.h", "rdma/fabric.h", "rdma/fi_domain.h", "rdma/fi_endpoint.h
            "rdma/fi_eq.h", "rdma/fi_cm.h", "rdma/fi_errno.h"]
 
 
-def _header_text() -> str:
-    return "".join(open(os.path.join(HEADER_DIR, h[len("rdma/"):])).read() for h in HEADERS
+def _header_text(header_dir: str = HEADER_DIR) -> str:
+    return "".join(open(os.path.join(header_dir, h[len("rdma/"):])).read() for h in HEADERS
                    if h.startswith("rdma/"))
+
+
+def _header_version(header_dir: str = HEADER_DIR) -> int:
+    text = open(os.path.join(header_dir, "fabric.h")).read()
+    major, minor = (int(re.search(rf"#define FI_{w}_VERSION\s+(\d+)", text).group(1)) for w in ("MAJOR", "MINOR"))
+    return lf.FI_VERSION(major, minor)
 
 
 def _c_program(structs: dict, constants: dict) -> str:
@@ -47,23 +59,31 @@ def c_layout(tmp_path_factory):
     assert os.path.exists(os.path.join(HEADER_DIR, "fabric.h")), \
         f"libfabric headers not installed ({HEADER_DIR}/fabric.h missing; apt-get install libfabric-dev)"
     assert shutil.which("gcc") is not None, "gcc not installed: cannot compile the offsetof program"
-    text = _header_text()
-    # fi_mr_dmabuf exists only in libfabric >= 1.20 headers; check it only where it is defined.
-    structs = {n: c for n, c in lf.MIRRORED_STRUCTS.items()
-               if n == "iovec" or f"struct {n} {{" in text}
-    missing = set(lf.MIRRORED_STRUCTS) - set(structs)
-    assert missing <= {"fi_mr_dmabuf"}, f"mirrored structs absent from the headers: {missing}"
-    d = tmp_path_factory.mktemp("layout")
-    src = d / "layout.c"
-    src.write_text(_c_program(structs, lf.MIRRORED_CONSTANTS))
-    exe = d / "layout"
-    subprocess.run(["gcc", "-o", str(exe), str(src)], check=True, capture_output=True, text=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
-    return structs, out.splitlines()
+    version = _header_version()
+    structs, lines = _compile(HEADER_DIR, version, str(tmp_path_factory.mktemp("layout")))
+    return structs, lines, version
+
+
+def _compile(header_dir: str, version: int, workdir: str) -> tuple[dict, list[str]]:
+    """(the mirrors of `version`, the lines the offsetof program prints) for the headers in `header_dir`;
+    headers newer than the mirrors (2.x) are compared with the newest mirrors."""
+    api = min(version, lf.API_NEWEST)
+    structs, constants = lf.mirrored_structs(api), lf.mirrored_constants(api)
+    text = _header_text(header_dir)
+    missing = [n for n in structs if n != "iovec" and f"struct {n} {{" not in text]
+    assert not missing, f"mirrored structs absent from the {lf.version_str(version)} headers: {missing}"
+    src, exe = os.path.join(workdir, "layout.c"), os.path.join(workdir, "layout")
+    with open(src, "w") as f:
+        f.write(_c_program(structs, constants))
+    include = ["-I", os.path.dirname(os.path.abspath(header_dir))]  # <rdma/...> from header_dir's parent
+    subprocess.run(["gcc", *include, "-o", exe, src], check=True, capture_output=True, text=True)
+    return structs, subprocess.run([exe], check=True, capture_output=True, text=True).stdout.splitlines()
 
 
 def test_struct_layouts_match_headers(c_layout):
-    structs, lines = c_layout
+    structs, lines, version = c_layout
+    # Headers newer than the mirrors (2.x) may append fields: their structs may be larger, never smaller.
+    grown_ok = version > lf.API_NEWEST
     mismatches, checked = [], 0
     for line in lines:
         parts = line.split()
@@ -73,7 +93,7 @@ def test_struct_layouts_match_headers(c_layout):
         cls = structs[name]
         if field == "-":
             got = ctypes.sizeof(cls)
-            if got != off:
+            if got != off and not (grown_ok and off > got):
                 mismatches.append(f"sizeof(struct {name}): C {off}, ctypes {got}")
         else:
             desc = getattr(cls, field)
@@ -87,14 +107,15 @@ def test_struct_layouts_match_headers(c_layout):
 
 
 def test_constants_match_headers(c_layout):
-    _, lines = c_layout
+    _, lines, version = c_layout
     seen = {}
     for line in lines:
         parts = line.split()
         if parts[0] == "const":
             seen[parts[1]] = int(parts[2])
-    assert seen.keys() == lf.MIRRORED_CONSTANTS.keys()
-    wrong = {k: (seen[k], v) for k, v in lf.MIRRORED_CONSTANTS.items() if seen[k] != v}
+    ours = lf.mirrored_constants(min(version, lf.API_NEWEST))
+    assert seen.keys() == ours.keys()
+    wrong = {k: (seen[k], v) for k, v in ours.items() if seen[k] != v}
     assert not wrong, f"constant: (C, ours): {wrong}"
 
 
@@ -106,3 +127,9 @@ def test_measured_offsets_from_notes():
     assert ctypes.sizeof(lf.fi_cq_data_entry) == 40 and lf.fi_cq_data_entry.data.offset == 32
     assert ctypes.sizeof(lf.fid_ep) == 80 and lf.fid_ep.rma.offset == 48
     assert lf.fi_domain_attr.mr_mode.offset == 36 and lf.fi_domain_attr.cq_data_size.offset == 48
+
+
+if __name__ == "__main__":  # print one version's layout lines: <libfabric>/include x.y
+    major, minor = map(int, sys.argv[2].split("."))
+    with tempfile.TemporaryDirectory() as d:
+        print("\n".join(_compile(os.path.join(sys.argv[1], "rdma"), lf.FI_VERSION(major, minor), d)[1]))
