@@ -10,7 +10,8 @@ import torch
 
 from moe_a2a import LocalCluster
 from moe_a2a.all_to_all import CallAborted
-from moe_a2a.bench.demo import check_against_reference, make_inputs, toy_expert
+from moe_a2a.bench.demo import make_inputs
+from moe_a2a.oracle import check_against_reference, fill_sentinel, record_call, toy_expert
 from moe_a2a.config import A2AConfig
 
 from .conftest import TEST_DEVICE
@@ -64,6 +65,7 @@ def _calls(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
         elif bad and not kind.startswith("combine_"):
             x, xs, idx = _bad_input(kind, x, xs, idx)
         res = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+        fill_sentinel(ex, exs)
         t0 = time.monotonic()
         try:
             a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound_m)
@@ -77,10 +79,7 @@ def _calls(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
         except CallAborted as exc:
             out.append({"error": "CallAborted", "message": str(exc), "seconds": time.monotonic() - t0})
             continue
-        rows = int(sum(num.tolist()))
-        out.append({"error": None, "x": x, "x_scale": xs, "indices": idx, "weights": w, "num": num.clone(),
-                    "expert_x": ex[:rows].clone(), "expert_x_scale": None if exs is None else exs[:rows].clone(),
-                    "out": res})
+        out.append({"error": None, **record_call(cfg, x, xs, idx, w, num, ex, exs, res)})
     return out
 
 
@@ -147,6 +146,7 @@ def _bad_receive_outputs(a2a, rank: int):
     cfg, dev = a2a.cfg, a2a.device
     num, ex, exs = a2a.empty_dispatch_outputs()
     x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, 7))
+    fill_sentinel(ex, exs)
     a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
     refused = None
     try:
@@ -156,9 +156,7 @@ def _bad_receive_outputs(a2a, rank: int):
     a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
     res = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
     a2a.combine(res, idx, w, toy_expert(ex, exs, cfg))
-    rows = int(sum(num.tolist()))
-    return refused, {"x": x, "x_scale": xs, "indices": idx, "weights": w, "num": num.clone(),
-                     "expert_x": ex[:rows].clone(), "expert_x_scale": exs[:rows].clone(), "out": res}
+    return refused, record_call(cfg, x, xs, idx, w, num, ex, exs, res)
 
 
 @pytest.mark.timeout(300)
@@ -188,6 +186,7 @@ def _capacity_calls(a2a, rank: int, n_calls: int):
             k = torch.arange(idx.shape[1], device=dev)[None, :]
             idx = ((t + 4 * k + rank) % cfg.num_experts).to(idx.dtype)  # every expert: one row per rank
         res = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+        fill_sentinel(ex)
         t0 = time.monotonic()
         try:
             a2a.dispatch(num, ex, None, x, None, idx)
@@ -196,10 +195,7 @@ def _capacity_calls(a2a, rank: int, n_calls: int):
         except (RuntimeError, CallAborted) as exc:
             out.append({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0})
             continue
-        rows = [int(v) for v in num.tolist()]
-        expert_x = torch.cat([ex[l * cfg.expert_capacity: l * cfg.expert_capacity + n] for l, n in enumerate(rows)])
-        out.append({"error": None, "x": x, "x_scale": None, "indices": idx, "weights": w, "num": num.clone(),
-                    "expert_x": expert_x.clone(), "expert_x_scale": None, "out": res})
+        out.append({"error": None, **record_call(cfg, x, None, idx, w, num, ex, None, res)})
     return out
 
 
@@ -221,5 +217,4 @@ def test_capacity_overflow_aborts_the_call_everywhere_and_the_next_call_works(wo
     good = [i for i in range(n_calls) if i != CAP_CALL]
     assert all(results[r][i]["error"] is None for r in range(world) for i in good), \
         [[c.get("message") for c in calls] for calls in results]
-    cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=32, in_dtype=torch.bfloat16)
-    assert check_against_reference(cfg, [{"calls": [calls[i] for i in good]} for calls in results]) == []
+    assert check_against_reference(CAP_CFG, [{"calls": [calls[i] for i in good]} for calls in results]) == []
