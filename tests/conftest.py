@@ -5,6 +5,10 @@ property tests with compiled kernels by setting MOE_A2A_TEST_DEVICE=cuda (and no
 e.g. `MOE_A2A_TEST_DEVICE=cuda python -m pytest tests/triton_kernels`.
 """
 import os
+import re
+import sys
+
+import pytest
 
 TEST_DEVICE = os.environ.get("MOE_A2A_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
@@ -21,11 +25,6 @@ def examples(n: int) -> int:
 # `-m "not gpu"` is the CPU suite, `-m "not slow"` the tests that run in this process alone. Both rules are
 # enforced here, so they cannot rot: a skip that speaks of a GPU on a test without `gpu` fails collection,
 # and a test that starts a process without `slow` fails.
-import re  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-
 # The reason of a skip for a test of the Triton interpreter's path, skipped where kernels are compiled.
 INTERPRETER_ONLY = "runs only in the Triton interpreter (MOE_A2A_TEST_DEVICE=cpu): "
 
