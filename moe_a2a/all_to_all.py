@@ -172,6 +172,9 @@ class AllToAll:
         self._routes = None  # shrink mode: the routes this call's dispatch sent (masked ranks' dropped)
         self.route_slot = torch.full((cfg.max_num_tokens, cfg.experts_per_token), -1, dtype=torch.int32,
                                      device=self.device)
+        # With remote peers the pack writes each route at its send row: a remote peer's first P routes go to
+        # its private staging slot, behind the count row, so its private write is one range (config.Layout).
+        self._send_row = torch.full_like(self.route_slot, -1) if self.with_proxy else None
         if self.with_proxy:  # a peer whose proxy dies says so on the board: every rank stops within ~0.5 s
             # (Shrink mode: a peer that stopped is masked by the timeouts instead, never an error here.)
             watch_proxies(self, FailureBoard.open(group, self.rank, self.world_size) if rank_mask is None else None)
@@ -453,15 +456,21 @@ class AllToAll:
             self._routes = kept if kept is not indices else indices.clone()  # the caller may edit theirs
             indices = kept
         on_gpu = self.device.type == "cuda"
+        rows, staged = slot, {}
+        if self.with_proxy:
+            rows = self._send_row[: x.shape[0]]
+            staged = {"out_send_row": rows, "private_stage": (self.layout, self.rank)}
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=w.own_counts, out_route_slot=slot,
                              bound_m=bound_m, epoch=w.node.epoch, bad_index=w.bad_index if on_gpu else None,
                              ready=w.route_ready if self.with_proxy else None, abort=abort,
-                             bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"])
+                             bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"], **staged)
         if self.with_proxy:  # the proxy posts the private writes this plans once the pack says SEND_READY
             write_plan.plan_private_writes(w.counts, w.write_tables, w.node.epoch, w.flags, self.rank,
-                                           self.layout)
-        dispatch_kernels.pack_tokens_by_expert(x, x_scale, slot, w.base, w.send_offset_bytes, self.cfg,
-                                               bound_m=bound_m, node=w.node, quantize=quantize, **w.split["pack"])
+                                           self.layout, w.base, w.stage_send_offset_bytes)
+        dispatch_kernels.pack_tokens_by_expert(x, x_scale, rows, w.base, w.send_offset_bytes, self.cfg,
+                                               bound_m=bound_m, node=w.node, quantize=quantize,
+                                               max_slots=self.layout.max_routes + self.layout.private_stage_rows,
+                                               **w.split["pack"])
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False, out_source_ranges=None) -> None:

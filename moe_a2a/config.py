@@ -9,6 +9,8 @@ Units: names ending in `_bytes` are bytes; `*_rows` count token slots; everythin
 Buffers of one rank (slots are rows of `dispatch_stride_bytes` or `combine_stride_bytes`):
 
     send buffer  dispatch: [T*K rows]  this rank's routes, expert-major (so each peer's run is contiguous)
+                           [(W-N)*(h+P) rows] private staging (N = node_size, h = header_rows): per remote
+                           peer its count row then its first min(n, P) routes, sent as one range
                  combine:  [W*T*K rows] expert outputs staged per (remote) source rank, source-major
     recv buffer  dispatch: [W*P rows]  private region, slot s*P.. for source s
                            [W*T*K rows] remainder region, source s at W*P + sum_{s'<s} max(0, n_s' - P)
@@ -345,11 +347,45 @@ class Layout:
     def remainder_offset_bytes(self) -> int:
         return self.world_size * self.private_slot_rows * self.dispatch_stride_bytes
 
+    # Sender's private staging region (send buffer, after its T*K dispatch rows): one slot per remote peer,
+    # shaped as the receiver's private slot, so the count row ends where the first min(n, P) rows begin and
+    # a private write is one contiguous source range (one iovec: EFA writes in hardware only then). The
+    # plan kernel writes the count row into each slot's header, the pack kernel a remote peer's first P
+    # routes into its slot (`route_tokens(out_send_row=)`) and not into their send slots, which nothing reads.
+    # Cost: (W - node_size) * private_slot_bytes more send buffer per rank, none on one node.
+    @cached_property
+    def private_stage_slots(self) -> int:
+        """Slots of the private staging region: the remote peers of any rank (0 on one node)."""
+        return self.world_size - self.node_size
+
+    @cached_property
+    def private_stage_offset_bytes(self) -> int:
+        return self.max_routes * self.dispatch_stride_bytes
+
+    @cached_property
+    def private_stage_rows(self) -> int:
+        """Dispatch rows of the private staging region; send rows run over [0, max_routes + this)."""
+        return self.private_stage_slots * self.private_slot_rows
+
+    def private_stage_index(self, rank: int, peer: int) -> int:
+        """Slot of remote `peer` in `rank`'s private staging region: peers in rank order, its node skipped."""
+        first = self.node_of(rank) * self.node_size
+        if first <= peer < first + self.node_size:
+            raise ValueError(f"private_stage_index: rank {peer} is on rank {rank}'s node (no private write)")
+        return peer - self.node_size if peer >= first else peer
+
+    def private_stage_header_offset_bytes(self, index: int) -> int:
+        """Where the count row of staging slot `index` starts in the send buffer: the source of the private
+        write, which runs on over the slot's rows (the same geometry as `private_header_offset_bytes`)."""
+        return (self.private_stage_offset_bytes + index * self.private_slot_bytes
+                + self.header_rows * self.dispatch_stride_bytes - self.routing_row_bytes)
+
     @cached_property
     def combine_stage_offset_bytes(self) -> int:
         """Where the expert side stages combine rows for remote sources, in its send buffer: after the
-        dispatch rows, so staging never overwrites rows a same-node peer may still be pulling."""
-        return self.max_routes * self.dispatch_stride_bytes
+        dispatch rows and the private staging region, so staging never overwrites rows a same-node peer
+        may still be pulling."""
+        return self.private_stage_offset_bytes + self.private_stage_rows * self.dispatch_stride_bytes
 
     @cached_property
     def send_bytes(self) -> int:

@@ -4,6 +4,7 @@ pass through the host-staged send/recv buffers in the segment that the proxy wri
 Real processes, real proxies, real libfabric; the results are checked against the reference too."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,17 +12,19 @@ from moe_a2a import LocalCluster
 from moe_a2a.bench.demo import rank_roundtrip
 from moe_a2a.oracle import check_against_reference
 from moe_a2a.config import A2AConfig
+from moe_a2a.protocol import plan
 
 from .conftest import TEST_DEVICE
 
 pytestmark = [pytest.mark.slow]
 
 
-def _rows_written(a2a, offset_bytes: int, stride: int, row_bytes: int, n: int) -> list[bool]:
-    """Row i of the n rows at `offset_bytes` from the base: does it hold any nonzero byte? (Buffers start
-    zero-filled, and the test's payloads are random normals, never all zero.)"""
-    rows = a2a.base[offset_bytes: offset_bytes + n * stride].cpu().view(n, stride)[:, :row_bytes]
-    return (rows != 0).any(dim=1).tolist()
+def _rows_written(a2a, offset_bytes: int, stride: int, row_bytes: int, n: int, at=None) -> list[bool]:
+    """Row i of the n rows at `offset_bytes` from the base (or row `at[i]`): does it hold any nonzero byte?
+    (Buffers start zero-filled, and the test's payloads are random normals, never all zero.)"""
+    at = list(range(n)) if at is None else [int(v) for v in at[:n]]
+    rows = a2a.base[offset_bytes: offset_bytes + (max(at, default=-1) + 1) * stride].cpu().view(-1, stride)
+    return (rows[at, :row_bytes] != 0).any(dim=1).tolist()
 
 
 def _where_rows_went(a2a, rank: int):
@@ -32,11 +35,14 @@ def _where_rows_went(a2a, rank: int):
     node = [lo <= s < hi for s in range(n)]
     sd, sc = cfg.dispatch_stride_bytes, cfg.combine_stride_bytes
     comb = lay.combine_recv_offset_bytes
+    # A remote peer's first P rows are packed into its private staging slot (behind the count row), the
+    # rest at their slots (plan.private_stage_rows): where each slot's row is in the staging send buffer.
+    staged_at = plan.private_stage_rows(a2a.counts[rank].cpu().numpy().astype(np.int64), rank, lay)
     return {
         "result": res, "node": node, "remote_peers": lay.remote_peers(rank),
         # dispatch rows as packed: this node's in the node send buffer, the others' in the staging one
         "send_node": _rows_written(a2a, a2a.send_offset_bytes, sd, cfg.x_bytes, n),
-        "send_staged": _rows_written(a2a, a2a.stage_send_offset_bytes, sd, cfg.x_bytes, n),
+        "send_staged": _rows_written(a2a, a2a.stage_send_offset_bytes, sd, cfg.x_bytes, n, staged_at),
         # expert outputs for this rank's routes: this node's experts pushed them into the node recv
         # buffer, the other nodes' proxies wrote them into the staging recv buffer
         "recv_node": _rows_written(a2a, a2a.recv_offset_bytes + comb, sc, cfg.y_bytes, n),

@@ -252,7 +252,7 @@ def peer_writes(lay, rank: int, counts: np.ndarray, seed: int):
             priv = plan.private_writes(c[p].astype(np.int64), p, lay)
             _, _, plen, pdst = priv[priv[:, 0] == rank][0].tolist()
             kind = Imm.DISPATCH_MORE if n > P else Imm.DISPATCH
-            writes_p.append((p, kind, start, rowb + plen, pdst))
+            writes_p.append((p, kind, start, plen, pdst))  # plen: the count row and min(n, P) rows
             if n > P:
                 rem = plan.remainder_writes(routes, p, lay)
                 _, _, rlen, rdst = rem[rem[:, 0] == rank][0].tolist()
@@ -631,6 +631,9 @@ def bench_world(world: int, provider: str = "tcp", epochs: int = 100, warmup: in
             imm[imm != 0] |= e & EPOCH_MASK
             tables[:] = table_e
             routing[rank] = counts[e % sets][rank]
+            for p in lay.remote_peers(rank):  # the plan kernel's count row: where each private range starts
+                src = int(t[WriteTable.PRIVATE, p, 0])
+                send[src:src + lay.routing_row_bytes] = counts[e % sets][rank].astype(np.int32).view(np.uint8)
             flags[Flag.REMAINDER_WRITES] = n_rem
             posted = flags[Flag.DISPATCH_WRITES_POSTED], flags[Flag.COMBINE_WRITES_POSTED]
             t0 = time.perf_counter()
@@ -715,7 +718,7 @@ def _check_peer_imms(counts: dict, rank: int, remote: int, planned, sets: int, t
 
 def _check_rows(helper, seg, lay, rank, counts, planned, sets, total, seed) -> dict:
     """After the last call: rank's writes landed in each checked peer's region where its tables said
-    (count row, then the rows of its send buffer), the peers' writes landed in rank's recv buffer where
+    (one range of its send buffer each, a private one starting with the count row), the peers' writes landed in rank's recv buffer where
     plan said, and every peer's count row is at the head of its private slot."""
     W, s = lay.world_size, total % sets
     t, _ = planned[s]
@@ -724,14 +727,13 @@ def _check_rows(helper, seg, lay, rank, counts, planned, sets, total, seed) -> d
     peers = [p for p in range(W) if p != rank]
     chosen = peers if len(peers) <= 16 else sorted(set(peers[:4] + peers[-4:] + [
         p for p in peers if t[WriteTable.REMAINDER, p, 1]][:8]))
-    row = counts[s][rank].astype(np.int32).tobytes()
     out_ok, out_bytes = True, 0
     for p in chosen:
         for tab in (WriteTable.PRIVATE, WriteTable.REMAINDER, WriteTable.COMBINE):
             src, length, dst, _ = t[tab, p].tolist()
             if tab == WriteTable.REMAINDER and not length:
                 continue
-            want = (row if tab == WriteTable.PRIVATE else b"") + send[src:src + length].tobytes()
+            want = send[src:src + length].tobytes()  # a private write's range starts with the count row
             got = helper.request(("read", p, lay.recv_offset_bytes + dst, len(want)), "bytes")
             out_ok &= got == want
             out_bytes += len(want)

@@ -113,18 +113,35 @@ def _writes(peer, src, length, dst) -> np.ndarray:
 
 def private_writes(row: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     """First phase of dispatch: to every remote peer, this rank's count row and its first min(n, P)
-    routes, in one write into this rank's private slot there. Each row gives the rows (source offset,
-    length) and the destination of the count row (`Layout.private_header_offset_bytes`); the write
-    carries the 4E-byte count row first (`TransferEngine.scatter(header=...)`), so the rows land
-    right after it, at the start of the slot's private rows. Zero rows still write the count row and
-    carry the immediate the peer counts."""
+    routes, in one write of one contiguous source range into this rank's private slot there. The source is
+    the peer's slot of the send buffer's private staging region (`Layout.private_stage_header_offset_bytes`:
+    the count row, then the rows the pack put there), the destination the count row's place in the
+    receiver's slot (`Layout.private_header_offset_bytes`), so the rows land right after it. Zero rows
+    still write the count row and carry the immediate the peer counts."""
     P, stride = lay.private_rows, lay.dispatch_stride_bytes
     d = remote_peer_array(lay, rank)
     if not len(d):  # one node: nothing crosses the wire
         return _NO_WRITES
     n = rank_counts(row, lay)
-    off = np.cumsum(n) - n  # send_offsets
-    return _writes(d, off[d] * stride, np.minimum(n[d], P) * stride, lay.private_header_offset_bytes(rank))
+    first = lay.node_of(rank) * lay.node_size
+    index = d - lay.node_size * (d >= first)  # Layout.private_stage_index for every remote peer at once
+    src = lay.private_stage_header_offset_bytes(0) + index * lay.private_slot_bytes
+    return _writes(d, src, lay.routing_row_bytes + np.minimum(n[d], P) * stride, lay.private_header_offset_bytes(rank))
+
+
+def private_stage_rows(row: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
+    """[T*K] int64: the send row of each expert-major send slot (what `route_tokens(out_send_row=)` gives a
+    route in that slot): the slot itself, or, for the first min(n, P) routes to a remote peer, their row in
+    the peer's private staging slot (`lay.max_routes + index * private_slot_rows + header_rows + i`)."""
+    P = lay.private_rows
+    n = rank_counts(row, lay)
+    off = np.cumsum(n) - n
+    out = np.arange(lay.max_routes, dtype=np.int64)
+    for d in remote_peer_array(lay, rank).tolist():
+        k = min(int(n[d]), P)
+        index = lay.private_stage_index(rank, d)
+        out[off[d]:off[d] + k] = lay.max_routes + index * lay.private_slot_rows + lay.header_rows + np.arange(k)
+    return out
 
 
 def remainder_writes(routes: np.ndarray, rank: int, lay: Layout) -> np.ndarray:

@@ -644,11 +644,9 @@ class EmulatedEngine(ImmediateCounts):
 
     # ---- posting --------------------------------------------------------------------------------
     def scatter(self, grp: EmulatedPeerGroup, src: EmulatedLocalRegion,
-                targets: Sequence[tuple[int, int, int, int]] | np.ndarray, imm: int | Sequence[int],
-                header: tuple[EmulatedLocalRegion, int, int] | None = None) -> None:
+                targets: Sequence[tuple[int, int, int, int]] | np.ndarray, imm: int | Sequence[int]) -> None:
         """One write per target `(peer_index, src_offset, length, dst_offset)` (bytes; TransferEngine's
-        semantics), each with `imm` (one for all, or one per target). With `header=(region, offset,
-        length)` those bytes land at dst_offset and the target's right after them."""
+        semantics: one source range each), each with `imm` (one for all, or one per target)."""
         if isinstance(targets, np.ndarray):
             if targets.ndim != 2 or targets.shape[1] != 4 or targets.dtype.kind not in "iu":
                 raise ValueError(f"scatter targets: expected an integer [n, 4] array, got {targets.dtype} {targets.shape}")
@@ -659,11 +657,11 @@ class EmulatedEngine(ImmediateCounts):
             if len(imm) != len(targets):
                 raise ValueError(f"scatter: {len(imm)} imms for {len(targets)} targets")
             imms = imm
-        self.post(grp, src, [(p, so, n, do, v) for (p, so, n, do), v in zip(targets, imms)], header)
+        self.post(grp, src, [(p, so, n, do, v) for (p, so, n, do), v in zip(targets, imms)])
 
-    def post(self, grp: EmulatedPeerGroup, src: EmulatedLocalRegion, writes, header=None) -> None:
-        """One write per `(position, src_offset, length, dst_offset, imm)` (an integer [n, 5] array too);
-        header as in `scatter`. Everything is validated before anything is posted (ValueError). Returns
+    def post(self, grp: EmulatedPeerGroup, src: EmulatedLocalRegion, writes) -> None:
+        """One write per `(position, src_offset, length, dst_offset, imm)` (an integer [n, 5] array too).
+        Everything is validated before anything is posted (ValueError). Returns
         once every write is posted (host carrier: done; CUDA: queued on the stream)."""
         self._check_open()
         if isinstance(writes, np.ndarray):
@@ -672,14 +670,14 @@ class EmulatedEngine(ImmediateCounts):
             writes = writes.tolist()
         if not writes:
             return
-        h_addr, h_len = self._validate(grp, src, writes, header)
+        self._validate(grp, src, writes)
         if self.carrier == "cuda":
-            self._post_cuda(grp, src.addr if src is not None else 0, writes, h_addr, h_len)
+            self._post_cuda(grp, src.addr if src is not None else 0, writes)
         else:
-            self._post_host(grp, src.addr if src is not None else 0, writes, h_addr, h_len)
+            self._post_host(grp, src.addr if src is not None else 0, writes)
 
     def post_table(self, grp: EmulatedPeerGroup, src: EmulatedLocalRegion, words, slots: Sequence[tuple[int, int]],
-                   src_base: int = 0, dst_base: int = 0, header=None, imm: int | None = None,
+                   src_base: int = 0, dst_base: int = 0, imm: int | None = None,
                    skip_empty: bool = False) -> int:
         """`TransferEngine.post_table`: one write per `(peer_index, word index)` slot of a write table whose
         rows are int64 `(src_offset, length, dst_offset, imm)` relative to `src_base` / `dst_base`; `imm`
@@ -690,33 +688,24 @@ class EmulatedEngine(ImmediateCounts):
             if skip_empty and not length:
                 continue
             writes.append((p, so + src_base, length, do + dst_base, v if imm is None else imm))
-        self.post(grp, src, writes, header)
+        self.post(grp, src, writes)
         return len(writes)
 
-    def _validate(self, grp, src, writes, header) -> tuple[int, int]:
+    def _validate(self, grp, src, writes) -> None:
         if not isinstance(grp, EmulatedPeerGroup) or grp._engine is not self:
             raise ValueError(f"expected a peer group of this engine, got {type(grp).__name__}")
         if src is not None and (not isinstance(src, EmulatedLocalRegion) or src._engine is not self or not src._open):
             raise ValueError(f"src must be an open region of this engine, got {src!r}")
-        h_addr = h_len = 0
-        if header is not None:
-            region, off, h_len = header
-            if not isinstance(region, EmulatedLocalRegion) or region._engine is not self or not region._open:
-                raise ValueError(f"header region must be an open region of this engine, got {region!r}")
-            if off < 0 or h_len < 0 or off + h_len > region.nbytes:
-                raise ValueError(f"header [{off}, {off + h_len}) outside its region of {region.nbytes} B")
-            h_addr = region.addr + off
         n_peers, rsize = len(grp.peers), grp.remote_nbytes
         src_n = src.nbytes if src is not None else 0
         for w in writes:
             if len(w) != 5:
                 raise ValueError(f"post: write {w!r}: expected (position, src_offset, length, dst_offset, imm)")
             p, so, length, do, v = w
-            if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + h_len + length > rsize[p]:
-                raise ValueError(self._bad_target(grp, src_n, (p, so, length, do + h_len)))
+            if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + length > rsize[p]:
+                raise ValueError(self._bad_target(grp, src_n, (p, so, length, do)))
             if not 0 <= v <= _IMM_MASK:
                 raise ValueError(f"post: imm {v} is not a 32-bit unsigned value")
-        return h_addr, h_len
 
     @staticmethod
     def _bad_target(grp: EmulatedPeerGroup, src_n: int, t) -> str:
@@ -745,18 +734,15 @@ class EmulatedEngine(ImmediateCounts):
         ring.seq += 1
         return ring
 
-    def _post_host(self, grp, src_addr: int, writes, h_addr: int, h_len: int) -> None:
+    def _post_host(self, grp, src_addr: int, writes) -> None:
         memmove, store, dst = ctypes.memmove, host_atomics.store_release, grp.dst_addr
         paced = self._paced
         release = 0
         for p, so, length, do, imm in writes:
-            base = dst[p] + do
-            if h_len:
-                memmove(base, h_addr, h_len)
             if length:
-                memmove(base + h_len, src_addr + so, length)
+                memmove(dst[p] + do, src_addr + so, length)
             if paced:
-                release = self._release_ns(h_len + length)
+                release = self._release_ns(length)
             ring = self._slot(grp, p, imm, release)
             seq = ring.seq & _M32
             store(ring.seq_addr, seq)  # after the data and the slot: whoever sees it sees them
@@ -768,18 +754,15 @@ class EmulatedEngine(ImmediateCounts):
         else:
             self.writes_completed += len(writes)
 
-    def _post_cuda(self, grp, src_addr: int, writes, h_addr: int, h_len: int) -> None:
+    def _post_cuda(self, grp, src_addr: int, writes) -> None:
         memcpy, write32, stream, ok, dst = self._memcpy, self._write32, self._stream, self._ok, grp.dst_addr
         paced = self._paced
         release = 0
         for p, so, length, do, imm in writes:
-            base = dst[p] + do
-            if h_len and memcpy(base, h_addr, h_len, stream)[0] != ok:
-                self._cuda_failed("cuMemcpyAsync (header)", grp, p)
-            if length and memcpy(base + h_len, src_addr + so, length, stream)[0] != ok:
+            if length and memcpy(dst[p] + do, src_addr + so, length, stream)[0] != ok:
                 self._cuda_failed("cuMemcpyAsync", grp, p)
             if paced:
-                release = self._release_ns(h_len + length)
+                release = self._release_ns(length)
             # The slot by the host now; its sequence word by the stream, after the copy (with the
             # default system-wide fence before each stream write): the receiver reads a slot only below it.
             # One stream write per write (a driver call costs µs): no "new" word, a CUDA receiver scans.

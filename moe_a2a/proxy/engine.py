@@ -50,12 +50,11 @@ _T_MSG_IOV, _T_DESC, _T_IOV_COUNT, _T_ADDR, _T_RMA_IOV, _T_RMA_IOV_COUNT, _T_CON
 _T_IOV_BASE, _T_IOV_LEN, _T_RMA_ADDR, _T_RMA_LEN, _T_RMA_KEY, _T_DESC0 = range(8, 14)
 _T_WORDS = 14
 _PATCH = struct.Struct("<6Q")  # words _T_CONTEXT.._T_RMA_LEN
-# The same with a header: two iovecs (a fixed header, then the rows), one fi_rma_iov for both, two
-# descs, 17 words. Per write, words 6..13 change (context, data, the header iovec rewritten unchanged
-# so that one pack_into covers the rows' iovec and the rma addr and length as well).
-_H_IOV0, _H_IOV1, _H_RMA, _H_DESC0 = 8, 10, 12, 15
-_H_WORDS = 17
-_H_PATCH = struct.Struct("<8Q")  # words 6..13
+# Every write is one iovec and one fi_rma_iov: EFA writes in hardware only a single iovec (it emulates
+# more with sends, reading a GPU source from the CPU), so a private write's count row sits in the
+# source buffer in front of its rows (config.Layout, private staging) rather than in a second iovec.
+# A write larger than EFA's bound is split by EFA, its immediate arriving more than once: refused.
+EFA_MAX_WRITE_BYTES = 1 << 30
 _CTX_WORDS = 4  # struct fi_context: 4 pointers; FI_CONTEXT mode needs one per outstanding op
 _WRITE_FLAGS = lf.FI_REMOTE_CQ_DATA | lf.FI_COMPLETION
 _IMM_MASK = 0xFFFFFFFF
@@ -183,34 +182,9 @@ class PeerGroup:
         self.barrier_targets = tuple((i, 0, 0, 0) for i in range(n))
         self._src = None  # LocalRegion whose descs are in the templates
         self._engine = engine
-        self._header = None  # (header region, offset, length, src region) of the header templates
 
     def __len__(self) -> int:
         return len(self.peers)
-
-    def _set_header(self, header: LocalRegion, offset: int, length: int, src: LocalRegion) -> None:
-        """Templates of writes that carry `length` bytes of `header` at `offset` before the rows."""
-        n = len(self.peers)
-        self._h_templates = (ctypes.c_uint64 * (_H_WORDS * n))()
-        mv = _u64_view(self._h_templates)
-        base_addr = ctypes.addressof(self._h_templates)
-        for i, d in enumerate(self.domain_of):
-            b = i * _H_WORDS
-            addr0 = base_addr + 8 * b
-            mv[b + _T_MSG_IOV] = addr0 + 8 * _H_IOV0
-            mv[b + _T_DESC] = addr0 + 8 * _H_DESC0
-            mv[b + _T_IOV_COUNT] = 2
-            mv[b + _T_ADDR] = self.peers[i].fi_addrs[d]
-            mv[b + _T_RMA_IOV] = addr0 + 8 * _H_RMA
-            mv[b + _T_RMA_IOV_COUNT] = 1
-            mv[b + _H_RMA + 2] = self.regions[i].keys[d % len(self.regions[i].keys)]
-            mv[b + _H_DESC0] = header.descs[d]
-            mv[b + _H_DESC0 + 1] = src.descs[d]
-        eps = self._engine._eps
-        self.h_post_info = tuple(
-            (eps[d].writemsg, eps[d].ptr, base_addr + 8 * _H_WORDS * i, 8 * (_H_WORDS * i + _T_CONTEXT),
-             self.remote_base[i], self.peers[i]) for i, d in enumerate(self.domain_of))
-        self._header = (header, offset, length, src)
 
     def _set_source(self, src: LocalRegion) -> None:
         # The desc (fi_mr_desc of the source MR in the peer's domain) changes only with the source.
@@ -412,6 +386,10 @@ class TransferEngine(ImmediateCounts):
         self.imms_received = 0
         self.eagain_retries = 0  # posts retried after -FI_EAGAIN (back-pressure or lazy connect)
         self.slot_waits = 0  # times posting waited for a free fi_context slot (max_inflight reached)
+        # Bytes one write may carry (one iovec): the endpoint's max_msg_size, and EFA's bound on it.
+        self.max_write_bytes = int(self.info.max_msg_size) or (1 << 63) - 1
+        if self.provider_name == "efa":
+            self.max_write_bytes = min(self.max_write_bytes, EFA_MAX_WRITE_BYTES)
         # A small buffer registered once: the source of zero-length writes (barriers); local only.
         self._scratch = ctypes.create_string_buffer(64)
         self._scratch_region = self.register(ctypes.addressof(self._scratch), 64, ACCESS_SOURCE)
@@ -512,8 +490,7 @@ class TransferEngine(ImmediateCounts):
     # ------------------------------------------------------------------ posting
 
     def scatter(self, grp: PeerGroup, src: LocalRegion,
-                targets: Sequence[tuple[int, int, int, int]] | np.ndarray, imm: int | Sequence[int],
-                header: tuple[LocalRegion, int, int] | None = None) -> None:
+                targets: Sequence[tuple[int, int, int, int]] | np.ndarray, imm: int | Sequence[int]) -> None:
         """Post one RDMA write with immediate per target; returns once all are posted (not completed).
 
         Args:
@@ -524,12 +501,9 @@ class TransferEngine(ImmediateCounts):
                 ``length == 0`` is allowed: the write carries only the immediate. An integer ``[n, 4]``
                 array (what ``plan`` produces) is accepted too.
             imm: one 32-bit immediate for all targets, or one per target.
-            header: ``(region, offset, length)``: every write first carries these ``length`` bytes of
-                ``region`` (the same for all targets), then its own; ``dst_offset`` is where the header
-                lands, the target's bytes follow it (one write, two local iovecs: every provider we use
-                takes 4).
 
-        Every target is validated before anything is posted (``ValueError``). ``-FI_EAGAIN`` (queue full,
+        Each write is one local iovec, at most ``max_write_bytes``. Every target is validated before
+        anything is posted (``ValueError``). ``-FI_EAGAIN`` (queue full,
         rxm not yet connected) is absorbed by progressing the CQs and retrying, up to ``timeout_s``.
         """
         n_targets = len(targets)
@@ -551,11 +525,6 @@ class TransferEngine(ImmediateCounts):
             # One by one from here: posting with numpy (patching every template in ~20 array operations,
             # then the calls through map) was measured no faster up to 255 targets (docs/perf-notes.md).
             targets = targets.tolist()
-        if header is not None:
-            self._validate_header(grp, header, targets)
-            self._validate(grp, src, targets, dst_skip=header[2])  # the rows land after the header
-            self._scatter_with_header(grp, src, targets, imm, imms, header)
-            return
         self._validate(grp, src, targets)
         if grp._src is not src:
             grp._set_source(src)
@@ -585,8 +554,7 @@ class TransferEngine(ImmediateCounts):
         self.writes_posted += n_targets
 
     def post_table(self, grp: PeerGroup, src: LocalRegion, words, slots: Sequence[tuple[int, int]],
-                   src_base: int = 0, dst_base: int = 0, header: tuple[LocalRegion, int, int] | None = None,
-                   imm: int | None = None, skip_empty: bool = False) -> int:
+                   src_base: int = 0, dst_base: int = 0, imm: int | None = None, skip_empty: bool = False) -> int:
         """Post one write per slot of a write table, as the kernels planned it (`protocol.words.WriteTable`).
 
         Args:
@@ -596,15 +564,15 @@ class TransferEngine(ImmediateCounts):
             slots: ``(peer_index, word index of the row)`` for each write to post, in order. Keep the same
                 object from call to call: what does not change per call is prepared once for it.
             src_base, dst_base: where those buffers start in ``src`` and in each peer's region.
-            header: as in :meth:`scatter` (the count row ahead of the private rows).
             imm: one immediate for every write instead of the rows' (an aborted call's combine).
             skip_empty: rows of length 0 post nothing (the remainder table); else they carry the immediate.
-        Returns the number of writes posted. Each row is bounds-checked (``ValueError``, nothing of it
-        posted) since a corrupt count row of a peer shapes it. The hot path of the proxy: no allocation,
+        Returns the number of writes posted. Each row is bounds-checked, its length against
+        ``max_write_bytes`` too (``ValueError``, nothing of it posted) since a corrupt count row of a peer
+        shapes it. The hot path of the proxy: no allocation,
         no arithmetic beyond the bases (docs/protocol.md, "Write tables").
         """
-        prep = self._prepared_table(grp, src, slots, src_base, dst_base, header)
-        rows, pack, templates, h_addr, h_len, src_addr, src_lim = prep
+        rows, templates, src_addr, src_lim = self._prepared_table(grp, src, slots, src_base, dst_base)
+        pack, max_len = _PATCH.pack_into, self.max_write_bytes
         pop, ctx_peer = self._free_ctx.pop, self._ctx_peer
         posted = 0
         for b, p, writemsg, ep, msg, off, rbase, peer, dst_lim in rows:
@@ -613,126 +581,81 @@ class TransferEngine(ImmediateCounts):
                 continue
             if imm is not None:
                 v = imm
-            if (so | length | do) < 0 or so + length > src_lim or do + length > dst_lim:
-                raise ValueError(self._bad_target(grp, src, (p, so + src_base, length, do + dst_base + h_len)))
+            if (so | length | do) < 0 or so + length > src_lim or do + length > dst_lim or length > max_len:
+                raise ValueError(self._bad_target(grp, src, (p, so + src_base, length, do + dst_base)))
             try:
                 ctx = pop()
             except IndexError:  # max_inflight writes in flight: progress until one completes
                 ctx = self._wait_ctx()
             ctx_peer[ctx] = peer
-            if h_len:  # context, data, header iovec, rows iovec, rma addr, rma len
-                pack(templates, off, ctx, v, h_addr, h_len, src_addr + so, length, rbase + do, h_len + length)
-            else:
-                pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
+            pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
             rc = writemsg(ep, msg, _WRITE_FLAGS)
             if rc:
-                self._post_failed(rc, grp, p, ctx, v, msg if h_len else None)
+                self._post_failed(rc, grp, p, ctx, v)
             posted += 1
         self.writes_posted += posted
         return posted
 
-    def _prepared_table(self, grp: PeerGroup, src: LocalRegion, slots, src_base: int, dst_base: int, header):
+    def _prepared_table(self, grp: PeerGroup, src: LocalRegion, slots, src_base: int, dst_base: int):
         """What `post_table` needs per slot that does not change per call (the peer's post info, the
-        bases, the bounds), remembered per (slots, group, source, header, bases): one lookup per call."""
-        if header is not None:
-            h_region, h_off, h_len = header
-            if grp._header != (h_region, h_off, h_len, src):
-                self._validate_header(grp, header, ())
-                grp._set_header(h_region, h_off, h_len, src)
-                self._prepared.clear()  # the header templates were rebuilt: new message addresses
-        elif grp._src is not src:
+        bases, the bounds), remembered per (slots, group, source, bases): one lookup per call."""
+        if grp._src is not src:
             if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
                 raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
             grp._set_source(src)
-        key = (id(slots), id(grp), id(src), header, src_base, dst_base)
+        key = (id(slots), id(grp), id(src), src_base, dst_base)
         hit = self._prepared.get(key)
         if hit is not None and hit[0] is slots:
             return hit[1]
         if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
             raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
-        h_len = header[2] if header is not None else 0
-        if header is not None:
-            pack, templates, info = _H_PATCH.pack_into, grp._h_templates, grp.h_post_info
-            h_addr = header[0].addr + header[1]
-        else:
-            pack, templates, info, h_addr = _PATCH.pack_into, grp._templates, grp.post_info, 0
-        n = len(grp.peers)
+        info, n = grp.post_info, len(grp.peers)
         rows = []
         for p, b in slots:
             if not 0 <= p < n:
                 raise ValueError(f"post_table slot {(p, b)}: peer index {p} outside the group of {n} peers")
             writemsg, ep, msg, off, rbase, peer = info[p]
-            rows.append((b, p, writemsg, ep, msg, off, rbase + dst_base, peer, grp.remote_nbytes[p] - dst_base - h_len))
-        prep = (tuple(rows), pack, templates, h_addr, h_len, src.addr + src_base, src.nbytes - src_base)
+            rows.append((b, p, writemsg, ep, msg, off, rbase + dst_base, peer, grp.remote_nbytes[p] - dst_base))
+        prep = (tuple(rows), grp._templates, src.addr + src_base, src.nbytes - src_base)
         self._prepared[key] = (slots, prep)
         return prep
-
-    def _scatter_with_header(self, grp: PeerGroup, src: LocalRegion, targets, imm: int, imms, header) -> None:
-        """`scatter` with a header: the loop of `scatter` on the two-iovec templates."""
-        h_region, h_off, h_len = header
-        if grp._header != (h_region, h_off, h_len, src):
-            grp._set_header(h_region, h_off, h_len, src)
-        pack = _H_PATCH.pack_into
-        templates = grp._h_templates
-        info = grp.h_post_info
-        pop = self._free_ctx.pop
-        ctx_peer = self._ctx_peer
-        src_addr, h_addr = src.addr, h_region.addr + h_off
-        for (p, so, length, do), v in zip(targets, repeat(imm) if imms is None else imms):
-            writemsg, ep, msg, off, rbase, peer = info[p]
-            try:
-                ctx = pop()
-            except IndexError:
-                ctx = self._wait_ctx()
-            ctx_peer[ctx] = peer
-            pack(templates, off, ctx, v, h_addr, h_len, src_addr + so, length, rbase + do, h_len + length)
-            rc = writemsg(ep, msg, _WRITE_FLAGS)
-            if rc:
-                self._post_failed(rc, grp, p, ctx, v, msg)
-        self.writes_posted += len(targets)
-
-    def _validate_header(self, grp: PeerGroup, header, targets) -> None:
-        region, off, length = header
-        if not isinstance(region, LocalRegion) or region._engine is not self or not region._mrs:
-            raise ValueError(f"header region must be an open LocalRegion of this engine, got {region!r}")
-        if off < 0 or length < 0 or off + length > region.nbytes:
-            raise ValueError(f"header [{off}, {off + length}) outside its region of {region.nbytes} B")
-        if length and self.info.tx_iov_limit < 2:
-            raise ValueError(f"provider {self.provider_name!r} takes one iovec per write: no header writes")
 
     def barrier(self, grp: PeerGroup, imm: int) -> None:
         """Post a zero-length write carrying ``imm`` to every peer of ``grp`` (the receivers count it)."""
         self.scatter(grp, self._scratch_region, grp.barrier_targets, imm)
 
-    def _validate(self, grp: PeerGroup, src: LocalRegion, targets, dst_skip: int = 0) -> None:
+    def _validate(self, grp: PeerGroup, src: LocalRegion, targets) -> None:
         if not isinstance(grp, PeerGroup):
             raise ValueError(f"expected a PeerGroup, got {type(grp).__name__}")
         if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
             raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
         n_peers = len(grp.peers)
         src_n = src.nbytes
-        rsize = grp.remote_nbytes
+        rsize, max_len = grp.remote_nbytes, self.max_write_bytes
         for t in targets:
             p, so, length, do = t
             # (a | b | c | d) < 0 iff any is negative: one test instead of four (this pass is ~15% of
             # the posting cost).
-            if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + dst_skip + length > rsize[p]:
-                raise ValueError(self._bad_target(grp, src, (p, so, length, do + dst_skip)))
+            if (p | so | length | do) < 0 or p >= n_peers or so + length > src_n or do + length > rsize[p] \
+                    or length > max_len:
+                raise ValueError(self._bad_target(grp, src, (p, so, length, do)))
 
     @staticmethod
     def _bad_target(grp: PeerGroup, src: LocalRegion, t) -> str:
         p, so, length, do = t
         if not 0 <= p < len(grp.peers):
             return f"scatter target {t}: peer index {p} outside the group of {len(grp.peers)} peers"
+        if length > grp._engine.max_write_bytes:
+            return (f"scatter target {t}: {length} B is more than one write may carry over "
+                    f"{grp._engine.provider_name!r} ({grp._engine.max_write_bytes} B, max_write_bytes)")
         return (f"scatter target {t} (peer_index, src_offset, length, dst_offset): source range "
                 f"[{so}, {so + length}) of {src.nbytes} B, destination range [{do}, {do + length}) of "
                 f"{grp.remote_nbytes[p]} B at {grp.peers[p]}: out of bounds or negative")
 
-    def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, imm: int, msg: int | None = None) -> None:
+    def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, imm: int) -> None:
         """Slow path of a post: retry ``-FI_EAGAIN`` while progressing; raise anything else."""
         deadline = time.monotonic() + self.post_timeout_s
-        writemsg, ep, plain_msg = grp.post_info[p][:3]
-        msg = plain_msg if msg is None else msg
+        writemsg, ep, msg = grp.post_info[p][:3]
         while rc == _NEG_EAGAIN:
             self.eagain_retries += 1
             self._idle_progress()

@@ -13,8 +13,9 @@ mapped memory (triton_kernels/node_sync.py), and without remote peers the proxy 
 (epoch e) of dispatch + combine, as seen by the proxy of rank r (docs/protocol.md):
 
     SEND_READY           -> post the PRIVATE table: one write to every remote peer, my count row then
-                            my first min(n, P) routes, into my private slot there (imm DISPATCH, or
-                            DISPATCH_MORE when a remainder follows)
+                            my first min(n, P) routes (one range of my send buffer's private staging
+                            region), into my private slot there (imm DISPATCH, or DISPATCH_MORE when a
+                            remainder follows)
     a private write from every remote peer, the node peers' dispatch_ready (their rows are in my
     sync area)           -> raise COUNT_ROWS_READY (the plan kernel copies the remote count rows out of
                             the private slots' headers, checks them and plans the rest)
@@ -101,9 +102,12 @@ class Proxy:
         self.engine = make_engine(spec, on_gpu)  # libfabric's TransferEngine, or the emulated NIC
         if spec.shrink:  # a post blocked on a stopped peer must not hold the live ones past their timeouts
             self.engine.post_timeout_s = SHRINK_POST_FRACTION * spec.timeout_s
-        # Least access (docs/threat-model.md): peers write count rows (and, host-staged, tokens) into
-        # the segment, and it is the source of our writes; never readable remotely.
-        self.region = self.engine.register(self.seg.addr, self.seg.nbytes, ACCESS_SOURCE_AND_TARGET)
+        # Least access (docs/threat-model.md), never readable remotely. Host-staged, the segment holds the
+        # send and recv buffers: the source of our writes and written by peers. With buffers of their own
+        # nothing moves through the segment (count rows travel in the private writes): not registered.
+        self.region = None
+        if own is None:
+            self.region = self.engine.register(self.seg.addr, self.seg.nbytes, ACCESS_SOURCE_AND_TARGET)
         self._mapped: list = []
         if own is not None:
             kind, ordinal, send_size, recv_size = own
@@ -118,7 +122,7 @@ class Proxy:
                 for m, access in zip(self._mapped, (ACCESS_SOURCE, ACCESS_TARGET)))
         # Bootstrap: the owner gathers every rank's (address, segment region, segment name, recv
         # buffer region or None) for us.
-        conn.send((self.engine.address, self.region.descriptor(),
+        conn.send((self.engine.address, self.region.descriptor() if own is None else None,
                    self.recv_region.descriptor() if own is not None else None))
         # node_local: every peer shares memory with us and the kernels synchronise through it, so no
         # call needs the proxy (it only keeps the heartbeat and waits to be stopped).
@@ -128,8 +132,6 @@ class Proxy:
         # one proxy). `group` still holds every peer: a peer's position is its rank, less one past ours.
         self.remote = [p for p in lay.remote_peers(r) if p % self.shards == self.shard]
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
-        # Our count row (in the segment) travels at the head of each private write.
-        self._count_row = (self.region, lay.routing_offset_bytes + r * lay.routing_row_bytes, lay.routing_row_bytes)
         # Same-node peers' epochs in our sync area: their count rows are in our routing area once
         # their dispatch_ready word reaches the epoch.
         self.node_ready = self.seg.numpy(lay.segment_sync_offset_bytes + lay.dispatch_ready_offset_bytes,
@@ -138,7 +140,6 @@ class Proxy:
         self._rank_of_peer: dict[int, int] = {}  # id(engine peer) -> rank, to name a lost connection
         if self.peers:
             handles = self.engine.connect([table[p][0] for p in self.peers])
-            self.group = self.engine.peer_group(handles, [table[p][1] for p in self.peers])
             self._rank_of_peer = {id(h): p for h, p in reversed(list(zip(handles, self.peers)))}
             # Tokens go from our send buffer to the peers' recv buffers: in the segments when
             # host-staged, else buffers of their own on both ends (every rank agreed on one placement).
@@ -146,7 +147,9 @@ class Proxy:
                 self.data_group = self.engine.peer_group(handles, [table[p][3] for p in self.peers])
                 self.data_src, self.send_base, self.recv_base = self.send_region, 0, 0
             else:
-                self.data_group, self.data_src = self.group, self.region
+                self.data_group = self.engine.peer_group(handles, [table[p][1] for p in self.peers])
+                self.data_src = self.region
+            self._check_write_bounds()
         # The write tables the kernels fill (protocol.words.WriteTable), as int64 words: the proxy reads a
         # row's four words and posts it; `_slots[table]` = (group position, first word of the row) per
         # remote peer of ours, in posting order (computed once: nothing but reading in the hot loop).
@@ -253,13 +256,24 @@ class Proxy:
         return took_alternates
 
     # ---- posting ------------------------------------------------------------------------------
-    def _post_table(self, table: WriteTable, header=None, imm: int | None = None) -> int:
+    def _check_write_bounds(self) -> None:
+        """Refuse at start-up a layout whose largest write (a private one, or every route to one peer) is
+        more than one write of this provider may carry (`TransferEngine.max_write_bytes`)."""
+        lay, bound = self.lay, getattr(self.engine, "max_write_bytes", None)
+        largest = max(lay.routing_row_bytes + lay.private_rows * lay.dispatch_stride_bytes,
+                      lay.max_routes * max(lay.dispatch_stride_bytes, lay.combine_stride_bytes))
+        if bound is not None and largest > bound:
+            raise ValueError(f"rank {self.rank}: one write of this layout may carry {largest} B, more than "
+                             f"{self.engine.provider_name!r} allows in one write ({bound} B): lower "
+                             f"max_num_tokens or experts_per_token")
+
+    def _post_table(self, table: WriteTable, imm: int | None = None) -> int:
         """Post our remote peers' rows of one write table (planned by the kernels); the number posted."""
         slots, posted = self._slots[table], 0
         while True:
             try:
                 return posted + self.engine.post_table(self.data_group, self.data_src, self._table_words, slots,
-                                                       self.send_base, self.recv_base, header=header, imm=imm,
+                                                       self.send_base, self.recv_base, imm=imm,
                                                        skip_empty=table == WriteTable.REMAINDER)
             except PeerTimeout as exc:
                 if not self.spec.shrink:
@@ -326,9 +340,9 @@ class Proxy:
         mark(1)  # private_planned: by the private-plan kernel, before the pack
         self.wait_local(F.SEND_READY, e)
         mark(2)  # send_ready_seen
-        # One write to every remote peer: our count row, then our first min(n, P) routes for it. A row of
-        # -1 (this rank aborted the call) travels the same way, with no routes.
-        self._post_table(WriteTable.PRIVATE, header=self._count_row)
+        # One write to every remote peer: our count row, then our first min(n, P) routes for it, one range
+        # of the send buffer (the kernels put both there). A row of -1 (this rank aborted) travels the same way.
+        self._post_table(WriteTable.PRIVATE)
         mark(3)  # private_posted
         more = self.wait_peers(e, "dispatch: count rows and private rows", imms.private, node_rows=True,
                                alternates=imms.private_more)

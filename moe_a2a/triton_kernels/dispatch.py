@@ -54,7 +54,7 @@ def _pack_tokens_by_expert_kernel(
     stride_x_t, stride_scale_t, stride_scale_s, stride_slot_t, stride_slot_k,
     # meta-parameters
     K: tl.constexpr,
-    MAX_SLOTS: tl.constexpr,       # T*K slots in the send buffer: a bad slot is dropped, never written
+    MAX_SLOTS: tl.constexpr,       # slots in the send buffer (T*K, + the private staging rows): a bad one is dropped
     X_WORDS: tl.constexpr,         # payload words per row; constexpr so tail masks are provable
     S: tl.constexpr,               # fp32 scales per row (0: none)
     S_PAD: tl.constexpr,
@@ -341,6 +341,7 @@ def pack_tokens_by_expert(
     remote_send_offset_bytes: int | None = None,
     node_slots: torch.Tensor | None = None,
     quantize: "Fp8Quantize | dict | None" = None,
+    max_slots: int | None = None,
 ) -> None:
     """Copy every live route's token into its expert-major slot of this rank's dispatch send buffer.
 
@@ -364,6 +365,9 @@ def pack_tokens_by_expert(
             bf16/fp16/fp32): each slot's payload bytes get x[t]'s fp8 bytes at `[0, H)` and its scales
             from `quantize.scale_offset_bytes`, the bytes `quant.quantize_fp8` writes for the token (the
             rest of the payload bytes are not written), in place of the bytes of x[t]. None: a copy.
+        max_slots: slots `route_slot` may name (a slot outside `[0, max_slots)` is dropped, never written);
+            default `cfg.max_routes`. Send rows (`route_tokens(out_send_row=)`) also name the private
+            staging rows after them: `layout.max_routes + layout.private_stage_rows`.
 
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
@@ -374,7 +378,7 @@ def pack_tokens_by_expert(
     key = None
     if isinstance(x, torch.Tensor) and x.is_cuda:
         key = launch.key(x, x_scale, route_slot, send_base, send_offset_bytes, cfg, bound_m, node,
-                         remote_send_offset_bytes, node_slots, quantize)
+                         remote_send_offset_bytes, node_slots, quantize, max_slots)
         if _PACK.hit(key):
             return
     check.config(cfg)
@@ -395,6 +399,9 @@ def pack_tokens_by_expert(
     check.bound_m(bound_m, device)
     split = check.split("remote_send_offset_bytes", remote_send_offset_bytes, node_slots, device)
     quantize = check_fused_quantize("quantize", quantize, cfg)
+    if max_slots is None:
+        max_slots = cfg.max_routes
+    check.integer("max_slots", max_slots, cfg.max_routes)
     if T == 0 and node is None:
         return
 
@@ -439,7 +446,7 @@ def pack_tokens_by_expert(
         key, grid, x_words, scale_i32, route_slot, send_base, bound_m if bound_m is not None else route_slot,
         send_offset_bytes, T,
         x_words.stride(0), stride_scale[0], stride_scale[1], route_slot.stride(0), route_slot.stride(1),
-        K=K, MAX_SLOTS=cfg.max_routes, X_WORDS=row_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
+        K=K, MAX_SLOTS=max_slots, X_WORDS=row_words, S=S, S_PAD=next_power_of_2(max(S, 1)),
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_T=block_t, BLOCK_W=block_w,
         HAS_SCALES=cfg.has_scales, HAS_BOUND_M=bound_m is not None,

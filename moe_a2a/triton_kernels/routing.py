@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import ceil_div, next_power_of_2
+from ..config import Layout, ceil_div, next_power_of_2
 from ..protocol import device as protocol_device
 from . import _checks as check
 from . import _details as d
@@ -50,9 +50,23 @@ def _store_node_slots(node_slots_ptr, counts, experts, node_lo, node_hi):
     tl.store(node_slots_ptr + 1, first + n)
 
 
+@triton.jit
+def _send_rows(slot, expert, run_start, is_live, sr_node_first, SR_L: tl.constexpr, SR_NODE: tl.constexpr,
+               SR_P: tl.constexpr, SR_HR: tl.constexpr, SR_FIRST: tl.constexpr):
+    """Each route's send row: its slot, or for the first SR_P routes to a remote rank their row in that rank's
+    private staging slot (`Layout.private_stage_index`, `plan.private_stage_rows`), so a private write reads
+    one range. `run_start[e]`: the exclusive prefix sum of the counts (the first slot of expert e)."""
+    dest = expert // SR_L
+    pos = slot - tl.gather(run_start, tl.where(is_live, dest * SR_L, 0), 0)
+    after = dest >= sr_node_first + SR_NODE
+    staged = is_live & ((dest < sr_node_first) | after) & (pos < SR_P)
+    index = tl.where(after, dest - SR_NODE, dest)
+    return tl.where(staged, SR_FIRST + index * (SR_HR + SR_P) + SR_HR + pos, slot)
+
+
 # num_tokens is not specialised: T=1 would make it a constexpr int (no .to()) and every T a recompile;
 # nor is `abort` (an aborted call must not wait for a compile while its peers wait for it).
-@triton.jit(do_not_specialize=["num_tokens", "abort"])
+@triton.jit(do_not_specialize=["num_tokens", "abort", "sr_node_first"])
 def _route_block_kernel(
     indices_ptr,      # (T, K) int32/int64, contiguous; -1 = not routed
     bound_m_ptr,      # (1,) int32 live token count; read only when HAS_BOUND_M
@@ -80,6 +94,9 @@ def _route_block_kernel(
     HAS_NODE_SLOTS: tl.constexpr = False,
     bad_bound_ptr=None,           # (1,) int64: Flag.BAD_BOUND_M, when CHECK_BOUND and bound_m is outside [0, T]
     CHECK_BOUND: tl.constexpr = False,
+    # SINGLE and SEND_ROWS: each route's send row (`_send_rows`) into send_row_ptr ((T, K) int32, contiguous)
+    send_row_ptr=None, sr_node_first=0, SR_L: tl.constexpr = 1, SR_NODE: tl.constexpr = 1, SR_P: tl.constexpr = 0,
+    SR_HR: tl.constexpr = 0, SR_FIRST: tl.constexpr = 0, SEND_ROWS: tl.constexpr = False,
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE).
 
@@ -130,6 +147,10 @@ def _route_block_kernel(
     hist = tl.histogram(expert, E_BINS)  # integer counts: order-independent, hence deterministic
     bins = tl.arange(0, E_BINS)
     if SINGLE:
+        if SEND_ROWS:  # sorted position `local` holds expert sorted_key // BLOCK_R: its slot is `local`
+            rows = _send_rows(slot, sorted_key // BLOCK_R, tl.cumsum(hist, axis=0) - hist, sorted_is_live,
+                              sr_node_first, SR_L, SR_NODE, SR_P, SR_HR, SR_FIRST)
+            tl.store(send_row_ptr + sorted_route, rows, mask=sorted_route < num_routes)
         tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, tl.where((abort != 0) | bad_bound, -1, hist),
                  mask=bins < num_experts)
         if HAS_NODE_SLOTS:
@@ -140,7 +161,7 @@ def _route_block_kernel(
         tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "sr_node_first"])
 def _route_fixup_kernel(
     indices_ptr,      # (T, K) int32/int64, contiguous
     route_slot_ptr,   # (T, K) int32: in: in-block position or -1; out: final slot or -1
@@ -159,6 +180,9 @@ def _route_fixup_kernel(
     USE_PTX: tl.constexpr = False,
     node_slots_ptr=None, node_lo=0, node_hi=0, HAS_NODE_SLOTS: tl.constexpr = False,  # as in _route_block_kernel
     bound_m_ptr=None, CHECK_BOUND: tl.constexpr = False,  # as in _route_block_kernel: a bad bound writes -1
+    send_row_ptr=None, sr_node_first=0, SR_L: tl.constexpr = 1, SR_NODE: tl.constexpr = 1,  # as in
+    SR_P: tl.constexpr = 0, SR_HR: tl.constexpr = 0, SR_FIRST: tl.constexpr = 0,         # _route_block_kernel
+    SEND_ROWS: tl.constexpr = False,
 ):
     """Grid: one program per block of _route_block_kernel. Each re-reads the whole histogram:
     total[e] over all blocks, before[e] over blocks < pid, and adds
@@ -175,7 +199,8 @@ def _route_fixup_kernel(
         total += tl.sum(tile, axis=0)
         before += tl.sum(tl.where(row[:, None] < pid, tile, 0), axis=0)
     mine = tl.load(hist_ptr + pid.to(tl.int64) * num_experts + experts, mask=experts < num_experts, other=0)
-    delta = (tl.cumsum(total, axis=0) - total) + before - (tl.cumsum(mine, axis=0) - mine)
+    run_start = tl.cumsum(total, axis=0) - total
+    delta = run_start + before - (tl.cumsum(mine, axis=0) - mine)
     if pid == 0:
         if CHECK_BOUND:
             bound = tl.load(bound_m_ptr)
@@ -193,6 +218,9 @@ def _route_fixup_kernel(
     expert = tl.load(indices_ptr + route, mask=in_range & is_live, other=0).to(tl.int32)
     slot = position + tl.gather(delta, expert, 0)
     tl.store(route_slot_ptr + route, tl.where(is_live, slot, -1), mask=in_range)
+    if SEND_ROWS:
+        rows = _send_rows(slot, expert, run_start, is_live, sr_node_first, SR_L, SR_NODE, SR_P, SR_HR, SR_FIRST)
+        tl.store(send_row_ptr + route, tl.where(is_live, rows, -1), mask=in_range)
 
 
 def _block_routes_for(num_routes: int) -> int:
@@ -228,6 +256,8 @@ def route_tokens(
     bad_bound_m: torch.Tensor | None = None,
     out_node_slots: torch.Tensor | None = None,
     node_experts: tuple[int, int] = (0, 0),
+    out_send_row: torch.Tensor | None = None,
+    private_stage: tuple[Layout, int] | None = None,
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
     _block_routes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,6 +287,10 @@ def route_tokens(
         out_node_slots: optional `[2]` int32 on the device of `indices`: `[first, end)` of the slots of
             the routes to experts `node_experts = (lo, hi)` (one contiguous run: slots are expert-major).
             The kernels that stage only remote rows use it to tell this node's rows from the others.
+        out_send_row: optional `[num_tokens, num_topk]` int32, contiguous, with `private_stage = (layout,
+            rank)`: the row each route is packed into (`pack_tokens_by_expert(max_slots=)`): its slot, but
+            for the first `layout.private_rows` routes to each remote rank their row in that rank's slot
+            of the send buffer's private staging region (`plan.private_stage_rows`), -1 for dead routes.
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -272,7 +306,8 @@ def route_tokens(
     key = None
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
         key = launch.key(indices, num_experts, out_counts, out_route_slot, bound_m, epoch, bad_index, ready,
-                         _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts), bad_bound_m)
+                         _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts), bad_bound_m,
+                         out_send_row, private_stage)
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
@@ -307,14 +342,28 @@ def route_tokens(
         lo_e, hi_e = node_experts
         if not 0 <= lo_e <= hi_e <= num_experts:
             check.fail("node_experts", f"0 <= lo <= hi <= {num_experts}", str(node_experts))
+    if (out_send_row is None) != (private_stage is None):
+        check.fail("out_send_row", "together with private_stage=(layout, rank)", "only one of them")
+    if out_send_row is not None:
+        check.tensor("out_send_row", out_send_row, dtypes=(torch.int32,), shape=(T, K), device=device,
+                     strides="contiguous")
+        lay, rank = private_stage
+        if lay.num_experts != num_experts or not 0 <= rank < lay.world_size:
+            check.fail("private_stage", f"a layout of {num_experts} experts and one of its ranks", str(private_stage))
+        slots_args = dict(send_row_ptr=out_send_row, sr_node_first=lay.node_of(rank) * lay.node_size,
+                          SR_L=lay.num_local_experts, SR_NODE=lay.node_size, SR_P=lay.private_rows,
+                          SR_HR=lay.header_rows, SR_FIRST=lay.max_routes, SEND_ROWS=True)
+    else:
+        slots_args = {}
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
                  CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
     check_bound = bound_m is not None and bad_bound_m is not None
     if check_bound:
         extra.update(bad_bound_ptr=bad_bound_m, CHECK_BOUND=True)
-    slots_args = {} if out_node_slots is None else dict(
-        node_slots_ptr=out_node_slots, node_lo=node_experts[0], node_hi=node_experts[1], HAS_NODE_SLOTS=True)
+    if out_node_slots is not None:
+        slots_args.update(node_slots_ptr=out_node_slots, node_lo=node_experts[0], node_hi=node_experts[1],
+                          HAS_NODE_SLOTS=True)
     num_routes = T * K
     e_bins = next_power_of_2(num_experts + 1)
     bound_arg = bound_m if bound_m is not None else out_counts  # never read without HAS_BOUND_M

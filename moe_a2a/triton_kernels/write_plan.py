@@ -9,8 +9,9 @@ and posts (docs/protocol.md, "Write tables"). Two one-program kernels, launched 
 
 - `plan_private_writes`, between the route and pack kernels of the dispatch send half: from this
   rank's own count row, the private write to every remote peer (count row + first min(n, P) routes into
-  this rank's private slot there); its immediate says whether a remainder write follows
-  (`Imm.DISPATCH_MORE`), so no receiver computes that from the counts.
+  this rank's private slot there, read as one range from the peer's slot of the send buffer's private
+  staging region, whose header it fills with the count row); its immediate says whether a remainder
+  write follows (`Imm.DISPATCH_MORE`), so no receiver computes that from the counts.
 - `plan_remainder_and_combine_writes`, at the head of the dispatch recv half: it waits for
   `Flag.COUNT_ROWS_READY` (every private write has landed, the node peers' rows are in), copies the
   remote count rows from the private slots' headers into the routing area, checks every row, writes the
@@ -68,7 +69,7 @@ def _routes_row(counts_ptr, stride_counts_w, s, W: tl.constexpr, L: tl.constexpr
     return tl.sum(tl.maximum(c, 0).to(tl.int64), axis=1)
 
 
-@triton.jit(do_not_specialize=["rank", "node_first"])
+@triton.jit(do_not_specialize=["rank", "node_first", "send_bytes"])
 def _plan_private_writes_kernel(
     # inputs
     counts_ptr,          # (W, E) int32, row stride `stride_counts_w`: this rank's row is final
@@ -79,20 +80,35 @@ def _plan_private_writes_kernel(
     # outputs
     table_ptr,           # (W, 4) int64: the PRIVATE write table
     remainder_writes_ptr,  # (1,) int64: how many remote peers get a remainder write (Flag.REMAINDER_WRITES)
+    base_ptr,            # uint8: byte address space of the send buffer (with HEADERS)
+    send_bytes,          # the send buffer - base, in bytes (with HEADERS)
     NODE: tl.constexpr, P: tl.constexpr, STRIDE_BYTES: tl.constexpr,
     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
+    STAGE_HEADER_BYTES: tl.constexpr,  # Layout.private_stage_header_offset_bytes(0)
+    SLOT_BYTES: tl.constexpr,          # Layout.private_slot_bytes
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HEADERS: tl.constexpr,
 ):
-    """Grid (1,): the private write to every remote peer (`plan.private_writes`)."""
+    """Grid (1,): the private write to every remote peer (`plan.private_writes`): one source range, the
+    peer's slot of the private staging region, whose header gets this rank's count row here (with HEADERS)
+    and whose rows the pack fills (`route_tokens(out_send_row=)`)."""
     n = _routes_row(counts_ptr, stride_counts_w, rank, W, L, W_PAD, L_PAD)
-    off = tl.cumsum(n, axis=0) - n                          # send_offsets: expert-major runs per rank
     peer = tl.arange(0, W_PAD)
     remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
+    index = tl.where(peer >= node_first + NODE, peer - NODE, peer).to(tl.int64)  # Layout.private_stage_index
     more = n > P
     kind = tl.where(more, _DISPATCH_MORE, _DISPATCH)
     imm = protocol_device.encode_imm(kind, tl.full([W_PAD], 0, tl.int64) + rank, tl.load(epoch_ptr))
-    _store_rows(table_ptr, peer, remote, off * STRIDE_BYTES, tl.minimum(n, P) * STRIDE_BYTES,
-                tl.full([W_PAD], 0, tl.int64) + header_dst_bytes, imm, W)
+    _store_rows(table_ptr, peer, remote, STAGE_HEADER_BYTES + index * SLOT_BYTES,
+                E * 4 + tl.minimum(n, P) * STRIDE_BYTES, tl.full([W_PAD], 0, tl.int64) + header_dst_bytes, imm, W)
     tl.store(remainder_writes_ptr, tl.sum((remote & more).to(tl.int64), axis=0))
+    if HEADERS:  # the count row (a row of -1 too: an aborted call) at the head of every remote peer's slot
+        e = tl.arange(0, E_PAD)
+        row = tl.load(counts_ptr + rank.to(tl.int64) * stride_counts_w + e, mask=e < E)
+        headers = (base_ptr + send_bytes + STAGE_HEADER_BYTES).to(tl.pointer_type(tl.int32))
+        for j0 in range(0, W - NODE, BLOCK_P):  # slots of the remote peers, BLOCK_P at a time
+            j = j0 + tl.arange(0, BLOCK_P)[:, None]
+            tl.store(headers + j.to(tl.int64) * (SLOT_BYTES // 4) + e[None, :], row[None, :] + tl.zeros_like(j),
+                     mask=(j < W - NODE) & (e[None, :] < E))
 
 
 @triton.jit(do_not_specialize=["rank", "node_first", "timeout_ns", "max_spins"])
@@ -209,9 +225,11 @@ def _check(counts: torch.Tensor, write_tables: torch.Tensor, lay: Layout) -> Non
 
 
 def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch: torch.Tensor,
-                        flags: torch.Tensor, rank: int, lay: Layout) -> None:
-    """Write the PRIVATE table of `write_tables` from `counts[rank]` (final: after `route_tokens`), and
-    `flags[Flag.REMAINDER_WRITES]`.
+                        flags: torch.Tensor, rank: int, lay: Layout, base: torch.Tensor | None = None,
+                        send_bytes: int = 0) -> None:
+    """Write the PRIVATE table of `write_tables` from `counts[rank]` (final: after `route_tokens`),
+    `flags[Flag.REMAINDER_WRITES]` and, with `base`, the count row at the head of every remote peer's slot
+    of the send buffer's private staging region (the first bytes each private write sends).
 
     Args:
         counts: `[W, E]` int32, this rank's routing area (row `rank` is read).
@@ -219,19 +237,30 @@ def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch:
             by the device on a GPU).
         epoch: `[1]` int64 on the device: this call's epoch (the immediates carry it).
         flags: this rank's flags area (`protocol.words.Flag`), int64.
-    Asynchronous on a GPU and safe in a CUDA graph; one program."""
+        base, send_bytes: 1-D uint8 tensor and the offset in it of the send buffer the proxy posts from (the
+            staging one where rows to other nodes are staged). None: the tables only (tests, benchmarks).
+    Asynchronous on a GPU and safe in a CUDA graph; one program. Its headers are written before the pack's
+    wait for the proxy's previous writes, and safely so: those completed before the proxy raised
+    COMBINE_RECV_READY, which the previous call's combine waited for (stream order)."""
     key = (launch.tensor_key(counts), launch.tensor_key(write_tables), launch.tensor_key(epoch),
-           launch.tensor_key(flags), rank, lay)
+           launch.tensor_key(flags), rank, lay, None if base is None else base.data_ptr(), send_bytes)
     if _PRIVATE.hit(key):
         return
     _check(counts, write_tables, lay)
-    W, L = lay.world_size, lay.num_local_experts
+    W, L, E = lay.world_size, lay.num_local_experts, lay.num_experts
+    if base is not None:
+        check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=counts.device, host_ok=True)
+        check.integer("send_bytes", send_bytes, 0)
+    e_pad = next_power_of_2(E)
     _PRIVATE.launch(
         key, (1,), counts, epoch, counts.stride(0), rank, lay.node_of(rank) * lay.node_size,
         lay.private_header_offset_bytes(rank), write_tables[int(WriteTable.PRIVATE)],
-        flags[flag_word(Flag.REMAINDER_WRITES):],
+        flags[flag_word(Flag.REMAINDER_WRITES):], counts if base is None else base, send_bytes,
         NODE=lay.node_size, P=lay.private_rows, STRIDE_BYTES=lay.dispatch_stride_bytes,
-        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), num_warps=4)
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
+        STAGE_HEADER_BYTES=lay.private_stage_header_offset_bytes(0), SLOT_BYTES=lay.private_slot_bytes,
+        E=E, E_PAD=e_pad, BLOCK_P=max(1, min(next_power_of_2(max(W - lay.node_size, 1)), 4096 // e_pad)),
+        HEADERS=base is not None, num_warps=4)
 
 
 def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.Tensor, node: NodeSync,

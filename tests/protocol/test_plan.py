@@ -40,10 +40,12 @@ def test_dispatch_and_combine_writes_fit_and_do_not_overlap(W, node, T, K, priva
         spans = []  # (start, end) byte spans written into d's recv buffer during dispatch
         for s in range(W):
             for peer, src, n, dst in plan.private_writes(counts[s], s, lay).tolist():
-                assert 0 <= src and src + n <= lay.max_routes * lay.dispatch_stride_bytes
-                if peer == d:  # the count row, then the rows: one write, never empty
+                # one range of the private staging region: the count row, then the rows
+                assert lay.private_stage_offset_bytes <= src and src + n <= lay.combine_stage_offset_bytes
+                assert n >= lay.routing_row_bytes
+                if peer == d:  # one write, never empty
                     assert dst == lay.private_header_offset_bytes(s)
-                    spans.append((dst, dst + lay.routing_row_bytes + n))
+                    spans.append((dst, dst + n))
             for peer, src, n, dst in plan.remainder_writes(routes, s, lay).tolist():
                 assert 0 <= src and src + n <= lay.max_routes * lay.dispatch_stride_bytes
                 if peer == d and n:
@@ -78,6 +80,8 @@ class Simulated:
 
     private: dict = field(default_factory=dict)      # (s, d) -> {dst in d's recv: src in s's send}
     header: dict = field(default_factory=dict)       # (s, d) -> where s's count row lands in d's recv buffer
+    stage_header: dict = field(default_factory=dict)  # (s, d) -> where s's count row for d is in s's send buffer
+    send_row: dict = field(default_factory=dict)     # s -> {send slot: the row the pack writes it to}
     remainder: dict = field(default_factory=dict)    # (s, d) -> {dst: src}, only pairs with rows beyond P
     combine: dict = field(default_factory=dict)      # (expert rank d, home s) -> {dst in s's recv: src in d's send}
     imms: dict = field(default_factory=dict)         # d -> {remote s: DISPATCH writes s sends d}
@@ -91,6 +95,16 @@ def simulate(experts: list[list[int]], lay) -> Simulated:
     # A source's send slots hold its routes expert-major (stable), so each destination's run is contiguous.
     slots_to = [[[j for j, e in enumerate(sorted(experts[s])) if e // L == d] for d in range(W)] for s in range(W)]
     sim = Simulated()
+    # The sender's private staging region: a slot per remote peer (in rank order, its own node skipped),
+    # shaped as the receiver's private slot; a remote peer's first P routes are packed there, not at their slot.
+    for s in range(W):
+        remote = [d for d in range(W) if not lay.same_node(s, d)]
+        sim.send_row[s] = {j: j for j in range(len(experts[s]))}
+        for index, d in enumerate(remote):
+            rows_at = lay.max_routes + index * lay.private_slot_rows + lay.header_rows
+            sim.stage_header[s, d] = rows_at * S - lay.routing_row_bytes
+            for i, j in enumerate(slots_to[s][d][:P]):
+                sim.send_row[s][j] = rows_at + i
     for d in range(W):
         remainder_at = W * lay.private_slot_rows      # the remainder region: sources in rank order, holes kept
         for s in range(W):
@@ -98,7 +112,7 @@ def simulate(experts: list[list[int]], lay) -> Simulated:
             if not lay.same_node(s, d):
                 rows_at = lay.private_offset_bytes + (s * lay.private_slot_rows + lay.header_rows) * S
                 sim.header[s, d] = rows_at - lay.routing_row_bytes     # the count row, right before the rows
-                sim.private[s, d] = {rows_at + i * S: j * S for i, j in enumerate(mine[:P])}
+                sim.private[s, d] = {rows_at + i * S: sim.send_row[s][j] * S for i, j in enumerate(mine[:P])}
                 if len(mine) > P:
                     sim.remainder[s, d] = {(remainder_at + i) * S: j * S for i, j in enumerate(mine[P:])}
                 sim.imms.setdefault(d, {})[s] = 1 + (len(mine) > P)
@@ -119,8 +133,8 @@ def simulate(experts: list[list[int]], lay) -> Simulated:
 def rows_of(write, stride: int, skip: int = 0) -> dict:
     """A write (peer, src, length, dst) as {dst row byte: src row byte}; `skip` bytes of header first."""
     _, src, n, dst = (int(v) for v in write)
-    assert n % stride == 0, write
-    return {dst + skip + i * stride: src + i * stride for i in range(n // stride)}
+    assert (n - skip) % stride == 0, write
+    return {dst + skip + i * stride: src + skip + i * stride for i in range((n - skip) // stride)}
 
 
 @settings(max_examples=80, deadline=None)
@@ -148,8 +162,10 @@ def test_writes_equal_the_protocol_simulated_row_by_row(W, node, L, T, K, privat
         assert priv.dtype == np.int64 and priv[:, 0].tolist() == remote
         for w in priv:
             d = int(w[0])
-            assert int(w[3]) == sim.header[r, d], (r, d)
+            assert int(w[3]) == sim.header[r, d] and int(w[1]) == sim.stage_header[r, d], (r, d)
             assert rows_of(w, S, skip=lay.routing_row_bytes) == sim.private[r, d], (r, d)
+        staged = plan.private_stage_rows(counts[r], r, lay)
+        assert {j: int(staged[j]) for j in sim.send_row[r]} == sim.send_row[r], r
         rem = plan.remainder_writes(routes, r, lay)
         assert rem.dtype == np.int64 and rem[:, 0].tolist() == [d for d in remote if (r, d) in sim.remainder]
         for w in rem:

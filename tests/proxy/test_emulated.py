@@ -80,11 +80,8 @@ def test_out_of_region_writes_are_refused_before_anything_is_posted(pair_in_proc
     for writes in [[(0, 0, 4, 0, 1)] + bw for bw in bad]:  # a good write first: nothing of the call is posted
         with pytest.raises(ValueError):
             a.post(grp, rs, writes)
-    head = a.register(rs.addr, 64, ACCESS_SOURCE)
-    with pytest.raises(ValueError, match="destination range"):  # the header counts into the destination
-        a.post(grp, rs, [(0, 0, 10, dst.size - 20, 1)], header=(head, 0, 16))
-    with pytest.raises(ValueError, match="header"):
-        a.scatter(grp, rs, [(0, 0, 1, 0)], 1, header=(head, 60, 8))
+    with pytest.raises(ValueError, match="destination range"):
+        a.post(grp, rs, [(0, 0, 21, dst.size - 20, 1)])
     with pytest.raises(ValueError, match=r"\[n, 5\]"):
         a.post(grp, rs, np.zeros((1, 4), np.int64))
     with pytest.raises(ValueError, match="2 imms for 1 targets"):

@@ -68,49 +68,41 @@ def test_self_write_lands_with_immediate(loop_engine):
 
 
 @pytest.mark.timeout(30)
-def test_header_writes_carry_the_header_then_the_rows_in_one_write(loop_engine):
-    """`scatter(header=...)`: one write per target, the header's bytes first, then the target's."""
+def test_a_write_over_the_size_bound_is_refused_before_posting(loop_engine):
+    """One write carries at most `max_write_bytes` (the provider's max_msg_size; 1 GiB on EFA, which splits
+    a larger write and raises its immediate more than once): scatter and post_table refuse more."""
     eng = loop_engine
     src_buf, dst_buf, src, dst, grp = _self_group(eng)
-    head_buf = ctypes.create_string_buffer(b"HEADER-" * 10, 70)
-    head = eng.register(ctypes.addressof(head_buf), 70)
+    assert 0 < eng.max_write_bytes <= int(eng.info.max_msg_size)
+    eng.max_write_bytes = 64  # forced small: the bound, not the buffers, refuses
     posted = eng.writes_posted
-    # rows from two places; the second target has no rows: it still writes the header and its imm
-    eng.scatter(grp, src, [(0, 100, 300, 1000), (0, 0, 0, 5000)], [0xAB000001, 0xAB000002], header=(head, 7, 56))
-    eng.wait_imms({0xAB000001: 1, 0xAB000002: 1}, 10, "header writes")
-    eng.wait_writes(10)
-    assert eng.writes_posted - posted == 2
-    assert dst_buf.raw[1000:1056] == head_buf.raw[7:63] and dst_buf.raw[1056:1356] == src_buf.raw[100:400]
-    assert dst_buf.raw[1356:1400] == bytes(44) and dst_buf.raw[5000:5056] == head_buf.raw[7:63]
-    # the same templates serve a second call; a header past its region is refused before posting
-    eng.scatter(grp, src, [(0, 0, 10, 2000)], 0xAB000003, header=(head, 7, 56))
-    eng.wait_imms({0xAB000003: 1}, 10, "again")
-    assert dst_buf.raw[2056:2066] == src_buf.raw[0:10]
-    with pytest.raises(ValueError, match="header"):
-        eng.scatter(grp, src, [(0, 0, 10, 0)], 1, header=(head, 60, 20))
-    with pytest.raises(ValueError, match="out of bounds"):  # the rows are checked after the header
-        eng.scatter(grp, src, [(0, 0, 10, (1 << 16) - 60)], 1, header=(head, 0, 56))
+    with pytest.raises(ValueError, match="max_write_bytes"):
+        eng.scatter(grp, src, [(0, 0, 64, 0), (0, 0, 65, 100)], 1)
+    table = np.array([(0, 65, 0, 0x21)], np.int64)
+    with pytest.raises(ValueError, match="max_write_bytes"):
+        eng.post_table(grp, src, memoryview(table).cast("B").cast("q"), ((0, 0),))
+    assert eng.writes_posted == posted
+    eng.scatter(grp, src, [(0, 0, 64, 0)], 0x22)
+    eng.wait_imms({0x22: 1}, 10, "a write at the bound")
     eng.wait_writes(10)
 
 
 @pytest.mark.timeout(30)
 def test_post_table_posts_what_the_rows_say(loop_engine):
-    """A write table as the kernels write it: rows (src, length, dst, imm) with bases, a header, the
+    """A write table as the kernels write it: rows (src, length, dst, imm) with bases, the
     remainder table's empty rows skipped, an immediate override; a row out of bounds posts nothing."""
     eng = loop_engine
     src_buf, dst_buf, src, dst, grp = _self_group(eng)
     table = np.zeros((3, 4), np.int64)
-    table[0] = (10, 100, 0, 0x11)      # a private row: lands after the header
+    table[0] = (10, 100, 0, 0x11)      # a private row: its count row and rows, one range
     table[1] = (0, 0, 0, 0x12)         # length 0: the immediate alone (or nothing with skip_empty)
     table[2] = (300, 50, 2000, 0x13)
     words = memoryview(table).cast("B").cast("q")
-    header = (src, 4096, 16)
     slots = ((0, 0),)
-    assert eng.post_table(grp, src, words, slots, src_base=1, dst_base=8, header=header) == 1
-    assert eng.post_table(grp, src, words, slots, src_base=1, dst_base=8, header=header) == 1  # prepared: same
+    assert eng.post_table(grp, src, words, slots, src_base=1, dst_base=8) == 1
+    assert eng.post_table(grp, src, words, slots, src_base=1, dst_base=8) == 1  # prepared: same
     eng.wait_imms({0x11: 2}, 10, "private rows")
-    assert dst_buf.raw[8:24] == src_buf.raw[4096:4112]  # the header first, then the rows
-    assert dst_buf.raw[24:124] == src_buf.raw[11:111]
+    assert dst_buf.raw[8:108] == src_buf.raw[11:111]
     assert eng.post_table(grp, src, words, ((0, 4), (0, 8)), skip_empty=True) == 1
     eng.wait_imms({0x13: 1}, 10, "remainder row")
     assert dst_buf.raw[2000:2050] == src_buf.raw[300:350]

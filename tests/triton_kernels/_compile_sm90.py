@@ -14,7 +14,7 @@ from triton.compiler import ASTSource
 
 from moe_a2a.config import A2AConfig, next_power_of_2
 from moe_a2a.protocol.words import HALF_FLAGS, Flag, flag_word
-from moe_a2a.triton_kernels import dispatch, quant, write_plan
+from moe_a2a.triton_kernels import dispatch, quant, routing, write_plan
 
 
 def _compile(fn, pointers: dict, constexprs: dict):
@@ -45,8 +45,26 @@ def main(world: int, node: int) -> None:
                       ERROR_WORD=flag_word(Flag.ERROR), STATUS_WORD=flag_word(status),
                       BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS), SPIN=True, USE_PTX=True, BACKOFF_NS=200, **shape)),
         _compile(write_plan._plan_private_writes_kernel,
-                 dict(counts_ptr="*i32", epoch_ptr="*i64", table_ptr="*i64", remainder_writes_ptr="*i64"),
-                 dict(NODE=node, P=lay.private_rows, STRIDE_BYTES=lay.dispatch_stride_bytes, **shape)),
+                 dict(counts_ptr="*i32", epoch_ptr="*i64", table_ptr="*i64", remainder_writes_ptr="*i64",
+                      base_ptr="*u8"),
+                 dict(NODE=node, P=lay.private_rows, STRIDE_BYTES=lay.dispatch_stride_bytes,
+                      STAGE_HEADER_BYTES=lay.private_stage_header_offset_bytes(0), SLOT_BYTES=lay.private_slot_bytes,
+                      E=lay.num_experts, E_PAD=next_power_of_2(lay.num_experts), BLOCK_P=16, HEADERS=True, **shape)),
+    ]
+    # The route kernels with the private staging rows (one program, and the two-launch fixup).
+    send_rows = dict(SR_L=L, SR_NODE=node, SR_P=lay.private_rows, SR_HR=lay.header_rows, SR_FIRST=lay.max_routes,
+                     SEND_ROWS=True)
+    route_ptrs = dict(indices_ptr="*i32", bound_m_ptr="*i32", route_slot_ptr="*i32", counts_ptr="*i32",
+                      hist_ptr="*i32", send_row_ptr="*i32", epoch_ptr="*i64", bad_index_ptr="*i64",
+                      ready_ptr="*i64", node_slots_ptr="*i32", bad_bound_ptr="*i64",
+                      **{n: "i32" for n in ("num_tokens", "num_experts", "num_blocks", "stride_counts", "abort",
+                                            "node_lo", "node_hi", "sr_node_first")})  # ints that fit, as launched
+    kernels += [
+        _compile(routing._route_block_kernel, route_ptrs,
+                 dict(K=8, BLOCK_R=128, E_BINS=next_power_of_2(lay.num_experts + 1), HAS_BOUND_M=False, SINGLE=True,
+                      **send_rows)),
+        _compile(routing._route_fixup_kernel, route_ptrs,
+                 dict(K=8, BLOCK_R=64, E_PAD=next_power_of_2(lay.num_experts), CHUNK_B=16, **send_rows)),
     ]
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"

@@ -133,22 +133,27 @@ def run_dispatch(world: SimWorld, xs, x_scales, indices, bound_ms=None) -> Dispa
         row, slot = route_slots(indices[r].cpu(), cfg.num_experts, bound_ms[r])
         counts_rows.append(row)
         slots.append(slot.to(dev))
-        pack_tokens_by_expert(xs[r], x_scales[r], slots[r], world.arena, world.send_bytes[r], cfg,
-                              bound_m=bound_tensor(bound_ms[r], dev))
+        # As the route kernel's send rows: a remote peer's first P routes go to its private staging slot.
+        stage = torch.from_numpy(plan.private_stage_rows(row.numpy().astype(np.int64), r, lay))
+        rows = torch.where(slot >= 0, stage[slot.clamp(min=0).long()], -1).to(torch.int32).to(dev)
+        pack_tokens_by_expert(xs[r], x_scales[r], rows, world.arena, world.send_bytes[r], cfg,
+                              bound_m=bound_tensor(bound_ms[r], dev),
+                              max_slots=lay.max_routes + lay.private_stage_rows)
     counts_np = torch.stack(counts_rows).numpy().astype(np.int64)
     counts = torch.stack(counts_rows).to(dev)
     plan.validate_counts(counts_np, lay)
 
-    # The proxy's part: remote peers only (same-node peers are pulled by unpack). A private write
-    # carries the sender's count row first, then its rows (`TransferEngine.scatter(header=...)`).
+    # The proxy's part: remote peers only (same-node peers are pulled by unpack). A private write is one
+    # range of the sender's private staging region: the count row (the plan kernel puts it there), then
+    # the rows the pack put there.
     routes = plan.route_matrix(counts_np, lay)
     row_bytes = lay.routing_row_bytes
     for r in range(W):
         header = torch.from_numpy(counts_np[r].astype(np.int32)).view(torch.uint8).to(dev)
         for peer, src, length, dst in plan.private_writes(counts_np[r], r, lay).tolist():
-            at = world.recv_bytes[peer] + dst
+            at = world.send_bytes[r] + src
             world.arena[at: at + row_bytes] = header
-            world.copy(world.send_bytes[r], world.recv_bytes[peer], (peer, src, length, dst + row_bytes))
+            world.copy(world.send_bytes[r], world.recv_bytes[peer], (peer, src, length, dst))
         for w in plan.remainder_writes(routes, r, lay).tolist():
             world.copy(world.send_bytes[r], world.recv_bytes[w[0]], w)
 

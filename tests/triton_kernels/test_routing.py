@@ -202,6 +202,44 @@ def test_node_slots_bound_the_routes_to_the_node_experts(T, K, E, lo_hi, multi, 
     assert bool(((route_slot >= first) & (route_slot < end))[live].eq(in_node[live]).all())
 
 
+@pytest.mark.timeout(120)
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    T=st.integers(0, 12),
+    K=st.integers(1, 4),
+    W_node=st.sampled_from([(2, 1), (4, 1), (4, 2), (8, 2), (4, 4)]),
+    L=st.integers(1, 3),
+    private=st.sampled_from([None, 0, 1, 3]),
+    skew=st.booleans(),
+    multi=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_send_rows_put_each_remote_peers_first_routes_in_its_private_staging_slot(T, K, W_node, L, private, skew,
+                                                                                multi, seed):
+    """out_send_row: the slot, but for the first P routes to each remote rank their row in its private
+    staging slot (`plan.private_stage_rows`), so a private write reads one range; both launch paths."""
+    W, node = W_node
+    E = W * L
+    lay = A2AConfig(max_num_tokens=max(T, 1), num_experts=E, experts_per_token=K, hidden_dim=8,
+                    in_dtype=torch.float32, max_private_tokens=private).layout(W, node)
+    gen = torch.Generator().manual_seed(seed)
+    indices = make_indices(T, K, E, 0.2, torch.int32, gen)
+    if skew:  # every route to one expert: its rank's private slot fills, the rest stays at its slots
+        indices = torch.where(indices >= 0, torch.randint(0, E, (), generator=gen).to(torch.int32), indices)
+    rank = int(torch.randint(0, W, (), generator=gen))
+    send_row = torch.full((T, K), -7, dtype=torch.int32, device=TEST_DEVICE)
+    counts, route_slot = _route(indices, E, out_send_row=send_row, private_stage=(lay, rank),
+                                **(MULTI if multi else SINGLE))
+    want = plan.private_stage_rows(counts.numpy().astype(np.int64), rank, lay)
+    live = route_slot >= 0
+    got = send_row.cpu()
+    assert bool((got[~live] == -1).all())
+    assert got[live].tolist() == want[route_slot[live].long().numpy()].tolist()
+    # Distinct rows, inside what the pack may write (max_slots)
+    rows = got[live].tolist()
+    assert len(set(rows)) == len(rows) and all(0 <= v < lay.max_routes + lay.private_stage_rows for v in rows)
+
+
 @pytest.mark.timeout(60)
 def test_bad_arguments():
     idx = torch.zeros(4, 2, dtype=torch.int32)

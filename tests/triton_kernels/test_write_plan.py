@@ -109,6 +109,36 @@ def test_write_tables_equal_plan(W, node, L, T, K, private, skew, epoch, kernel_
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("W,node,aborted", [(4, 1, False), (8, 2, False), (4, 2, True)])
+def test_the_count_row_heads_every_remote_peers_private_staging_slot(W, node, aborted):
+    """With `base`, the private-plan kernel writes this rank's count row (a row of -1 too) where each PRIVATE
+    row's source range starts, and nothing else: the pack fills the rows after it."""
+    cfg = A2AConfig(max_num_tokens=5, num_experts=2 * W, experts_per_token=2, hidden_dim=8, in_dtype=torch.float32,
+                    max_private_tokens=3)
+    lay = cfg.layout(W, node)
+    rng = np.random.default_rng(W + node)
+    counts = _random_counts(rng, lay, 5, 2, skew=False)
+    rank = W - 1
+    if aborted:
+        counts[rank] = -1
+    flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
+    tables = torch.zeros((int(WriteTable.NUM_TABLES), W, 4), dtype=torch.int64, device=DEVICE)
+    send_at = 32  # the send buffer's offset in base (not 0: it must be honoured)
+    base = torch.full((send_at + lay.send_bytes,), 0x5A, dtype=torch.uint8, device=DEVICE)
+    write_plan.plan_private_writes(torch.tensor(counts, dtype=torch.int32, device=DEVICE), tables,
+                                   torch.ones(1, dtype=torch.int64, device=DEVICE), flags, rank, lay, base, send_at)
+    got, want = base.cpu().numpy(), np.full(send_at + lay.send_bytes, 0x5A, np.uint8)
+    row = counts[rank].astype(np.int32).view(np.uint8)
+    n_to = np.maximum(plan.rank_counts(counts[rank], lay), 0)
+    for peer in lay.remote_peers(rank):
+        src, n, dst, _ = tables[WriteTable.PRIVATE, peer].tolist()
+        assert n == row.size + min(int(n_to[peer]), 3) * lay.dispatch_stride_bytes
+        assert dst == lay.private_header_offset_bytes(rank)
+        want[send_at + src: send_at + src + row.size] = row
+    assert len(lay.remote_peers(rank)) == W - node
+    np.testing.assert_array_equal(got, want)
+
+
 def test_skewed_routing_overflows_into_the_remainder():
     """Every route of every rank to one expert of rank 1: each remote sender writes a remainder."""
     W, T, K = 4, 8, 2
