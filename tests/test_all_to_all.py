@@ -138,7 +138,7 @@ def _split_with_work_between(a2a, rank, seed):
     a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
     y = toy_expert(ex, exs, cfg)
     old = torch.randn(x.shape[0], cfg.hidden_dim, generator=torch.Generator().manual_seed(rank)).to(cfg.out_dtype)
-    out = old.to(dev)
+    out = old.to(dev, copy=True)  # combine accumulates into out: old must stay the values before
     a2a.combine(out, idx, w, y, do_recv=False)
     time.sleep(0.05 * (a2a.world_size - rank))
     a2a.combine(out, idx, w, y, do_send=False, accumulate=True)
