@@ -770,7 +770,7 @@ class Info:
         self.cq_data_size = info.domain_attr.contents.cq_data_size
         self.caps = info.caps
         self.tx_size = info.tx_attr.contents.size
-        self.tx_iov_limit = info.tx_attr.contents.iov_limit  # local iovecs per write (2: a header write)
+        self.tx_iov_limit = info.tx_attr.contents.iov_limit  # local iovecs per write (we post one)
         self.rx_size = info.rx_attr.contents.size
         self.max_msg_size = info.ep_attr.contents.max_msg_size
         self.threading = info.domain_attr.contents.threading  # FI_THREAD_DOMAIN when the provider took the hint
