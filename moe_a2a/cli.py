@@ -1,4 +1,5 @@
-"""The `moe-a2a` command: `demo` (a checked local cluster) and `bench` (benchmarks)."""
+"""The `moe-a2a` command: `doctor` (is this host ready?), `demo` (a checked local cluster) and `bench`
+(benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="moe-a2a", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    doctor = sub.add_parser(
+        "doctor", help="check this host first: libfabric, providers, EFA/verbs devices, GPU memory, NIC map, "
+                       "limits, environment, each with a verdict and the fix",
+        description="Checks this host for moe_a2a: the libfabric loaded, what fi_getinfo offers for tcp, shm, efa "
+                    "and verbs, RDMA devices, FI_HMEM and peer memory / DMA-BUF, the GPU <-> NIC map, "
+                    "RLIMIT_MEMLOCK, the largest registration against EFA's limit, and the FI_* / MOE_A2A_* "
+                    "variables; each an ok / warn / fail verdict with its fix. Exit status: 0 when nothing "
+                    "fails (warnings allowed), 1 when a check fails, 2 for a bad flag.")
+    doctor.add_argument("--json", action="store_true", help="print the report (checks and facts) as JSON")
+    doctor.add_argument("--world", type=t.positive_int, default=64,
+                        help="ranks to size the registrations for (default 64; must divide 256 experts)")
+    doctor.add_argument("--node", type=t.positive_int, default=8, help="ranks per node (default 8)")
+    doctor.add_argument("--tokens", type=t.positive_int, default=128,
+                        help="tokens per rank per call (default 128: DeepSeek-V3 decode)")
+    doctor.add_argument("--facts", metavar="FILE", default=None,
+                        help="check recorded facts (a --json report's 'facts', e.g. tests/data/doctor/p5_efa.json) "
+                             "instead of this host")
+    doctor.set_defaults(error=doctor.error)
 
     demo = sub.add_parser("demo", help="run dispatch -> toy expert -> combine on a local cluster, "
                                        "checked against reference.py, and print per-phase latency",
@@ -53,9 +73,21 @@ def _run_demo(args) -> int:
     return run_demo(args.world_size, args.node_size, args.transport, args.device, args.iters, args.timeout)
 
 
+def _run_doctor(args) -> int:
+    from . import doctor
+
+    if 256 % args.world:
+        args.error(f"--world {args.world} must divide the 256 experts of the sized configuration")
+    if args.world % args.node:
+        args.error(f"--node {args.node} must divide --world {args.world}")
+    return doctor.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # a bad flag: one argparse line, exit 2
     try:
+        if args.command == "doctor":
+            return _run_doctor(args)
         if args.command == "demo":
             return _run_demo(args)
         from .bench.main import run_args
