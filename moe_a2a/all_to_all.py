@@ -78,8 +78,9 @@ class AllToAll:
             FDs registered with the NIC, FI_HMEM_CUDA; raises if impossible), "memfd" (that path with
             host memory, for CPUs), "auto" (default: "gpu" over efa/verbs where it works, else "staged"
             with one log line saying why; "host" on a CPU).
-        nics: the NICs (libfabric domains) this rank's proxies drive, peers sharded over them: "auto" (on
-            EFA this rank's share of the node's NICs, else the provider's first) or a list of names.
+        nics: the NICs (libfabric domains) this rank's proxies drive, peers sharded over them: "auto" (over
+            efa or verbs the NICs under this rank's GPU's PCIe switch, its share of them, `a2a.nics.rule`
+            and `.reason` saying how they were chosen; over tcp/shm the provider's first) or a list of names.
         proxies: proxy processes per rank, peer p carried by proxy p % k: an int in [1, remote peers] or
             "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
         rank_mask: shrink mode (`runtime.shrink.RankMask`, shareable between instances): a peer that a
@@ -148,7 +149,7 @@ class AllToAll:
                              f"max_num_tokens * experts_per_token = {cfg.max_routes} (no shared remainder region), "
                              f"got {cfg.max_private_tokens}")
         self.transport = wiring.choose_transport(transport, hosts)
-        self.nics = wiring.choose_nics(nics, self.transport, self.rank, self.layout)
+        self.nics = wiring.choose_nics(nics, self.transport, self.rank, self.layout, device=self.device)
         self.num_proxies = wiring.choose_proxies(proxies, self.transport, self.nics,
                                                  len(self.layout.remote_peers(self.rank)))
         self._error: BaseException | None = None
