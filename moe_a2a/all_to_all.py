@@ -329,6 +329,8 @@ class AllToAll:
             expert_y: `[>= max_dispatch_rows, H]` out_dtype: row i is the expert output of row i
                 of `out_expert_x` from `dispatch` (padding rows are never read).
             accumulate: add to the old `out_tokens` (in fp32, before the k terms) instead of overwriting.
+            bound_m: optional `[1]` int32 on the device: tokens t >= bound_m[0] are left untouched (default:
+                the dispatch's); its value is checked ([0, T]) on a CPU, as the dispatch's.
 
         Bad input aborts the call on every rank, as in `dispatch` (a bad receive half alone leaves it open).
         """
@@ -339,13 +341,13 @@ class AllToAll:
             try:
                 check_combine_send(cfg, self.layout, self.device, expert_y)
                 if do_recv:
-                    check_combine_recv(cfg, self.device, self._T, out_tokens, weights, indices)
+                    check_combine_recv(cfg, self.device, self._T, out_tokens, weights, indices, bound_m)
             except ValueError as exc:
                 self._abort_at_combine(exc)  # raises exc, once the call is void on every rank
         elif do_recv:
             self._expect(_COMBINE_SENT, "combine(do_recv=True)")
             # The send half is done and its rows are with their homes: a corrected receive may follow.
-            check_combine_recv(cfg, self.device, self._T, out_tokens, weights, indices)
+            check_combine_recv(cfg, self.device, self._T, out_tokens, weights, indices, bound_m)
         try:
             if do_send:
                 self._tracer.run("combine_send", self.epoch, self._combine_send, expert_y)
@@ -684,10 +686,15 @@ def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
                          f"got {expert_y.shape[0]}")
 
 
-def check_combine_recv(cfg: A2AConfig, device, T: int, out_tokens, weights, indices) -> None:
+def check_combine_recv(cfg: A2AConfig, device, T: int, out_tokens, weights, indices, bound_m=None) -> None:
     _check("out_tokens", out_tokens, (T, cfg.hidden_dim), cfg.out_dtype, device)
     _check("weights", weights, (T, cfg.experts_per_token), torch.float32, device)
     _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
+    if bound_m is not None:  # as dispatch's: its value on a CPU only (a GPU's would need a host sync)
+        _check("bound_m", bound_m, (1,), torch.int32, device)
+        if device.type != "cuda" and not 0 <= int(bound_m[0]) <= T:
+            raise ValueError(f"bound_m: expected a live token count in [0, {T}] (the dispatch had {T} tokens), "
+                             f"got {int(bound_m[0])}")
 
 
 # The wiring's addresses and views, read-only on the instance (tests and benchmarks look at them).

@@ -14,7 +14,7 @@ from moe_a2a.bench.demo import make_inputs
 from moe_a2a.oracle import check_against_reference, fill_sentinel, record_call, toy_expert
 from moe_a2a.config import A2AConfig
 
-from .conftest import TEST_DEVICE
+from .conftest import TEST_DEVICE, interpreter_only
 
 pytestmark = [pytest.mark.slow]
 
@@ -52,6 +52,17 @@ def _bad_combine_input(kind: str, res, w, y):
     return res, w, y
 
 
+def _bad_combine_bound_m(kind: str, T: int, dev):
+    """The rejected `bound_m` of the bad rank's combine (None for other kinds)."""
+    if kind == "combine_bound_m_int64":
+        return torch.tensor([T], dtype=torch.int64, device=dev)
+    if kind == "combine_bound_m_float":
+        return torch.tensor([float(T)], dtype=torch.float32, device=dev)
+    if kind == "combine_bound_m_negative":
+        return torch.tensor([-1], dtype=torch.int32, device=dev)
+    return None
+
+
 def _calls(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
     cfg, dev = a2a.cfg, a2a.device
     num, ex, exs = a2a.empty_dispatch_outputs()
@@ -71,7 +82,8 @@ def _calls(a2a, rank: int, bad_rank: int, kind: str, n_calls: int):
             a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound_m)
             y = toy_expert(ex, exs, cfg)
             c_res, c_w, c_y = _bad_combine_input(kind, res, w, y) if bad else (res, w, y)
-            a2a.combine(c_res, idx, c_w, c_y)
+            c_bound = _bad_combine_bound_m(kind, x.shape[0], dev) if bad else None
+            a2a.combine(c_res, idx, c_w, c_y, bound_m=c_bound)
             a2a.check()
         except ValueError as exc:
             out.append({"error": "ValueError", "message": str(exc), "seconds": time.monotonic() - t0})
@@ -105,10 +117,16 @@ def _calls_as_kernel_waiter(a2a, rank: int, bad_rank: int, kind: str, n_calls: i
     (4, 2, "tcp", "combine_out_rows", False),
     (2, 2, "shm", "combine_weights_strided", False),
     (3, 1, "shm", "combine_expert_y_rows", True),
+    # combine's own bound_m: its dtype (int64, float32) and, on a CPU, its value, refused before sending.
+    (2, 2, "shm", "combine_bound_m_int64", True),
+    (2, 1, "tcp", "combine_bound_m_float", False),
+    pytest.param(2, 2, "shm", "combine_bound_m_negative", True,
+                 marks=interpreter_only("combine's bound_m value is checked on a CPU only (no host sync)")),
 ], ids=["node-local-index", "remote-tcp-shape", "mixed-shm-dtype", "remote-tcp-kernel-record", "remote-shm-bound-m",
         "node-local-combine-weights-dtype", "remote-tcp-combine-weights-shape", "mixed-shm-combine-out-dtype",
         "mixed-tcp-combine-out-rows-kernel-record", "node-local-combine-weights-strided-kernel-record",
-        "remote-shm-combine-expert-y-rows"])
+        "remote-shm-combine-expert-y-rows", "node-local-combine-bound-m-int64",
+        "remote-tcp-combine-bound-m-float32-kernel-record", "node-local-combine-bound-m-negative"])
 def test_bad_input_on_one_rank_aborts_the_call_everywhere_and_the_next_call_works(world, node, transport, kind,
                                                                                  host_looks):
     bad_rank, n_calls = world - 1, 4
@@ -130,6 +148,8 @@ def test_bad_input_on_one_rank_aborts_the_call_everywhere_and_the_next_call_work
         bad = calls[BAD_CALL]
         if r == bad_rank:
             assert bad["error"] == "ValueError" and "aborted this call" in bad["message"], bad
+            if kind.startswith("combine_bound_m"):
+                assert bad["message"].startswith("bound_m: expected"), bad
         else:
             assert bad["error"] == "CallAborted", bad
             assert f"aborted by rank {bad_rank}" in bad["message"] and "rejected" in bad["message"], bad
