@@ -54,6 +54,33 @@ def _check(name: str, t: Any, shape: tuple | None, dtype, device: torch.device, 
         raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got strides {t.stride()}")
 
 
+def canonical_device(device=None) -> torch.device:
+    """The device an instance works on, as its tensors report theirs (`t.device`), or ValueError: None ->
+    the current CUDA device if there is one, else the CPU; "cuda" / `torch.device("cuda")` -> `cuda:<current
+    device>`; "cuda:N" -> itself (N must be a device of this process); "cpu", "cpu:N" -> `cpu` (CPU tensors
+    report no index). Anything else (another device type, a string torch does not parse) is refused, so
+    a device no tensor can match is refused at construction rather than at every call."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ValueError(f"device: expected a str, int or torch.device, got {type(device).__name__} {device!r}")
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # int: torch's rule
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device: {device!r} is not a device ({exc})") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} needs CUDA, which is not available here")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"device: {device!r}: this process sees {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
 class AllToAll:
     """Expert-parallel dispatch and combine over this rank's group (docs/design.md, API).
 
@@ -67,7 +94,8 @@ class AllToAll:
             "emulated": simulated nodes of one host exchange their remote traffic through the proxies as
             over a NIC, carried by copies (an instrument; settings from MOE_A2A_EMULATED_NIC, read here:
             docs/transport.md, "The emulated NIC").
-        device: where the model's tensors live (default: current CUDA device, else CPU).
+        device: where the model's tensors live (default: current CUDA device, else CPU); normalised once
+            (`canonical_device`: "cuda" is the current CUDA device, "cpu:0" is "cpu"), `a2a.device` says which.
         timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
         gpu_wait: on a GPU, how the halves wait: "kernel" (spinning on the stream: asynchronous, CUDA-graph
             safe), "host" (the CPU polls, then launches: for ranks that share a GPU) or "auto" (host when
@@ -103,6 +131,7 @@ class AllToAll:
             raise ValueError(f"cfg: expected A2AConfig, got {type(cfg).__name__}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        device = canonical_device(device)  # once, here: every tensor of every call is compared with it
         if transport not in ("auto", "efa", "shm", "tcp", "verbs", "emulated"):
             raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp', 'verbs' or 'emulated', got {transport!r}")
         # The emulated NIC's settings, read once here (ValueError naming the variable, before anything collective).
@@ -123,8 +152,7 @@ class AllToAll:
             group = dist.group.WORLD
         self.cfg, self.group, self.timeout_s = cfg, group, float(timeout_s)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = device
         if rank_mask is not None:
             check_rank_mask(rank_mask, gpu_wait, self.rank, self.world_size, self.device)
         self.rank_mask = rank_mask
@@ -704,4 +732,4 @@ for _name in ("segment", "base", "send_offset_bytes", "recv_offset_bytes", "stag
     setattr(AllToAll, _name, property(lambda self, _n=_name: getattr(self._w, _n)))
 del _name
 
-__all__ = ["AllToAll", "CallAborted", "CapacityExceeded"]
+__all__ = ["AllToAll", "CallAborted", "CapacityExceeded", "canonical_device"]

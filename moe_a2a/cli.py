@@ -6,6 +6,18 @@ import argparse
 import sys
 
 
+def demo_device(text: str) -> str:
+    """`demo --device`, as LocalCluster takes it: "cpu:N" is "cpu" (any case); "cuda:N" is refused, since
+    the demo's ranks go to GPU i % num_gpus (CUDA_VISIBLE_DEVICES picks the GPUs)."""
+    name, _, index = text.strip().lower().partition(":")
+    if index and name == "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo puts rank i on GPU i % num_gpus: pass cuda "
+                                         f"(CUDA_VISIBLE_DEVICES picks the GPUs)")
+    if index and name == "cpu" and index.isdigit():
+        return "cpu"
+    return name if not index else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench import _util as t
     from .bench.main import __doc__ as bench_doc
@@ -42,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ranks per simulated node, divides --world-size (default 2)")
     demo.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "efa"],
                       help="libfabric provider between nodes (default auto: efa if present, else shm)")
-    demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                      help="cuda: DeepSeek-V3 decode sizes; cpu: small sizes, kernels in the Triton "
-                           "interpreter (default: cuda if available)")
+    demo.add_argument("--device", default="auto", type=demo_device, choices=["auto", "cpu", "cuda"],
+                      help="cuda: DeepSeek-V3 decode sizes, rank i on GPU i %% num_gpus; cpu (or cpu:0): small "
+                           "sizes, kernels in the Triton interpreter (default: cuda if available)")
     demo.add_argument("--iters", type=t.positive_int, default=None,
                       help="calls per rank (default 3 on CPU, 20 on GPU)")
     demo.add_argument("--timeout", type=t.positive_float, default=60.0, help="seconds before any wait gives up")

@@ -448,6 +448,28 @@ def _failure(what: str, errors: dict, ok: list[int]) -> str:
     return head + "".join(f"\n--- rank {r} raised: ---\n{errors[r][0].rstrip()}" for r in order)
 
 
+def cluster_device(device) -> str:
+    """LocalCluster's `device`, normalised once: "cpu" (also "cpu:0", `torch.device("cpu")`) or "cuda" (also
+    `torch.device("cuda")`), or ValueError. "cuda:N" is refused: the cluster places rank i on GPU i % num_gpus
+    (CUDA_VISIBLE_DEVICES picks the GPUs)."""
+    import torch
+
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (a str or torch.device), got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type == "cuda" and dev.index is None:
+        return "cuda"
+    if dev.type == "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}: LocalCluster places rank i on GPU "
+                         f"i % num_gpus (CUDA_VISIBLE_DEVICES picks the GPUs)")
+    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
 class LocalCluster:
     """`world_size` ranks on this machine, `node_size` per simulated node (same-node peers share
     memory; others talk over `transport`).
@@ -458,7 +480,8 @@ class LocalCluster:
         node_size: ranks per node (default: all on one node).
         transport: "shm", "tcp" or "auto" (here: shm); "efa" and "verbs" where those devices exist;
             "emulated" (the emulated NIC, an instrument: docs/transport.md).
-        device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus).
+        device: "cpu" (kernels under TRITON_INTERPRET=1) or "cuda" (rank i on GPU i % num_gpus); also as
+            `torch.device`, and "cpu:0" is "cpu" (`cluster_device`); `cluster.device` is the normalised str.
         timeout_s: the ranks' `AllToAll` timeout, and bound on every `run` (+ 10 s) and on start-up
             (+ 60 s, which the ranks' bootstrap group waits too); a rank that hangs ends in TimeoutError.
         gpu_wait: passed to every `AllToAll` ("kernel" is needed to capture CUDA graphs).
@@ -494,8 +517,7 @@ class LocalCluster:
         layout = cfg.layout(world_size, node_size)  # validates divisibility before any process starts
         if not isinstance(transport, str) or transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(map(repr, _TRANSPORTS))}, got {transport!r}")
-        if not isinstance(device, str) or device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        device = cluster_device(device)
         if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s)
                 or timeout_s <= 0):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")

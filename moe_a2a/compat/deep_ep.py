@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..all_to_all import AllToAll, CallAborted, check_combine_recv
+from ..all_to_all import AllToAll, CallAborted, canonical_device, check_combine_recv
 from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather, differences
 from ..runtime.shrink import RankMask
@@ -246,7 +246,8 @@ class Buffer:
             sent to its experts); `low_latency_query_mask_buffer` says who is masked. Waits on the host
             (`gpu_wait="host"`: not capturable in a CUDA graph); `moe_a2a.runtime.shrink` says how.
         transport, node_group, timeout_s, gpu_wait, device: passed to `AllToAll` (device default: the
-            first dispatch's `x.device`).
+            first dispatch's `x.device`; "cuda" is the current CUDA device, "cpu:0" is "cpu", normalised
+            and checked here).
     """
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = True,
@@ -264,8 +265,9 @@ class Buffer:
         self.rank, self.group_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
+        # A device is normalised here, once ("cuda" -> the current CUDA device, "cpu:0" -> "cpu"), or refused.
         self._options = dict(group=group, transport=transport, node_group=node_group, timeout_s=timeout_s,
-                             gpu_wait=gpu_wait, device=device)
+                             gpu_wait=gpu_wait, device=None if device is None else canonical_device(device))
         self.enable_shrink = bool(enable_shrink)
         self._mask: RankMask | None = None  # shrink mode: made with the instances (on their device)
         self._pending_mask: set[int] = set()  # ranks masked by the caller before that
@@ -721,6 +723,9 @@ class Buffer:
                     raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
                                      f"({self.group_size})")
                 cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink)
+                device = self._options["device"]
+                if device is None:  # the first dispatch's x.device (refused here, with the verdict, if not one)
+                    device = canonical_device(x.device if x is not None else None)
             except ValueError as exc:
                 error = exc
         names = ("num_max_dispatch_tokens_per_rank", "num_experts", "top-k (topk_idx.shape[1])", "hidden (x.shape[1])")
@@ -743,13 +748,7 @@ class Buffer:
             raise ValueError(f"rank {self.rank}: the first low_latency_dispatch sizes the buffers and must get the "
                              f"same sizes on every rank; refused on every rank (nothing was built or sent):\n  "
                              + "\n  ".join(diff))
-        options = dict(self._options)
-        if options["device"] is None:
-            options["device"] = x.device if x is not None else (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        options["device"] = torch.device(options["device"])
-        if options["device"].type == "cuda" and options["device"].index is None:  # "cuda": the current one
-            options["device"] = torch.device("cuda", torch.cuda.current_device())
+        options = dict(self._options, device=device)
         if self.enable_shrink:  # one mask for all instances: a peer masked in one is skipped by the others
             self._mask = RankMask(self.group_size, self.rank, options["device"])
             for r in sorted(self._pending_mask):
