@@ -408,7 +408,10 @@ class Buffer:
         """
         if self._closed:
             self._check_open()
-        slot = self._slot_of(handle)
+        try:
+            slot = self._slot_of(handle)
+        except ValueError as exc:
+            self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
         K = self._key[2]  # shrink mode's buffers are built for top-k 8: pad fewer
         if self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
                 and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
@@ -643,12 +646,35 @@ class Buffer:
 
     def _slot_of(self, handle) -> _Slot:
         if not isinstance(handle, Handle) or not 0 <= handle.slot < len(self._slots):
-            raise ValueError(f"handle: expected the handle returned by low_latency_dispatch, got {handle!r}")
+            what = repr(handle) if handle is None or isinstance(handle, Handle) else (
+                f"a {type(handle).__name__}" + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else ""))
+            raise ValueError(f"handle: expected the handle returned by low_latency_dispatch, got {what}")
         slot = self._slots[handle.slot]
         if slot.call != handle.call or slot.state == _FREE:
             raise ValueError(f"handle: call {handle.call} is over (its buffers were reused by a later dispatch, or "
                              f"the call was aborted): combine a handle before the dispatch two calls later")
         return slot
+
+    def _abort_for_handle(self, handle, exc: ValueError) -> None:
+        """A combine's handle was refused on this rank: its peers are in the combine of a call with a good
+        handle, so abort that call on every rank (this rank raises `exc`, the peers CallAborted naming it),
+        as bad combine input does; the next call works. The call is the one the handle names (a stale
+        Handle's slot, or the slot whose `src_info` a plain tuple holds) while it awaits its combine, else the
+        oldest call awaiting its combine (None, a plain tuple; the call DeepEP's callers combine first).
+        With no call awaiting its combine there is none a peer can be in (but a repeated combine): `exc` is
+        raised here alone."""
+        live = [s for s in self._slots if s.state in (_DISPATCH_SENT, _DISPATCHED)]
+        named = None
+        if isinstance(handle, Handle) and 0 <= handle.slot < len(self._slots):
+            named = self._slots[handle.slot]
+        elif isinstance(handle, (tuple, list)) and handle and isinstance(handle[0], torch.Tensor):
+            named = next((s for s in self._slots if s.src_info is handle[0]), None)
+        slot = named if named in live else min(live, key=lambda s: s.call, default=None)
+        if slot is None:
+            raise exc
+        self._receive_dispatch(slot)  # as a good handle's combine starts (a hook not called yet)
+        self._run(slot, lambda: slot.a2a.abort(str(exc)))  # aborts the call at its combine on every rank
+        raise exc  # (abort raised)
 
     def _scratch_buffers(self) -> dict:
         if self._scratch is None:

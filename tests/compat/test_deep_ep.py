@@ -345,7 +345,8 @@ def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works(
 def _bad_calls(a2a, rank):
     """Refusals: the first call's on every rank (nothing built), then one rank's bad statistics tensor
     and one rank's x on another device (dispatch), use_logfmt, zero_copy with nothing written (combine),
-    a stale handle (every rank, nothing sent); a good call after each."""
+    a stale handle, None and DeepEP's plain tuple as the handle on one rank, and None with two calls in
+    flight (the older one aborted, the newer one combined); a good call after each."""
     from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
 
@@ -389,9 +390,21 @@ def _bad_calls(a2a, rank):
         _, _, stale, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
         buf.low_latency_combine(zeros(), idx, w, stale)
         good()
+        # A bad handle on one rank (stale, None, DeepEP's plain tuple) aborts its peers' combine (issue 31).
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)  # stale's slot, reused
-        attempt(lambda: buf.low_latency_combine(zeros(), idx, w, stale))
-        buf.low_latency_combine(zeros(), idx, w, handle)
+        attempt(lambda: buf.low_latency_combine(zeros(), idx, w, stale if rank == 1 else handle))
+        good()
+        for bad in (None, "tuple"):
+            _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+            given = handle if rank == 1 else None if bad is None else tuple(handle)[:5]
+            attempt(lambda: buf.low_latency_combine(zeros(), idx, w, given))
+            good()
+        # Two calls in flight: a bad handle aborts the older one (combined first); the newer one still combines.
+        _, _, first, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+        recv_x, _, second, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+        attempt(lambda: buf.low_latency_combine(zeros(), idx, w, None if rank == 1 else first))
+        combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, second)
+        seen.append(combined.clone())
         good()
     return seen
 
@@ -403,16 +416,19 @@ def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
         got = cl.run(_bad_calls)
     for r in range(2):
         seen = got[r]
-        assert len(seen) == 15, seen
+        assert len(seen) == 22, seen
         assert seen[0].startswith("ValueError: unexpected arguments ['bogus']"), seen[0]
         assert seen[1].startswith("ValueError: dispatch_wait_recv_cost_stats: not measured"), seen[1]
         assert seen[2].startswith("ValueError: x: expected a [T, H] bfloat16"), seen[2]
         assert all("the Buffer's first, on every rank" in e for e in seen[:3]), seen[:3]
-        assert seen[13].startswith("ValueError: handle: call") and "is over" in seen[13], seen[13]
+    assert "is over" in got[1][13], got[1][13]
     # One rank's refusal aborts the call on every rank: it raises ValueError, its peer CallAborted.
     for i, bad_rank, what in ((4, 1, "cumulative_local_expert_recv_stats: expected an int32"),
                               (6, 0, "x: expected device"), (8, 1, "use_logfmt=True"),
-                              (10, 0, "zero_copy=True: nothing was written")):
+                              (10, 0, "zero_copy=True: nothing was written"), (13, 1, "handle: call"),
+                              (15, 0, "handle: expected the handle returned by low_latency_dispatch, got None"),
+                              (17, 0, "handle: expected the handle returned by low_latency_dispatch, got a tuple of 5"),
+                              (19, 1, "handle: expected the handle returned by low_latency_dispatch, got None")):
         assert got[bad_rank][i].startswith(f"ValueError: {what}") and "aborted this call" in got[bad_rank][i], \
             got[bad_rank][i]
         assert got[1 - bad_rank][i].startswith("CallAborted") and f"rank {bad_rank}" in got[1 - bad_rank][i], \
@@ -425,7 +441,7 @@ def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
     outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins],
                              [(2 * x_ref.float()).to(torch.bfloat16) for _, x_ref, _ in want])
     for r in range(2):
-        for i in (3, 5, 7, 9, 11, 12, 14):
+        for i in (3, 5, 7, 9, 11, 12, 14, 16, 18, 20, 21):
             assert combine_problems(got[r][i].cpu(), outs[r], default_max_ulps(TEST_DEVICE)) == [], (i, r)
 
 
