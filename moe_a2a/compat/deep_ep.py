@@ -31,10 +31,10 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
   bytes; `x` must be unchanged for that).
 - every tensor is created with an explicit device and dtype: nothing depends on torch's defaults.
 - input rejected by any call aborts that call on every rank (the peers raise
-  `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works; the first call (which
-  builds the buffers, sized from its arguments) is collective itself: the ranks exchange their verdicts
-  and sizes first, so if one rank rejects its input, or the ranks' sizes differ, every rank raises and
-  nothing is built.
+  `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works, a bad `handle` to a combine
+  included; the first call (which builds the buffers, sized from its arguments) is collective itself: the
+  ranks exchange their verdicts, sizes and `use_fp8` first, so if one rank rejects its input, or the
+  ranks' sizes or `use_fp8` differ, every rank raises and nothing is built.
 - `close()` (or DeepEP's `destroy()`) releases everything; any later call raises ValueError.
 """
 from __future__ import annotations
@@ -341,7 +341,7 @@ class Buffer:
         except ValueError as exc:
             error = exc
         if not self._slots:
-            self._build(error, sizes, x)  # collective: raises on every rank when any rank cannot build
+            self._build(error, sizes, x, use_fp8)  # collective: raises on every rank when any rank cannot build
         elif error is None and sizes != self._key and not (self.enable_shrink and _fits(sizes, self._key)):
             error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
                                f"num_experts, top-k, hidden) = {self._key}; got {sizes}: use another Buffer")
@@ -731,13 +731,14 @@ class Buffer:
             raise ValueError(f"cumulative_local_expert_recv_stats: expected an int32 [{L}] tensor on {a2a.device}, got "
                              f"{(tuple(stats.shape), stats.dtype, str(stats.device)) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
 
-    def _build(self, error: ValueError | None, sizes: tuple | None, x) -> None:
+    def _build(self, error: ValueError | None, sizes: tuple | None, x, use_fp8: bool = False) -> None:
         """The first call: build both slots' bf16 instances, sized from its arguments, on every rank or on none.
 
-        Every rank first sends its verdict on its own input and its sizes (one all-gather over the group):
-        if any rank rejected its input, or the sizes differ, every rank raises (the rejecting rank its
-        ValueError, the others CallAborted naming it; different sizes: ValueError naming them on every
-        rank) and nothing is built, so the next call is the first call again on every rank alike."""
+        Every rank first sends its verdict on its own input, its sizes and its `use_fp8` (one all-gather over
+        the group): if any rank rejected its input, or the sizes or `use_fp8` differ (an fp8 first call also
+        builds the fp8 instances, on every rank or on none), every rank raises (the rejecting rank its
+        ValueError, the others CallAborted naming it; different sizes or use_fp8: ValueError naming them on
+        every rank) and nothing is built, so the next call is the first call again on every rank alike."""
         cfg = None
         if error is None:
             try:
@@ -756,9 +757,9 @@ class Buffer:
                 error = exc
         names = ("num_max_dispatch_tokens_per_rank", "num_experts", "top-k (topk_idx.shape[1])", "hidden (x.shape[1])")
         mine = (None if error is None else str(error),
-                None if sizes is None else {n: str(v) for n, v in zip(names, sizes)})
+                None if sizes is None else {n: str(v) for n, v in zip(names, sizes)}, bool(use_fp8))
         table = all_gather(self.group, mine)
-        rejected = [r for r, (err, _) in enumerate(table) if err is not None]
+        rejected = [r for r, (err, _, _) in enumerate(table) if err is not None]
         if error is not None:
             others = [r for r in rejected if r != self.rank]
             raise ValueError(f"{error} (rank {self.rank} aborted this call, the Buffer's first, on every rank"
@@ -769,11 +770,16 @@ class Buffer:
                               f"aborted by rank {', '.join(map(str, rejected))}: its input was rejected "
                               f"({table[rejected[0]][0]}); nothing was built or sent; the next call builds the "
                               f"buffers")
-        diff = differences([sz for _, sz in table])
+        diff = differences([sz for _, sz, _ in table])
         if diff:
             raise ValueError(f"rank {self.rank}: the first low_latency_dispatch sizes the buffers and must get the "
                              f"same sizes on every rank; refused on every rank (nothing was built or sent):\n  "
                              + "\n  ".join(diff))
+        diff = differences([{"use_fp8": str(fp8)} for _, _, fp8 in table])
+        if diff:
+            raise ValueError(f"rank {self.rank}: the first low_latency_dispatch must get the same use_fp8 on every "
+                             f"rank (an fp8 call builds the fp8 buffers, on every rank); refused on every rank "
+                             f"(nothing was built or sent; the next call builds the buffers): {diff[0]}")
         options = dict(self._options, device=device)
         if self.enable_shrink:  # one mask for all instances: a peer masked in one is skipped by the others
             self._mask = RankMask(self.group_size, self.rank, options["device"])

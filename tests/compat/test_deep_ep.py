@@ -447,9 +447,9 @@ def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
 
 # ---- the first call is collective; a closed Buffer says so ---------------------------------------
 def _first_calls_rejected_then_good(a2a, rank):
-    """Calls 0-2 are refused (call 0: float32 x on rank 1 only; call 1: different
-    num_max_dispatch_tokens_per_rank; call 2: different hidden), then three good calls; then the Buffer
-    is closed and used again."""
+    """Calls 0-3 are refused (call 0: float32 x on rank 1 only; call 1: different
+    num_max_dispatch_tokens_per_rank; call 2: different hidden; call 3: use_fp8 on rank 0 only), then three
+    good calls; then the Buffer is closed and used again."""
     import time
 
     from moe_a2a.all_to_all import CallAborted
@@ -458,7 +458,7 @@ def _first_calls_rejected_then_good(a2a, rank):
     dev, seen = a2a.device, []
     buf = Buffer(transport=a2a.transport, timeout_s=20.0, node_group=a2a.layout.node_size)
     try:
-        for call in range(6):
+        for call in range(7):
             x, idx, w = (t.to(dev) for t in _inputs(rank, 60 + call, T_MAX, "random"))
             num_max = T_MAX
             if call == 0 and rank == 1:
@@ -469,7 +469,8 @@ def _first_calls_rejected_then_good(a2a, rank):
                 x = torch.cat([x, x], dim=1)
             t0 = time.monotonic()
             try:
-                recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, num_max, E, use_fp8=False)
+                recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, num_max, E,
+                                                                       use_fp8=call == 3 and rank == 0)
                 combined, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle)
                 buf.check()
                 seen.append({"count": count.cpu().clone(), "combined": combined.cpu().clone()})
@@ -511,12 +512,16 @@ def test_a_rejected_first_call_aborts_on_every_rank_and_call_numbering_never_dri
         assert seen[r][1]["error"].startswith(f"ValueError: rank {r}: the first low_latency_dispatch sizes"), seen[r][1]
         assert f"num_max_dispatch_tokens_per_rank: {2 * T_MAX} on rank 0; {T_MAX} on rank 1" in seen[r][1]["error"]
         assert f"hidden (x.shape[1]): {H} on rank 0; {2 * H} on rank 1" in seen[r][2]["error"], seen[r][2]
-        assert all(not seen[r][c]["built"] and seen[r][c]["seconds"] < 5 for c in range(3)), seen[r][:3]
-    # Calls 3-5: exact on every rank (a drift would pair rank 0's call with rank 1's next one).
+        # Call 3: use_fp8 differs (an fp8 first call builds the fp8 buffers too): ValueError naming it everywhere.
+        assert seen[r][3]["error"].startswith(f"ValueError: rank {r}: the first low_latency_dispatch must get the "
+                                              f"same use_fp8") and "use_fp8: True on rank 0; False on rank 1" \
+            in seen[r][3]["error"], seen[r][3]
+        assert all(not seen[r][c]["built"] and seen[r][c]["seconds"] < 5 for c in range(4)), seen[r][:4]
+    # Calls 4-6: exact on every rank (a drift would pair rank 0's call with rank 1's next one).
     cap = T_MAX * W
     cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16,
                     expert_capacity=cap)
-    for call in (3, 4, 5):
+    for call in (4, 5, 6):
         ins = [_inputs(r, 60 + call, T_MAX, "random") for r in range(W)]
         want = reference.dispatch(cfg, [x for x, _, _ in ins], None, [i for _, i, _ in ins])
         outs = reference.combine(cfg, [i for _, i, _ in ins], [w for _, _, w in ins],
