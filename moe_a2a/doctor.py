@@ -279,8 +279,10 @@ def registration_sizes(world: int = DEFAULT_WORLD, node: int = DEFAULT_NODE, tok
     except (ImportError, ValueError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
         return out
+    from .proxy.worker import largest_write_bytes
+
     out.update(host_segment_bytes=lay.segment_bytes(True), gpu_recv_bytes=lay.recv_bytes,
-               gpu_send_bytes=lay.send_bytes)
+               gpu_send_bytes=lay.send_bytes, largest_write_bytes=largest_write_bytes(lay))
     return out
 
 
@@ -610,27 +612,51 @@ def check_memlock(facts: dict) -> Check:
 
 
 def check_registration(facts: dict) -> Check:
-    """The largest remote-writable host registration against EFA's per-registration page limit."""
+    """The registrations of one rank against EFA's per-registration page limit: a buffer over it is
+    registered in overlapping chunks (`proxy.engine.registration_chunks`), each within the limit."""
+    from .proxy.engine import EFA_MAX_WRITE_BYTES, MAX_REGISTRATION_ENV, max_registration_from_env, registration_chunks
+
     name, sizes = "registration", facts.get("sizes") or {}
     if "host_segment_bytes" not in sizes:
         return Check(name, "warn", f"not sized ({sizes.get('error', 'no sizes in the facts')})",
                      "install torch (A2AConfig sizes the buffers) or check --world / --node / --tokens")
     page = int(facts.get("page_size") or 4096)
     limit = EFA_REMOTE_WRITE_MR_MAX_PAGES * page
+    try:
+        forced = max_registration_from_env(facts.get("env") or {})
+    except ValueError as e:
+        return Check(name, "fail", f"{e} (every proxy refuses to start with it)",
+                     f"unset {MAX_REGISTRATION_ENV} or set it to a number of bytes")
     seg = sizes["host_segment_bytes"]
     pages = -(-seg // page)
-    detail = (f"{sizes.get('config')}: host-staged segment {_gib(seg)} ({pages:,} pages of {page} B) in one "
-              f"registration, written by peers; with GPU buffers: recv {_gib(sizes['gpu_recv_bytes'])} (written by "
-              f"peers), send {_gib(sizes['gpu_send_bytes'])}; EFA's limit for one remote-writable registration: "
+    detail = (f"{sizes.get('config')}: host-staged segment {_gib(seg)} ({pages:,} pages of {page} B), written by "
+              f"peers; with GPU buffers: recv {_gib(sizes['gpu_recv_bytes'])} (written by peers), send "
+              f"{_gib(sizes['gpu_send_bytes'])}; EFA's limit for one remote-writable registration: "
               f"{EFA_REMOTE_WRITE_MR_MAX_PAGES:,} pages = {_gib(limit)} ({100 * pages / EFA_REMOTE_WRITE_MR_MAX_PAGES:.0f}%)")
     verbs_only = _rdma_provider(facts) == "verbs" and not _devices(facts, "efa")
-    if pages <= EFA_REMOTE_WRITE_MR_MAX_PAGES or verbs_only:
-        return Check(name, "ok", detail)
-    return Check(name, "warn", detail + ": over it, registering the host-staged segment in one piece fails "
-                                        "with -FI_ENOMEM on EFA",
-                 "fewer tokens per call (--tokens) or ranks per instance (--world): the segment grows with both; or "
-                 "GPU buffers (buffers='auto' with FI_HMEM), which leave the segment unregistered (whether GPU "
-                 "registrations have a like limit is not known here)")
+    if forced is not None:
+        limit = forced
+        detail += f"; {MAX_REGISTRATION_ENV}={forced} sets the limit ({_gib(forced)}) on every provider"
+    elif verbs_only:
+        return Check(name, "ok", detail + "; verbs: each buffer in one registration")
+    # The proxy's chunks overlap by the layout's largest write (or EFA's bound on one write, not sized).
+    largest = min(int(sizes.get("largest_write_bytes") or EFA_MAX_WRITE_BYTES), EFA_MAX_WRITE_BYTES)
+    parts = []
+    for what, n in (("host-staged segment", seg), ("GPU recv buffer", sizes["gpu_recv_bytes"]),
+                    ("GPU send buffer", sizes["gpu_send_bytes"])):
+        try:
+            count = registration_chunks(n, limit, largest, 0, page)[0]
+        except ValueError as e:
+            return Check(name, "fail", f"{detail}: the {what}: {e}",
+                         f"raise or unset {MAX_REGISTRATION_ENV}" if forced is not None else
+                         "fewer tokens per call (--tokens) or experts per token: the largest write shrinks with both")
+        if count > 1:
+            parts.append(f"the {what} in {count} registrations")
+    if not parts:
+        return Check(name, "ok", detail + ": each buffer in one registration")
+    return Check(name, "ok", detail + f": over it, the proxy registers {', '.join(parts)} (overlapping chunks "
+                                      f"within the limit, each overlapping the next by the largest write, "
+                                      f"{largest:,} B, so no write is split)")
 
 
 # The variables that matter, what they do (documented in docs/transport.md, "Environment variables").
@@ -650,6 +676,7 @@ ENV_NOTES = {
     "MOE_A2A_PROXY_CPUS": "CPUs the proxies are pinned to ('none': not pinned)",
     "MOE_A2A_EMULATED_NIC": "latency/bandwidth of transport='emulated'",
     "MOE_A2A_HOST_ATOMICS": "'libatomic': host flags through libatomic",
+    "MOE_A2A_MAX_REGISTRATION_BYTES": "bytes one registration may span (larger buffers: in chunks); else the provider's",
     "CUDA_VISIBLE_DEVICES": "GPUs this process sees (NIC choice matches GPUs by UUID/PCI, not ordinal)",
 }
 

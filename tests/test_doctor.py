@@ -199,14 +199,28 @@ def test_memlock(p5):
 
 
 def test_registration_against_efa_limit(p5, cx):
-    assert by_name(p5, "registration").verdict == "ok" and "(75%)" in by_name(p5, "registration").detail
-    p5["sizes"]["host_segment_bytes"] = (4 << 30) + 4096  # one page over 2^20 pages of 4 KiB
     c = by_name(p5, "registration")
-    assert c.verdict == "warn" and "-FI_ENOMEM" in c.detail
+    assert c.verdict == "ok" and "(75%)" in c.detail and "each buffer in one registration" in c.detail
+    p5["sizes"]["host_segment_bytes"] = (4 << 30) + 4096  # one page over 2^20 pages of 4 KiB: two chunks
+    c = by_name(p5, "registration")
+    assert c.verdict == "ok" and "the host-staged segment in 2 registrations" in c.detail, c.detail
+    assert "1,073,741,824 B" in c.detail  # not sized: chunks overlap by EFA's bound on one write (1 GiB)
+    p5["sizes"].update(host_segment_bytes=int(14.2 * 2**30), gpu_recv_bytes=5 << 30, largest_write_bytes=4 << 20)
+    c = by_name(p5, "registration")  # issue 30's 128 ranks x 512 tokens; chunks overlap by the largest write
+    assert c.verdict == "ok" and "segment in 4 registrations, the GPU recv buffer in 2 registrations" in c.detail
     p5["sizes"]["host_segment_bytes"] = 4 << 30  # exactly at the limit
-    assert by_name(p5, "registration").verdict == "ok"
+    assert "segment in" not in by_name(p5, "registration").detail
     cx["sizes"]["host_segment_bytes"] = 10 << 30  # EFA's limit is not verbs'
-    assert by_name(cx, "registration").verdict == "ok"
+    c = by_name(cx, "registration")
+    assert c.verdict == "ok" and "verbs: each buffer in one registration" in c.detail
+    p5["env"] = {"MOE_A2A_MAX_REGISTRATION_BYTES": str(1 << 30)}  # forced: 1 GiB chunks, 4 MiB overlap
+    c = by_name(p5, "registration")
+    assert c.verdict == "ok" and "segment in 5 registrations" in c.detail and "=1073741824 sets the limit" in c.detail
+    p5["env"] = {"MOE_A2A_MAX_REGISTRATION_BYTES": str(4 << 20)}  # not over the largest write: the proxy refuses
+    c = by_name(p5, "registration")
+    assert c.verdict == "fail" and "largest write (4194304 B)" in c.detail and "MOE_A2A_MAX_REGISTRATION_BYTES" in c.fix
+    p5["env"] = {"MOE_A2A_MAX_REGISTRATION_BYTES": "4G"}
+    assert by_name(p5, "registration").verdict == "fail"
     del p5["sizes"]["host_segment_bytes"]
     assert by_name(p5, "registration").verdict == "warn"
 
@@ -221,6 +235,8 @@ def test_registration_sizes_are_the_layouts():
                     in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16).layout(32, 8)
     assert (s["host_segment_bytes"], s["gpu_recv_bytes"], s["gpu_send_bytes"]) == \
         (lay.segment_bytes(True), lay.recv_bytes, lay.send_bytes)
+    assert s["largest_write_bytes"] == max(lay.routing_row_bytes + lay.private_rows * lay.dispatch_stride_bytes,
+                                           lay.max_routes * max(lay.dispatch_stride_bytes, lay.combine_stride_bytes))
     assert doctor.registration_sizes(128, 8, 512)["host_segment_bytes"] > 4 << 30  # issue 30's example is over
     assert "error" in doctor.registration_sizes(48, 8, 128)  # 256 experts over 48 ranks
 

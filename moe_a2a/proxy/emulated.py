@@ -522,10 +522,12 @@ class EmulatedEngine(ImmediateCounts):
 
     # ---- memory ---------------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, access: int = ACCESS_SOURCE_AND_TARGET, *,
-                 dmabuf_fd: int | None = None, cuda_device: int | None = None) -> EmulatedLocalRegion:
+                 dmabuf_fd: int | None = None, cuda_device: int | None = None,
+                 max_write_bytes: int | None = None) -> EmulatedLocalRegion:
         """Register [addr, addr+nbytes). A region peers write into (`ACCESS_TARGET`) must be a shared file
         mapping (host) or a live CuMemBuffer (`cuda_device` set, CUDA carrier only): its descriptor lets a
-        peer's engine map it."""
+        peer's engine map it. `max_write_bytes` is `TransferEngine.register`'s (the overlap of chunks): the
+        emulated NIC maps whole buffers and has no limit on a registration, so it is not used."""
         self._check_open()
         if nbytes <= 0 or addr <= 0:
             raise ValueError(f"register: need addr > 0 and nbytes > 0, got addr={addr:#x} nbytes={nbytes}")

@@ -4,7 +4,9 @@ The engine knows nothing of tokens: only registered buffers, byte offsets, peers
 
 - ``register`` a buffer once, with the least access it needs (``ACCESS_SOURCE``: a local source of
   writes; ``ACCESS_TARGET``: peers write into it; never remote reads); its :class:`RemoteRegion`
-  descriptor (picklable, it carries the keys) is exchanged at bootstrap and only there.
+  descriptor (picklable, it carries the keys) is exchanged at bootstrap and only there. A buffer larger
+  than the provider allows in one registration (``max_registration_bytes``; EFA: 2^20 pages) is
+  registered in overlapping chunks (:func:`registration_chunks`): every write lies wholly in one chunk.
 - Keys are random 64-bit values (or the provider's own, ``FI_MR_PROV_KEY``): a key is a capability
   (whoever reaches the endpoint and knows it may write the region), so it must not be guessable.
 - ``connect`` peers (``fi_av_insert``, cached) and build a :class:`PeerGroup`: addresses resolved and one
@@ -50,11 +52,18 @@ _T_MSG_IOV, _T_DESC, _T_IOV_COUNT, _T_ADDR, _T_RMA_IOV, _T_RMA_IOV_COUNT, _T_CON
 _T_IOV_BASE, _T_IOV_LEN, _T_RMA_ADDR, _T_RMA_LEN, _T_RMA_KEY, _T_DESC0 = range(8, 14)
 _T_WORDS = 14
 _PATCH = struct.Struct("<6Q")  # words _T_CONTEXT.._T_RMA_LEN
+# A region registered in chunks: the key and the desc change with the write too, and follow the six words.
+_PATCH_CHUNKED = struct.Struct("<8Q")  # words _T_CONTEXT.._T_DESC0
 # Every write is one iovec and one fi_rma_iov: EFA writes in hardware only a single iovec (it emulates
 # more with sends, reading a GPU source from the CPU), so a private write's count row sits in the
 # source buffer in front of its rows (config.Layout, private staging) rather than in a second iovec.
 # A write larger than EFA's bound is split by EFA, its immediate arriving more than once: refused.
 EFA_MAX_WRITE_BYTES = 1 << 30
+# EFA: one registration that allows remote write spans at most 2^20 pages (4 GiB at 4 KiB pages; libfabric
+# PR #10402), -FI_ENOMEM past it. Larger buffers are registered in chunks (`registration_chunks`).
+EFA_MAX_REGISTRATION_PAGES = 1 << 20
+MAX_REGISTRATION_ENV = "MOE_A2A_MAX_REGISTRATION_BYTES"  # overrides the provider's limit (tests force it small)
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _CTX_WORDS = 4  # struct fi_context: 4 pointers; FI_CONTEXT mode needs one per outstanding op
 _WRITE_FLAGS = lf.FI_REMOTE_CQ_DATA | lf.FI_COMPLETION
 _IMM_MASK = 0xFFFFFFFF
@@ -72,6 +81,58 @@ _ACCESS_ALLOWED = lf.FI_WRITE | lf.FI_READ | lf.FI_REMOTE_WRITE | lf.FI_REMOTE_R
 
 def _u64_view(ctypes_array) -> memoryview:
     return memoryview(ctypes_array).cast("B").cast("Q")
+
+
+_ONE_CHUNK = 1 << 62  # the stride of a region of one chunk: every offset is in chunk 0
+
+
+def _chunk_ends(nbytes: int, chunks: int, stride: int, chunk_bytes: int) -> tuple[int, ...]:
+    return tuple(min(i * stride + chunk_bytes, nbytes) for i in range(chunks)) if chunks > 1 else (nbytes,)
+
+
+def default_max_registration_bytes(provider: str, page: int = PAGE_SIZE) -> int | None:
+    """The most bytes one registration of ``provider`` may span (None: no limit known): 2^20 pages on efa."""
+    return EFA_MAX_REGISTRATION_PAGES * page if provider == "efa" else None
+
+
+def max_registration_from_env(environ=None) -> int | None:
+    """``MOE_A2A_MAX_REGISTRATION_BYTES`` as an integer of bytes (None when unset or empty)."""
+    raw = (os.environ if environ is None else environ).get(MAX_REGISTRATION_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{MAX_REGISTRATION_ENV}={raw!r}: expected a positive number of bytes")
+    return value
+
+
+def registration_chunks(nbytes: int, limit: int | None, max_write: int, lead: int = 0,
+                        page: int = PAGE_SIZE) -> tuple[int, int, int]:
+    """How ``nbytes`` starting ``lead`` bytes into a page are registered under ``limit`` bytes (whole pages)
+    per registration, for writes of at most ``max_write`` bytes: ``(count, stride, chunk_bytes)``, chunk i
+    covering ``[i * stride, min(i * stride + chunk_bytes, nbytes))``. ``(1, 0, nbytes)`` when it fits in one.
+
+    Why the chunks overlap (by at least ``max_write``): a write of at most ``max_write`` bytes at offset
+    ``o`` then lies wholly in chunk ``min(o // stride, count - 1)``, so no write is ever split over two
+    registrations (a split write would carry its immediate twice, and the receiver counts immediates).
+    Overlapping registrations of the same memory are legal (verbs / efa pin the pages once per MR; tcp and
+    shm keep a key -> range map); the overlap costs ``(count - 1) * (chunk_bytes - stride)`` bytes pinned
+    twice. The stride is a multiple of the page, so every chunk starts ``lead`` bytes into a page and spans
+    at most ``limit // page`` pages. ``ValueError`` when the limit leaves no page of stride past the
+    overlap."""
+    if limit is None or lead + nbytes <= limit // page * page:
+        return 1, 0, nbytes
+    chunk = limit // page * page - lead
+    stride = (chunk - max_write) // page * page if chunk > max_write else 0
+    if stride <= 0:
+        raise ValueError(f"register: {nbytes} B exceed one registration's limit ({limit} B, "
+                         f"max_registration_bytes; {MAX_REGISTRATION_ENV} overrides it): chunks of at most {chunk} B "
+                         f"that overlap by the largest write ({max_write} B) leave no stride of a {page} B page; "
+                         f"raise the limit above {max_write + page + lead} B or lower the largest write")
+    return 1 + -(-(nbytes - chunk) // stride), stride, chunk
 
 
 @dataclass(frozen=True)
@@ -100,19 +161,45 @@ class RemoteRegion:
     nbytes: int
     base: int
     keys: tuple[int, ...] = field(repr=False)
+    # Registered in chunks (`registration_chunks`; all empty / 0 for one registration, as `keys` then say
+    # everything): chunk i covers [i * chunk_stride, min(i * chunk_stride + chunk_bytes, nbytes)), its keys
+    # per domain are chunk_keys[i] (chunk_keys[0] == keys), chunk_bases[i] is the remote address of its
+    # first byte (its virtual address with FI_MR_VIRT_ADDR, else 0: offsets into that chunk's MR).
+    chunk_stride: int = 0
+    chunk_bytes: int = 0
+    chunk_bases: tuple[int, ...] = ()
+    chunk_keys: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+
+    @property
+    def chunks(self) -> int:
+        """Registrations the region is made of (1 unless registered in chunks)."""
+        return max(1, len(self.chunk_keys))
 
 
 class LocalRegion:
-    """A buffer registered in every domain of an engine (source of writes and/or target of peers)."""
+    """A buffer registered in every domain of an engine (source of writes and/or target of peers), in one
+    registration per domain or, over the engine's ``max_registration_bytes``, in ``chunks`` overlapping ones
+    (chunk i at ``[i * chunk_stride, min(i * chunk_stride + chunk_bytes, nbytes))``, `registration_chunks`)."""
 
-    def __init__(self, engine: "TransferEngine", addr: int, nbytes: int, mrs: list, access: int):
+    def __init__(self, engine: "TransferEngine", addr: int, nbytes: int, mrs: list, access: int,
+                 chunk_stride: int = 0, chunk_bytes: int = 0):
         self.addr = addr
         self.nbytes = nbytes
         self.access = access  # the fi_mr_reg access bits
         self._engine = engine
-        self._mrs = mrs
-        self.descs = tuple(m.desc for m in mrs)  # fi_mr_desc per domain (may be 0 when not FI_MR_LOCAL)
-        self.keys = tuple(m.key for m in mrs)
+        # mrs: one list of MRs (one per domain) per chunk.
+        self._mrs = [m for chunk in mrs for m in chunk]
+        self.chunks = len(mrs)
+        self.chunk_stride = chunk_stride if self.chunks > 1 else 0
+        self.chunk_bytes = chunk_bytes if self.chunks > 1 else nbytes
+        self.chunk_descs = tuple(tuple(m.desc for m in chunk) for chunk in mrs)
+        self.chunk_keys = tuple(tuple(m.key for m in chunk) for chunk in mrs)
+        self.descs = self.chunk_descs[0]  # fi_mr_desc per domain (may be 0 when not FI_MR_LOCAL); chunk 0's
+        self.keys = self.chunk_keys[0]
+        # What the chunked write path needs per domain d: (stride, last chunk, chunk ends, descs in d).
+        ends = _chunk_ends(nbytes, self.chunks, self.chunk_stride, self.chunk_bytes)
+        self._chunk_table = tuple((self.chunk_stride or _ONE_CHUNK, self.chunks - 1, ends,
+                                   tuple(c[d] for c in self.chunk_descs)) for d in range(len(self.descs)))
 
     def descriptor(self) -> RemoteRegion:
         """What a peer needs to write into this buffer (picklable). It holds the keys: hand it to peers
@@ -120,8 +207,13 @@ class LocalRegion:
         if not self.access & lf.FI_REMOTE_WRITE:
             raise ValueError("descriptor: this region was registered without FI_REMOTE_WRITE (a local "
                              "source only); peers cannot write into it")
-        base = self.addr if self._engine.info.virt_addr else 0
-        return RemoteRegion(self._engine.provider_name, self.nbytes, base, self.keys)
+        virt = self._engine.info.virt_addr
+        base = self.addr if virt else 0
+        if self.chunks == 1:
+            return RemoteRegion(self._engine.provider_name, self.nbytes, base, self.keys)
+        bases = tuple(self.addr + i * self.chunk_stride if virt else 0 for i in range(self.chunks))
+        return RemoteRegion(self._engine.provider_name, self.nbytes, base, self.keys, self.chunk_stride,
+                            self.chunk_bytes, bases, self.chunk_keys)
 
     def close(self) -> None:
         """Deregister (idempotent). No write from or into this buffer may be in flight."""
@@ -180,6 +272,14 @@ class PeerGroup:
              self.remote_base[i], peers[i]) for i, d in enumerate(self.domain_of))
         self.remote_nbytes = tuple(r.nbytes for r in regions)
         self.barrier_targets = tuple((i, 0, 0, 0) for i in range(n))
+        # A peer's region in chunks: every write to this group patches its key too (`_post_table_chunked`).
+        # Per peer: (stride, last chunk, chunk ends, chunk bases, chunk keys in the peer's domain).
+        self.chunked = any(r.chunks > 1 for r in regions)
+        self.remote_chunks = tuple(
+            (r.chunk_stride, r.chunks - 1, _chunk_ends(r.nbytes, r.chunks, r.chunk_stride, r.chunk_bytes),
+             r.chunk_bases, tuple(k[d % len(k)] for k in r.chunk_keys)) if r.chunks > 1 else
+            (_ONE_CHUNK, 0, (r.nbytes,), (r.base,), (r.keys[d % len(r.keys)],))
+            for r, d in zip(regions, self.domain_of))
         self._src = None  # LocalRegion whose descs are in the templates
         self._engine = engine
 
@@ -287,12 +387,21 @@ class TransferEngine(ImmediateCounts):
         timeout_s: bound on any internal wait (posting against ``-FI_EAGAIN``, waiting for a slot).
         local_only: every peer runs on this host: socket providers (tcp) listen on 127.0.0.1 only, so
             no other host can reach the endpoint (docs/threat-model.md). No effect on shm, efa, verbs.
+        max_registration_bytes: the most bytes one registration may span (whole pages); a larger buffer is
+            registered in overlapping chunks (`register`). None: ``MOE_A2A_MAX_REGISTRATION_BYTES`` when
+            set, else the provider's limit (efa: 2^20 pages; the others: none).
     """
 
     def __init__(self, provider: str = "auto", num_domains: int = 1, *, domains: Sequence[str] | None = None,
                  tx_size: int | None = None,
                  cq_size: int = 4096, max_inflight: int | None = None, hmem: bool = False,
-                 idle_yield: bool = False, timeout_s: float = 30.0, local_only: bool = False):
+                 idle_yield: bool = False, timeout_s: float = 30.0, local_only: bool = False,
+                 max_registration_bytes: int | None = None):
+        if max_registration_bytes is None:
+            max_registration_bytes = max_registration_from_env()
+        if max_registration_bytes is not None and max_registration_bytes < 2 * PAGE_SIZE:
+            raise ValueError(f"max_registration_bytes must be at least two pages ({2 * PAGE_SIZE} B), got "
+                             f"{max_registration_bytes} (argument or {MAX_REGISTRATION_ENV})")
         if domains is not None:
             if isinstance(domains, str) or not domains or not all(isinstance(d, str) for d in domains):
                 raise ValueError(f"domains must be a non-empty sequence of domain names, got {domains!r}")
@@ -390,6 +499,9 @@ class TransferEngine(ImmediateCounts):
         self.max_write_bytes = int(self.info.max_msg_size) or (1 << 63) - 1
         if self.provider_name == "efa":
             self.max_write_bytes = min(self.max_write_bytes, EFA_MAX_WRITE_BYTES)
+        # Bytes one registration may span (None: no limit); over it `register` registers in chunks.
+        self.max_registration_bytes = (default_max_registration_bytes(self.provider_name)
+                                       if max_registration_bytes is None else max_registration_bytes)
         # A small buffer registered once: the source of zero-length writes (barriers); local only.
         self._scratch = ctypes.create_string_buffer(64)
         self._scratch_region = self.register(ctypes.addressof(self._scratch), 64, ACCESS_SOURCE)
@@ -397,7 +509,8 @@ class TransferEngine(ImmediateCounts):
     # ------------------------------------------------------------------ memory
 
     def register(self, addr: int, nbytes: int, access: int = ACCESS_SOURCE_AND_TARGET, *,
-                 dmabuf_fd: int | None = None, cuda_device: int | None = None) -> LocalRegion:
+                 dmabuf_fd: int | None = None, cuda_device: int | None = None,
+                 max_write_bytes: int | None = None) -> LocalRegion:
         """Register ``[addr, addr+nbytes)`` in every domain with ``access`` (``fi_mr_reg`` access bits).
 
         Give the least access the buffer needs: :data:`ACCESS_SOURCE` (``FI_WRITE``: a local source of
@@ -410,6 +523,13 @@ class TransferEngine(ImmediateCounts):
         with ``dmabuf_fd`` by DMA-BUF, libfabric >= 1.20): raises :class:`~.libfabric.HmemUnsupported`
         when the provider/build cannot, so the caller can fall back to host-staged buffers.
         The memory must stay valid until the region is closed.
+
+        Over ``max_registration_bytes`` (host and GPU memory alike) the buffer is registered in overlapping
+        chunks, each within the limit, consecutive ones overlapping by at least the largest write
+        (``max_write_bytes``: the engine's, or the caller's own bound on its writes if smaller), so every
+        write of at most that size lies wholly in one chunk and is posted with that chunk's desc / key
+        (`registration_chunks`). ``ValueError`` when the limit leaves no room for that overlap. A write
+        into or from such a region that is larger and would cross chunks is refused when posted.
         """
         self._check_open()
         if nbytes <= 0 or addr <= 0:
@@ -420,21 +540,31 @@ class TransferEngine(ImmediateCounts):
         if access & lf.FI_REMOTE_READ:
             raise ValueError("register: FI_REMOTE_READ is not allowed (no RDMA reads in the protocol; "
                              "it would expose the buffer to every key holder)")
-        mrs = []
+        bound = self.max_write_bytes if max_write_bytes is None else min(max_write_bytes, self.max_write_bytes)
+        count, stride, chunk = registration_chunks(nbytes, self.max_registration_bytes, bound, addr % PAGE_SIZE)
+        if count > 1 and dmabuf_fd is not None:
+            # One DMA-BUF FD at offset 0 per registration: chunks would need fi_mr_dmabuf offsets (not wired).
+            raise ValueError(f"register: {nbytes} B over max_registration_bytes ({self.max_registration_bytes} B) "
+                             f"need {count} registrations; DMA-BUF registrations are not registered in chunks")
+        chunks: list[list] = []
         try:
-            for dom in self._domains:
-                key = 0 if self.info.prov_key else self._new_key()
-                if cuda_device is None and dmabuf_fd is None:
-                    mr = dom.mr_reg(addr, nbytes, access, key)
-                else:
-                    mr = dom.mr_regattr_cuda(addr, nbytes, access, key, cuda_device or 0, dmabuf_fd)
-                mrs.append(mr)
-                self._used_keys.add(mr.key)
+            for i in range(count):
+                at, size = addr + i * stride, min(chunk, nbytes - i * stride)
+                mrs: list = []
+                chunks.append(mrs)
+                for dom in self._domains:
+                    key = 0 if self.info.prov_key else self._new_key()
+                    if cuda_device is None and dmabuf_fd is None:
+                        mr = dom.mr_reg(at, size, access, key)
+                    else:
+                        mr = dom.mr_regattr_cuda(at, size, access, key, cuda_device or 0, dmabuf_fd)
+                    mrs.append(mr)
+                    self._used_keys.add(mr.key)
         except BaseException:
-            for m in mrs:
+            for m in (m for c in chunks for m in c):
                 m.close()
             raise
-        region = LocalRegion(self, addr, nbytes, mrs, access)
+        region = LocalRegion(self, addr, nbytes, chunks, access, stride, chunk)
         self._regions.append(region)
         return region
 
@@ -485,6 +615,14 @@ class TransferEngine(ImmediateCounts):
             if r.provider != self.provider_name or len(r.keys) != len(p.address.names):
                 raise ValueError(f"peer_group: position {i}: region of provider {r.provider!r} with "
                                  f"{len(r.keys)} keys does not match {p} ({len(p.address.names)} domains)")
+            n = len(r.chunk_keys)
+            if (r.chunk_keys or r.chunk_bases or r.chunk_stride) and not (
+                    n > 1 and len(r.chunk_bases) == n and r.chunk_keys[0] == r.keys
+                    and all(len(k) == len(r.keys) for k in r.chunk_keys)
+                    and 0 < r.chunk_stride <= r.chunk_bytes < r.nbytes <= (n - 1) * r.chunk_stride + r.chunk_bytes):
+                raise ValueError(f"peer_group: position {i}: region of {r.nbytes} B in {n} chunks of "
+                                 f"{r.chunk_bytes} B every {r.chunk_stride} B with {len(r.chunk_bases)} bases: "
+                                 f"the chunks do not describe it")
         return PeerGroup(self, peers, remote_regions)
 
     # ------------------------------------------------------------------ posting
@@ -526,6 +664,9 @@ class TransferEngine(ImmediateCounts):
             # then the calls through map) was measured no faster up to 255 targets (docs/perf-notes.md).
             targets = targets.tolist()
         self._validate(grp, src, targets)
+        if grp.chunked or src.chunks > 1:
+            self._scatter_chunked(grp, src, targets, imm, imms)
+            return
         if grp._src is not src:
             grp._set_source(src)
         # Hot loop. Measured on the 2-core CI VM (interleaved minimum, null C function in place of
@@ -571,6 +712,8 @@ class TransferEngine(ImmediateCounts):
         shapes it. The hot path of the proxy: no allocation,
         no arithmetic beyond the bases (docs/protocol.md, "Write tables").
         """
+        if grp.chunked or getattr(src, "chunks", 1) > 1:
+            return self._post_table_chunked(grp, src, words, slots, src_base, dst_base, imm, skip_empty)
         rows, templates, src_addr, src_lim = self._prepared_table(grp, src, slots, src_base, dst_base)
         pack, max_len = _PATCH.pack_into, self.max_write_bytes
         pop, ctx_peer = self._free_ctx.pop, self._ctx_peer
@@ -620,6 +763,93 @@ class TransferEngine(ImmediateCounts):
         self._prepared[key] = (slots, prep)
         return prep
 
+    # ---- regions in chunks (over max_registration_bytes): the key, desc and address follow each write
+
+    def _post_table_chunked(self, grp: PeerGroup, src: LocalRegion, words, slots, src_base: int, dst_base: int,
+                            imm: int | None, skip_empty: bool) -> int:
+        """`post_table` where the source or a peer's region is registered in chunks: per write, the chunk
+        that holds it on each side (`registration_chunks`: a write no larger than the regions' bound lies
+        wholly in one) gives the source desc, the remote key and the remote address (relative to the chunk
+        without FI_MR_VIRT_ADDR); the eight words are patched together. A write that would cross chunks is
+        refused (``ValueError``), never split: its immediate would arrive twice."""
+        rows, templates, src_addr = self._prepared_chunked(grp, src, slots)
+        grp._src = None  # the templates' descs now change per write: the fast path sets its own again
+        pack, max_len = _PATCH_CHUNKED.pack_into, self.max_write_bytes
+        pop, ctx_peer = self._free_ctx.pop, self._ctx_peer
+        posted = 0
+        for b, p, writemsg, ep, msg, off, peer, (d_stride, d_last, d_ends, d_bases, d_keys), \
+                (s_stride, s_last, s_ends, s_descs) in rows:
+            so, length, do, v = words[b], words[b + 1], words[b + 2], words[b + 3]
+            if skip_empty and not length:
+                continue
+            if imm is not None:
+                v = imm
+            if (so | length | do) < 0 or length > max_len:
+                raise ValueError(self._bad_target(grp, src, (p, so + src_base, length, do + dst_base)))
+            so += src_base
+            do += dst_base
+            ks, kd = so // s_stride, do // d_stride
+            if ks > s_last:
+                ks = s_last
+            if kd > d_last:
+                kd = d_last
+            if so + length > s_ends[ks] or do + length > d_ends[kd]:
+                raise ValueError(self._bad_target(grp, src, (p, so, length, do)))
+            try:
+                ctx = pop()
+            except IndexError:
+                ctx = self._wait_ctx()
+            ctx_peer[ctx] = peer
+            pack(templates, off, ctx, v, src_addr + so, length, d_bases[kd] + do - kd * d_stride, length,
+                 d_keys[kd], s_descs[ks])
+            rc = writemsg(ep, msg, _WRITE_FLAGS)
+            if rc:
+                self._post_failed(rc, grp, p, ctx, v)
+            posted += 1
+        self.writes_posted += posted
+        return posted
+
+    def _prepared_chunked(self, grp: PeerGroup, src: LocalRegion, slots):
+        """`_prepared_table` for `_post_table_chunked`: per slot its post info and both chunk tables."""
+        if not isinstance(src, LocalRegion) or src._engine is not self or not src._mrs:
+            raise ValueError(f"src must be an open LocalRegion of this engine, got {src!r}")
+        key = (id(slots), id(grp), id(src), "chunked")
+        hit = self._prepared.get(key)
+        if hit is not None and hit[0] is slots:
+            return hit[1]
+        info, n = grp.post_info, len(grp.peers)
+        rows = []
+        for p, b in slots:
+            if not 0 <= p < n:
+                raise ValueError(f"post_table slot {(p, b)}: peer index {p} outside the group of {n} peers")
+            writemsg, ep, msg, off, _, peer = info[p]
+            rows.append((b, p, writemsg, ep, msg, off, peer, grp.remote_chunks[p],
+                         src._chunk_table[grp.domain_of[p]]))
+        prep = (tuple(rows), grp._templates, src.addr)
+        self._prepared[key] = (slots, prep)
+        return prep
+
+    def _scatter_chunked(self, grp: PeerGroup, src: LocalRegion, targets, imm, imms) -> None:
+        """`scatter` where the source or a peer's region is registered in chunks (see `_post_table_chunked`):
+        every target is placed in its chunks, and refused if it would cross them, before any is posted."""
+        words = []
+        for p, so, length, do in targets:
+            words += (so, length, do, 0)
+        slots = tuple((t[0], 4 * i) for i, t in enumerate(targets))
+        for p, b in slots:  # bounds were checked (_validate): only the chunks are left to check
+            so, length, do = words[b:b + 3]
+            d_stride, d_last, d_ends = grp.remote_chunks[p][:3]
+            s_stride, s_last, s_ends = src._chunk_table[grp.domain_of[p]][:3]
+            if so + length > s_ends[min(so // s_stride, s_last)] or do + length > d_ends[min(do // d_stride, d_last)]:
+                raise ValueError(self._bad_target(grp, src, (p, so, length, do)))
+        if imms is not None:
+            for i, v in enumerate(imms):
+                words[4 * i + 3] = v
+        try:
+            self._post_table_chunked(grp, src, words, slots, 0, 0, imm if imms is None else None, False)
+        finally:  # these slots are this call's only: nothing to keep prepared
+            self._prepared.pop((id(slots), id(grp), id(src), "chunked"), None)
+
     def barrier(self, grp: PeerGroup, imm: int) -> None:
         """Post a zero-length write carrying ``imm`` to every peer of ``grp`` (the receivers count it)."""
         self.scatter(grp, self._scratch_region, grp.barrier_targets, imm)
@@ -648,6 +878,15 @@ class TransferEngine(ImmediateCounts):
         if length > grp._engine.max_write_bytes:
             return (f"scatter target {t}: {length} B is more than one write may carry over "
                     f"{grp._engine.provider_name!r} ({grp._engine.max_write_bytes} B, max_write_bytes)")
+        if min(so, length, do) >= 0 and so + length <= src.nbytes and do + length <= grp.remote_nbytes[p]:
+            # In bounds: it crosses from one registration chunk into the next on one side (never split).
+            r, s_ends = grp.regions[p], src._chunk_table[0][2]
+            side = (f"the source's {src.chunks} chunks of {src.chunk_bytes} B every {src.chunk_stride} B"
+                    if src.chunks > 1 and so + length > s_ends[min(so // src.chunk_stride, src.chunks - 1)]
+                    else f"the {r.chunks} chunks of {r.chunk_bytes} B every {r.chunk_stride} B at {grp.peers[p]}")
+            return (f"scatter target {t} (peer_index, src_offset, length, dst_offset): crosses from one "
+                    f"registration chunk into the next ({side}; the overlap of two chunks bounds a write); a "
+                    f"write is never split (its immediate would arrive twice)")
         return (f"scatter target {t} (peer_index, src_offset, length, dst_offset): source range "
                 f"[{so}, {so + length}) of {src.nbytes} B, destination range [{do}, {do + length}) of "
                 f"{grp.remote_nbytes[p]} B at {grp.peers[p]}: out of bounds or negative")

@@ -86,6 +86,13 @@ class _EpochImms(NamedTuple):
     combine_aborted_imm: int  # ours, when this rank aborts the call at its combine
 
 
+def largest_write_bytes(lay) -> int:
+    """The most bytes one write of this layout carries: a private write (the count row and the private
+    rows) or every route to one peer (dispatch or combine rows)."""
+    return max(lay.routing_row_bytes + lay.private_rows * lay.dispatch_stride_bytes,
+               lay.max_routes * max(lay.dispatch_stride_bytes, lay.combine_stride_bytes))
+
+
 class Proxy:
     """The state machine of one rank's proxy (see the module docstring)."""
 
@@ -105,9 +112,14 @@ class Proxy:
         # Least access (docs/threat-model.md), never readable remotely. Host-staged, the segment holds the
         # send and recv buffers: the source of our writes and written by peers. With buffers of their own
         # nothing moves through the segment (count rows travel in the private writes): not registered.
+        # A registration over the provider's limit (EFA: 2^20 pages, which the staged segment passes at large
+        # world sizes and token counts: `moe-a2a doctor`) is made of chunks that overlap by this layout's
+        # largest write (or the engine's bound on one write, if smaller): no write ever spans two.
+        largest = largest_write_bytes(lay)
         self.region = None
         if own is None:
-            self.region = self.engine.register(self.seg.addr, self.seg.nbytes, ACCESS_SOURCE_AND_TARGET)
+            self.region = self.engine.register(self.seg.addr, self.seg.nbytes, ACCESS_SOURCE_AND_TARGET,
+                                               max_write_bytes=largest)
         self._mapped: list = []
         if own is not None:
             kind, ordinal, send_size, recv_size = own
@@ -118,8 +130,12 @@ class Proxy:
             # The send buffer is only a local source of our writes (no remote access at all); peers
             # write tokens into the recv buffer.
             self.send_region, self.recv_region = (
-                self.engine.register(m.addr, m.size, access, cuda_device=cuda)
+                self.engine.register(m.addr, m.size, access, cuda_device=cuda, max_write_bytes=largest)
                 for m, access in zip(self._mapped, (ACCESS_SOURCE, ACCESS_TARGET)))
+        # What was registered, and in how many registrations (a chunk each; 1 unless over the provider's
+        # limit): reported with "ready" among the engine's facts (`AllToAll.fabric_info`).
+        self.registrations = tuple((what, r.nbytes, getattr(r, "chunks", 1)) for what, r in (
+            (("segment", self.region),) if own is None else (("send", self.send_region), ("recv", self.recv_region))))
         # Bootstrap: the owner gathers every rank's (address, segment region, segment name, recv
         # buffer region or None) for us.
         conn.send((self.engine.address, self.region.descriptor() if own is None else None,
@@ -260,8 +276,7 @@ class Proxy:
         """Refuse at start-up a layout whose largest write (a private one, or every route to one peer) is
         more than one write of this provider may carry (`TransferEngine.max_write_bytes`)."""
         lay, bound = self.lay, getattr(self.engine, "max_write_bytes", None)
-        largest = max(lay.routing_row_bytes + lay.private_rows * lay.dispatch_stride_bytes,
-                      lay.max_routes * max(lay.dispatch_stride_bytes, lay.combine_stride_bytes))
+        largest = largest_write_bytes(lay)
         if bound is not None and largest > bound:
             raise ValueError(f"rank {self.rank}: one write of this layout may carry {largest} B, more than "
                              f"{self.engine.provider_name!r} allows in one write ({bound} B): lower "
@@ -490,7 +505,10 @@ def main(fd: int) -> None:
         gc.collect()
         gc.freeze()
         gc.disable()
-        conn.send(("ready", {"cpus": cpus, "reason": reason, "fabric": getattr(proxy.engine, "fabric_info", None)}))
+        fabric = getattr(proxy.engine, "fabric_info", None)
+        if fabric is not None:
+            fabric = dict(fabric, registrations=proxy.registrations)
+        conn.send(("ready", {"cpus": cpus, "reason": reason, "fabric": fabric}))
         proxy.run()
     except _Stop:
         pass
