@@ -162,6 +162,9 @@ def test_a_silent_rank_is_named_by_the_others_timeouts_and_the_cluster_stays_usa
         assert msg.startswith(("run: rank 0 raised TimeoutError", "run: rank 1 raised TimeoutError")), msg
         # The silent rank was interrupted (and the other peer too, if its own timeout had not come yet).
         assert re.search(r"ranks? [0-9, ]*2: RunAborted", msg.splitlines()[0]) and "missing peers [2]" in msg, msg
+        # The timeout in force is stated: the proxy's (remote peers), or the host wait's own.
+        stated = "timed out after 4.8 s (0.8 x timeout_s=6 s" if node_size == 1 else "timed out after timeout_s=6 s"
+        assert stated in msg.splitlines()[0], msg
         assert took < timeout_s + 15, took
         results = cl.run(rank_roundtrip, CFG.max_num_tokens, 3, 1)
     assert check_against_reference(CFG, results) == []

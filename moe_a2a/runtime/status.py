@@ -19,6 +19,23 @@ from ..protocol.words import (ABORT_EPOCH_SHIFT, ERROR_FAILED, ERROR_TIMEOUT, HA
 # model's launches nothing measurable; a busy-polling one would hold the GIL.
 PROXY_WATCH_S = 0.25
 
+# The proxy's waits give up at this fraction of timeout_s (`runtime.wiring` gives it 0.8 x timeout_s), so that
+# its message, naming the remote peers it missed, reaches the model before the model's own waits end.
+PROXY_TIMEOUT_FRACTION = 0.8
+
+
+def proxy_timeout_message(msg: str, timeout_s: float) -> str:
+    """A proxy's timeout message, with the timeout in force stated: its "timed out after 8s" becomes "timed
+    out after 8 s (0.8 x timeout_s=10 s, so the model hears it first)" (said after it when the proxy's
+    words differ)."""
+    proxy_s = PROXY_TIMEOUT_FRACTION * timeout_s
+    why = f"{PROXY_TIMEOUT_FRACTION:g} x timeout_s={timeout_s:g} s, so the model hears it first"
+    said = f"timed out after {proxy_s:g}s"
+    if said in msg:
+        return msg.replace(said, f"timed out after {proxy_s:g} s ({why})", 1)
+    return f"{msg} (the proxy's waits end after {proxy_s:g} s: {why})"
+
+
 # The words of what kernels record that leaves the instance usable (read after every combine).
 _CAPACITY, _BAD_BOUND_M, _BAD_INDEX, _ABORTED = (flag_word(f) for f in (Flag.CAPACITY_EXCEEDED, Flag.BAD_BOUND_M,
                                                                          Flag.BAD_INDEX, Flag.ABORTED))
@@ -69,7 +86,9 @@ class Status:
         code = int(flags[flag_word(Flag.ERROR)])
         if code:  # the proxy's message names the remote peers it missed
             msg = read_error(w.segment, w.layout)
-            raise (TimeoutError if code == ERROR_TIMEOUT else RuntimeError)(msg)
+            if code == ERROR_TIMEOUT:
+                raise TimeoutError(proxy_timeout_message(msg, w.timeout_s))
+            raise RuntimeError(msg)
         bad = int(flags[flag_word(Flag.BAD_COUNTS)])
         if bad:
             raise RuntimeError(f"rank {w.rank}: the count row of rank {bad - 1} is corrupt (negative entries, or more "
@@ -78,7 +97,8 @@ class Status:
         for _, _, _, status, what in HALF_FLAGS.values():
             failed = decode_wait_status(flags[flag_word(status)], w.node.node_first)
             if failed:
-                raise TimeoutError(f"rank {w.rank}: {what}: the GPU wait timed out after {w.timeout_s:g}s; "
+                raise TimeoutError(f"rank {w.rank}: {what}: the GPU wait timed out after timeout_s="
+                                   f"{w.timeout_s:g} s; "
                                    f"missing peers {failed[0]}" + (" and the proxy (remote peers)" if failed[1] else ""))
         dead = self.dead_proxy()
         if dead is not None:
@@ -192,7 +212,8 @@ class Status:
                     deadline = time.monotonic() + w.timeout_s  # the proxy's own flag, if late, gets its time
                     continue
                 self.raise_fatal(epoch, force=True)
-                raise TimeoutError(f"rank {w.rank}: {what}: timed out after {w.timeout_s:g}s (epoch {epoch}); "
+                raise TimeoutError(f"rank {w.rank}: {what}: timed out after timeout_s={w.timeout_s:g} s "
+                                   f"(epoch {epoch}); "
                                    f"missing peers {missing}" + (" and the proxy (remote peers)" if proxy_late else ""))
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)  # yield: the peers and the proxy need the cores (2 on CI)

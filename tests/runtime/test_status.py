@@ -69,3 +69,18 @@ def test_what_kernels_record_is_raised_once_each_and_nothing_recorded_raises_not
     flags[flag_word(Flag.ABORTED)] = encode_abort(6, 1)  # a later call's abort: raised
     with pytest.raises(CallAborted, match="call 6 was aborted by rank 1"):
         status.raise_recorded(6)
+
+
+def test_timeout_messages_state_the_timeout_in_force():
+    """The proxy gives up at 0.8 x timeout_s (its message reaches the model first): its "timed out after 8s"
+    says so, with timeout_s (issue 31: "timed out after 8s" with timeout_s=10 read as a wrong timeout)."""
+    from moe_a2a.runtime.status import proxy_timeout_message
+
+    said = "rank 1: dispatch (epoch 3) timed out after 8s; missing peers [0]"
+    assert proxy_timeout_message(said, 10.0) == ("rank 1: dispatch (epoch 3) timed out after 8 s (0.8 x timeout_s=10 "
+                                                 "s, so the model hears it first); missing peers [0]")
+    assert proxy_timeout_message("x: timed out after 4.8s", 6.0).endswith("after 4.8 s (0.8 x timeout_s=6 s, so the "
+                                                                          "model hears it first)")
+    other = proxy_timeout_message("rank 1: proxy 0: no answer", 10.0)
+    assert other == "rank 1: proxy 0: no answer (the proxy's waits end after 8 s: 0.8 x timeout_s=10 s, so the model " \
+                    "hears it first)"
