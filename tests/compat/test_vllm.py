@@ -89,9 +89,9 @@ def test_interface_and_refusals_without_vllm():
             adapter.quant_mode(_quant(refused))
 
 
-def _kernel_call(pf, mb: int, x, w, idx, expert_map, quant, ubatch, hold=None):
-    """What FusedMoEKernelModularImpl does for one micro-batch, up to the experts: prepare_async,
-    then (when `hold` is None) its hook and receiver."""
+def _kernel_call(pf, mb: int, x, w, idx, expert_map, quant, ubatch):
+    """FusedMoEKernelModularImpl._launch_prepare for micro-batch `mb`: prepare_async under that id, which
+    returns `(hook, receiver)` (run later, in the order the test chooses)."""
     ubatch[0] = mb
     ret = pf.prepare_async(x, w, idx, E, expert_map, False, quant, defer_input_quant=False)
     assert isinstance(ret, tuple) and len(ret) == 2
