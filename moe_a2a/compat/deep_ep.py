@@ -28,7 +28,10 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
   (DeepEP's test dispatches twice in a row) is finished by a combine of nothing before its instance is
   reused; a handle combined twice (DeepEP's test does, with and without `zero_copy`) is dispatched
   again first (the same `x`, quantised again for fp8, and routes, so `recv_x` is rewritten with the same
-  bytes; `x` must be unchanged for that).
+  bytes; `x` must be unchanged for that). In shrink mode that dispatch receives into scratch buffers
+  instead (a third set of receive rows, made at the first repeated combine), since a rank masked after
+  the handle's dispatch is missing from it: its layout differs from the handle's, and the combine's
+  expert outputs, laid out as the handle says, are moved to it (`Buffer._dispatch_again`).
 - every tensor is created with an explicit device and dtype: nothing depends on torch's defaults.
 - input rejected by any call aborts that call on every rank (the peers raise
   `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works, a bad `handle` to a combine
@@ -143,6 +146,29 @@ def _pad_routes(t: torch.Tensor, K: int, fill) -> torch.Tensor:
     if t.shape[1] == K:
         return t
     return torch.cat([t, torch.full((t.shape[0], K - t.shape[1]), fill, dtype=t.dtype, device=t.device)], dim=1)
+
+
+def _moved_rows(old: torch.Tensor, new: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Between two layouts of one call's received rows (`layout_range` `[L, W]`: `(begin << 32) | count`
+    per local expert and source, expert l's rows from row `l * capacity`): `(src, dst)`, the rows of `old`
+    and where `new` has them. A source's rows keep their order (token, then k); a source with fewer rows in
+    `new` (a masked one: none) keeps its first ones."""
+    L, W = old.shape
+    low = (1 << 32) - 1
+    ob, oc, nb, nc = (old >> 32).cpu(), (old & low).cpu(), (new >> 32).cpu(), (new & low).cpu()
+    n = torch.minimum(oc, nc).flatten()
+    base = torch.arange(L, dtype=torch.int64)[:, None] * capacity
+    seg = torch.repeat_interleave(torch.arange(L * W), n)
+    offset = torch.arange(int(n.sum()), dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+    src, dst = (base + ob).flatten()[seg] + offset, (base + nb).flatten()[seg] + offset
+    return src.to(old.device), dst.to(old.device)
+
+
+def _move_rows(rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """A new `rows`-shaped tensor whose rows `dst` are `rows[src]`, the others zero (never read)."""
+    moved = torch.zeros_like(rows)
+    moved[dst] = rows[src]
+    return moved
 
 
 class Config:
@@ -277,6 +303,7 @@ class Buffer:
         self._calls = 0
         self._token_ids: _Prefixes | None = None  # [T, 1]: tokens 0..T-1, the scale column (made at the build)
         self._scratch = None  # what a combine of nothing sends and receives
+        self._again = None  # shrink mode: what a handle's repeated combine dispatches again into (_dispatch_again)
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
         self._closed = False
         if self.enable_shrink:
@@ -419,11 +446,9 @@ class Buffer:
             topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
         if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
             self._settle(slot)
+        moved = None  # shrink mode: the rows of the handle's layout that a repeated combine moved
         if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
-            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                      self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
-                                                      out_source_ranges=slot.layout_range))
-            slot.state = _DISPATCHED
+            moved = self._dispatch_again(slot, topk_idx)
         a2a, shape = slot.a2a, slot.shape
         H = shape[2]
         if out is None:
@@ -450,6 +475,8 @@ class Buffer:
         except ValueError as exc:
             self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
         expert_y = y.reshape(-1, H)  # a view of contiguous outputs (a copy of others)
+        if moved is not None:  # the outputs are in the handle's layout: into the one dispatched again
+            expert_y = _move_rows(expert_y, *moved)
         slot.combine_args = (out, topk_idx, topk_weights, expert_y)
         try:
             a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)
@@ -595,6 +622,33 @@ class Buffer:
         slot.state = _DISPATCHED
         if slot.stats is not None:
             slot.stats.add_(slot.num)
+
+    def _dispatch_again(self, slot: _Slot, topk_idx: torch.Tensor):
+        """A handle combined before is dispatched again (the same payload and routes) before it is combined
+        again. Without shrink mode every row lands where it did, rewritten with the same bytes; returns None.
+
+        Shrink mode: a rank masked since the handle's dispatch sends nothing now, so its rows are missing
+        and the rows of the sources after it in each expert's segment move up, while the combine's expert
+        outputs are laid out as the handle says (DeepEP's zero-copy buffer was filled from its recv_x). So
+        this dispatch receives into scratch buffers (the handle, recv_x and recv_count stay as the dispatch
+        returned them, as DeepEP's combine leaves them), and when its layout differs from the handle's,
+        returns `(src, dst)`: the expert-output rows to move (`_move_rows`); else None."""
+        if not self.enable_shrink:
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
+                                                      self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
+                                                      out_source_ranges=slot.layout_range))
+            slot.state = _DISPATCHED
+            return None
+        if self._again is None:  # one set for both slots (shrink mode's instances share a config)
+            num, ex, exs = slot.a2a.empty_dispatch_outputs()
+            self._again = (num, ex, exs, torch.zeros_like(slot.layout_range))
+        num, ex, exs, ranges = self._again
+        self._run(slot, lambda: slot.a2a.dispatch(num, ex, exs, slot.payload, self._token_ids[slot.T], topk_idx,
+                                                  quantize=slot.quantize, out_source_ranges=ranges))
+        slot.state = _DISPATCHED
+        if torch.equal(ranges, slot.layout_range):
+            return None
+        return _moved_rows(slot.layout_range, ranges, slot.shape[1])
 
     def _receive_dispatch(self, slot: _Slot) -> None:
         if slot.state == _DISPATCH_SENT:
