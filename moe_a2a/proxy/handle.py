@@ -105,6 +105,14 @@ class ProxyHandle:
 
                 log_fabric_once(self.fabric_info)
 
+    def tell_board(self, address: tuple, prefix: str) -> None:
+        """Where the failure board is (`runtime.status.FailureBoard`): the proxy reads it from its socket when
+        its model process dies, and posts the death there (`runtime.status.post_failure`) before it exits."""
+        try:
+            self.conn.send(("board", address, prefix))
+        except OSError:  # the proxy is gone: its rank's watch reports that
+            pass
+
     def stop(self, seg: SharedSegment | None, layout: Layout, timeout_s: float = 5.0) -> None:
         """Ask the proxy to exit (SIGKILL after `timeout_s`), reap it and remove the files it left in
         /dev/shm: libfabric's shm provider names its 16 MiB region `{pid}:...` after the proxy, and a

@@ -54,6 +54,7 @@ import numpy as np
 from ..protocol.segment import Flags, ShardWords, write_error
 from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, Imm, ShardWord,
                               WriteTable, decode_imm, encode_abort, encode_imm)
+from ..runtime.status import post_failure
 from .handle import ProxySpec
 from . import libfabric as lf
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
@@ -148,6 +149,17 @@ class Proxy:
         # one proxy). `group` still holds every peer: a peer's position is its rank, less one past ours.
         self.remote = [p for p in lay.remote_peers(r) if p % self.shards == self.shard]
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
+        # The node peers' segments, mapped now (they are unlinked once every process has mapped them): when
+        # our model process dies, the primary writes its death into their ERROR words (`report_owner_death`).
+        # Not in shrink mode, where a peer that stopped is masked by the timeouts, never an error.
+        self._peer_segments: list[tuple[int, SharedSegment]] = []
+        if self.primary and not spec.shrink:
+            for p in self.node_peers:
+                try:
+                    self._peer_segments.append((p, SharedSegment(table[p][2])))
+                except OSError:  # that peer already gone: its own proxy reports it
+                    pass
+        self._owner_death_reported = False
         # Same-node peers' epochs in our sync area: their count rows are in our routing area once
         # their dispatch_ready word reaches the epoch.
         self.node_ready = self.seg.numpy(lay.segment_sync_offset_bytes + lay.dispatch_ready_offset_bytes,
@@ -446,24 +458,83 @@ class Proxy:
                                    f"{exc}; missing peers [{rank}]") from exc
             epoch += 1
 
+    def report_owner_death(self, conn: Connection) -> None:
+        """Our model process died (the kernel's parent-death signal, or its pid gone from our ppid) without
+        asking us to stop: tell the peers before we exit, since it cannot, and they would otherwise wait for
+        it until their own timeout. The node peers at once (the ERROR word of their segments: their host
+        waits, and proxy-involving kernel waits, stop at their next poll), every peer through the failure
+        board (their proxy watches read it every 0.25 s), if the model told us where it is. Once, primary
+        only; nothing when we were asked to stop (SHUTDOWN)."""
+        if self._owner_death_reported or not self.primary or self.flags[Flag.SHUTDOWN]:
+            return
+        self._owner_death_reported = True
+        r, lay = self.rank, self.lay
+        why = (f"its model process (pid {self.spec.parent_pid}) died (killed or crashed; its proxy saw it and "
+               f"said so before exiting)")
+        for p, seg in self._peer_segments:
+            try:
+                peer = Flags(seg, lay)
+                if not peer[Flag.ERROR] and not peer[Flag.SHUTDOWN]:
+                    write_error(seg, lay, ERROR_FAILED, f"rank {p}: a peer failed for good (rank {r}: {why}): every "
+                                                        f"call with it would time out; missing peers [{r}]")
+            except (OSError, ValueError):  # unmapped meanwhile
+                pass
+        board = None
+        try:  # the model sends where the board is after start-up (`ProxyHandle.tell_board`); still buffered
+            while conn.poll(0):
+                msg = conn.recv()
+                if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "board":
+                    board = msg[1:]
+        except (EOFError, OSError):
+            pass
+        if board is not None:
+            post_failure(board[0], board[1], r, why)
+
     def close(self) -> None:
         self.engine.close()
         for mem in self._mapped:
             mem.close()
+        for _, seg in self._peer_segments:
+            seg.close()
+
+
+# Set once the proxy runs: what to do first when the owner died (`Proxy.report_owner_death`), and its pid.
+_on_owner_death = None
+_owner_pid: int | None = None
+_PARENT_DEATH_SIGNAL = signal.SIGRTMIN + 5
 
 
 def _die_with_parent() -> None:
-    """Ask the kernel to end us when the owner dies (Linux), on top of the ppid check: SIGTERM, whose
-    handler removes the provider's regions this process made in /dev/shm (`{pid}:*`) and exits, since
-    an owner killed outright cannot remove them for us."""
+    """Ask the kernel to signal us when the owner dies (Linux), on top of the ppid check: the handler tells
+    the peers when the owner is gone (`Proxy.report_owner_death`), removes the provider's regions this
+    process made in /dev/shm (`{pid}:*`), since an owner killed outright cannot remove them for us, and
+    exits; SIGTERM does the same (without telling anyone while the owner lives). The parent-death signal is
+    a real-time one: libfabric's shm provider handles SIGTERM itself (its regions unlinked, then the process
+    exits, seen under strace), so a parent-death SIGTERM ended the proxy before our handler could say
+    anything."""
     def on_term(signum, frame) -> None:
+        if signum == _PARENT_DEATH_SIGNAL:
+            # The signal follows the thread that started us: a killed owner's threads end one by one, and we
+            # are reparented to the last of them first. Wait for the owner's end; if it does not come, a thread
+            # of a live owner ended: keep running (the loop's ppid check still watches, every 10 ms).
+            deadline = time.monotonic() + 0.2
+            while os.getppid() == _owner_pid and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if os.getppid() == _owner_pid:
+                return
+        try:
+            if _on_owner_death is not None and os.getppid() != _owner_pid:  # else a SIGTERM for us alone
+                _on_owner_death()
+        except BaseException:  # noqa: BLE001 - exiting whatever happens
+            pass
         remove_process_shm_files(os.getpid(), segments=False)
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(_PARENT_DEATH_SIGNAL, on_term)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, _PARENT_DEATH_SIGNAL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -490,6 +561,7 @@ def main(fd: int) -> None:
     from . import topology
 
     proxy = None
+    global _on_owner_death, _owner_pid
     try:
         # Pinned before the engine starts, so the threads libfabric starts inherit the CPUs.
         cpus, reason = topology.choose_proxy_cpus(spec.gpu_ordinal, spec.rank, spec.shard, spec.shards,
@@ -501,6 +573,7 @@ def main(fd: int) -> None:
         logging.getLogger("moe_a2a.proxy").info("rank %d, proxy %d of %d: %s", spec.rank, spec.shard,
                                                 spec.shards, reason)
         proxy = Proxy(spec, conn, sock)
+        _owner_pid, _on_owner_death = spec.parent_pid, lambda: proxy.report_owner_death(conn)
         # The loop allocates little and makes no cycles: a collection there would stall a call for ms.
         gc.collect()
         gc.freeze()
@@ -511,7 +584,8 @@ def main(fd: int) -> None:
         conn.send(("ready", {"cpus": cpus, "reason": reason, "fabric": fabric}))
         proxy.run()
     except _Stop:
-        pass
+        if proxy is not None and os.getppid() != spec.parent_pid:  # the owner died (no parent-death signal)
+            proxy.report_owner_death(conn)
     except BaseException as exc:  # report everything: the model process turns it into its error
         code = ERROR_TIMEOUT if isinstance(exc, TimeoutError) else ERROR_FAILED
         who = f"proxy of rank {spec.rank}" + (f" (proxy {spec.shard} of {spec.shards})" if spec.shards > 1 else "")

@@ -5,6 +5,7 @@ host's own waits (CPU; ranks sharing a GPU). The words and their codecs are `pro
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -219,16 +220,106 @@ class Status:
             time.sleep(0 if spins < 100 else 1e-4)  # yield: the peers and the proxy need the cores (2 on CI)
 
 
-class FailureBoard:
-    """Where a rank whose proxy died says so to every peer: keys under one prefix of the process group's
-    own rendezvous store (`torch.distributed`'s default store; no port of our own). Without it a peer
-    learns only from its own timeout, since the dead proxy can no longer send anything (and shm or EFA
-    never report a vanished peer). One counter, one key per failed rank; every rank's proxy watch reads
-    the counter every `PROXY_WATCH_S`. Store errors (the store's host gone, the group renewed) end the
-    watching, never the calls: the timeouts remain."""
+# ---- the failure board without torch: what a proxy posts when its model process died ----------------
+# The board's store as a proxy can reach it without importing torch (seconds, hundreds of MB): ("file", path)
+# for a FileStore, ("tcp", host, port) for a TCPStore (`FailureBoard.open` checks the writer against the store
+# it wraps, else None: the peers' timeouts remain).
+_TCPSTORE_VALIDATE, _TCPSTORE_SET, _TCPSTORE_ADD = 0, 1, 4  # c10d::detail::QueryType
+_TCPSTORE_MAGIC = 0x3C85F7CE  # c10d::detail::validationMagicNumber
 
-    def __init__(self, store, prefix: str, rank: int, world_size: int) -> None:
+
+def _file_store_op(path: str, key: str, value: bytes | None, add: int) -> int | None:
+    """One FileStore write, as c10d's FileStore makes it: under an exclusive flock, append (u32 length, "/" +
+    key) and (u32 length, value); an add reads the log for the key's last value first. Returns an add's result."""
+    import fcntl
+    import struct
+
+    fd = os.open(path, os.O_RDWR)  # never created: a store whose file is gone has no readers left
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        k, is_add = b"/" + key.encode(), value is None
+        if is_add:  # an add: the key's current value, from the whole log
+            data, pos, cur = os.pread(fd, os.fstat(fd).st_size, 0), 0, b""
+            while pos + 4 <= len(data):
+                (n,), pos = struct.unpack_from("<I", data, pos), pos + 4
+                name, pos = data[pos:pos + n], pos + n
+                (n,), pos = struct.unpack_from("<I", data, pos), pos + 4
+                val, pos = data[pos:pos + n], pos + n
+                if name == k:
+                    cur = val
+                elif name == b"-" + k:
+                    cur = b""
+            add += int(cur or b"0")
+            value = str(add).encode()
+        os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, struct.pack("<I", len(k)) + k + struct.pack("<I", len(value)) + value)
+        return add if is_add else None
+    finally:
+        os.close(fd)  # and the lock with it
+
+
+def _tcp_store_ops(host: str, port: int, ops: list[tuple[str, bytes | None, int]], timeout_s: float) -> list[int]:
+    """TCPStore writes over a connection of our own, as c10d's client makes them (its wire format: a query byte,
+    u64-length-prefixed strings, "/" before every key): validate, then each (key, value) set or (key, None, n)
+    add. Returns the adds' results."""
+    import socket
+    import struct
+
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    out = []
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+        s.sendall(struct.pack("<BI", _TCPSTORE_VALIDATE, _TCPSTORE_MAGIC))
+        for key, value, n in ops:
+            k = string(b"/" + key.encode())
+            if value is not None:
+                s.sendall(struct.pack("<B", _TCPSTORE_SET) + k + string(value))
+                continue
+            s.sendall(struct.pack("<B", _TCPSTORE_ADD) + k + struct.pack("<q", n))
+            got = b""
+            while len(got) < 8:
+                chunk = s.recv(8 - len(got))
+                if not chunk:
+                    raise ConnectionError("the store closed the connection")
+                got += chunk
+            out.append(struct.unpack("<q", got)[0])
+    return out
+
+
+def board_ops(address: tuple, ops: list[tuple[str, bytes | None, int]], timeout_s: float = 2.0) -> list[int]:
+    """Run sets and adds (`_tcp_store_ops`'s form) on the board's store at `address`, without torch."""
+    if address[0] == "file":
+        return [r for r in (_file_store_op(address[1], key, value, n) for key, value, n in ops) if r is not None]
+    if address[0] == "tcp":
+        return _tcp_store_ops(address[1], address[2], ops, timeout_s)
+    raise ValueError(f"no torch-free writer for a store at {address!r}")
+
+
+def post_failure(address: tuple, prefix: str, rank: int, reason: str, timeout_s: float = 2.0) -> bool:
+    """`FailureBoard.post` without torch (a proxy whose model process died): True when posted."""
+    try:
+        board_ops(address, [(f"{prefix}rank/{rank}", reason.encode(), 0), (f"{prefix}count", None, 1)], timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - the store is gone or unreachable: the peers' timeouts remain
+        return False
+
+
+class FailureBoard:
+    """Where a rank that failed for good says so to every peer: keys under one prefix of the process group's
+    own rendezvous store (`torch.distributed`'s default store, below its `PrefixStore`s; no port of our own).
+    Posted by the rank's proxy watch when its proxy died, and by its proxy (`post_failure`, no torch) when
+    its model process died. Without it a peer learns only from its own timeout, since the dead rank can no
+    longer send anything (and shm or EFA never report a vanished peer). One counter, one key per failed rank;
+    every rank's proxy watch reads the counter every `PROXY_WATCH_S`. Store errors (the store's host gone,
+    the group renewed) end the watching, never the calls: the timeouts remain.
+
+    `address`: the store as a proxy reaches it without torch (`board_ops`), or None (not a FileStore or
+    TCPStore, or the writer's probe did not read back through torch's own client)."""
+
+    def __init__(self, store, prefix: str, rank: int, world_size: int, address: tuple | None = None) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+        self.address = address
         self.seen = 0
 
     @classmethod
@@ -246,7 +337,21 @@ class FailureBoard:
             store = dist.distributed_c10d._get_default_store()
         except (AttributeError, RuntimeError, ValueError):
             return None
-        return cls(store, prefix, rank, world_size)
+        while isinstance(store, dist.PrefixStore):  # our prefix is unique: the store below serves as well
+            store = store.underlying_store
+        address = None
+        try:
+            if isinstance(store, dist.FileStore):
+                address = ("file", store.path)
+            elif isinstance(store, dist.TCPStore):
+                address = ("tcp", store.host, store.port)
+            if address is not None:  # the torch-free writer must write what torch's client reads
+                probe = f"{prefix}probe/{rank}"
+                if board_ops(address, [(probe, None, 1)]) != [1] or store.add(probe, 0) != 1:
+                    address = None
+        except Exception:  # noqa: BLE001 - another wire format, a store that refuses: no proxy posts
+            address = None
+        return cls(store, prefix, rank, world_size, address)
 
     def post(self, reason: str) -> None:
         """This rank has failed for good (its proxy died): tell every peer, with the reason."""
@@ -273,7 +378,12 @@ class FailureBoard:
 def watch_proxies(a2a, board: FailureBoard | None = None) -> None:
     """Start a daemon thread that raises the ERROR flag, with the reason, when one of the rank's proxy
     processes dies (so a kernel waiting for one of its flags stops at once) and tells the peers through
-    `board`; or when a peer says on `board` that its proxy died (every later wait on it would time out)."""
+    `board`; or when a peer says on `board` that it failed for good (its proxy or its model process died:
+    every later wait on it would time out). The proxies learn where `board` is, to post their model
+    process's death there (`ProxyHandle.tell_board`)."""
+    if board is not None and board.address is not None:
+        for h in a2a._w.proxies:
+            h.tell_board(board.address, board.prefix)
     threading.Thread(target=_watch, args=(weakref.ref(a2a), board), daemon=True,
                      name=f"moe_a2a-proxy-watch-{a2a.rank}").start()
 

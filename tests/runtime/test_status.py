@@ -84,3 +84,26 @@ def test_timeout_messages_state_the_timeout_in_force():
     other = proxy_timeout_message("rank 1: proxy 0: no answer", 10.0)
     assert other == "rank 1: proxy 0: no answer (the proxy's waits end after 8 s: 0.8 x timeout_s=10 s, so the model " \
                     "hears it first)"
+
+
+def test_a_proxy_posts_without_torch_what_torchs_own_clients_read(tmp_path):
+    """`post_failure` (the proxy's, no torch) writes c10d's FileStore and TCPStore formats: the peers' boards,
+    on torch's own clients, read the post once, like one of `FailureBoard.post`."""
+    import datetime
+
+    from moe_a2a.runtime.status import board_ops, post_failure
+
+    file_store = dist.FileStore(str(tmp_path / "store"), 2)
+    file_store.add("moe_a2a/failures/x/count", 1)  # a post before ours: the add continues from it
+    stores = [(file_store, ("file", str(tmp_path / "store")))]
+    for libuv in (True, False):
+        tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10), use_libuv=libuv)
+        stores.append((tcp, ("tcp", "127.0.0.1", tcp.port)))
+    for store, address in stores:
+        peer = FailureBoard(store, "moe_a2a/failures/x/", 0, 2)
+        peer.seen = store.add("moe_a2a/failures/x/count", 0)
+        assert post_failure(address, "moe_a2a/failures/x/", 1, "its model process (pid 7) died")
+        assert peer.failed_peers() == [(1, "its model process (pid 7) died")], address
+        assert peer.failed_peers() == []
+        assert board_ops(address, [("moe_a2a/failures/x/probe", None, 2)]) == [2]
+    assert not post_failure(("file", str(tmp_path / "gone")), "p/", 1, "x")  # no store left: nothing, no error
