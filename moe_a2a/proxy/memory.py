@@ -6,7 +6,8 @@
   UVA; the proxy registers it with libfabric.
 - `DeviceBuffer`: GPU memory shared with same-node processes through CUDA IPC handles (used when
   no byte of the buffer must cross the wire, or the provider can register GPU memory).
-- `host_tensor_on_device`: a CUDA tensor view of registered host memory, for kernel arguments.
+- `device_view`: a uint8 tensor over memory the device can reach (registered host memory, IPC-mapped GPU
+  memory), for kernel arguments.
 """
 from __future__ import annotations
 
