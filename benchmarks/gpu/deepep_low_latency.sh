@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # DeepEP's own low-latency test, unchanged, against moe_a2a's DeepEP facade (docs/compat.md).
 #
-#   bash benchmarks/gpu/deepep_low_latency.sh DEEPEP_CHECKOUT [the test's arguments, e.g. --num-processes 2]
+#   bash benchmarks/gpu/deepep_low_latency.sh DEEPEP_CHECKOUT [--shared-gpu] [the test's arguments, e.g. --num-processes 2]
 #
 # DEEPEP_CHECKOUT is a checkout of deepseek-ai/DeepEP (its deep_ep/utils/ and tests/legacy/test_low_latency.py
 # are used from there and never copied into this repository). The `deep_ep` package the test imports is
 # assembled under a temporary folder: `moe_a2a.compat.deep_ep` as the package, DeepEP's own test utilities as
 # `deep_ep.utils`, and a stand-in for its C++ extension holding only the names those utilities import.
+# --shared-gpu: more processes than GPUs; `deep_ep.utils.envs` is then ours (benchmarks/gpu/
+# deepep_shared_gpu_envs.py: DeepEP's module with an init_dist that shares GPUs and uses gloo), the rest DeepEP's.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-src=$(cd "${1:?usage: deepep_low_latency.sh DEEPEP_CHECKOUT [test arguments]}" && pwd); shift
+src=$(cd "${1:?usage: deepep_low_latency.sh DEEPEP_CHECKOUT [--shared-gpu] [test arguments]}" && pwd); shift
+shared=0; [ "${1:-}" = "--shared-gpu" ] && { shared=1; shift; }
 for need in deep_ep/utils/envs.py tests/legacy/test_low_latency.py; do
   [ -f "$src/$need" ] || { echo "deepep_low_latency.sh: $src has no $need (a DeepEP checkout?)" >&2; exit 2; }
 done
@@ -30,7 +33,14 @@ class EventHandle:
 def __getattr__(name):
     raise AttributeError(f"deep_ep._C.{name}: DeepEP's C++ extension is not part of moe_a2a")
 PY
-ln -s "$src/deep_ep/utils" "$shim/deep_ep/utils"
+if [ "$shared" = 1 ]; then  # DeepEP's utilities one by one, its envs.py replaced by ours (which loads it)
+  mkdir "$shim/deep_ep/utils"
+  for f in "$src"/deep_ep/utils/*.py; do [ "$(basename "$f")" = envs.py ] || ln -s "$f" "$shim/deep_ep/utils/"; done
+  cp benchmarks/gpu/deepep_shared_gpu_envs.py "$shim/deep_ep/utils/envs.py"
+  export MOE_A2A_DEEPEP_ENVS="$src/deep_ep/utils/envs.py"
+else
+  ln -s "$src/deep_ep/utils" "$shim/deep_ep/utils"
+fi
 export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET
 python3 "$src/tests/legacy/test_low_latency.py" "$@"
