@@ -49,8 +49,8 @@ def main() -> None:
                 values, counts = ulp_distance(c["out"], want).flatten().unique(return_counts=True)
                 hist.update(dict(zip(values.tolist(), counts.tolist())))
         problems = check_against_reference(cfg, results)
-        report["configs"][name] = {"config": repr(cfg), "elements_by_ulps": {str(k): v for k, v in sorted(hist.items())},
-                                   "oracle_problems": problems}
+        by_ulps = {str(k): v for k, v in sorted(hist.items())}
+        report["configs"][name] = {"config": repr(cfg), "elements_by_ulps": by_ulps, "oracle_problems": problems}
         print(name, dict(sorted(hist.items())), "oracle:", problems or "all match")
     if args.out:
         with open(args.out, "w") as f:

@@ -3,8 +3,9 @@ checked, and the resources of every rank and proxy watched for growth.
 
 Each rank computes every rank's inputs of a call from the call's seed (`demo.make_inputs`), so it can
 check its own results with the end-to-end oracle (`moe_a2a.oracle`) without any exchange: counts, rows
-and untouched padding bitwise, the weighted sum to its ulp bound. Every `--sample` calls it records, for itself and its proxy process, the resident
-memory (VmRSS), the open file descriptors, and the machine's /dev/shm entries. Growth is the last sample
+and untouched padding bitwise, the weighted sum to its ulp bound. Every `--sample` calls it records, for
+itself and its proxy process, the resident memory (VmRSS), the open file descriptors, and the machine's
+/dev/shm entries. Growth is the last sample
 minus the first one taken after warm-up.
 
     moe-a2a bench soak --calls 10000 --world 2 --node 1 --transport shm --json soak.json
