@@ -172,11 +172,60 @@ def _move_rows(rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torc
 
 
 class Config:
-    """DeepEP's `Config` (tuning of its high-throughput mode), so `from deep_ep import Buffer, Config`
-    imports. Only the low-latency API is provided: its arguments are kept and never used."""
+    """DeepEP's `Config`: the tuning of its normal (high-throughput) mode's kernels, with DeepEP's constructor
+    arguments, defaults and checks (ValueError where DeepEP asserts), so engines that build one (SGLang's
+    `--deepep-config`, `Buffer.get_dispatch_config`) work. The facade provides only the low-latency API and
+    its kernels pick their own grids: the values are kept and never used. The buffer size hints are 0
+    (the facade has no normal-mode buffer; its buffers are sized by the first low-latency dispatch)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        self.args, self.kwargs = args, kwargs
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        values = dict(num_sms=num_sms, num_max_nvl_chunked_send_tokens=num_max_nvl_chunked_send_tokens,
+                      num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
+                      num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
+                      num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Config: {name} must be an int, got {value!r}")
+        nvl_send, nvl_recv = num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
+        rdma_send, rdma_recv = num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens
+        if rdma_send > 0:  # DeepEP rounds the RDMA receive chunk up to a multiple of the send chunk
+            rdma_recv = ceil_div(rdma_recv, rdma_send) * rdma_send
+        if not (num_sms >= 0 and 0 < nvl_send < nvl_recv and 0 < rdma_send < rdma_recv
+                and rdma_send <= rdma_recv // 2):
+            raise ValueError(f"Config: DeepEP needs num_sms >= 0, 0 < num_max_nvl_chunked_send_tokens < "
+                             f"num_max_nvl_chunked_recv_tokens, 0 < num_max_rdma_chunked_send_tokens <= half of "
+                             f"num_max_rdma_chunked_recv_tokens (rounded up to a multiple of it); got {values}")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens = nvl_send, nvl_recv
+        self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens = rdma_send, rdma_recv
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP: bytes of its normal mode's NVLink buffer. Here 0: no normal-mode buffer."""
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP: bytes of its normal mode's RDMA buffer. Here 0: no normal-mode buffer."""
+        return 0
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, "
+                f"num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+                f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+                f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+                f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
+
+
+# Why DeepEP's normal-mode calls are refused, and what to use instead.
+_NORMAL_MODE = ("DeepEP's normal (high-throughput) mode is not provided by moe_a2a's DeepEP facade: use its "
+                "low-latency API (low_latency_dispatch / low_latency_combine): vLLM `--all2all-backend "
+                "deepep_low_latency`, SGLang `--deepep-mode low_latency` (its default `auto` uses normal mode for "
+                "prefill); docs/compat.md")
+
+# Arguments of other DeepEP versions' low_latency_dispatch that the facade knows (DeepEP's hybrid-ep branch,
+# passed by vLLM and SGLang for NVFP4 dispatch).
+_NVFP4_ARGS = ("use_nvfp4", "x_global_scale")
 
 
 def _config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: int,
@@ -276,6 +325,11 @@ class Buffer:
             and checked here).
     """
 
+    # DeepEP's SM count for its normal-mode kernels (a class attribute, read by engines: SGLang's DeepEPConfig,
+    # two-batch overlap). Recorded by set_num_sms and used by get_dispatch_config / get_combine_config; our
+    # kernels choose their own grids, so it changes no launch.
+    num_sms: int = 20
+
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = True,
                  num_qps_per_rank: int = 1, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
@@ -318,6 +372,81 @@ class Buffer:
             self._build(None, sizes, None)
 
     @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's: set `Buffer.num_sms` (even, as DeepEP asserts; ValueError otherwise). Recorded only: it
+        tunes DeepEP's normal-mode kernels, and the facade's kernels choose their own grids."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms < 0 \
+                or new_num_sms % 2:
+            raise ValueError(f"set_num_sms: the SM count must be an even int >= 0 (as DeepEP's), "
+                             f"got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """DeepEP's: an `EventOverlap` holding a CUDA event recorded on the current stream (an engine passes
+        it as `previous_event` to normal-mode calls). Without an initialised CUDA context (CPU), one without
+        an event, whose methods do nothing."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            return EventOverlap(event)
+        return EventOverlap()
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's recommended normal-mode dispatch `Config` for `num_ranks`: here `Config(Buffer.num_sms)`
+        with DeepEP's constructor defaults for any number of ranks (not DeepEP's per-size tuning table: the
+        values are never used, normal mode is not provided)."""
+        return Buffer._normal_config("get_dispatch_config", num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's recommended normal-mode combine `Config`: as `get_dispatch_config`."""
+        return Buffer._normal_config("get_combine_config", num_ranks)
+
+    @staticmethod
+    def _normal_config(name: str, num_ranks) -> Config:
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"{name}: num_ranks must be an int >= 1, got {num_ranks!r}")
+        return Config(Buffer.num_sms)
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: "torch.Size | None" = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """Refused (NotImplementedError): DeepEP returns its one registered buffer (RDMA or NVLink) as raw
+        elements from `offset`; vLLM's fault tolerance zeroes it whole (`clean_buffers`). The facade has no
+        such buffer: its memory is several allocations (each slot's receive rows, each `AllToAll`
+        instance's send and receive regions), so a view of one would not be the buffer and zeroing it would
+        not reset the others. `clean_low_latency_buffer` zeroes what a caller can read (and is collective in
+        shrink mode), `low_latency_clean_mask_buffer` unmasks."""
+        raise NotImplementedError(
+            "get_local_buffer_tensor: moe_a2a's DeepEP facade has no single raw buffer to return (its memory is "
+            "several allocations: each slot's receive rows and each AllToAll instance's regions), so a view would "
+            "not be DeepEP's buffer; use clean_low_latency_buffer(...) to zero what callers read and "
+            "low_latency_clean_mask_buffer() to unmask. vLLM calls it only with fault tolerance enabled "
+            "(parallel_config.enable_fault_tolerance): run without it; docs/compat.md")
+
+    # ---- DeepEP's normal mode: not provided ----------------------------------------------------
+    def get_dispatch_layout(self, *args, **kwargs):
+        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
+        raise NotImplementedError(f"get_dispatch_layout: {_NORMAL_MODE}")
+
+    def dispatch(self, *args, **kwargs):
+        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
+        raise NotImplementedError(f"dispatch: {_NORMAL_MODE}")
+
+    def combine(self, *args, **kwargs):
+        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
+        raise NotImplementedError(f"combine: {_NORMAL_MODE}")
+
+    def internode_dispatch(self, *args, **kwargs):
+        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
+        raise NotImplementedError(f"internode_dispatch: {_NORMAL_MODE}")
+
+    def internode_combine(self, *args, **kwargs):
+        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
+        raise NotImplementedError(f"internode_combine: {_NORMAL_MODE}")
+
+    @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """Bytes one rank's instances take at these sizes (top-k up to 8, DeepEP's assumption): the two bf16
@@ -335,7 +464,8 @@ class Buffer:
     # ---- dispatch ---------------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False, **kwargs):
         """Send every token to the ranks of its top-k experts; receive `[L, C, H]` expert-major.
 
@@ -346,12 +476,19 @@ class Buffer:
             num_experts: E, divisible by the number of ranks.
             cumulative_local_expert_recv_stats: optional int32 (or int64) `[L]` on the device: this call's
                 received rows per local expert are added to it (stream-ordered, at the receive).
+            dispatch_wait_recv_cost_stats: DeepEP's sixth argument (positionally too): an int64 `[num_ranks]`
+                tensor on the device (as DeepEP's extension checks it) to which DeepEP adds the GPU clock
+                cycles its receive waited on each source rank. Checked and **left untouched**: the facade
+                does not measure per-source wait times.
             use_fp8: quantise to fp8 e4m3 with one scale per 128 elements before sending (may differ from
                 call to call). round_scale: scales rounded up to powers of two. use_ue8m0: scales as
                 UE8M0 codes packed four per int32 (implies round_scale; DeepEP requires both). Both
                 ignored without use_fp8.
             async_finish: return an `EventOverlap` holding a CUDA event recorded after the call.
             return_recv_hook: send now, receive when the returned hook is called.
+            use_nvfp4, x_global_scale (keywords of DeepEP's hybrid-ep branch, which vLLM and SGLang pass for
+                NVFP4 dispatch): `use_nvfp4=True` is refused (ValueError naming what is supported);
+                `x_global_scale` (the NVFP4 cast's global scale) is accepted and unused without it.
 
         Returns `(recv_x, recv_count, handle, event, hook)`: recv_x bf16 `[L, C, H]`, or with use_fp8
         `(fp8 [L, C, H], scales)` (fp32 `[L, C, ceil(H/128)]`, or int32 `[L, C, ceil(H/512)]` with
@@ -360,10 +497,12 @@ class Buffer:
         """
         if self._closed:
             self._check_open()
-        error, sizes = None, None
+        error, sizes, first = None, None, not self._slots
         try:
             if kwargs:
-                self._refuse_kwargs(kwargs, "dispatch_wait_recv_cost_stats")
+                self._refuse_dispatch_kwargs(kwargs)
+            if dispatch_wait_recv_cost_stats is not None:  # its device too once built
+                self._check_cost_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
             sizes = self._sizes(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
         except ValueError as exc:
             error = exc
@@ -375,6 +514,11 @@ class Buffer:
         if error is None and cumulative_local_expert_recv_stats is not None:  # x's device: AllToAll checks it
             try:
                 self._check_stats(cumulative_local_expert_recv_stats)
+            except ValueError as exc:
+                error = exc
+        if error is None and first and dispatch_wait_recv_cost_stats is not None:  # the device, now known
+            try:
+                self._check_cost_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
             except ValueError as exc:
                 error = exc
         index, self._next = self._next, self._next ^ 1
@@ -415,7 +559,8 @@ class Buffer:
     # ---- combine ----------------------------------------------------------------------------
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: torch.Tensor | None = None, **kwargs):
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None, **kwargs):
         """Send expert outputs home; `out[t] = sum_k topk_weights[t, k] * y(t, k)` (fp32, k order).
 
         Args:
@@ -429,6 +574,8 @@ class Buffer:
             async_finish: return an `EventOverlap` holding a CUDA event recorded after the call.
             return_recv_hook: send now, receive when the returned hook is called.
             out: optional `[T, H]` bfloat16 to write into.
+            combine_wait_recv_cost_stats: as the dispatch's `dispatch_wait_recv_cost_stats`: an int64
+                `[num_ranks]` tensor on the device, checked and left untouched (not measured).
 
         Returns `(combined_x, event, hook)`: combined_x `[T, H]` bfloat16 (valid once the hook ran when
         `return_recv_hook`), an `EventOverlap`, the hook or None.
@@ -455,10 +602,15 @@ class Buffer:
             out = torch.empty(slot.T, H, dtype=torch.bfloat16, device=a2a.device)
         try:
             if kwargs:
-                self._refuse_kwargs(kwargs, "combine_wait_recv_cost_stats")
+                raise ValueError(f"unexpected arguments {sorted(kwargs)}: not arguments of DeepEP's "
+                                 f"low_latency_combine (SGLang's single-batch overlap passes overlap / "
+                                 f"comp_signal / src_signals ... for a DeepEP fork: not supported; docs/compat.md)")
+            if combine_wait_recv_cost_stats is not None:
+                self._check_cost_stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
             if use_logfmt:
-                raise ValueError("use_logfmt=True: LogFMT-compressed combine is not supported by moe_a2a's DeepEP "
-                                 "facade (docs/compat.md)")
+                raise ValueError("use_logfmt=True: LogFMT (DeepEP's 10-bit combine encoding) is not implemented "
+                                 "by moe_a2a's DeepEP facade: pass use_logfmt=False (the combine sends bf16); "
+                                 "docs/compat.md")
             if zero_copy:
                 if slot.combine_buf is None:
                     raise ValueError("zero_copy=True: nothing was written to get_next_low_latency_combine_buffer("
@@ -741,13 +893,30 @@ class Buffer:
 
     # ---- checks -------------------------------------------------------------------------------
     @staticmethod
-    def _refuse_kwargs(kwargs: dict, stats_name: str) -> None:
-        """DeepEP's wait-cost statistics (`stats_name`) are not measured; other names are unknown."""
-        if kwargs.get(stats_name) is not None:
-            raise ValueError(f"{stats_name}: not measured by moe_a2a's DeepEP facade (docs/compat.md)")
-        unknown = [k for k in kwargs if k != stats_name]
+    def _refuse_dispatch_kwargs(kwargs: dict) -> None:
+        """Keywords beyond DeepEP's low_latency_dispatch: those of its hybrid-ep branch (NVFP4) that engines
+        pass; `use_nvfp4=True` is refused, `x_global_scale` unused without it; other names are unknown."""
+        if kwargs.get("use_nvfp4"):
+            raise ValueError("use_nvfp4=True: NVFP4 dispatch (DeepEP's hybrid-ep branch) is not supported by "
+                             "moe_a2a's DeepEP facade; supported: bf16 (use_fp8=False) and fp8 e4m3 with one fp32 "
+                             "scale per 128 elements (use_fp8=True; round_scale, use_ue8m0). vLLM: leave "
+                             "VLLM_DEEPEPLL_NVFP4_DISPATCH unset (bf16 dispatch, quantised after); SGLang: a bf16 or "
+                             "fp8 DeepEP output dtype; docs/compat.md")
+        unknown = [k for k in kwargs if k not in _NVFP4_ARGS]
         if unknown:
             raise ValueError(f"unexpected arguments {unknown}")
+
+    def _check_cost_stats(self, stats, name: str) -> None:
+        """DeepEP's wait-cost statistics: int64 `[num_ranks]`, contiguous, on the device (its extension's
+        checks). Accepted and left untouched."""
+        dev = self._slots[0].a2a.device if self._slots else None  # before the first call: checked after the build
+        W = self.group_size
+        if (not isinstance(stats, torch.Tensor) or tuple(stats.shape) != (W,) or stats.dtype != torch.int64
+                or not stats.is_contiguous() or (dev is not None and stats.device != dev)):
+            raise ValueError(f"{name}: expected an int64 [{W}] contiguous tensor on {dev or 'the device'} "
+                             f"(DeepEP's checks; it is left untouched here: per-source wait times are not "
+                             f"measured), got "
+                             f"{(tuple(stats.shape), stats.dtype, str(stats.device)) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
 
     def _check_open(self) -> None:
         if self._closed:

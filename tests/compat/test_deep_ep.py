@@ -418,7 +418,7 @@ def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
         seen = got[r]
         assert len(seen) == 22, seen
         assert seen[0].startswith("ValueError: unexpected arguments ['bogus']"), seen[0]
-        assert seen[1].startswith("ValueError: dispatch_wait_recv_cost_stats: not measured"), seen[1]
+        assert seen[1].startswith("ValueError: dispatch_wait_recv_cost_stats: expected an int64 [2]"), seen[1]
         assert seen[2].startswith("ValueError: x: expected a [T, H] bfloat16"), seen[2]
         assert all("the Buffer's first, on every rank" in e for e in seen[:3]), seen[:3]
     assert "is over" in got[1][13], got[1][13]
