@@ -107,7 +107,7 @@ class ProxyHandle:
 
     def tell_board(self, address: tuple, prefix: str) -> None:
         """Where the failure board is (`runtime.status.FailureBoard`): the proxy reads it from its socket when
-        its model process dies, and posts the death there (`runtime.status.post_failure`) before it exits."""
+        its model process dies, and posts the death there (`protocol.board.post_failure`) before it exits."""
         try:
             self.conn.send(("board", address, prefix))
         except OSError:  # the proxy is gone: its rank's watch reports that

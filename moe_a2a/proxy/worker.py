@@ -54,7 +54,7 @@ import numpy as np
 from ..protocol.segment import Flags, ShardWords, write_error
 from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, Imm, ShardWord,
                               WriteTable, decode_imm, encode_abort, encode_imm)
-from ..runtime.status import post_failure
+from ..protocol.board import post_failure
 from .handle import ProxySpec
 from . import libfabric as lf
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout

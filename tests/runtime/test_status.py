@@ -91,7 +91,7 @@ def test_a_proxy_posts_without_torch_what_torchs_own_clients_read(tmp_path):
     on torch's own clients, read the post once, like one of `FailureBoard.post`."""
     import datetime
 
-    from moe_a2a.runtime.status import board_ops, post_failure
+    from moe_a2a.protocol.board import board_ops, post_failure
 
     file_store = dist.FileStore(str(tmp_path / "store"), 2)
     file_store.add("moe_a2a/failures/x/count", 1)  # a post before ours: the add continues from it
