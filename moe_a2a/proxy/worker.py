@@ -522,12 +522,14 @@ def _die_with_parent() -> None:
                 time.sleep(0.001)
             if os.getppid() == _owner_pid:
                 return
+        # Our regions' names first: telling the peers may wait on a store that is going away (a closing
+        # cluster), and whoever looks at /dev/shm after the owner's end must not find them.
+        remove_process_shm_files(os.getpid(), segments=False)
         try:
             if _on_owner_death is not None and os.getppid() != _owner_pid:  # else a SIGTERM for us alone
                 _on_owner_death()
         except BaseException:  # noqa: BLE001 - exiting whatever happens
             pass
-        remove_process_shm_files(os.getpid(), segments=False)
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_term)
