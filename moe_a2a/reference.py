@@ -3,14 +3,20 @@
 No transport, no kernels, any world size, CPU or GPU. Every other implementation in this package is
 tested against these two functions: data movement must match bitwise, the weighted sum to fp32
 rounding (the reference sums in fp32 in k order and casts once, as the kernels do).
+
+After them, the variants of issue 32 ("fewer bytes"): dispatch in one row per (token, destination rank)
+expanded by the receiver (`dispatch_per_rank`, equal to `dispatch`), the combine reduced at the sender
+(`combine_reduced_at_sender`), the fp8 combine (`combine_fp8`, and `fp8=True`), and the bytes each rank
+sends per phase under each variant (`bytes_per_phase`, `WIRE_VARIANTS`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import torch
 
-from .config import A2AConfig, round_up
+from .config import ROW_ALIGN_BYTES, A2AConfig, ceil_div, round_up
 
 
 def _check_rank_inputs(cfg: A2AConfig, world_size: int, s: int, x, x_scale, idx) -> None:
@@ -179,4 +185,339 @@ def combine(
             base = torch.tensor(rank_base[:-1], dtype=torch.int64)[e[live] // L]
             acc[live] += w[live, k, None] * all_y[base + rows[s][live, k]]
         out.append(acc.to(cfg.out_dtype).to(weights[s].device))
+    return out
+
+
+# =====================================================================================================
+# Fewer bytes (issue 32): rows per (token, destination rank), combine reduced at the sender, fp8 combine.
+#
+# The functions below specify the variants; every one returns exactly what `dispatch` returns, or
+# `combine`'s result up to the documented roundings. None of them changes `dispatch` / `combine`.
+#
+# - Dispatch, one row per (token, rank): source rank s sends token t ONCE to every rank r that hosts at
+#   least one of its live experts (DeepEP's `is_token_in_rank`), with the token's K expert ids (and,
+#   when the combine is reduced at the sender, its K fp32 weights). Rank r receives, per source in rank
+#   order, its rows in token order (`dispatch_rows_per_rank`), and expands each row into the slot of
+#   every local expert the token was routed to, k by k (`expand_rank_rows`): a token routed twice to the
+#   same local expert (a duplicate) fills two slots, as in `dispatch`. The expert-major output is
+#   `dispatch`'s, bitwise (`dispatch_per_rank`).
+# - Combine reduced at the sender (`combine_reduced_at_sender`): on the rank r holding the experts, for
+#   every source token (s, t) with routes to r, `partial = sum_k weights[t, k] * expert_y[row(t, k)]`
+#   over the live k whose expert is on r, in fp32, in k order (a product rounded to fp32, then an fp32
+#   add, starting from +0), sent as ONE row per (token, rank), in out_dtype (rounded once, to nearest
+#   even) or fp8; the home rank sums the rows it received in fp32 in ascending rank order (after the old
+#   value with `accumulate`), and casts once to out_dtype. The weights are those given to the dispatch,
+#   which carries them (K fp32 a token): bitwise the home rank's weights.
+# - fp8 combine: every combine row (node-local or remote, so that the result does not depend on the
+#   node layout) is block-scaled fp8 e4m3 with fp32 scales, 128 elements a block, by the same formula as
+#   the dispatch's quantisation (`triton_kernels/quant.py`, `quantize_fp8_blocks` below); the reduce
+#   dequantises (`fp32(q) * scale`, one fp32 rounding) before it weights and sums. Per route
+#   (`combine_fp8`): the expert output rows, as the grouped GEMM wrote them in out_dtype, are quantised.
+#   Reduced at the sender: the fp32 partial is quantised directly (no out_dtype rounding in between).
+# - Bytes (`bytes_per_phase`): the rows each rank sends in each phase, to itself, to the other ranks of its
+#   node and to other nodes, for a routing, a node size and a `Wire` variant (`WIRE_VARIANTS`).
+# =====================================================================================================
+FP8_E4M3_MAX = 448.0
+FP8_BLOCK = 128  # elements per fp32 scale of an fp8 combine row
+
+
+def quantize_fp8_blocks(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 with one fp32 scale per `block` elements of a row: `triton_kernels/quant.py`'s formula.
+
+    Per row and block (the last block may be shorter): `scale = amax(|x_block|) / 448` (fp32, correctly
+    rounded), `scale = 1` when it is below 2**-126 (all-zero and tiny blocks),
+    `q = e4m3fn(clamp(x / scale, -448, 448))` (round to nearest even). Returns `(q [T, H] float8_e4m3fn,
+    scale [T, ceil(H / block)] float32)`. x: `[T, H]` bf16/fp16/fp32, finite.
+    """
+    T, H = x.shape
+    S = ceil_div(H, block)
+    padded = torch.nn.functional.pad(x.float(), (0, S * block - H)).reshape(T, S, block)
+    scale = padded.abs().amax(-1) / FP8_E4M3_MAX
+    scale = torch.where(scale >= 2.0 ** -126, scale, torch.ones_like(scale))
+    q = (padded / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(T, S * block)[:, :H]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """fp32 `[T, H]`: `fp32(q) * scale` per block (one fp32 rounding), as the reduce dequantises."""
+    H = q.shape[1]
+    return q.float() * scale.repeat_interleave(block, dim=1)[:, :H]
+
+
+def fp8_roundtrip(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """What an fp8 combine row carries, as the reduce sees it: fp32 `[T, H]`."""
+    return dequantize_fp8_blocks(*quantize_fp8_blocks(x, block), block)
+
+
+# ---- dispatch: one row per (token, destination rank) -------------------------------------------------
+def token_ranks(cfg: A2AConfig, indices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per source rank s, `[T_s, W]` bool: token t has at least one live route to rank r (the ranks it
+    is sent to once each; DeepEP's `is_token_in_rank`)."""
+    W = len(indices)
+    L = cfg.layout(W).num_local_experts
+    out = []
+    for idx in indices:
+        idx = idx.to(torch.int64).cpu()
+        hit = torch.zeros(idx.shape[0], W, dtype=torch.bool)
+        for k in range(idx.shape[1]):
+            live = torch.nonzero(idx[:, k] >= 0).squeeze(1)
+            hit[live, idx[live, k] // L] = True
+        out.append(hit)
+    return out
+
+
+class RankRows(NamedTuple):
+    """The rows one source rank sends one destination rank: one per token routed there, in token order."""
+    tokens: torch.Tensor            # int64 [n]: the token's index on its source rank
+    x: torch.Tensor                 # [n, H] in_dtype
+    x_scale: torch.Tensor | None    # [n, num_scales] float32, or None without scales
+    indices: torch.Tensor           # int64 [n, K]: the token's K expert ids (global, -1 kept)
+    weights: torch.Tensor | None    # float32 [n, K]: the token's K weights, when they travel
+
+
+def dispatch_rows_per_rank(
+    cfg: A2AConfig,
+    xs: Sequence[torch.Tensor],
+    x_scales: Sequence[torch.Tensor | None] | None,
+    indices: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor] | None = None,
+) -> list[list[RankRows]]:
+    """What crosses in a dispatch of one row per (token, rank): `out[r][s]` = the rows source s sends
+    destination r (a token once, however many of its experts r hosts). Arguments as `dispatch`, and
+    optionally per source rank `[T_s, K]` float32 weights that travel with the rows."""
+    W = len(xs)
+    if x_scales is None:
+        x_scales = [None] * W
+    if len(x_scales) != W or len(indices) != W or (weights is not None and len(weights) != W):
+        raise ValueError("xs, x_scales, indices (and weights) must have one entry per source rank")
+    for s in range(W):
+        _check_rank_inputs(cfg, W, s, xs[s], x_scales[s], indices[s])
+    hits = token_ranks(cfg, indices)
+    out: list[list[RankRows]] = [[] for _ in range(W)]
+    for r in range(W):
+        for s in range(W):
+            t = torch.nonzero(hits[s][:, r]).squeeze(1)                      # token order
+            dev = xs[s].device
+            td = t.to(dev)
+            out[r].append(RankRows(
+                tokens=t, x=xs[s][td],
+                x_scale=None if x_scales[s] is None else x_scales[s][td],
+                indices=indices[s].to(torch.int64).cpu()[t],
+                weights=None if weights is None else weights[s].float().cpu()[t]))
+    return out
+
+
+def expand_rank_rows(
+    cfg: A2AConfig, received: Sequence[Sequence[RankRows]]
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The receiver's unpack: `received[r][s]` (as `dispatch_rows_per_rank` gives them) expanded on rank r
+    into the expert-major layout of `dispatch`: row i of source s goes to the slot of local expert l once
+    for every k with `indices[i, k] == r*L + l` (k order; duplicates fill two slots). Within an expert,
+    rows are ordered by (source, token, k), as `dispatch` orders them. Same return value as `dispatch`."""
+    W = len(received)
+    L = cfg.layout(W).num_local_experts
+    out = []
+    for r in range(W):
+        # every (local expert, source, row of that source): iterating sources, rows, then k gives
+        # (source, token, k) order within each expert
+        slots: list[list[tuple[int, int]]] = [[] for _ in range(L)]
+        for s, rows in enumerate(received[r]):
+            for i in range(rows.indices.shape[0]):
+                for e in rows.indices[i].tolist():
+                    if e >= 0 and r * L <= e < (r + 1) * L:
+                        slots[e - r * L].append((s, i))
+        counts = torch.tensor([len(sl) for sl in slots], dtype=torch.int32)
+        if cfg.expert_capacity is not None:
+            over = [l for l in range(L) if len(slots[l]) > cfg.expert_capacity]
+            if over:
+                raise ValueError(f"rank {r}: local expert {over[0]} receives {len(slots[over[0]])} rows > "
+                                 f"expert_capacity ({cfg.expert_capacity})")
+            padded = [cfg.expert_capacity] * L
+        else:
+            padded = [round_up(len(sl), cfg.expert_padding) for sl in slots]
+        device = received[r][0].x.device if received[r] else "cpu"
+        R = sum(padded)
+        ex = torch.zeros(R, cfg.hidden_dim, dtype=cfg.in_dtype, device=device)
+        exs = torch.zeros(R, cfg.num_scales, dtype=torch.float32, device=device) if cfg.has_scales else None
+        seg_start = 0
+        for l in range(L):
+            for row, (s, i) in enumerate(slots[l]):
+                ex[seg_start + row] = received[r][s].x[i]
+                if exs is not None:
+                    exs[seg_start + row] = received[r][s].x_scale[i]
+            seg_start += padded[l]
+        out.append((counts.to(device), ex, exs))
+    return out
+
+
+def dispatch_per_rank(
+    cfg: A2AConfig,
+    xs: Sequence[torch.Tensor],
+    x_scales: Sequence[torch.Tensor | None] | None,
+    indices: Sequence[torch.Tensor],
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Dispatch sending one row per (token, rank), then expanding: equal to `dispatch` (bitwise)."""
+    return expand_rank_rows(cfg, dispatch_rows_per_rank(cfg, xs, x_scales, indices))
+
+
+# ---- combine: reduced at the sender; fp8 rows ------------------------------------------------------
+def combine_partials_at_sender(
+    cfg: A2AConfig,
+    indices: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    expert_ys: Sequence[torch.Tensor],
+    fp8: bool = False,
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The rows of a combine reduced at the sender: `out[r][s] = (tokens int64 [n], rows fp32 [n, H])`,
+    what expert rank r sends home rank s, one row per token of s with routes to r (token order), as the
+    reduce will read it: `partial = sum_k w[t,k] * y[row(t,k)]` over the live k whose expert is on r, in
+    fp32 in k order, then rounded to out_dtype (`fp8=False`) or quantised to fp8 blocks from the fp32
+    partial and dequantised (`fp8=True`). `weights` are the home ranks' (the dispatch carried them)."""
+    W = len(indices)
+    L = cfg.layout(W).num_local_experts
+    rows = expert_rows(cfg, indices)
+    hits = token_ranks(cfg, indices)
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(W)]
+    for r in range(W):
+        y = expert_ys[r].float().cpu()
+        for s in range(W):
+            idx = indices[s].to(torch.int64).cpu()
+            w = weights[s].float().cpu()
+            t = torch.nonzero(hits[s][:, r]).squeeze(1)
+            acc = torch.zeros(len(t), cfg.hidden_dim, dtype=torch.float32)
+            for k in range(idx.shape[1]):
+                e = idx[t, k]
+                mine = torch.nonzero((e >= 0) & (e // L == r)).squeeze(1)   # e >= 0 first: -1 // L == -1
+                acc[mine] += w[t[mine], k, None] * y[rows[s][t[mine], k]]
+            wire = fp8_roundtrip(acc) if fp8 else acc.to(cfg.out_dtype).float()
+            out[r].append((t, wire))
+    return out
+
+
+def combine_reduced_at_sender(
+    cfg: A2AConfig,
+    indices: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    expert_ys: Sequence[torch.Tensor],
+    out_tokens: Sequence[torch.Tensor] | None = None,
+    fp8: bool = False,
+) -> list[torch.Tensor]:
+    """Combine reduced at the sender: `out[t] = sum_r partial_r[t]` over the ranks r the token was sent
+    to, in ascending r, accumulated in fp32 (the old value first when `out_tokens` is given) and cast
+    once to out_dtype; `partial_r` as `combine_partials_at_sender` (`fp8`: its rows in fp8). Arguments
+    and result as `combine`. A token with no live route gets zero (or its old value)."""
+    W = len(indices)
+    parts = combine_partials_at_sender(cfg, indices, weights, expert_ys, fp8)
+    out = []
+    for s in range(W):
+        T = indices[s].shape[0]
+        acc = torch.zeros(T, cfg.hidden_dim, dtype=torch.float32)
+        if out_tokens is not None:
+            acc += out_tokens[s].float().cpu()
+        for r in range(W):                                               # ascending rank order
+            t, rows = parts[r][s]
+            acc[t] += rows
+        out.append(acc.to(cfg.out_dtype).to(weights[s].device))
+    return out
+
+
+def combine_fp8(
+    cfg: A2AConfig,
+    indices: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    expert_ys: Sequence[torch.Tensor],
+    out_tokens: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Today's receiver-side combine with fp8 rows: every expert output row (out_dtype) quantised to fp8
+    blocks, dequantised in the reduce, then exactly `combine` (fp32, k order, one cast)."""
+    return combine(cfg, indices, weights, [fp8_roundtrip(y.cpu()) for y in expert_ys], out_tokens)
+
+
+# ---- bytes per phase ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Wire:
+    """How one call's rows travel (issue 32's three levers).
+
+    dispatch_rows: "route" = one row per live (token, k) (today); "rank" = one row per (token, destination
+        rank), carrying the token's K int32 expert ids (and its K fp32 weights when `combine_rows` is "rank").
+    combine_rows: "route" = one expert-output row per route, summed at the home rank (today); "rank" =
+        reduced at the sender, one row per (token, rank) (needs dispatch_rows="rank": the weights travel
+        with it).
+    combine_fp8: combine rows as fp8 e4m3 with fp32 scales per FP8_BLOCK elements (else out_dtype).
+    """
+    dispatch_rows: str = "route"
+    combine_rows: str = "route"
+    combine_fp8: bool = False
+
+    def __post_init__(self):
+        if self.dispatch_rows not in ("route", "rank") or self.combine_rows not in ("route", "rank"):
+            raise ValueError(f"dispatch_rows / combine_rows must be 'route' or 'rank', got {self}")
+        if self.combine_rows == "rank" and self.dispatch_rows != "rank":
+            raise ValueError("combine_rows='rank' needs dispatch_rows='rank' (the weights travel with it)")
+
+
+WIRE_VARIANTS = {
+    "per_route": Wire(),                                     # today
+    "per_rank_dispatch": Wire("rank"),                       # dispatch deduplicated; combine as today
+    "sender_reduced": Wire("rank", "rank"),                  # and the combine reduced at the sender
+    "fp8_combine": Wire("route", "route", True),             # today's rows, the combine's in fp8
+    "sender_reduced_fp8": Wire("rank", "rank", True),        # all three levers
+}
+
+
+def row_bytes(cfg: A2AConfig, wire: Wire) -> dict[str, int]:
+    """Bytes of one row on the wire, per phase, each part padded to ROW_ALIGN_BYTES (16):
+    dispatch: `cfg.dispatch_stride_bytes` (payload, scales), with per-rank rows plus the metadata
+    `round_up(4K [+ 4K weights], 16)`; combine: `cfg.combine_stride_bytes`, or in fp8
+    `round_up(H, 16) + round_up(4 * ceil(H / 128), 16)`."""
+    K, H = cfg.experts_per_token, cfg.hidden_dim
+    dispatch = cfg.dispatch_stride_bytes
+    if wire.dispatch_rows == "rank":
+        dispatch += round_up(4 * K + (4 * K if wire.combine_rows == "rank" else 0), ROW_ALIGN_BYTES)
+    if wire.combine_fp8:
+        combine = round_up(H, ROW_ALIGN_BYTES) + round_up(4 * ceil_div(H, FP8_BLOCK), ROW_ALIGN_BYTES)
+    else:
+        combine = cfg.combine_stride_bytes
+    return {"dispatch": dispatch, "combine": combine}
+
+
+def rows_per_pair(cfg: A2AConfig, indices: Sequence[torch.Tensor], per: str) -> torch.Tensor:
+    """`[W, W]` int64, `[s, r]` = rows between home rank s and expert rank r: `per="route"` counts live
+    routes (t, k) of s to an expert on r (duplicates twice); `per="rank"` counts tokens of s with at least
+    one. Dispatch rows go s -> r, combine rows r -> s, the same counts."""
+    W = len(indices)
+    if per == "rank":
+        return torch.stack([hit.sum(0) for hit in token_ranks(cfg, indices)]) if W else torch.zeros(0, 0)
+    L = cfg.layout(W).num_local_experts
+    n = torch.zeros(W, W, dtype=torch.int64)
+    for s, idx in enumerate(indices):
+        idx = idx.to(torch.int64).cpu()
+        n[s] = torch.bincount(idx[idx >= 0] // L, minlength=W)
+    return n
+
+
+def bytes_per_phase(cfg: A2AConfig, indices: Sequence[torch.Tensor], node_size: int,
+                    wire: Wire = Wire()) -> list[dict]:
+    """Per rank q, the bytes it SENDS in each phase, by where they go: `{"dispatch": {"self", "node",
+    "remote"}, "combine": {...}}`. "self": rows a rank keeps (no link), "node": to the other ranks of its
+    node (ranks `[n*node_size, (n+1)*node_size)`), "remote": to other nodes. Dispatch rows go from the home
+    rank to the expert rank, combine rows back; counts from `rows_per_pair`, sizes from `row_bytes`.
+    Rows only: the count rows and flags are not included."""
+    W = len(indices)
+    if node_size < 1 or W % node_size:
+        raise ValueError(f"node_size must divide the world size ({W}), got {node_size}")
+    size = row_bytes(cfg, wire)
+    dispatch = rows_per_pair(cfg, indices, wire.dispatch_rows)          # [home, expert rank]
+    combine = rows_per_pair(cfg, indices, wire.combine_rows).T          # [expert rank, home]
+
+    def where(a: int, b: int) -> str:
+        return "self" if a == b else "node" if a // node_size == b // node_size else "remote"
+
+    out = []
+    for q in range(W):
+        row = {ph: {"self": 0, "node": 0, "remote": 0} for ph in ("dispatch", "combine")}
+        for other in range(W):
+            row["dispatch"][where(q, other)] += int(dispatch[q, other]) * size["dispatch"]
+            row["combine"][where(q, other)] += int(combine[q, other]) * size["combine"]
+        out.append(row)
     return out
