@@ -18,7 +18,7 @@ from .protocol.segment import ShardWords
 from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
 from .proxy import emulated
 from .proxy import libfabric as lf
-from .proxy.memory import check_fits_in_memory
+from .protocol.memory import check_fits_in_memory
 from .runtime.status import CallAborted, CapacityExceeded, FailureBoard, Status, watch_proxies
 from .runtime.tracing import Tracer
 from .runtime import placement, wiring
@@ -248,7 +248,7 @@ class AllToAll:
 
     @property
     def proxies(self) -> list:
-        """This rank's proxy process handles (`proxy.handle.ProxyHandle`; empty after close)."""
+        """This rank's proxy process handles (`runtime.proxy_handle.ProxyHandle`; empty after close)."""
         return self._w.proxies
 
     @property

@@ -44,7 +44,7 @@ import cloudpickle
 
 from .config import A2AConfig
 from .protocol.words import MAX_PROXY_SHARDS
-from .proxy.memory import check_fits_in_memory, remove_process_shm_files
+from .protocol.memory import check_fits_in_memory, remove_process_shm_files
 from .runtime import placement
 
 _TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs", "emulated")  # AllToAll's; efa/verbs need their devices
@@ -500,7 +500,7 @@ class LocalCluster:
     Every argument is checked here, before any process starts (ValueError naming it), and so is
     memory: with device="cpu" the `world_size` ranks' shared segments (send and recv buffers
     included: `Layout.segment_bytes`) must fit this machine's physical memory together, with
-    device="cuda" one rank's must (`moe_a2a.proxy.memory.check_fits_in_memory`).
+    device="cuda" one rank's must (`moe_a2a.protocol.memory.check_fits_in_memory`).
     """
 
     def __init__(self, cfg: A2AConfig, world_size: int = 4, node_size: int | None = None,

@@ -267,7 +267,7 @@ def _provider_refuses_gpu_memory(transport: str) -> str | None:
     provider that says it cannot may refuse."""
     from moe_a2a.proxy import libfabric as lf
     from moe_a2a.proxy.engine import ACCESS_TARGET, TransferEngine
-    from moe_a2a.proxy.memory import CuMemBuffer
+    from moe_a2a.protocol.memory import CuMemBuffer
 
     try:
         engine = TransferEngine(transport, hmem=True, local_only=True)

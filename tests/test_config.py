@@ -90,7 +90,7 @@ def test_largest_allowed_sizes_and_k_above_e_are_accepted():
 
 
 def test_buffers_too_large_for_this_machine_are_refused_naming_the_sizes():
-    from moe_a2a.proxy.memory import check_fits_in_memory, physical_memory_bytes
+    from moe_a2a.protocol.memory import check_fits_in_memory, physical_memory_bytes
 
     cfg = A2AConfig(max_num_tokens=45440, num_experts=256, experts_per_token=8, hidden_dim=7168)  # buildable
     lay = cfg.layout(64)

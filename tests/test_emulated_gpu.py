@@ -28,7 +28,7 @@ def _cuda_pair(comm, nbytes: int, nic: str):
 
     from moe_a2a.proxy.emulated import EmulatedEngine, parse_nic_settings
     from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET
-    from moe_a2a.proxy.memory import CuMemBuffer, MemfdBuffer, cuda_primary_context
+    from moe_a2a.protocol.memory import CuMemBuffer, MemfdBuffer, cuda_primary_context
 
     cuda_primary_context(0)
     ngpu = cu.cuDeviceGetCount()[1]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from _timing import median_us
-from moe_a2a.proxy.memory import device_view
+from moe_a2a.protocol.memory import device_view
 
 
 @triton.jit

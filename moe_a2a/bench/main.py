@@ -91,7 +91,7 @@ def run_flags(args) -> int:
     import triton
     import triton.language as tl
 
-    from ..proxy.memory import SharedSegment, device_view, unique_name
+    from ..protocol.memory import SharedSegment, device_view, unique_name
     from ..triton_kernels import _details as d
 
     timeout_ns = 30 * 10**9  # the whole kernel: a dead echo process ends it instead of hanging the GPU
@@ -148,7 +148,7 @@ def run_flags(args) -> int:
 # The echo process: plain Python + numpy on the shared page, as the proxy reads its flags.
 _ECHO = """
 import os, sys, numpy as np
-from moe_a2a.proxy.memory import SharedSegment
+from moe_a2a.protocol.memory import SharedSegment
 seg = SharedSegment(sys.argv[1]); f = seg.numpy(0, 2, np.int64)
 parent, n = os.getppid(), 0
 while True:

@@ -448,7 +448,7 @@ class _Helper:
     def kill(self) -> None:
         """SIGKILL; then remove what it left in /dev/shm (libfabric shm's `{pid}:*` region) while it is
         still an unreaped zombie (its pid cannot be reused), and reap it."""
-        from ..proxy.memory import remove_process_shm_files
+        from ..protocol.memory import remove_process_shm_files
 
         if self.proc.returncode is None:
             self.proc.kill()
@@ -543,8 +543,9 @@ def bench_world(world: int, provider: str = "tcp", epochs: int = 100, warmup: in
     from ..config import A2AConfig
     from ..protocol.segment import Flags, read_error
     from ..proxy.engine import auto_provider
-    from ..proxy.handle import ProxyHandle, ProxySpec
-    from ..proxy.memory import SharedSegment, unique_name
+    from ..protocol.proxy_spec import ProxySpec
+    from ..runtime.proxy_handle import ProxyHandle
+    from ..protocol.memory import SharedSegment, unique_name
     from ._util import progress
 
     W, total = world, warmup + epochs

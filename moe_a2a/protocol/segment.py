@@ -3,7 +3,7 @@
 Stores are release stores and loads acquire loads (`host_atomics`): a reader that sees a word's value
 also sees every write made before it by the thread that stored it (plain numpy accesses give that on
 x86 only, not on Arm). The segment is anything with `numpy(offset_bytes, n, dtype)`
-(`moe_a2a.proxy.memory.SharedSegment`); the offsets come from `config.Layout`.
+(`moe_a2a.protocol.memory.SharedSegment`); the offsets come from `config.Layout`.
 """
 from __future__ import annotations
 

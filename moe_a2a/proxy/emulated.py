@@ -47,7 +47,7 @@ import numpy as np
 
 from ..protocol import host_atomics
 from .engine import ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, ImmediateCounts, PeerTimeout
-from .memory import CuMemBuffer, MemfdBuffer, fd_buffer_at, fd_from_process
+from ..protocol.memory import CuMemBuffer, MemfdBuffer, fd_buffer_at, fd_from_process
 
 PROVIDER = "emulated"
 NIC_ENV = "MOE_A2A_EMULATED_NIC"
@@ -493,7 +493,7 @@ class EmulatedEngine(ImmediateCounts):
     def _cuda_init(self, ordinal: int) -> None:
         from cuda.bindings import driver as cu
 
-        from .memory import _drv, cuda_primary_context
+        from ..protocol.memory import _drv, cuda_primary_context
 
         cuda_primary_context(ordinal)
         self._cu, self._drv = cu, _drv

@@ -34,7 +34,7 @@ only the remote peers p with p % k == j (it posts to them and counts their immed
 processes post in parallel. Shard 0, the primary, alone raises the proxy -> GPU flags, each once every
 shard has reached that step (`ShardWord`s in the segment); with k = 1 there is nothing to wait for.
 
-Started with `python -m moe_a2a.proxy.worker FD` by `handle.ProxyHandle`; this module must not
+Started with `python -m moe_a2a.proxy.worker FD` by `runtime.proxy_handle.ProxyHandle`; this module must not
 import torch (the proxy would take seconds to start and hundreds of MB for nothing).
 """
 from __future__ import annotations
@@ -55,11 +55,11 @@ from ..protocol.segment import Flags, ShardWords, write_error
 from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, Imm, ShardWord,
                               WriteTable, decode_imm, encode_abort, encode_imm)
 from ..protocol.board import post_failure
-from .handle import ProxySpec
+from ..protocol.memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
+from ..protocol.proxy_spec import ProxySpec
 from . import libfabric as lf
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
 from .emulated import make_engine
-from .memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
 
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from ..config import Layout
-from ..proxy.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, close_ipc_handle, fd_from_process,
+from ..protocol.memory import (SHAREABLE_BUFFERS, DeviceBuffer, SharedSegment, close_ipc_handle, fd_from_process,
                             open_ipc_handle, unique_name)
 
 

@@ -1,6 +1,6 @@
-"""The model process's side of its proxy processes: what a proxy needs to start (`ProxySpec`) and the
-handle that starts, bootstraps and stops one (`ProxyHandle`). Torch-free; the proxy process itself is
-`worker.py`, which the model process never imports."""
+"""The model process's side of its proxy processes: the handle that starts, bootstraps and stops one
+(`ProxyHandle`); what a proxy needs to start is `protocol.proxy_spec.ProxySpec`. Torch-free; the proxy
+process itself is `proxy/worker.py`, which the model process never imports."""
 from __future__ import annotations
 
 import os
@@ -9,54 +9,13 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..config import Layout
+from ..protocol.memory import SharedSegment, remove_process_shm_files, send_fds
+from ..protocol.proxy_spec import ProxySpec
 from ..protocol.segment import Flags
 from ..protocol.words import Flag
-from .memory import SharedSegment, send_fds
-
-
-@dataclass(frozen=True)
-class ProxySpec:
-    """Everything the proxy needs to start (picklable, torch-free)."""
-
-    layout: Layout
-    rank: int
-    segment: str
-    host_staged: bool      # send/recv buffers live in the segment (else: GPU memory)
-    provider: str
-    timeout_s: float
-    parent_pid: int
-    spin_s: float = 1e-3   # busy-poll this long before backing off to short sleeps
-    # Between calls a proxy with a core of its own busy-polls this long before sleeping: a sleep there
-    # delayed the next call's ROUTE_READY by up to 1.2 ms (2 x H200, graph replays back to back,
-    # 2026-11-30). A model step longer than this pays one wake-up (<= 1 ms) per call instead.
-    between_calls_spin_s: float = 0.2
-    idle_yield: bool = False  # sched_yield in the engine's waits (more busy processes than cores)
-    # (memory kind, device ordinal, send size, recv size) of the model's send/recv buffers when they
-    # are not in the segment: "cuda" (cuMem) or "host" (memfd). Their POSIX FDs follow the spec on
-    # the socket; the proxy maps them and registers them with the NIC ("cuda": FI_HMEM_CUDA).
-    fd_buffers: tuple[str, int, int, int] | None = None
-    domains: tuple[str, ...] | None = None  # the NICs (libfabric domains) to open; None: the first
-    # Every rank runs on this host: a socket provider (tcp) listens on 127.0.0.1 only, so other hosts
-    # cannot reach the proxy's endpoint (docs/threat-model.md). No effect on shm/efa/verbs.
-    local_only: bool = False
-    # This process is proxy `shard` of `shards` of its rank: it carries the remote peers p with
-    # p % shards == shard. Shard 0 (the primary) raises the flags the kernels read.
-    shard: int = 0
-    shards: int = 1
-    # Where the proxy runs (topology.choose_proxy_cpus): MOE_A2A_PROXY_CPUS as the model process read
-    # it (None: unset), and the rank's GPU (CUDA ordinal, UUID for NVML; None: a CPU run, not pinned).
-    cpu_override: str | None = None
-    gpu_ordinal: int | None = None
-    gpu_uuid: str | None = None
-    # Transport "emulated": its NIC settings as the model process read them (MOE_A2A_EMULATED_NIC; "": none).
-    emulated_nic: str = ""
-    # Shrink mode: a peer a wait times out on is masked (segment words), not an error (docs/protocol.md, section 6, shrink mode).
-    shrink: bool = False
-
 
 
 class ProxyHandle:
@@ -101,7 +60,7 @@ class ProxyHandle:
             self.cpus, self.cpus_reason = list(msg[1]["cpus"]), msg[1]["reason"]
             self.fabric_info = msg[1].get("fabric")
             if self.fabric_info:  # here too: the proxy process has no log handler of its own
-                from .libfabric import log_fabric_once
+                from ..proxy.libfabric import log_fabric_once
 
                 log_fabric_once(self.fabric_info)
 
@@ -120,8 +79,6 @@ class ProxyHandle:
         so its pid cannot have been reused; a proxy already reaped elsewhere (`proc.poll()`) loses its
         files only when no process holds its pid now. Idempotent."""
         import select
-
-        from .memory import remove_process_shm_files
 
         proc = self.proc
 

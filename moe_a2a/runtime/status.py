@@ -246,7 +246,7 @@ class FailureBoard:
 
         import torch.distributed as dist
 
-        from ..proxy import bootstrap
+        from . import bootstrap
 
         prefix = "moe_a2a/failures/" + bootstrap.exchange(group, uuid.uuid4().hex)[0] + "/"
         try:

@@ -14,14 +14,16 @@ import socket
 import torch
 
 from ..config import Layout
+from ..protocol.memory import SharedSegment, device_view, unique_name
+from ..protocol.proxy_spec import ProxySpec
 from ..protocol.segment import Flags
 from ..protocol.words import HALF_FLAGS, WRITE_TABLE_COLUMNS, Flag, WriteTable, flag_word
-from ..proxy import bootstrap, topology
+from ..proxy import topology
 from ..proxy.engine import auto_provider
-from ..proxy.handle import ProxyHandle, ProxySpec
-from ..proxy.memory import SharedSegment, device_view, unique_name
 from ..triton_kernels.node_sync import NodeSync
+from . import bootstrap
 from . import placement as placements
+from .proxy_handle import ProxyHandle
 
 log = logging.getLogger("moe_a2a")
 

@@ -12,7 +12,7 @@ import pytest
 from moe_a2a.config import Layout
 from moe_a2a.protocol.words import Flag, flag_word
 from moe_a2a.protocol import host_atomics
-from moe_a2a.proxy.memory import SharedSegment, unique_name
+from moe_a2a.protocol.memory import SharedSegment, unique_name
 from moe_a2a.protocol.segment import Flags, read_error, write_error
 
 BACKENDS = ["libatomic"] + (["plain"] if host_atomics.PLAIN_IS_ORDERED else [])

@@ -1,4 +1,4 @@
-"""proxy.memory: shared segments, file descriptors passed between real processes, cuMem buffers (GPU)."""
+"""protocol.memory: shared segments, file descriptors passed between real processes, cuMem buffers (GPU)."""
 import os
 import socket
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from moe_a2a.proxy.memory import SharedSegment, fd_from_process, recv_fds, send_fds, unique_name
+from moe_a2a.protocol.memory import SharedSegment, fd_from_process, recv_fds, send_fds, unique_name
 
 
 def _memfd(content: bytes) -> int:
@@ -38,7 +38,7 @@ def test_fds_cross_a_unix_socket_to_another_process():
     ours, theirs = socket.socketpair()
     child = _python(f"""
         import os, socket
-        from moe_a2a.proxy.memory import recv_fds
+        from moe_a2a.protocol.memory import recv_fds
         sock = socket.socket(fileno={theirs.fileno()})
         fds = recv_fds(sock, 2, 20.0)
         print(b"|".join(os.pread(fd, 64, 0) for fd in fds).decode())
@@ -81,7 +81,7 @@ def test_fd_pulled_from_a_sibling_process_with_pidfd_getfd():
         pid, fd = map(int, owner.stdout.readline().split())
         puller = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
             import os
-            from moe_a2a.proxy.memory import fd_from_process
+            from moe_a2a.protocol.memory import fd_from_process
             print(os.pread(fd_from_process({pid}, {fd}), 64, 0).decode())
         """)], capture_output=True, text=True, timeout=30)
         assert puller.returncode == 0, puller.stderr
@@ -122,7 +122,7 @@ def test_shared_segment_file_is_removed_when_mapping_fails():
 
 
 def test_process_shm_files_match_one_pid_exactly():
-    from moe_a2a.proxy.memory import process_shm_files, remove_process_shm_files
+    from moe_a2a.protocol.memory import process_shm_files, remove_process_shm_files
 
     pid = (1 << 22) + 1 + os.getpid()  # above the largest possible pid_max (2**22): nobody else's
     mine = [f"/dev/shm/{pid}:0:0", f"/dev/shm/moe_a2a-{pid}-0011aabb"]
@@ -147,7 +147,7 @@ def test_process_shm_files_match_one_pid_exactly():
 def test_cumem_buffer_is_mapped_by_another_process_through_its_fd():
     import torch
 
-    from moe_a2a.proxy.memory import CuMemBuffer, device_view
+    from moe_a2a.protocol.memory import CuMemBuffer, device_view
 
     buf = CuMemBuffer(3 << 20, torch.cuda.current_device())
     assert buf.size >= 3 << 20 and buf.fd is not None
@@ -160,7 +160,7 @@ def test_cumem_buffer_is_mapped_by_another_process_through_its_fd():
     child = _python(f"""
         import ctypes, socket
         from cuda.bindings import driver as cu
-        from moe_a2a.proxy.memory import CuMemBuffer, recv_fds
+        from moe_a2a.protocol.memory import CuMemBuffer, recv_fds
         (fd,) = recv_fds(socket.socket(fileno={theirs.fileno()}), 1, 20.0)
         mem = CuMemBuffer({buf.size}, {torch.cuda.current_device()}, fd=fd)
         out = ctypes.create_string_buffer(5)

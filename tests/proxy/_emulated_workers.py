@@ -6,7 +6,7 @@ import time
 
 from moe_a2a.proxy.emulated import EmulatedEngine, parse_nic_settings
 from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
-from moe_a2a.proxy.memory import MemfdBuffer, SharedSegment, unique_name
+from moe_a2a.protocol.memory import MemfdBuffer, SharedSegment, unique_name
 
 IMM = 0x7E000000
 

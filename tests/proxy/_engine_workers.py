@@ -221,7 +221,7 @@ def exchange_over_gloo(comm, init_file: str) -> list:
     """``bootstrap.exchange`` over a real gloo group: gather engine addresses."""
     import torch.distributed as dist
 
-    from moe_a2a.proxy.bootstrap import exchange
+    from moe_a2a.runtime.bootstrap import exchange
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=comm.rank, world_size=comm.size)
     try:

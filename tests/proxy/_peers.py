@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 
-from moe_a2a.proxy.memory import remove_process_shm_files
+from moe_a2a.protocol.memory import remove_process_shm_files
 
 
 @dataclass(frozen=True)

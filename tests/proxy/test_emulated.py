@@ -13,7 +13,7 @@ import pytest
 from moe_a2a.proxy.emulated import (NIC_ENV, EmulatedEngine, NicSettings, nic_settings_from_env,
                                     parse_nic_settings)
 from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET
-from moe_a2a.proxy.memory import MemfdBuffer, process_shm_files
+from moe_a2a.protocol.memory import MemfdBuffer, process_shm_files
 
 from . import _emulated_workers as w
 from ._peers import Died, run_peers

@@ -26,8 +26,8 @@ from moe_a2a.protocol.words import Flag, Imm, WriteTable, encode_imm
 from moe_a2a.proxy import engine as engine_mod
 from moe_a2a.proxy import libfabric as lf
 from moe_a2a.proxy import worker
-from moe_a2a.proxy.handle import ProxySpec
-from moe_a2a.proxy.memory import MemfdBuffer, SharedSegment, send_fds, unique_name
+from moe_a2a.protocol.memory import MemfdBuffer, SharedSegment, send_fds, unique_name
+from moe_a2a.protocol.proxy_spec import ProxySpec
 
 from ._providers import PROVIDERS, provider_params
 

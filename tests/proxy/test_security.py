@@ -274,9 +274,10 @@ def test_proxy_local_only_segment_is_not_writable_by_guessing():
     random key) through its port change nothing in the segment."""
     from moe_a2a.config import A2AConfig
     from moe_a2a.protocol.words import Flag
-    from moe_a2a.proxy.memory import SharedSegment, unique_name
+    from moe_a2a.protocol.memory import SharedSegment, unique_name
     from moe_a2a.protocol.segment import read_error
-    from moe_a2a.proxy.handle import ProxyHandle, ProxySpec
+    from moe_a2a.protocol.proxy_spec import ProxySpec
+    from moe_a2a.runtime.proxy_handle import ProxyHandle
 
     lay = A2AConfig(max_num_tokens=4, num_experts=2, experts_per_token=1, hidden_dim=16).layout(1, 1)
     seg = SharedSegment(unique_name("moe_a2a_sec"), lay.segment_bytes(True), create=True)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from moe_a2a.proxy.memory import process_shm_files
+from moe_a2a.protocol.memory import process_shm_files
 
 pytestmark = [pytest.mark.slow]  # ranks started with multiprocessing, killed outright
 
