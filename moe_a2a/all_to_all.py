@@ -26,6 +26,7 @@ from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, write_plan
+from .triton_kernels.node_sync import launch_wait_apart
 from .triton_kernels.quant import Fp8Quantize, check_fused_quantize
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
@@ -99,7 +100,8 @@ class AllToAll:
         timeout_s: every wait ends in a TimeoutError naming what was missing after this long.
         gpu_wait: on a GPU, how the halves wait: "kernel" (spinning on the stream: asynchronous, CUDA-graph
             safe), "host" (the CPU polls, then launches: for ranks that share a GPU) or "auto" (host when
-            another rank uses the same GPU, else kernel).
+            another rank uses the same GPU without MPS, else kernel; under MPS ranks sharing a GPU wait in
+            one single-warp kernel per half, `triton_kernels/node_sync.py`).
         buffers: where the send/recv buffers live (`runtime/placement.py`): "staged" (this node's rows in
             GPU buffers shared by CUDA IPC, rows to and from other nodes staged in pinned shared host
             memory), "host" (all rows host-staged), "gpu" (GPU memory: CUDA IPC on one node, else cuMem
@@ -113,9 +115,11 @@ class AllToAll:
             "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
         rank_mask: shrink mode (`runtime.shrink.RankMask`, shareable between instances): a peer that a
             wait times out on is masked instead of failing the call, which goes on without it; routes to
-            masked ranks' experts are dropped (docs/protocol.md, section 6, shrink mode). Needs host waits (a CPU, or
-            `gpu_wait="host"`), and with remote peers `cfg.max_private_tokens >= max_num_tokens *
-            experts_per_token` (no shared remainder region, whose offsets would need every count row).
+            masked ranks' experts are dropped (docs/protocol.md, section 6, shrink mode). The wait that masks
+            is the host's (host waits) or, with kernel waits, the GPU's own (CUDA-graph safe; every rank on
+            one node); the deadline is `timeout_s`. With remote peers: host waits on a GPU, and
+            `cfg.max_private_tokens >= max_num_tokens * experts_per_token` (no shared remainder region, whose
+            offsets would need every count row).
 
     Experts are contiguous per rank: rank r hosts experts [r*L, (r+1)*L), L = E / world_size.
     Not thread-safe; one call in flight per instance; every dispatch is followed by one combine.
@@ -154,7 +158,7 @@ class AllToAll:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
         if rank_mask is not None:
-            check_rank_mask(rank_mask, gpu_wait, self.rank, self.world_size, self.device)
+            check_rank_mask(rank_mask, self.rank, self.world_size)
         self.rank_mask = rank_mask
         if buffers == "gpu" and self.device.type != "cuda":
             raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
@@ -176,6 +180,13 @@ class AllToAll:
             raise ValueError(f"rank_mask (shrink mode) with remote peers needs cfg.max_private_tokens >= "
                              f"max_num_tokens * experts_per_token = {cfg.max_routes} (no shared remainder region), "
                              f"got {cfg.max_private_tokens}")
+        if rank_mask is not None and self.layout.node_size < self.world_size and self.device.type == "cuda":
+            gpu_wait = "host" if gpu_wait == "auto" else gpu_wait  # the host takes in the proxies' masks
+        if rank_mask is not None and self.layout.node_size < self.world_size and self.device.type == "cuda" \
+                and gpu_wait != "host":  # every rank has the same layout: all refuse
+            raise ValueError(f"rank_mask (shrink mode) with remote peers needs gpu_wait='host' on a GPU, got "
+                             f"gpu_wait={gpu_wait!r}: the kernels' own waits mask node peers only (every rank on "
+                             f"one node), the proxies' remote ones are taken in by the host")
         self.transport = wiring.choose_transport(transport, hosts)
         self.nics = wiring.choose_nics(nics, self.transport, self.rank, self.layout, device=self.device)
         self.num_proxies = wiring.choose_proxies(proxies, self.transport, self.nics,
@@ -190,14 +201,17 @@ class AllToAll:
         self._w = Wiring(self.layout, group, self.rank, self.device, self.transport, self.nics, self.num_proxies,
                          buffers, gpu_wait, self.timeout_s, local_only=len(set(hosts)) == 1 and nics == "auto",
                          emulated_nic=None if self.emulated_nic is None else str(self.emulated_nic),
-                         shrink=rank_mask is not None)
+                         shrink=rank_mask is not None, shrink_mask=None if rank_mask is None else rank_mask.tensor)
         self._closed = False
         if self.emulated_nic is not None and self.with_proxy and self.rank == 0:
             emulated.log_settings(self.emulated_nic, "cuda" if self.placement == "nic" and self.device.type == "cuda"
                                   else "host")
         self._status, self._tracer = Status(self._w, cfg), Tracer(self._w)
         if rank_mask is not None:
-            self._status.enable_shrink(rank_mask)
+            if self._w.device_shrink:  # the kernels' waits mask late peers in rank_mask.tensor (graph-safe)
+                rank_mask.decided_on_device()
+            else:
+                self._status.enable_shrink(rank_mask)
         self._routes = None  # shrink mode: the routes this call's dispatch sent (masked ranks' dropped)
         self.route_slot = torch.full((cfg.max_num_tokens, cfg.experts_per_token), -1, dtype=torch.int32,
                                      device=self.device)
@@ -550,6 +564,8 @@ class AllToAll:
         w = self._w
         self._status.host_wait("combine_recv", self.epoch)
         if self.rank_mask is not None:  # experts of ranks masked during this call sent nothing: skip them
+            if w.device_shrink:  # the wait that may mask them first, then the slots dropped by the device mask
+                launch_wait_apart(w.node, "combine_recv", w.base)
             self.rank_mask.drop_route_slots(self.route_slot[: self._T], self._routes, self.layout.num_local_experts)
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, w.base,
@@ -646,16 +662,13 @@ class AllToAll:
             raise ValueError(f"{call}: called out of order; the instance is {_STATE_NAMES[self._state]}")
 
 
-def check_rank_mask(mask, gpu_wait: str, rank: int, world_size: int, device: torch.device) -> None:
-    """`AllToAll(rank_mask=...)`: a `RankMask` of this rank and world, on a rank that waits on the host."""
+def check_rank_mask(mask, rank: int, world_size: int) -> None:
+    """`AllToAll(rank_mask=...)`: a `RankMask` of this rank and world."""
     from .runtime.shrink import RankMask
 
     if not isinstance(mask, RankMask) or (mask.rank, mask.world_size) != (rank, world_size):
         raise ValueError(f"rank_mask: expected a runtime.shrink.RankMask(world_size={world_size}, rank={rank}), "
                          f"got {mask!r}")
-    if device.type == "cuda" and gpu_wait != "host":
-        raise ValueError(f"rank_mask (shrink mode) needs gpu_wait='host' on a GPU, got gpu_wait={gpu_wait!r}: a "
-                         f"masked peer is decided by the host's waits")
 
 
 def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) -> None:

@@ -43,6 +43,7 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -318,9 +319,12 @@ class Buffer:
             instances are garbage collected (their own finaliser), so both are honoured.
         enable_shrink: shrink mode (DeepEP's): a rank that stops calling is masked by each peer whose wait
             on it times out (`timeout_s`), and the calls go on without it (its tokens dropped, nothing
-            sent to its experts); `low_latency_query_mask_buffer` says who is masked. Waits on the host
-            (`gpu_wait="host"`: not capturable in a CUDA graph); `moe_a2a.runtime.shrink` says how.
-        transport, node_group, timeout_s, gpu_wait, device: passed to `AllToAll` (device default: the
+            sent to its experts); `low_latency_query_mask_buffer` says who is masked. Every rank on one
+            node with kernel waits (one GPU per rank, or MPS): the kernels' own waits mask, CUDA-graph safe;
+            else the host's; `moe_a2a.runtime.shrink` says how. The masking time is `timeout_s`.
+        timeout_s: every wait's deadline, and shrink mode's masking time (default: `MOE_A2A_TIMEOUT_S`
+            from the environment, else 30 s: DeepEP's own tests cannot pass it).
+        transport, node_group, gpu_wait, device: passed to `AllToAll` (device default: the
             first dispatch's `x.device`; "cuda" is the current CUDA device, "cpu:0" is "cpu", normalised
             and checked here).
     """
@@ -334,7 +338,7 @@ class Buffer:
                  num_qps_per_rank: int = 1, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  transport: str = "auto",
-                 node_group="auto", timeout_s: float = 30.0, gpu_wait: str = "auto", device=None) -> None:
+                 node_group="auto", timeout_s: float | None = None, gpu_wait: str = "auto", device=None) -> None:
         import torch.distributed as dist
 
         if group is None:
@@ -346,6 +350,8 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         # A device is normalised here, once ("cuda" -> the current CUDA device, "cpu:0" -> "cpu"), or refused.
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("MOE_A2A_TIMEOUT_S", "30"))
         self._options = dict(group=group, transport=transport, node_group=node_group, timeout_s=timeout_s,
                              gpu_wait=gpu_wait, device=None if device is None else canonical_device(device))
         self.enable_shrink = bool(enable_shrink)
@@ -1009,8 +1015,6 @@ class Buffer:
             for r in sorted(self._pending_mask):
                 self._mask.set(r, True)
             options["rank_mask"] = self._mask
-            if torch.device(options["device"]).type == "cuda":
-                options["gpu_wait"] = "host"
         built: list[AllToAll] = []
         try:
             # Under torch's stock default device, whatever the caller set (DeepEP's test sets cuda): the

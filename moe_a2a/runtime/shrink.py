@@ -1,4 +1,4 @@
-"""Shrink mode: the peers a rank has given up on (`RankMask`), and how a host wait stops waiting for them.
+"""Shrink mode: the peers a rank has given up on (`RankMask`), and how a wait stops waiting for them.
 
 A rank that stops calling (its process killed, or its code gone elsewhere) makes every wait on it time
 out. Without a mask that timeout is an error; with one (`AllToAll(rank_mask=...)`) the waiting rank
@@ -14,6 +14,13 @@ How a wait skips a peer: the waiting host *forges* the peer's words in its own s
 words there have one writer, the peer, which has stopped): `dispatch_ready` and `combine_ready` become
 `FORGED_EPOCH`, above any epoch, and its count row becomes zero. Every wait then passes for it, the
 kernels' own waits included, and the unpack takes no row from it; nothing in a kernel changes.
+
+With kernel waits (every rank on one node; CUDA-graph safe) the GPU decides instead, as DeepEP's kernels
+do: the mask lives in device memory (`RankMask.tensor`), each consumer half's separate wait
+(`triton_kernels.node_sync.launch_wait_apart`) skips masked node peers and masks those still late at its
+deadline (`timeout_s`), and the dispatch wait zeroes masked peers' count rows in this rank's sync area
+before the unpack reads them; the combine drops the route slots of masked ranks after its wait, by a
+device operation. Nothing is forged by the host.
 """
 from __future__ import annotations
 
@@ -31,21 +38,37 @@ class RankMask:
     """Which ranks this rank has masked, shared by the `AllToAll` instances of one user (the DeepEP
     facade's two alternating ones), so that a peer masked in one is skipped by the others at once.
 
+    Who decides: the host's waits (host waits: `Forger`), or the kernels' own waits (kernel waits, every
+    rank on one node: `decided_on_device`), which mask a late peer in `tensor` at their deadline, so a
+    CUDA graph replay masks and skips as an eager call does; routes and slots are then dropped by device
+    operations on every call (no host decision in the stream).
+
     Attributes:
-        masked: the masked ranks (the host decides: shrink mode waits on the host).
+        masked: the masked ranks (read from `tensor` when the device decides: a sync).
         tensor: `[W]` int32 on the device, 1 = masked (DeepEP's mask buffer), kept equal to `masked`.
     """
 
     def __init__(self, world_size: int, rank: int, device) -> None:
         self.world_size, self.rank = world_size, rank
         self.tensor = torch.zeros(world_size, dtype=torch.int32, device=device)
-        self.masked: set[int] = set()
+        self._masked: set[int] = set()
+        self.on_device = False
+
+    def decided_on_device(self) -> None:
+        """The kernels' waits mask peers in `tensor` from now on (`AllToAll` with kernel waits)."""
+        self.on_device = True
+
+    @property
+    def masked(self) -> set[int]:
+        if self.on_device:
+            return set(int(r) for r in torch.nonzero(self.tensor).flatten().tolist())
+        return self._masked
 
     def mask(self, ranks, why: str) -> None:
         """Mask `ranks` (never this rank itself), saying why once in the log."""
         new = sorted(set(int(r) for r in ranks) - self.masked - {self.rank})
         for r in new:
-            self.masked.add(r)
+            self._masked.add(r)
             self.tensor[r] = 1
         if new:
             log.warning("rank %d: masked rank(s) %s: %s; later calls go on without them", self.rank, new, why)
@@ -59,18 +82,18 @@ class RankMask:
                 raise ValueError(f"rank_to_mask: rank {rank} is this rank, which cannot mask itself")
             self.mask([rank], "masked by the caller")
         elif rank in self.masked:
-            self.masked.discard(rank)
+            self._masked.discard(rank)
             self.tensor[rank] = 0
 
     def clear(self) -> None:
         """DeepEP's `low_latency_clean_mask_buffer`: unmask every rank."""
-        self.masked.clear()
+        self._masked.clear()
         self.tensor.zero_()
 
     def drop_routes(self, indices: torch.Tensor, num_local_experts: int) -> torch.Tensor:
         """`indices` with the routes to masked ranks' experts set to -1 (a new tensor; the caller's is
-        left as it is), or `indices` itself when nothing is masked."""
-        if not self.masked:
+        left as it is), or `indices` itself when nothing is masked (the host decides and masked none)."""
+        if not self.on_device and not self._masked:
             return indices
         owner = torch.where(indices >= 0, indices // num_local_experts, 0)
         return torch.where((indices >= 0) & (self.tensor[owner] != 0), torch.full_like(indices, -1), indices)
@@ -78,7 +101,7 @@ class RankMask:
     def drop_route_slots(self, route_slot: torch.Tensor, indices: torch.Tensor, num_local_experts: int) -> None:
         """In place: the route slots (`[T, K]`, -1 = no route) of routes to masked ranks' experts become -1,
         so the reduce skips the expert outputs that a rank masked during this call never sent."""
-        if not self.masked:
+        if not self.on_device and not self._masked:
             return
         owner = torch.where(indices >= 0, indices // num_local_experts, 0)
         route_slot.masked_fill_((indices >= 0) & (self.tensor[owner] != 0), -1)

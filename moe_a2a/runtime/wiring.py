@@ -32,6 +32,19 @@ STARTUP_S = 60.0
 
 
 # ---- decisions from the arguments and the hosts (the same on every rank) --------------------------
+def mps_enabled(device: torch.device) -> bool:
+    """Whether this process's contexts on `device` run under MPS (clients' kernels then run side by side,
+    so ranks sharing the GPU may wait in kernels). False when the driver cannot say."""
+    try:
+        from cuda.bindings import runtime as rt
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        err, value = rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMpsEnabled, index)
+        return err == rt.cudaError_t.cudaSuccess and bool(value)
+    except Exception:  # an older cuda-python or driver: no MPS assumed (host waits, the safe side)
+        return False
+
+
 def node_size(node_group, hosts: list[str], world_size: int) -> int:
     """Ranks per node: an int, "auto"/None (ranks of one hostname, grouped contiguously) or a group."""
     W = world_size
@@ -104,9 +117,10 @@ class Wiring:
 
     def __init__(self, layout: Layout, group, rank: int, device, transport: str, nics, num_proxies: int,
                  buffers: str, gpu_wait: str, timeout_s: float, local_only: bool, emulated_nic: str | None = None,
-                 shrink: bool = False) -> None:
+                 shrink: bool = False, shrink_mask: torch.Tensor | None = None) -> None:
         self.layout, self.group, self.rank, self.device = layout, group, rank, device
         self.shrink = shrink  # shrink mode: the proxies mask the peers they time out on (runtime/shrink.py)
+        self.shrink_mask = shrink_mask  # shrink mode: the `RankMask` tensor, for the kernels' own waits
         self.emulated_nic = emulated_nic or ""  # transport "emulated": its NIC settings, for the proxies
         self.transport, self.nics, self.num_proxies = transport, nics, num_proxies
         self.timeout_s, self.local_only, self._gpu_wait = timeout_s, local_only, gpu_wait
@@ -196,19 +210,24 @@ class Wiring:
             seg.register_cuda()
         gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(dev).uuid)) if on_gpu else None
         table = bootstrap.exchange(self.group, (addresses, regions, seg.name, self.buffers.share(), gpu,
-                                                gpu_regions, self._gpu_wait, k))
+                                                gpu_regions, self._gpu_wait, k, on_gpu and mps_enabled(dev)))
         if any(t[7] != k for t in table):  # every rank sees the same table: every rank raises
             raise ValueError(f"proxies: every rank must run the same number of proxy processes, got "
                              f"{[t[7] for t in table]} (per rank)")
 
-        # Ranks sharing one GPU are time-sliced, not concurrent: a kernel spinning on a flag would hold
-        # the GPU while the peer it waits for cannot run. Such ranks wait on the host instead.
+        # Ranks sharing one GPU without MPS are time-sliced, not concurrent: a kernel spinning on a flag would
+        # hold the GPU while the peer it waits for cannot run. Such ranks wait on the host instead.
         def waits_on_host(i: int) -> bool:
-            gpu_i, wait_i = table[i][4], table[i][6]
+            gpu_i, wait_i, mps_i = table[i][4], table[i][6], table[i][8]
             shared = gpu_i is not None and any(t[4] == gpu_i for j, t in enumerate(table) if j != i)
-            return gpu_i is not None and (wait_i == "host" or (wait_i == "auto" and shared))
+            return gpu_i is not None and (wait_i == "host" or (wait_i == "auto" and shared and not mps_i))
 
         self.host_waits = waits_on_host(r)
+        # Under MPS ranks sharing a GPU run side by side, but a waiting grid of one program per SM may hold
+        # every SM while the peer's producer waits for one: such ranks spin in one single-warp kernel instead.
+        self.shares_gpu = gpu is not None and any(t[4] == gpu for j, t in enumerate(table) if j != r)
+        # Shrink mode decided by the kernels' own waits (every rank on one node, kernel waits: graph-safe).
+        self.device_shrink = self.shrink_mask is not None and on_gpu and not self.host_waits
         # The sync area is in device memory (end of the recv buffers) when every rank is on one node and
         # waits in kernels; else in the segments, where the host and the proxy see it too.
         self.device_sync = not self.with_proxy and not any(map(waits_on_host, range(W)))
@@ -305,7 +324,10 @@ class Wiring:
             # Ranks sharing a GPU wait on the host; their kernels must not spin at all.
             with_proxy=self.with_proxy, kernel_waits=not self.host_waits,
             # Words in pinned host memory: one small kernel polls them, not every program of a data kernel.
-            wait_apart=on_gpu and not self.host_waits and (not self.device_sync or self.placement == "host"))
+            # Shrink mode with kernel waits: that kernel also masks late peers (runtime/shrink.py).
+            wait_apart=on_gpu and not self.host_waits and (not self.device_sync or self.placement == "host"
+                                                           or self.shares_gpu or self.device_shrink),
+            rank_mask=self.shrink_mask if self.device_shrink else None)
         # Host waits: the host polls the same words before it launches a kernel, whose own wait then
         # passes at its first poll (the interpreter runs a kernel to the end before returning).
         self.ready_words = self.counts_np = None

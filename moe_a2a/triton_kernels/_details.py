@@ -88,10 +88,18 @@ def node_wait(
     USE_PTX: tl.constexpr,
     SPIN: tl.constexpr = True,   # False: the host already waited for all of it (host waits): no spin
     BACKOFF_NS: tl.constexpr = 0,  # GPU: sleep this long between polls (host memory: each poll crosses PCIe)
+    mask_ptr=None,               # shrink mode: (W,) int32 masked ranks (1 = masked), device memory
+    counts_bytes=0,              # shrink mode, dispatch: this rank's count rows - base (0: leave them)
+    E: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
+    SHRINK: tl.constexpr = False,  # masked node peers are not awaited; at the deadline late ones are masked
 ):
     """Prologue: spin until ready[s] >= epoch for every s of this node (and the proxy's flag is up).
     Returns True when the caller may proceed (False after an earlier failure, a timeout or a proxy
-    error, which it records: `protocol_device.encode_wait_status`)."""
+    error, which it records: `protocol_device.encode_wait_status`).
+
+    With SHRINK (one program: the separate wait) the deadline masks the late node peers instead of
+    failing, and, with `counts_bytes`, every masked peer's count row here reads zero afterwards (a stopped
+    or masked source sends nothing this call)."""
     ok = tl.load(failed_ptr, volatile=True) == 0
     if SPIN:
         if ok:
@@ -109,6 +117,8 @@ def node_wait(
             while state < 0:
                 seen = load_acquire_sys(words, USE_PTX)
                 late = (seen < target) & (i < NODE)
+                if SHRINK:
+                    late = late & (tl.load(mask_ptr + node_first + i, mask=i < NODE, other=0, volatile=True) == 0)
                 n_late = tl.sum(late.to(tl.int32), axis=0)
                 broken = tl.zeros([], dtype=tl.int1)
                 if HAS_PROXY:
@@ -125,6 +135,19 @@ def node_wait(
                     elapsed = tl.zeros([], dtype=tl.int64)
                 timed_out = (elapsed > timeout_ns) | ((max_spins > 0) & (spins >= max_spins)) | broken
                 state = tl.where(n_late == 0, 0, tl.where(timed_out, 1, -1))
+                if SHRINK:
+                    if state == 1:
+                        if not broken:
+                            if not proxy_late:  # only node peers are masked here; the proxy masks remote ones
+                                tl.store(mask_ptr + node_first + i, tl.full([NODE_PAD], 1, tl.int32), mask=late)
+                                state = tl.full([], 0, dtype=tl.int32)
+            if SHRINK:
+                if counts_bytes > 0:
+                    gone = tl.load(mask_ptr + node_first + i, mask=i < NODE, other=0, volatile=True) != 0
+                    e = tl.arange(0, E_PAD)
+                    rows = base_ptr.to(tl.pointer_type(tl.int32)) + counts_bytes // 4 + (node_first + i[:, None]) * E
+                    tl.store(rows + e[None, :], tl.zeros([NODE_PAD, E_PAD], dtype=tl.int32),
+                             mask=gone[:, None] & (e[None, :] < E))
             if state != 0:
                 missing = tl.sum(tl.where(late, tl.full([NODE_PAD], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
                 tl.store(flags_ptr + STATUS_WORD, protocol_device.encode_wait_status(missing, proxy_late))

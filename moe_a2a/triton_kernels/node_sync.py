@@ -81,14 +81,19 @@ class NodeSync:
         with_proxy: remote peers exist: the kernels also wait for / raise the proxy's flags.
         kernel_waits: False when the host polls every word before it launches a kernel (CPU, or ranks
             sharing one GPU, which must not spin in a kernel): the prologues then only check `failed`.
-        wait_apart: the words live in pinned host memory (with remote peers, or host-staged buffers):
-            one single-warp kernel (`launch_wait_apart`) spins before each data kernel, whose prologue
-            then only checks `failed`: every program of a data kernel polling host memory would keep
-            hundreds of PCIe reads in flight and slow everything else on the bus (docs/perf-notes.md).
+        wait_apart: the words live in pinned host memory (with remote peers, or host-staged buffers),
+            or ranks share a GPU (MPS): one single-warp kernel (`launch_wait_apart`) spins before each
+            data kernel, whose prologue then only checks `failed`: every program of a data kernel polling
+            host memory would keep hundreds of PCIe reads in flight and slow everything else on the bus
+            (docs/perf-notes.md); under MPS a waiting grid of one program per SM can hold every SM while
+            the peer's producer waits for one (MPS does not preempt).
         interpreter_spins: how many polls before giving up under the interpreter (no clock there).
         aborted: `[1]` int64 on the device, the last epoch this rank aborts at its combine (bad combine
             input: the host; an expert over capacity: the unpack kernel), or None (not told: tests);
             `combine_aborted_bytes`: where node peers' aborts are in a sync area.
+        rank_mask: shrink mode with kernel waits (`runtime.shrink`): `[W]` int32 on the device, 1 = masked.
+            The consumers' separate waits (`wait_apart` must be set) skip masked node peers, mask those
+            still late at `timeout_s`, and zero masked peers' count rows before the unpack reads them.
     """
 
     epoch: torch.Tensor
@@ -111,6 +116,7 @@ class NodeSync:
     interpreter_spins: int = INTERPRETER_MAX_SPINS
     aborted: torch.Tensor | None = None
     combine_aborted_bytes: int = 0
+    rank_mask: torch.Tensor | None = None
 
     def kernel_args(self, half: str, device: torch.device) -> dict:
         """Keyword arguments of the synchronising prologue/epilogue of one half's kernel."""
@@ -149,12 +155,15 @@ def _wait_apart_kernel(
     READY_BYTES: tl.constexpr, NODE: tl.constexpr, NODE_PAD: tl.constexpr, HAS_PROXY: tl.constexpr,
     PROXY_WAIT_WORD: tl.constexpr, PROXY_DELTA: tl.constexpr, ERROR_WORD: tl.constexpr,
     STATUS_WORD: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
+    mask_ptr, counts_bytes, E: tl.constexpr, E_PAD: tl.constexpr, SHRINK: tl.constexpr,
 ):
     """Grid (1,), one warp: the wait of one half (`node_wait`) ahead of its data kernel, which then
-    starts after it on the stream. A failure is recorded (status word, sticky `failed`) as in the prologue."""
+    starts after it on the stream. A failure is recorded (status word, sticky `failed`) as in the prologue.
+    Shrink mode: late node peers are masked at the deadline, and the dispatch wait zeroes masked peers'
+    count rows, so the data kernel after it takes nothing from them."""
     d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first, timeout_ns,
                 max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD,
-                USE_PTX, True, BACKOFF_NS)
+                USE_PTX, True, BACKOFF_NS, mask_ptr, counts_bytes, E, E_PAD, SHRINK)
 
 
 def launch_wait_apart(node: NodeSync | None, half: str, base: torch.Tensor) -> None:
@@ -169,13 +178,18 @@ def launch_wait_apart(node: NodeSync | None, half: str, base: torch.Tensor) -> N
     if _WAIT_APART.hit(key):
         return
     a = node.kernel_args(half, base.device)
+    shrink = consumer and node.rank_mask is not None
     _WAIT_APART.launch(
         key, (1,), base, a["failed_ptr"], a["epoch_ptr"], a["flags_ptr"], node.sync_bytes if consumer else 0,
         node.node_first if consumer else 0, a["timeout_ns"], a["max_spins"],
         READY_BYTES=a["READY_BYTES"] if consumer else 0, NODE=node.node_size if consumer else 0,
         NODE_PAD=next_power_of_2(node.node_size) if consumer else 1, HAS_PROXY=node.with_proxy,
         PROXY_WAIT_WORD=a["PROXY_WAIT_WORD"], PROXY_DELTA=a["PROXY_DELTA"], ERROR_WORD=a["ERROR_WORD"],
-        STATUS_WORD=a["STATUS_WORD"], USE_PTX=a["USE_PTX"], BACKOFF_NS=WAIT_APART_BACKOFF_NS, num_warps=1)
+        STATUS_WORD=a["STATUS_WORD"], USE_PTX=a["USE_PTX"], BACKOFF_NS=WAIT_APART_BACKOFF_NS,
+        mask_ptr=node.rank_mask if shrink else node.failed,
+        counts_bytes=node.sync_bytes + node.counts_bytes if shrink and half == "dispatch_recv" else 0,
+        E=node.num_experts if shrink else 1, E_PAD=next_power_of_2(node.num_experts) if shrink else 1,
+        SHRINK=shrink, num_warps=1)
 
 
 _WAIT_APART = launch.LaunchCache(_wait_apart_kernel)

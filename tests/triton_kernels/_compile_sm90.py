@@ -3,6 +3,7 @@ TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile).
 
     python3 -m tests.triton_kernels._compile_sm90 WORLD NODE     # the write-plan kernels
     python3 -m tests.triton_kernels._compile_sm90 pack           # dispatch pack (copy and fused fp8), quantize_fp8
+    python3 -m tests.triton_kernels._compile_sm90 wait           # the separate wait, shrink mode's included
 """
 import inspect
 import sys
@@ -109,8 +110,30 @@ def main_pack() -> None:
     print("compiled", [k.name for k in kernels])
 
 
+def main_wait() -> None:
+    """The separate wait (`node_sync._wait_apart_kernel`) as ranks sharing a GPU and shrink mode launch it:
+    node peers only, plain and masking (dispatch: with the count rows zeroed; combine: without)."""
+    from moe_a2a.triton_kernels import node_sync
+
+    pointers = dict(base_ptr="*u8", failed_ptr="*i64", epoch_ptr="*i64", flags_ptr="*i64", mask_ptr="*i32")
+    kernels = []
+    for shrink, counts in ((False, False), (True, True), (True, False)):
+        meta = dict(READY_BYTES=64, NODE=8, NODE_PAD=8, HAS_PROXY=False, PROXY_WAIT_WORD=0, PROXY_DELTA=0,
+                    ERROR_WORD=1, STATUS_WORD=2, USE_PTX=True, BACKOFF_NS=200, E=256 if shrink else 1,
+                    E_PAD=256 if shrink else 1, SHRINK=shrink)
+        ptrs = dict(pointers) if shrink else dict(pointers, mask_ptr="*i64")
+        if not counts:
+            meta["counts_bytes"] = 0  # a launch with 0 specialises it away
+        kernels.append(_compile(node_sync._wait_apart_kernel, ptrs, meta))
+    for k in kernels:
+        assert k.asm.get("cubin"), "no cubin"
+    print("compiled", [k.name for k in kernels])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "pack":
         main_pack()
+    elif sys.argv[1] == "wait":
+        main_wait()
     else:
         main(int(sys.argv[1]), int(sys.argv[2]))

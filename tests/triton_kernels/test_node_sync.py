@@ -24,7 +24,7 @@ from moe_a2a.triton_kernels.combine import pack_combine_by_source, reduce_combin
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 from moe_a2a.protocol.words import Flag, flag_word
 from moe_a2a.protocol.words import decode_wait_status
-from moe_a2a.triton_kernels.node_sync import NodeSync
+from moe_a2a.triton_kernels.node_sync import NodeSync, launch_wait_apart
 from moe_a2a.triton_kernels.routing import route_tokens
 
 from ..conftest import TEST_DEVICE, examples
@@ -39,7 +39,8 @@ def sync_at(world) -> list[int]:
     return [r + world.layout.recv_sync_offset_bytes for r in world.recv_bytes]
 
 
-def node_syncs(world, timeout_s: float = 30.0, spins: int = 1 << 16, wait_apart: bool = False) -> list[NodeSync]:
+def node_syncs(world, timeout_s: float = 30.0, spins: int = 1 << 16, wait_apart: bool = False,
+               masks: list | None = None) -> list[NodeSync]:
     lay, dev = world.layout, world.arena.device
     out = []
     for r in range(world.world_size):
@@ -50,7 +51,8 @@ def node_syncs(world, timeout_s: float = 30.0, spins: int = 1 << 16, wait_apart:
             peer_sync_bytes=world.peer_table(r, sync_at(world)), sync_bytes=sync_at(world)[r], rank=r, node_first=0,
             node_size=world.world_size, dispatch_ready_bytes=lay.dispatch_ready_offset_bytes,
             combine_ready_bytes=lay.combine_ready_offset_bytes, counts_bytes=lay.node_counts_offset_bytes,
-            num_experts=lay.num_experts, timeout_s=timeout_s, interpreter_spins=spins, wait_apart=wait_apart))
+            num_experts=lay.num_experts, timeout_s=timeout_s, interpreter_spins=spins, wait_apart=wait_apart,
+            rank_mask=None if masks is None else masks[r]))
     return out
 
 
@@ -64,20 +66,22 @@ def counts_view(world, r: int) -> torch.Tensor:
     return world.arena[at: at + lay.routing_bytes].view(torch.int32).view(lay.world_size, lay.num_experts)
 
 
-def node_local_call(world, syncs, xs, scales, indices, bound_ms, weights, expert_y_of):
-    """One dispatch + combine over every rank, node-local. Returns (num_tokens, expert_x, expert_x_scale,
-    out_tokens), each per rank."""
+def node_local_call(world, syncs, xs, scales, indices, bound_ms, weights, expert_y_of, ranks=None, before_reduce=None):
+    """One dispatch + combine over every rank (or over `ranks`, the others silent), node-local. Returns
+    (num_tokens, expert_x, expert_x_scale, out_tokens), each per rank (None for a silent rank).
+    `before_reduce(r, slot)`: called between rank r's combine wait and its reduce (shrink mode)."""
     cfg, lay, W, dev = world.cfg, world.layout, world.world_size, world.arena.device
-    slots = []
-    for r in range(W):
+    ranks = list(range(W)) if ranks is None else ranks
+    slots = [None] * W
+    for r in ranks:
         slot = torch.empty(indices[r].shape, dtype=torch.int32, device=dev)
         route_tokens(indices[r].to(dev), cfg.num_experts, out_counts=counts_view(world, r)[r], out_route_slot=slot,
                      bound_m=bound_tensor(bound_ms[r], dev), epoch=syncs[r].epoch)
         pack_tokens_by_expert(xs[r].to(dev), None if scales[r] is None else scales[r].to(dev), slot, world.arena,
                               world.send_bytes[r], cfg, bound_m=bound_tensor(bound_ms[r], dev), node=syncs[r])
-        slots.append(slot)
-    nums, exs, exss = [], [], []
-    for me in range(W):
+        slots[r] = slot
+    nums, exs, exss = [None] * W, [None] * W, [None] * W
+    for me in ranks:
         n = torch.full((lay.num_local_experts,), -7, dtype=torch.int32, device=dev)
         ex = torch.full((lay.max_dispatch_rows, cfg.hidden_dim * cfg.in_itemsize), POISON, dtype=torch.uint8,
                         device=dev).view(cfg.in_dtype)
@@ -85,21 +89,22 @@ def node_local_call(world, syncs, xs, scales, indices, bound_ms, weights, expert
                 if cfg.has_scales else None)
         unpack_tokens_by_expert(n, ex, exs_, counts_view(world, me), me, world.arena,
                                 world.peer_table(me, world.send_bytes), world.recv_bytes[me], cfg, lay, node=syncs[me])
-        nums.append(n)
-        exs.append(ex)
-        exss.append(exs_)
-    for me in range(W):
+        nums[me], exs[me], exss[me] = n, ex, exs_
+    for me in ranks:
         pack_combine_by_source(expert_y_of(me, exs[me]), counts_view(world, me), me, world.arena,
                                world.peer_table(me, world.recv_bytes),
                                world.send_bytes[me] + lay.combine_stage_offset_bytes, cfg, lay, node=syncs[me])
-    outs = []
-    for r in range(W):
+    outs = [None] * W
+    for r in ranks:
         out = torch.full((indices[r].shape[0], cfg.hidden_dim * cfg.out_itemsize), POISON, dtype=torch.uint8,
                          device=dev).view(cfg.out_dtype)
+        if before_reduce is not None:
+            launch_wait_apart(syncs[r], "combine_recv", world.arena)
+            before_reduce(r, slots[r])
         reduce_combined_tokens(out, slots[r], weights[r].to(dev), world.arena,
                                world.recv_bytes[r] + lay.combine_recv_offset_bytes, cfg,
                                bound_m=bound_tensor(bound_ms[r], dev), node=syncs[r])
-        outs.append(out)
+        outs[r] = out
     return nums, exs, exss, outs
 
 
@@ -261,3 +266,55 @@ def test_a_missing_peer_is_named_and_stops_the_rank(wait_apart: bool) -> None:
                            world.send_bytes[0], cfg, lay, node=syncs[0])
     assert torch.equal(world.arena[ready_at: ready_at + 8 * 3], before)
     assert int(syncs[0].counter) == 0  # the epilogue still ran to the end (counter reset)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_shrink_masks_a_silent_peer_in_the_kernels_own_wait(in_dtype) -> None:
+    """Shrink mode with kernel waits (`NodeSync.rank_mask`): rank 2 stops; the separate waits of ranks 0
+    and 1 mask it at their deadline instead of failing, zero its count row (garbage planted there), and
+    the call goes on without it: received rows and combined tokens equal the reference's with rank 2's
+    tokens absent and the routes to its experts dropped. The next call passes without waiting for it."""
+    case = Case(world_size=3, node_size=3, max_num_tokens=6, num_tokens=(5, 4, 6), bound_m=(None,) * 3, in_dtype=in_dtype,
+                hidden_dim=32, scale_block=16 if in_dtype == FP8 else None, seed=11)
+    cfg = case.cfg
+    world = case.world(TEST_DEVICE)
+    lay, dev, L = world.layout, world.arena.device, world.layout.num_local_experts
+    masks = [torch.zeros(3, dtype=torch.int32, device=dev) for _ in range(3)]
+    syncs = node_syncs(world, timeout_s=0.05, spins=3, wait_apart=True, masks=masks)
+    xs, scales, indices = make_inputs(case)
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.rand(T, cfg.experts_per_token, generator=gen) for T in case.num_tokens]
+    for r in (0, 1):
+        counts_view(world, r)[2] = 5  # what a stopped peer may have left: must not be read
+    silent = [idx.clone() for idx in indices]
+    silent[2] = torch.full_like(indices[2], -1)  # rank 2 sends nothing
+    want = expected_call(dataclasses.replace(case), xs, scales, silent, weights)
+    dropped = [torch.where((idx >= 0) & (idx // L == 2), -1, idx) for idx in silent]
+    outs_ref = reference.combine(cfg, dropped, weights,
+                                 [toy_y(cfg, r, ex) for r, (_, ex, _) in enumerate(want.dispatched)])
+
+    def drop_slots(r, slot):
+        slot.masked_fill_((indices[r].to(dev) >= 0) & (masks[r][(indices[r].to(dev) // L).clamp(min=0)] != 0), -1)
+
+    for call in (1, 2):
+        nums, exs, exss, outs = node_local_call(world, syncs, xs, scales, indices, [None] * 3, weights,
+                                                lambda me, ex: toy_y(cfg, me, ex), ranks=[0, 1],
+                                                before_reduce=drop_slots)
+        for r in (0, 1):
+            at = (call, r)
+            assert masks[r].tolist() == [0, 0, 1], at
+            assert int(syncs[r].failed) == 0 and not bool(syncs[r].flags.any()), at
+            assert counts_view(world, r)[2].tolist() == [0] * lay.num_experts, at
+            n_ref, x_ref, s_ref = want.dispatched[r]
+            assert torch.equal(nums[r].cpu(), n_ref), at
+            for l, a in enumerate(want.starts[r]):
+                n = int(n_ref[l])
+                assert torch.equal(exs[r].view(torch.uint8).cpu()[a:a + n], x_ref[a:a + n].view(torch.uint8)), (*at, l)
+                if cfg.has_scales:
+                    assert torch.equal(exss[r][a:a + n].cpu(), s_ref[a:a + n]), (*at, l)
+            o = outs[r].cpu()
+            if TEST_DEVICE == "cpu":
+                assert torch.equal(o.view(torch.uint8), outs_ref[r].view(torch.uint8)), at
+            else:
+                torch.testing.assert_close(o.float(), outs_ref[r].float(), rtol=RTOL[cfg.out_dtype], atol=1e-5)
