@@ -64,6 +64,12 @@ DISPATCH_ROW_BYTES = 7392         # 7168 B fp8 + 56 fp32 scales
 COMBINE_ROW_BYTES = 14336         # 7168 bf16
 ROUTE_ROW_BYTES = 4 * NUM_EXPERTS  # one int32 count per expert: the routing row each rank sends
 GPUS_PER_NODE = 8                 # p5en / DGX H200
+# The three levers of issue 32 (moe_a2a/reference.py, `Wire` and `row_bytes`): a dispatch row per (token,
+# rank) carries the token's K int32 expert ids, and its K fp32 weights when the combine is reduced at the
+# sender (16-byte padded); an fp8 combine row is 7168 B of e4m3 + 56 fp32 scales (128-element blocks).
+RANK_ROW_IDS_BYTES = 4 * TOPK     # 32 B
+RANK_ROW_WEIGHTS_BYTES = 4 * TOPK  # 32 B
+FP8_COMBINE_ROW_BYTES = 7392      # 7168 + 56 x 4
 
 # ---- GPU side, H200 (measured) ----------------------------------------------------------------------
 # Kernel GPU time inside a CUDA graph, rank 0 of a 64-rank layout, all rows in local memory
@@ -191,6 +197,11 @@ PROVENANCE = {
     "COMBINE_ROW_BYTES": ("config", "7168 bf16 (docs/protocol.md, section 5)"),
     "ROUTE_ROW_BYTES": ("config", "one int32 per expert (docs/protocol.md, 2.1)"),
     "GPUS_PER_NODE": ("config", "8 H200 per node (p5en, DGX H200)"),
+    "RANK_ROW_IDS_BYTES": ("config", "issue 32: a per-(token, rank) dispatch row carries the K int32 expert ids "
+                                     "(moe_a2a/reference.py, row_bytes)"),
+    "RANK_ROW_WEIGHTS_BYTES": ("config", "issue 32: and the K fp32 weights when the combine is reduced at the sender"),
+    "FP8_COMBINE_ROW_BYTES": ("config", "issue 32: fp8 combine row, 7168 B e4m3 + 56 fp32 scales (128-element "
+                                        "blocks, as the dispatch's)"),
     "K_ROUTE_TOKENS": ("measured", f"{_KJ}: route_tokens, decode, graph replay"),
     "K_PACK_TOKENS": ("measured", f"{_KJ}: pack_tokens_by_expert"),
     "K_UNPACK_TOKENS": ("measured", f"{_KJ}: unpack_tokens_by_expert"),
@@ -317,12 +328,34 @@ def mix(a: Path, b: Path, p: float) -> Path:
 
 
 # ---- routing statistics (uniform routing: each token picks K distinct experts uniformly) --------------
-def rows_per_pair_pmf(world: int) -> np.ndarray:
-    """Rows one rank sends to one other rank: a sum over T tokens of a hypergeometric (E experts,
-    L = E/W of them on the target, K distinct draws)."""
+def p_token_hits_rank(world: int) -> float:
+    """Probability that a token has at least one of its K experts on a given rank (L = E/W of the E):
+    1 - C(E - L, K) / C(E, K)."""
     L = NUM_EXPERTS // world
-    per_token = np.array([math.comb(L, j) * math.comb(NUM_EXPERTS - L, TOPK - j)
-                          for j in range(min(L, TOPK) + 1)], float) / math.comb(NUM_EXPERTS, TOPK)
+    return 1.0 - math.comb(NUM_EXPERTS - L, TOPK) / math.comb(NUM_EXPERTS, TOPK)
+
+
+def expected_distinct_ranks(world: int, node: int | None = None) -> dict:
+    """Ranks a token's K experts land on, in expectation: ``all`` = W * p_token_hits_rank(W), ``remote`` =
+    those on other nodes ((W - node) * p), and the rows a rank sends per token: K routes against that many
+    rank rows (``dedup`` = K / all, the factor a per-(token, rank) row saves)."""
+    node = min(world, GPUS_PER_NODE if node is None else node)
+    p = p_token_hits_rank(world)
+    return {"world": world, "all": world * p, "remote": (world - node) * p, "routes": float(TOPK),
+            "remote_routes": TOPK * (world - node) / world, "dedup": TOPK / (world * p)}
+
+
+def rows_per_pair_pmf(world: int, per: str = "route") -> np.ndarray:
+    """Rows one rank sends to one other rank: a sum over T tokens of, per token, a hypergeometric (E
+    experts, L = E/W of them on the target, K distinct draws) with ``per="route"`` (one row per route), or
+    a Bernoulli(p_token_hits_rank) with ``per="rank"`` (one row per (token, rank))."""
+    L = NUM_EXPERTS // world
+    if per == "rank":
+        p = p_token_hits_rank(world)
+        per_token = np.array([1.0 - p, p])
+    else:
+        per_token = np.array([math.comb(L, j) * math.comb(NUM_EXPERTS - L, TOPK - j)
+                              for j in range(min(L, TOPK) + 1)], float) / math.comb(NUM_EXPERTS, TOPK)
     pmf = np.array([1.0])
     for _ in range(TOKENS):
         pmf = np.convolve(pmf, per_token)
@@ -337,9 +370,11 @@ def private_rows(world: int) -> int:
     return min(routes, -(-twice_mean // 8) * 8)   # round up to 8
 
 
-def routing_stats(world: int, node: int = GPUS_PER_NODE) -> dict:
+def routing_stats(world: int, node: int = GPUS_PER_NODE, per: str = "route") -> dict:
+    """``per="rank"``: dispatch rows per (token, rank); the private region keeps its size in rows
+    (`private_rows`, computed from routes), so fewer rows overflow it."""
     node = min(node, world)
-    pmf = rows_per_pair_pmf(world)
+    pmf = rows_per_pair_pmf(world, per)
     P = private_rows(world)
     p_rem = float(pmf[P + 1:].sum())                      # one (sender, receiver) pair overflows P
     remote = world - node
@@ -347,7 +382,8 @@ def routing_stats(world: int, node: int = GPUS_PER_NODE) -> dict:
     p_rank = 1.0 - (1.0 - p_rem) ** remote                # a given rank has a remainder to send
     return dict(
         world=world, node=node, remote_peers=remote, local_peers=node - 1,
-        rows_per_peer=TOKENS * TOPK / world, private_rows=P, p_remainder_pair=p_rem,
+        rows_per_peer=TOKENS * (TOPK / world if per == "route" else p_token_hits_rank(world)),
+        private_rows=P, p_remainder_pair=p_rem,
         # ranks step together: the phase waits if ANY remote pair needs a remainder write
         p_any_remainder=1.0 - (1.0 - p_rem) ** (world * remote),
         p_remainder_rank=p_rank,
@@ -383,6 +419,31 @@ class Setup:
     # (host_staged) every row does, this node's too (`buffers="host"`).
     staged_remote_only: bool = False
     protocol: str = PROTOCOL
+    # The levers of issue 32 (protocol 2026-12-01 only; moe_a2a/reference.py `Wire`): "route" = one row per
+    # route (today), "rank" = one dispatch row per (token, rank) / the combine reduced at the sender, one row
+    # per (token, rank); combine_fp8 = combine rows in fp8 e4m3 + fp32 scales.
+    dispatch_rows: str = "route"
+    combine_rows: str = "route"
+    combine_fp8: bool = False
+
+
+def _dispatch_row_bytes(s: Setup) -> int:
+    """A dispatch row on the wire: the payload and scales; per (token, rank) also the K expert ids and,
+    with the combine reduced at the sender, the K weights (16-byte padded)."""
+    if s.dispatch_rows == "route":
+        return DISPATCH_ROW_BYTES
+    meta = RANK_ROW_IDS_BYTES + (RANK_ROW_WEIGHTS_BYTES if s.combine_rows == "rank" else 0)
+    return DISPATCH_ROW_BYTES + -(-meta // 16) * 16
+
+
+def _combine_row_bytes(s: Setup) -> int:
+    return FP8_COMBINE_ROW_BYTES if s.combine_fp8 else COMBINE_ROW_BYTES
+
+
+def _rows_per_rank(s: Setup, per: str) -> float:
+    """Rows a rank sends in a phase, to every rank (itself included): T*K routes, or T tokens times the
+    expected ranks a token hits."""
+    return TOKENS * TOPK if per == "route" else TOKENS * s.world * p_token_hits_rank(s.world)
 
 
 def _post_write_us(s: Setup, table: str) -> float:
@@ -435,16 +496,19 @@ def _scatter_sharded(start: Path, sizes: list[float], s: Setup, table: str) -> t
     return later(*posted_all), later(*landed_all)
 
 
-def _gpu(start: Path, kernel_us: float, row_bytes: int, nvlink_rows: float, s: Setup) -> Path:
+def _gpu(start: Path, kernel_us: float, row_bytes: int, nvlink_rows: float, s: Setup,
+         buffer_rows: float = TOKENS * TOPK) -> Path:
     """A row kernel: its measured GPU time, plus the rows it moves over NVLink and, host-staged, every
-    row it reads or writes in the buffers over PCIe. Added, not overlapped: at 2 ranks the node-local
-    trace shows unpack at 19 µs = 8.7 + 10.6 µs of NVLink (e2e_graph_x2.json)."""
+    row it reads or writes in the buffers (``buffer_rows`` of them) over PCIe. Added, not overlapped: at 2
+    ranks the node-local trace shows unpack at 19 µs = 8.7 + 10.6 µs of NVLink (e2e_graph_x2.json).
+    The kernel time is the measured one whatever the levers (ASSUMPTION: the per-(token, rank) and
+    sender-reducing kernels, not written yet, cost what today's do)."""
     p = start.add("kernels", kernel_us)
     if nvlink_rows:
         p = p.add("nvlink", nvlink_rows * row_bytes / (NVLINK_GBPS * 1e3))
     if s.host_staged:
         share = (s.world - s.node) / s.world if s.staged_remote_only else 1.0
-        p = p.add("pcie", share * TOKENS * TOPK * row_bytes / (HOST_STAGED_GBPS * 1e3))
+        p = p.add("pcie", share * buffer_rows * row_bytes / (HOST_STAGED_GBPS * 1e3))
     return p
 
 
@@ -463,8 +527,8 @@ def _flag(s: Setup, remote: int) -> float:
 
 def _unpack(ready: Path, st: dict, s: Setup, waitk: float) -> Path:
     """Dispatch recv: the wait kernel sees every flag (``ready``), unpack pulls the node peers' rows."""
-    done = _gpu(ready.add("kernels", waitk), K_UNPACK_TOKENS, DISPATCH_ROW_BYTES,
-                st["local_peers"] * st["rows_per_peer"], s)
+    done = _gpu(ready.add("kernels", waitk), K_UNPACK_TOKENS, _dispatch_row_bytes(s),
+                st["local_peers"] * st["rows_per_peer"], s, _rows_per_rank(s, s.dispatch_rows))
     return done.add("kernels", HALF_GAP_US)
 
 
@@ -473,20 +537,21 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
     them (in a back-to-back loop, the rank whose peer runs ahead of it: see back_to_back)."""
     if s.protocol == OLD_PROTOCOL:
         return _dispatch_2026_11_30(s, early)
-    st = routing_stats(s.world, s.node)
+    st = routing_stats(s.world, s.node, s.dispatch_rows)
     remote, rows = st["remote_peers"], st["rows_per_peer"]
+    row_bytes = _dispatch_row_bytes(s)
     flag = _flag(s, remote)
     waitk = LAUNCH_GPU_US if remote else 0.0           # the one-warp wait kernel before pack / unpack
     t_route = Path().add("kernels", K_ROUTE_TOKENS)
     # plan_private_writes: this rank's own count row (in the segment: host memory) -> the PRIVATE table
     t_plan = t_route.add("plan_kernels", _plan_kernel_us(1)) if remote else t_route
-    t_pack = _gpu(t_plan.add("kernels", waitk), K_PACK_TOKENS, DISPATCH_ROW_BYTES, 0, s)
+    t_pack = _gpu(t_plan.add("kernels", waitk), K_PACK_TOKENS, row_bytes, 0, s, _rows_per_rank(s, s.dispatch_rows))
     # node peers' dispatch_ready: in lock-step they packed when we did
     node_ready = t_pack if early else t_pack.add("flags", flag)
     if not remote:
         return _unpack(later(t_pack, node_ready), st, s, waitk)
     per_proxy = math.ceil(remote / s.proxies)  # immediates each proxy counts, copies it makes (shm)
-    size = min(rows, st["private_rows"]) * DISPATCH_ROW_BYTES + ROUTE_ROW_BYTES  # the count row at its head
+    size = min(rows, st["private_rows"]) * row_bytes + ROUTE_ROW_BYTES  # the count row at its head
     posted, landed = _scatter(t_pack.add("flags", flag), [size] * remote, s, "private")  # at SEND_READY
     if early:
         landed = Path()
@@ -509,7 +574,7 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
         # for REMAINDER_PLANNED (COUNT_ROWS_READY -> plan kernel -> REMAINDER_PLANNED: a GPU -> proxy -> GPU
         # round trip and the kernel), walks its REMAINDER table, posts; the receiver counts the immediate.
         n = max(1, round(st["remainder_writes_given_any"]))
-        rem_size = st["remainder_rows_given_overflow"] * DISPATCH_ROW_BYTES
+        rem_size = st["remainder_rows_given_overflow"] * row_bytes
         start = later(crr, planned.add("flags", flag)).add(
             "proxy_post", s.speed * REMAINDER_ROW_US * per_proxy)
         rem_posted, rem_landed = _scatter(start, [rem_size] * n, s, "private")
@@ -524,15 +589,16 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
 def _combine(s: Setup) -> Path:
     if s.protocol == OLD_PROTOCOL:
         return _combine_2026_11_30(s)
-    st = routing_stats(s.world, s.node)
+    st = routing_stats(s.world, s.node, s.combine_rows)
     remote, rows = st["remote_peers"], st["rows_per_peer"]
+    row_bytes, buffer_rows = _combine_row_bytes(s), _rows_per_rank(s, s.combine_rows)
     flag = _flag(s, remote)
     waitk = LAUNCH_GPU_US if remote else 0.0           # before combine pack / reduce
-    t_pack = _gpu(Path().add("kernels", waitk), K_PACK_COMBINE, COMBINE_ROW_BYTES, st["local_peers"] * rows, s)
+    t_pack = _gpu(Path().add("kernels", waitk), K_PACK_COMBINE, row_bytes, st["local_peers"] * rows, s, buffer_rows)
     ready = t_pack.add("flags", flag)                  # node peers' combine_ready
     if remote:
         per_proxy = math.ceil(remote / s.proxies)
-        size = rows * COMBINE_ROW_BYTES
+        size = rows * row_bytes
         # COMBINE_SEND_READY seen: the COMBINE table, written by the plan kernel in the dispatch recv half
         posted, landed = _scatter(t_pack.add("flags", flag), [size] * remote, s, "combine")
         if s.fab.receiver_copies:
@@ -540,7 +606,7 @@ def _combine(s: Setup) -> Path:
         crr = later(posted, landed).add("proxy_imms", s.speed * COMBINE_IMM_US * per_proxy).add(
             "proxy_steps", s.speed * COMBINE_STEPS_US)
         ready = later(ready, crr.add("flags", flag))    # COMBINE_RECV_READY
-    done = _gpu(ready.add("kernels", waitk), K_REDUCE_COMBINE, COMBINE_ROW_BYTES, 0, s)
+    done = _gpu(ready.add("kernels", waitk), K_REDUCE_COMBINE, row_bytes, 0, s, buffer_rows)
     return done.add("kernels", HALF_GAP_US)
 
 
@@ -614,10 +680,14 @@ def _combine_2026_11_30(s: Setup) -> Path:
 def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed: str = "run",
           post_us: float | None = None, host_staged: bool | None = None,
           efa_efficiency: float | None = None, route_writes: bool = False, proxies: int | None = None,
-          staged_remote_only: bool = False, protocol: str = PROTOCOL) -> Setup:
+          staged_remote_only: bool = False, protocol: str = PROTOCOL, rank_rows: bool = False,
+          sender_reduce: bool = False, fp8_combine: bool = False) -> Setup:
     """`proxies`: None = the library's default (one per NIC on EFA, else 1), capped by the remote peers.
     `post_us`: the proxy's Python per posted write at bench speed; None = the measured one (protocol
-    2026-12-01: POST_PY_PRIVATE_US / POST_PY_COMBINE_US per table; 2026-11-30: POST_US)."""
+    2026-12-01: POST_PY_PRIVATE_US / POST_PY_COMBINE_US per table; 2026-11-30: POST_US).
+    The levers of issue 32 (protocol 2026-12-01 only): `rank_rows` = dispatch one row per (token, rank);
+    `sender_reduce` = the combine reduced at the sender, one row per (token, rank) (needs `rank_rows`: the
+    weights travel with the dispatch); `fp8_combine` = combine rows in fp8."""
     node = min(node, world)
     if world < 2 or world % node or NUM_EXPERTS % world:
         raise ValueError(f"world must be a multiple of the node size ({node}) dividing {NUM_EXPERTS}, got {world}")
@@ -627,6 +697,10 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if route_writes and protocol != OLD_PROTOCOL:
         raise ValueError(f"route_writes is a variant of protocol {OLD_PROTOCOL}")
+    if (rank_rows or sender_reduce or fp8_combine) and protocol != PROTOCOL:
+        raise ValueError(f"rank_rows, sender_reduce and fp8_combine are levers of protocol {PROTOCOL}")
+    if sender_reduce and not rank_rows:
+        raise ValueError("sender_reduce needs rank_rows (the weights travel with the per-(token, rank) rows)")
     fab = fabric(fabric_name, efa_efficiency) if node < world else None   # remote peers need one
     staged = (fab.host_staged if fab else False) if host_staged is None else host_staged
     remote = world - node
@@ -637,7 +711,8 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
     if post_us is None and protocol == OLD_PROTOCOL:
         post_us = POST_US
     return Setup(world, node, fab, factor if speed == "run" else 1.0, post_us, staged, route_writes,
-                 proxies, staged_remote_only, protocol)
+                 proxies, staged_remote_only, protocol, "rank" if rank_rows else "route",
+                 "rank" if sender_reduce else "route", bool(fp8_combine))
 
 
 def predict(world: int, fabric_name: str | None, **kw) -> dict:
@@ -962,6 +1037,70 @@ def format_sensitivity() -> str:
     return "\n".join(lines)
 
 
+# ---- the levers of issue 32: fewer bytes ----------------------------------------------------------------
+# (label, keywords): each row one command (`python -m benchmarks.latency_model` + the flags).
+LEVERS = [
+    ("today: one row per route, bf16 combine", {}),
+    ("`--rank-rows`: dispatch one row per (token, rank)", {"rank_rows": True}),
+    ("`--rank-rows --sender-reduce`: and the combine reduced at the sender", {"rank_rows": True, "sender_reduce": True}),
+    ("`--fp8-combine`: per-route rows, fp8 combine", {"fp8_combine": True}),
+    ("`--rank-rows --sender-reduce --fp8-combine`: all three",
+     {"rank_rows": True, "sender_reduce": True, "fp8_combine": True}),
+    ("all three, `--speed bench`", {"rank_rows": True, "sender_reduce": True, "fp8_combine": True, "speed": "bench"}),
+    ("all three, `--efa-efficiency 0.45`",
+     {"rank_rows": True, "sender_reduce": True, "fp8_combine": True, "efa_efficiency": 0.45}),
+]
+LEVER_WORLDS = (2, 4, 8, 16, 32, 64)
+
+
+def format_levers() -> str:
+    """dispatch / combine / **sum** (µs) per lever set: 8 ranks on one node (NVLink, no proxy), then EFA and
+    CX7 at EP16/32/64."""
+    cols = [(None, 8)] + [(f, w) for f in FABRICS for w in WORLDS]
+    lines = ["| levers | " + " | ".join("EP8, one node" if f is None else f"{f.upper()} EP{w}" for f, w in cols)
+             + " |", "|---|" + "---|" * len(cols)]
+    for label, kw in LEVERS:
+        cells = []
+        for f, w in cols:
+            if "efa_efficiency" in kw and f != "efa":
+                cells.append("–")
+                continue
+            r = predict(w, f, **kw)
+            cells.append(f"{r['dispatch']:.0f} / {r['combine']:.0f} / **{r['total']:.0f}**")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bytes_per_rank(world: int, node: int = GPUS_PER_NODE, **levers) -> dict:
+    """Expected bytes one rank sends per call (decode), all destinations (itself included) and to other
+    nodes only: ``{"dispatch": (all, remote), "combine": (all, remote)}``. Rows only (no count rows)."""
+    s = setup(world, "efa" if min(node, world) < world else None, node=node, **levers)
+    out = {}
+    for phase, per, size in (("dispatch", s.dispatch_rows, _dispatch_row_bytes(s)),
+                             ("combine", s.combine_rows, _combine_row_bytes(s))):
+        rows = _rows_per_rank(s, per)
+        out[phase] = (rows * size, rows * size * (world - s.node) / world)
+    return out
+
+
+def format_distinct_ranks() -> str:
+    """Where a token's K = 8 experts land (uniform routing over 256 experts, 8 GPUs a node), and what one
+    row per (token, rank) saves: the bytes a rank sends per decode call (MB), today -> per (token, rank)."""
+    lines = ["| EP | ranks a token hits | of them on other nodes | routes / rank rows | dispatch MB a rank "
+             "sends (other nodes) | combine MB, per route bf16 (other nodes) | reduced at the sender, bf16 | "
+             "reduced at the sender, fp8 |", "|---|" + "---|" * 7]
+    for w in LEVER_WORLDS:
+        d = expected_distinct_ranks(w)
+        today = bytes_per_rank(w)
+        rank = bytes_per_rank(w, rank_rows=True, sender_reduce=True)
+        fp8 = bytes_per_rank(w, rank_rows=True, sender_reduce=True, fp8_combine=True)
+        mb = lambda b: f"{b[0] / 1e6:.2f} ({b[1] / 1e6:.2f})"  # noqa: E731
+        lines.append(f"| {w} | {d['all']:.2f} | {d['remote']:.2f} | {d['dedup']:.2f} | "
+                     f"{mb(today['dispatch'])} -> {mb(rank['dispatch'])} | {mb(today['combine'])} | "
+                     f"{mb(rank['combine'])} | {mb(fp8['combine'])} |")
+    return "\n".join(lines)
+
+
 def format_calibration(rows: list[dict]) -> str:
     lines = ["| configuration | quantity | model µs | measured µs | model / measured | role | measured in |",
              "|---|---|---|---|---|---|---|"]
@@ -1022,6 +1161,10 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
                             color=colors[fab], alpha=0.15)
             ax.plot(ws, [r[f"{phase}_c_helper"] for r in rs], ":", color=colors[fab], lw=1.5,
                     label=f"MODEL what-if {fab.upper()}: C posting {POST_US_C_HELPER} µs/write, bench speed")
+            if fab == "efa" and rs[0]["protocol"] == PROTOCOL:
+                ax.plot(ws, [predict(w, fab, rank_rows=True, sender_reduce=True, fp8_combine=True)[phase]
+                             for w in ws], "-.^", color="tab:red", lw=1.5,
+                        label="MODEL EFA, issue 32's three levers (rank rows, sender reduce, fp8 combine)")
         if phase == "total":
             ax.plot(list(ISSUE_TARGETS_US), list(ISSUE_TARGETS_US.values()), "k_", ms=22, mew=3,
                     label="target (EFA)")
@@ -1101,11 +1244,21 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"EFA effective/line-rate bandwidth (default {EFA_BW_EFFICIENCY})")
     ap.add_argument("--proxies", type=int, default=None,
                     help="proxy processes per rank (default: as the library, one per NIC on EFA, else 1)")
+    ap.add_argument("--rank-rows", action="store_true", help="dispatch one row per (token, rank) (issue 32)")
+    ap.add_argument("--sender-reduce", action="store_true",
+                    help="combine reduced at the sender, one row per (token, rank); needs --rank-rows")
+    ap.add_argument("--fp8-combine", action="store_true", help="combine rows in fp8 e4m3 + fp32 scales")
     args = ap.parse_args(argv)
     if args.proxies is not None and args.proxies < 1:
         ap.error(f"--proxies must be >= 1, got {args.proxies}")
+    if args.sender_reduce and not args.rank_rows:
+        ap.error("--sender-reduce needs --rank-rows (the weights travel with the per-(token, rank) rows)")
+    if (args.rank_rows or args.sender_reduce or args.fp8_combine) and args.protocol != PROTOCOL:
+        ap.error(f"--rank-rows, --sender-reduce and --fp8-combine are levers of protocol {PROTOCOL}")
     kw = dict(speed=args.speed, post_us=args.post_us, host_staged=True if args.host_staged else None,
               efa_efficiency=args.efa_efficiency, proxies=args.proxies, protocol=args.protocol)
+    if args.rank_rows or args.fp8_combine:
+        kw.update(rank_rows=args.rank_rows, sender_reduce=args.sender_reduce, fp8_combine=args.fp8_combine)
     cal = calibration()
     rows = table(**kw)
     print("Calibration: the model against our measurements")
@@ -1121,6 +1274,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     print("\nAgainst the targets and published numbers")
     print(format_targets(rows))
+    print("\nFewer bytes (issue 32): the three levers, dispatch / combine / sum, µs (MODEL)")
+    print(format_levers())
+    print("\nWhere a token's experts land, and the bytes a rank sends per call")
+    print(format_distinct_ranks())
     print("\nProvenance of every constant")
     print(format_provenance())
     if args.json:
@@ -1130,7 +1287,13 @@ def main(argv: list[str] | None = None) -> int:
                "routing": [routing_stats(w) for w in WORLDS], "hbm_floor_us": hbm_floor_us(),
                "published": [dict(zip(("source", "config", "fabric", "ep", "dispatch_us", "combine_us",
                                        "total_us"), p)) for p in PUBLISHED],
-               "issue_targets_us": ISSUE_TARGETS_US}
+               "issue_targets_us": ISSUE_TARGETS_US,
+               "levers": [{"label": label, "options": lkw,
+                           "predictions": {f"{f or 'node'}{w}": predict(w, f, **lkw)
+                                           for f, w in [(None, 8)] + [(f, w) for f in FABRICS for w in WORLDS]
+                                           if not ("efa_efficiency" in lkw and f != "efa")}}
+                          for label, lkw in LEVERS],
+               "distinct_ranks": [expected_distinct_ranks(w) for w in LEVER_WORLDS]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.png:
