@@ -57,3 +57,104 @@ def test_cuda_graph_replays_with_changing_routing_and_token_counts():
         results = cl.run(_graph_rank, live)
     assert check_against_reference(cfg, results) == []
     assert all(c["untouched"] == 0 for r in results for c in r["calls"])
+
+
+def _shrink_graph_rank(comm, store: str, fp8: bool, stopper: int, replays: int, timeout_s: float):
+    """One rank of a 3-rank node on the GPU(s) here, kernel waits, shrink mode, one CUDA graph of dispatch +
+    toy expert + combine. Every rank replays once; then `stopper` stops replaying (it waits at the final
+    barrier, alive) and the others replay `replays` more times with new inputs."""
+    import os
+    import time
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch.distributed as dist
+
+    from moe_a2a import AllToAll
+    from moe_a2a.runtime.shrink import RankMask
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=comm.rank, world_size=comm.size)
+    rank, W = comm.rank, comm.size
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    cfg = A2AConfig(max_num_tokens=32, num_experts=12, experts_per_token=4, hidden_dim=256,
+                    in_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, out_dtype=torch.bfloat16)
+    mask = RankMask(W, rank, dev)
+    a2a = AllToAll(cfg, device=dev, gpu_wait="kernel", node_group=W, timeout_s=timeout_s, rank_mask=mask)
+    T = cfg.max_num_tokens
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, 100))
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    out = torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+
+    def step():
+        a2a.dispatch(num, ex, exs, x, xs, idx)
+        a2a.combine(out, idx, w, toy_expert(ex, exs, cfg))
+
+    step()  # eager warm-up: compiles every kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    calls = []
+    for it in range(1 + replays):
+        if it == 1 and rank == stopper:
+            break
+        nx, nxs, nidx, nw = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, 200 + it))
+        x.copy_(nx), idx.copy_(nidx), w.copy_(nw)
+        if xs is not None:
+            xs.copy_(nxs)
+        out.zero_()
+        fill_sentinel(ex, exs)
+        t0 = time.monotonic()
+        graph.replay()
+        torch.cuda.synchronize()
+        calls.append({**record_call(cfg, x.cpu(), None if xs is None else xs.cpu(), idx.cpu(), w.cpu(), num.cpu(),
+                                    ex.cpu(), None if exs is None else exs.cpu(), out.cpu()),
+                      "seconds": time.monotonic() - t0, "mask": mask.tensor.tolist()})
+    dist.barrier()  # the stopper stays alive (its buffers mapped) until the survivors are done
+    a2a.close()
+    return {"calls": calls, "cfg": cfg}
+
+
+@needs_gpu
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_shrink_under_a_cuda_graph_masks_a_rank_that_stops_replaying(tmp_path, fp8):
+    """Shrink mode inside a CUDA graph: the kernels' own waits mask the rank that stopped (at the
+    deadline, `timeout_s`) and the replay completes among the survivors, right against the reference
+    with the stopped rank's tokens absent and the routes to its experts dropped; the replay after that
+    does not wait for it. Three ranks on one node: three GPUs, or one shared under MPS
+    (`benchmarks/gpu/run.sh mps` starts it)."""
+    from moe_a2a.oracle import check_call
+    from moe_a2a.runtime.wiring import mps_enabled
+    from tests.proxy._peers import run_peers
+
+    if torch.cuda.device_count() < 3 and not mps_enabled(torch.device("cuda", 0)):
+        pytest.skip("needs 3 GPUs, or MPS on this one (benchmarks/gpu/run.sh mps): ranks sharing a GPU "
+                    "without MPS wait on the host")
+    stopper, replays, timeout_s = 2, 2, 3.0
+    got = run_peers(3, _shrink_graph_rank, str(tmp_path / "store"), fp8, stopper, replays, timeout_s, timeout_s=240)
+    cfg = got[0]["cfg"]
+    L = cfg.num_experts // 3
+    first = [g["calls"][0] for g in got]
+    assert check_call(cfg, [(c["x"], c["x_scale"], c["indices"], c["weights"], None) for c in first],
+                      dict(enumerate(first)), where="before the stop ") == []
+    survivors = [r for r in range(3) if r != stopper]
+    for it in range(1, 1 + replays):
+        calls = {r: got[r]["calls"][it] for r in survivors}
+        inputs = []
+        for s in range(3):
+            if s == stopper:  # sends nothing
+                c = calls[survivors[0]]
+                inputs.append((c["x"][:0], None if c["x_scale"] is None else c["x_scale"][:0],
+                               c["indices"][:0], c["weights"][:0], None))
+            else:
+                idx = calls[s]["indices"]
+                kept = torch.where((idx >= 0) & (idx // L == stopper), -1, idx)  # its experts sent nothing back
+                inputs.append((calls[s]["x"], calls[s]["x_scale"], kept, calls[s]["weights"], None))
+        assert check_call(cfg, inputs, calls, where=f"replay {it} ") == []
+        for r in survivors:
+            assert calls[r]["mask"] == [int(q == stopper) for q in range(3)], (it, r, calls[r]["mask"])
+    for r in survivors:  # the first replay without it waited for the deadline; the next did not
+        assert got[r]["calls"][1]["seconds"] >= timeout_s * 0.9, got[r]["calls"][1]["seconds"]
+        assert got[r]["calls"][2]["seconds"] < 1.0, got[r]["calls"][2]["seconds"]

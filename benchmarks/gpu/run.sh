@@ -18,12 +18,13 @@
 #                                                  from the checkout at $DEEPEP (default out/deepep; its commit
 #                                                  from $DEEPEP/COMMIT or git), with --shrink-test from 6 GPUs;
 #                                                  the facade's cost (graph, eager, host split) and its Python
-#   bash benchmarks/gpu/run.sh mps [node-local|deepep]
+#   bash benchmarks/gpu/run.sh mps [node-local|deepep|protocol]
 #                                                  several ranks on one GPU under MPS (started and stopped here):
-#                                                  the node-local CUDA-graph test with kernel waits, as is and with
-#                                                  each client held to half the SMs; DeepEP's low-latency test with
-#                                                  2 and 8 processes on the GPUs here (--shared-gpu), --shrink-test
-#                                                  at 8 (written 2026-12-02, not yet run: no device time was left)
+#                                                  the CUDA-graph tests with kernel waits (shrink mode in a graph
+#                                                  included) and the facade's shrink tests; DeepEP's low-latency
+#                                                  test with 2 and 8 processes (--shared-gpu), --shrink-test at 8;
+#                                                  the protocol's cost: graphs all on one node vs over the
+#                                                  emulated NIC, 2 / 4 / 8 ranks, decode and prefill
 #
 # Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
 # runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
@@ -35,9 +36,9 @@ suite=${1:-}
 part=${2:-all}
 case "$suite:$part" in
   quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more|emulated:all) ;;
-  compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep) ;;
+  compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep|mps:protocol) ;;
   *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more] | emulated" \
-          "| compat [tests|deepep|cost] | mps [node-local|deepep]" >&2; exit 2 ;;
+          "| compat [tests|deepep|cost] | mps [node-local|deepep|protocol]" >&2; exit 2 ;;
 esac
 RES=${OUT:+$OUT/$suite}
 RES=${RES:-docs/results/$suite}
@@ -184,23 +185,34 @@ compat:all|compat:cost)
   step 120 python3 benchmarks/facade_python.py --device cuda
   ;;
 mps:all|mps:node-local)
-  # Two ranks of one node on this GPU, kernel waits, one CUDA graph (tests/test_cuda_graph.py). Under MPS this
-  # timed out on 2026-12-01; first hypothesis: a waiting grid holds every SM and MPS does not preempt it, so
-  # the peer's producing kernel never starts. Holding each client to half the SMs tests that.
+  # Several ranks of one node on this GPU under MPS, kernel waits (gpu_wait="auto" picks them under MPS): the
+  # CUDA-graph tests (2 ranks; shrink mode inside a graph, 3 ranks), the kernels' masking wait compiled, and
+  # the facade's shrink tests with a GPU (the kernels' own waits mask on one node, the host's across nodes).
   mps_start
-  step 180 "${gpu_tests[@]}" --timeout 120 tests/test_cuda_graph.py
-  step 180 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 "${gpu_tests[@]}" --timeout 120 tests/test_cuda_graph.py
+  step 300 "${gpu_tests[@]}" --timeout 240 tests/test_cuda_graph.py tests/triton_kernels/test_node_sync.py
+  step 420 "${gpu_tests[@]}" --timeout 400 tests/compat/test_shrink.py
   mps_stop
   ;;&
 mps:all|mps:deepep)
   deepep=${DEEPEP:-out/deepep}
   { cat "$deepep/COMMIT" 2>/dev/null || git -C "$deepep" rev-parse HEAD 2>/dev/null || echo unknown; } \
     >"$RES/deepep_commit.txt"
-  step 300 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 2
   mps_start
-  step 300 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 2
-  step 400 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 8
-  step 400 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 8 --shrink-test
+  step 240 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 2
+  step 300 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 8
+  step 300 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 8 --shrink-test
+  mps_stop
+  ;;&
+mps:all|mps:protocol)
+  # The cross-node protocol's own cost on one GPU: the same ranks all on one node (mapped memory) and as
+  # simulated nodes over the emulated NIC, CUDA graphs, decode and prefill, under MPS.
+  mps_start
+  for wn in 2:2 2:1 4:4 4:2 8:8 8:4; do
+    w=${wn%:*}; n=${wn#*:}
+    if [ "$n" = "$w" ]; then t=auto; else t=emulated; fi
+    step 240 moe-a2a bench e2e --graph --no-nccl --world "$w" --node "$n" --transport "$t" --iters 100 --warmup 10 \
+         --json "$RES/e2e_graph_w${w}n${n}_${t}.json"
+  done
   mps_stop
   ;;
 esac
