@@ -1042,7 +1042,8 @@ def format_sensitivity() -> str:
 LEVERS = [
     ("today: one row per route, bf16 combine", {}),
     ("`--rank-rows`: dispatch one row per (token, rank)", {"rank_rows": True}),
-    ("`--rank-rows --sender-reduce`: and the combine reduced at the sender", {"rank_rows": True, "sender_reduce": True}),
+    ("`--rank-rows --sender-reduce`: and the combine reduced at the sender",
+     {"rank_rows": True, "sender_reduce": True}),
     ("`--fp8-combine`: per-route rows, fp8 combine", {"fp8_combine": True}),
     ("`--rank-rows --sender-reduce --fp8-combine`: all three",
      {"rank_rows": True, "sender_reduce": True, "fp8_combine": True}),

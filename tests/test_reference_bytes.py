@@ -108,15 +108,17 @@ def test_hand_worked_rows_per_rank_duplicates_and_expansion():
 @settings(max_examples=60, deadline=None)
 @given(W=st.integers(1, 16), node=st.integers(1, 8), T=st.integers(0, 5), K=st.integers(1, 8),
        L=st.integers(1, 2), pad=st.sampled_from([1, 2]), masked=st.sampled_from([0.0, 0.3]),
-       skew=st.sampled_from([0.0, 0.7]), dup=st.booleans(), scaled=st.booleans(), seed=st.integers(0, 2**16))
+       skew=st.sampled_from([0.0, 0.7]), dup=st.booleans(), scaled=st.booleans(),
+       capacity=st.sampled_from([None, None, 1, 40]), seed=st.integers(0, 2**16))
 def test_per_rank_dispatch_expands_to_the_reference_and_bytes_match_a_brute_force_count(
-        W, node, T, K, L, pad, masked, skew, dup, scaled, seed):
+        W, node, T, K, L, pad, masked, skew, dup, scaled, capacity, seed):
     g = torch.Generator().manual_seed(seed)
     node = max(d for d in range(1, min(node, W) + 1) if W % d == 0)     # 1-8 ranks a node, dividing W
     E, H = W * L, 5
     in_dtype = torch.float8_e4m3fn if scaled else torch.bfloat16
     cfg = A2AConfig(max_num_tokens=5, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=in_dtype,
-                    scale_block=2 if scaled else None, expert_padding=pad)
+                    scale_block=2 if scaled else None, expert_padding=1 if capacity else pad,
+                    expert_capacity=capacity)
     xs = [torch.randn(T, H, generator=g).to(in_dtype) for _ in range(W)]
     scales = [torch.rand(T, cfg.num_scales, generator=g) for _ in range(W)] if scaled else None
     idx = _routing(g, W, T, K, E, masked, skew, dup)
@@ -126,7 +128,14 @@ def test_per_rank_dispatch_expands_to_the_reference_and_bytes_match_a_brute_forc
             routed = [t for t in range(T) if any(e >= 0 and e // L == r for e in idx[s][t].tolist())]
             assert sent[r][s].tokens.tolist() == routed                  # once per (token, rank), token order
             assert sent[r][s].x.view(torch.uint8).equal(xs[s][routed].view(torch.uint8))
-    for (n1, x1, s1), (n2, x2, s2) in zip(R.expand_rank_rows(cfg, sent), R.dispatch(cfg, xs, scales, idx)):
+    try:
+        want = R.dispatch(cfg, xs, scales, idx)
+    except ValueError as e:            # an expert over expert_capacity: the expansion refuses it alike
+        with pytest.raises(ValueError, match="expert_capacity"):
+            R.expand_rank_rows(cfg, sent)
+        assert "expert_capacity" in str(e)
+        want = None
+    for (n1, x1, s1), (n2, x2, s2) in zip(R.expand_rank_rows(cfg, sent) if want else [], want or []):
         assert torch.equal(n1, n2) and x1.view(torch.uint8).equal(x2.view(torch.uint8))
         assert (s1 is None and s2 is None) or torch.equal(s1, s2)
 
@@ -134,7 +143,8 @@ def test_per_rank_dispatch_expands_to_the_reference_and_bytes_match_a_brute_forc
     for name, wire in R.WIRE_VARIANTS.items():
         size = R.row_bytes(cfg, wire)
         meta = 4 * K * (2 if wire.combine_rows == "rank" else 1)
-        assert size["dispatch"] == cfg.dispatch_stride_bytes + (-(-meta // 16) * 16 if wire.dispatch_rows == "rank" else 0)
+        extra = -(-meta // 16) * 16 if wire.dispatch_rows == "rank" else 0
+        assert size["dispatch"] == cfg.dispatch_stride_bytes + extra
         want = [{ph: {"self": 0, "node": 0, "remote": 0} for ph in ("dispatch", "combine")} for _ in range(W)]
         where = lambda a, b: "self" if a == b else ("node" if a // node == b // node else "remote")  # noqa: E731
         for s in range(W):
