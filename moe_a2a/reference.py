@@ -405,7 +405,10 @@ def combine_reduced_at_sender(
     """Combine reduced at the sender: `out[t] = sum_r partial_r[t]` over the ranks r the token was sent
     to, in ascending r, accumulated in fp32 (the old value first when `out_tokens` is given) and cast
     once to out_dtype; `partial_r` as `combine_partials_at_sender` (`fp8`: its rows in fp8). Arguments
-    and result as `combine`. A token with no live route gets zero (or its old value)."""
+    and result as `combine`. A token with no live route gets zero (or its old value); a token whose live
+    experts are all on one rank gets `combine`'s bits. Otherwise (bf16 rows, u = 2**-8, S the exact sum,
+    A = sum_k |w y|): |this - combine| <= 2u|S| + (u + ~4K 2**-24) A (tests/test_reference_bytes.py
+    derives it; docs/accuracy.md measures it)."""
     W = len(indices)
     parts = combine_partials_at_sender(cfg, indices, weights, expert_ys, fp8)
     out = []
