@@ -112,7 +112,11 @@ def _shrink_graph_rank(comm, store: str, fp8: bool, stopper: int, replays: int, 
                       "seconds": time.monotonic() - t0, "mask": mask.tensor.tolist()})
     dist.barrier()  # the stopper stays alive (its buffers mapped) until the survivors are done
     a2a.close()
-    return {"calls": calls, "cfg": cfg}
+    import io
+
+    out = io.BytesIO()  # bytes: tensors through the pipe would live in shared memory that dies with us
+    torch.save({"calls": calls, "cfg": cfg}, out)
+    return out.getvalue()
 
 
 @needs_gpu
@@ -133,7 +137,11 @@ def test_shrink_under_a_cuda_graph_masks_a_rank_that_stops_replaying(tmp_path, f
         pytest.skip("needs 3 GPUs, or MPS on this one (benchmarks/gpu/run.sh mps): ranks sharing a GPU "
                     "without MPS wait on the host")
     stopper, replays, timeout_s = 2, 2, 3.0
+    import io
+
     got = run_peers(3, _shrink_graph_rank, str(tmp_path / "store"), fp8, stopper, replays, timeout_s, timeout_s=240)
+    assert all(isinstance(g, bytes) for g in got), got
+    got = [torch.load(io.BytesIO(g), weights_only=False) for g in got]
     cfg = got[0]["cfg"]
     L = cfg.num_experts // 3
     first = [g["calls"][0] for g in got]
