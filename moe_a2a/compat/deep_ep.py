@@ -53,6 +53,7 @@ from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather, differences
 from ..runtime.shrink import RankMask
 from ..triton_kernels.quant import Fp8Quantize
+from ..triton_kernels.scale_layout import column_major_scales, scales_to_column_major
 
 # DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
 topk_idx_t = torch.int64
@@ -138,8 +139,19 @@ class _Prefixes(dict):
 
 
 def _fits(sizes: tuple, key: tuple) -> bool:
-    """A call's sizes fit buffers built for `key` (shrink mode builds for top-k 8: fewer are padded)."""
+    """A call's sizes fit buffers built for `key`: the same num_max_dispatch_tokens_per_rank, num_experts and
+    hidden, top-k up to the key's (fewer are padded with -1)."""
     return sizes[0] == key[0] and sizes[1] == key[1] and sizes[3] == key[3] and sizes[2] <= key[2]
+
+
+def _set_key(sizes: tuple | None, x, num_max, num_experts) -> tuple | None:
+    """Which set of instances serves a call: `(num_max_dispatch_tokens_per_rank, num_experts, hidden)`, from
+    its checked sizes or, for rejected input, from its arguments as far as they say (None when they do not)."""
+    if sizes is not None:
+        return sizes[0], sizes[1], sizes[3]
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and type(num_max) is int and type(num_experts) is int:
+        return num_max, num_experts, x.shape[1]
+    return None
 
 
 def _pad_routes(t: torch.Tensor, K: int, fill) -> torch.Tensor:
@@ -241,6 +253,15 @@ def _config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: 
                      payload_bytes=fp8_payload_bytes(hidden) if fp8 else None)
 
 
+def _instance_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int, top_k: int) -> int:
+    """Bytes of one set's instances on one rank: two bf16 ones and (when fp8 fits) two fp8 ones."""
+    nbytes = 0
+    for fp8 in (False, True) if fp8_fits(hidden) else (False,):
+        lay = _config(num_max, num_experts, top_k, hidden, num_ranks, fp8=fp8).layout(num_ranks)
+        nbytes += 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
+    return nbytes
+
+
 def fp8_scale_offset(hidden: int) -> int:
     """Byte of an fp8 call's row where its scales start (after the H bytes of fp8 payload)."""
     return round_up(hidden, 4)
@@ -266,13 +287,15 @@ def fp8_fits(hidden: int) -> bool:
 
 
 class _Slot:
-    """One of the two alternating micro-batch slots: its receive buffers, its `AllToAll` instances (bf16
-    rows, and fp8 rows from the first fp8 call), and its current call."""
+    """One of the two alternating micro-batch slots of one set of sizes: its receive buffers, its `AllToAll`
+    instances (bf16 rows, and fp8 rows from the first fp8 call), and its current call."""
 
-    def __init__(self, a2a: AllToAll) -> None:
+    def __init__(self, a2a: AllToAll, key: tuple) -> None:
         # By use_fp8 (without an fp8 one, fp8 calls use bf16 rows); `a2a` is the current call's.
         self.instances: dict[bool, AllToAll] = {False: a2a}
         self.a2a = a2a
+        # The sizes it was built for: (num_max_dispatch_tokens_per_rank, num_experts, top-k, hidden).
+        self.key = key
         cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
         L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
         # Shared by the instances (their receive halves write here): int32 [L]; bf16 [L*C, H]; f32 [L*C, 1].
@@ -283,13 +306,19 @@ class _Slot:
         # What a dispatch returns as recv_x, by (use_fp8, use_ue8m0): views of the received rows. An fp8
         # call's bytes are in them as its pack wrote them (it quantises x into the rows it sends).
         self.recv_x = {(False, False): self.ex.view(L, C, H)}
+        # fp8 calls: the scales as the receive wrote them (row-major, inside the rows), by use_ue8m0, and
+        # their copy in DeepEP's layout that recv_x returns (column-major per expert, TMA-aligned; made at
+        # the first fp8 call, `make_fp8_outputs`, written at each fp8 receive by scale_layout's kernel).
+        self.row_scales: dict[bool, torch.Tensor] = {}
+        self.fp8_outputs = False
         if fp8_fits(H):
             S, off = ceil_div(H, FP8_BLOCK), fp8_scale_offset(H)
             S4 = ceil_div(S, 4)
             rows = self.ex.view(torch.uint8)
-            fp8 = rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H)
-            self.recv_x[True, False] = (fp8, rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S))
-            self.recv_x[True, True] = (fp8, rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4))
+            self.fp8 = rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H)
+            self.row_scales[False] = rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S)
+            self.row_scales[True] = rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4)
+        self.ue8m0 = False        # the current call's scale format (an fp8 call's receive transposes it)
         self.combine_buf: torch.Tensor | None = None  # get_next_low_latency_combine_buffer, made on first use
         # The current call.
         self.state, self.call = _FREE, -1
@@ -302,6 +331,27 @@ class _Slot:
     def free(self) -> None:
         """The call ended (an exception in one of its halves ends it on every rank): the slot is free."""
         self.state, self.combine_args = _FREE, None
+
+    def make_fp8_outputs(self) -> None:
+        """The scales' destination in DeepEP's layout (`scale_layout.column_major_scales`, shared by the fp32
+        and UE8M0 formats: an int32 view of the first `[L, S4, C]` words), and fp8 recv_x returning it."""
+        if self.fp8_outputs or not self.row_scales:
+            return
+        L, C, _ = self.shape
+        S, S4 = self.row_scales[False].shape[2], self.row_scales[True].shape[2]
+        fp32 = column_major_scales(L, C, S, torch.float32, self.a2a.device)
+        C4 = fp32.stride(2)
+        # UE8M0 words: strides (S4 * C4, 1, C4) over the same storage (DeepEP's layout for S4 columns).
+        ue8m0 = fp32.view(torch.int32).as_strided((L, C, S4), (S4 * C4, 1, C4))
+        self.recv_x[True, False] = (self.fp8, fp32)
+        self.recv_x[True, True] = (self.fp8, ue8m0)
+        self.fp8_outputs = True
+
+    def transpose_scales(self) -> None:
+        """After an fp8 call's receive: its received rows' scales into DeepEP's layout (rows below each
+        expert's count; one launch, stream-ordered, CUDA-graph safe)."""
+        ue8m0 = self.ue8m0
+        scales_to_column_major(self.row_scales[ue8m0], self.recv_x[True, ue8m0][1], self.num)
 
 
 class Buffer:
@@ -358,11 +408,15 @@ class Buffer:
         self._mask: RankMask | None = None  # shrink mode: made with the instances (on their device)
         self._pending_mask: set[int] = set()  # ranks masked by the caller before that
         self._slots: list[_Slot] = []
-        self._key = None
+        self._key = None  # the sizes of the first set (shrink mode has only that one)
+        # Sets of instances by (num_max_dispatch_tokens_per_rank, num_experts, hidden): their two slots'
+        # indices in _slots (a call of sizes not built yet builds theirs); the set of the last call.
+        self._sets: dict[tuple, tuple[int, int]] = {}
+        self._last_key = None
         self._next = 0
         self._calls = 0
         self._token_ids: _Prefixes | None = None  # [T, 1]: tokens 0..T-1, the scale column (made at the build)
-        self._scratch = None  # what a combine of nothing sends and receives
+        self._scratch: dict = {}  # what a combine of nothing sends and receives, per set of sizes
         self._again = None  # shrink mode: what a handle's repeated combine dispatches again into (_dispatch_again)
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
         self._closed = False
@@ -458,10 +512,7 @@ class Buffer:
         """Bytes one rank's instances take at these sizes (top-k up to 8, DeepEP's assumption): the two bf16
         ones and, once an fp8 call was made, the two fp8 ones (their rows about half as wide); callers pass
         it back as `num_rdma_bytes`, which this facade does not need."""
-        nbytes = 0
-        for fp8 in (False, True) if fp8_fits(hidden) else (False,):
-            lay = _config(num_max_dispatch_tokens_per_rank, num_experts, 8, hidden, num_ranks, fp8=fp8).layout(num_ranks)
-            nbytes += 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
+        nbytes = _instance_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, 8)
         sizes = (num_max_dispatch_tokens_per_rank, num_experts, 8, hidden)
         key = (nbytes, num_ranks)  # two sizes giving the same bytes: ambiguous, not remembered
         _HINTS[key] = sizes if _HINTS.get(key, sizes) == sizes else None
@@ -512,14 +563,28 @@ class Buffer:
             sizes = self._sizes(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
         except ValueError as exc:
             error = exc
-        if not self._slots:
-            self._build(error, sizes, x, use_fp8)  # collective: raises on every rank when any rank cannot build
-        elif error is None and sizes != self._key and not (self.enable_shrink and _fits(sizes, self._key)):
-            error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
-                               f"num_experts, top-k, hidden) = {self._key}; got {sizes}: use another Buffer")
+        key = _set_key(sizes, x, num_max_dispatch_tokens_per_rank, num_experts)
+        if not self._slots or (key is not None and key not in self._sets and not self.enable_shrink):
+            # The first call, or the first of other sizes (every rank is in it: DeepEP needs the same
+            # num_max_dispatch_tokens_per_rank, hidden and num_experts on every rank): build a set of
+            # instances for them. Collective: raises on every rank when any rank cannot build.
+            self._build(error, sizes, x, use_fp8)
+        indices = self._sets.get(key) or self._sets[self._last_key]
+        built = self._slots[indices[0]].key
+        if error is None and not _fits(sizes, built):
+            if self.enable_shrink:
+                error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
+                                   f"num_experts, top-k, hidden) = {self._key}; got {sizes}: use another Buffer")
+            else:  # these sizes have instances, built for fewer routes per token
+                error = ValueError(f"topk_idx: top-k {sizes[2]} > {built[2]}, the top-k this Buffer's buffers for "
+                                   f"(num_max_dispatch_tokens_per_rank, num_experts, hidden) = "
+                                   f"{(built[0], built[1], built[3])} were built for (the largest any rank passed "
+                                   f"when they were built, and 8 when num_rdma_bytes came from "
+                                   f"get_low_latency_rdma_size_hint): build for more with warm_up(..., top_k=) "
+                                   f"before the first call of these sizes")
         if error is None and cumulative_local_expert_recv_stats is not None:  # x's device: AllToAll checks it
             try:
-                self._check_stats(cumulative_local_expert_recv_stats)
+                self._check_stats(cumulative_local_expert_recv_stats, self._slots[indices[0]])
             except ValueError as exc:
                 error = exc
         if error is None and first and dispatch_wait_recv_cost_stats is not None:  # the device, now known
@@ -529,24 +594,26 @@ class Buffer:
                 error = exc
         index, self._next = self._next, self._next ^ 1
         self._calls += 1  # every rank counts every call, aborted ones included
+        index = indices[index]  # this set's slot of the alternation
+        self._last_key = (built[0], built[1], built[3])
         slot = self._slots[index]
         if slot.state != _FREE:
             self._retire(slot)  # the slot's previous call, if it was left unfinished
         use_fp8 = bool(use_fp8)
-        if use_fp8 and True not in slot.instances and not self.enable_shrink and fp8_fits(self._key[3]):
-            self._build_fp8()  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
+        if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
+            self._build_fp8(indices)  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
         slot.a2a = slot.instances.get(use_fp8) or slot.instances[False]  # no fp8 instance: bf16 rows
         if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
             slot.a2a.abort(str(error))
         T, H = x.shape
-        if sizes[2] < self._key[2]:
-            topk_idx = _pad_routes(topk_idx, self._key[2], -1)
+        if sizes[2] < built[2]:  # fewer routes per token than the instances take: padded with -1
+            topk_idx = _pad_routes(topk_idx, built[2], -1)
         ue8m0 = use_fp8 and bool(use_ue8m0)
         # fp8: the pack quantises x straight into the rows it sends (fp8 bytes, then the scales).
         quantize = _fp8_quantize(H, bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
-        slot.call, slot.T, slot.payload, slot.quantize = self._calls, T, x, quantize
+        slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = self._calls, T, x, quantize, ue8m0
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
         try:
             slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
@@ -558,7 +625,7 @@ class Buffer:
             slot.state = _DISPATCH_SENT
         else:
             self._received(slot)
-        handle = Handle(slot.src_info, slot.layout_range, self._key[0], H, self._key[1], index, slot.call, T)
+        handle = Handle(slot.src_info, slot.layout_range, built[0], H, built[1], index, slot.call, T)
         hook = self._hook(slot, slot.call, self._receive_dispatch) if return_recv_hook else None
         return slot.recv_x[use_fp8, ue8m0], slot.num, handle, self._event(slot) if async_finish else _NO_EVENT, hook
 
@@ -594,6 +661,11 @@ class Buffer:
             self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
         K = self._key[2]  # shrink mode's buffers are built for top-k 8: pad fewer
         if self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
+                and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
+                and topk_weights.shape[1] == topk_idx.shape[1]:
+            topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
+        K = slot.key[2]  # instances built for more routes per token than this call's (see the dispatch)
+        if not self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
                 and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
                 and topk_weights.shape[1] == topk_idx.shape[1]:
             topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
@@ -650,32 +722,98 @@ class Buffer:
         this handle's micro-batch: write the expert outputs there (one buffer per alternating instance,
         allocated at the first call: zero-copy callers pay its memory, others do not)."""
         self._check_open()
-        slot = self._slot_of(handle)
+        return self._combine_buffer(self._slot_of(handle))
+
+    @staticmethod
+    def _combine_buffer(slot: _Slot) -> torch.Tensor:
         if slot.combine_buf is None:
             a2a = slot.a2a
             slot.combine_buf = torch.zeros(a2a.layout.num_local_experts, a2a.cfg.expert_capacity,
                                            a2a.cfg.hidden_dim, dtype=torch.bfloat16, device=a2a.device)
         return slot.combine_buf
 
+    def warm_up(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, top_k: int = 8,
+                use_fp8: bool = True, zero_copy: bool = False) -> None:
+        """Build now what the calls of these sizes would build at their first call, so that none is left for a
+        CUDA-graph capture: the first dispatch of a set of sizes builds its instances, and its first fp8 call
+        the fp8 ones, each with a host collective (an all-gather and the instances' bootstrap), which a
+        capture cannot hold. Builds both slots' bf16 instances for calls of up to `top_k` routes per token
+        (fewer are padded), with `use_fp8` their fp8 instances and the scales in DeepEP's layout, the
+        buffers a dispatch never combined is finished with, and with `zero_copy` the buffers
+        `get_next_low_latency_combine_buffer` returns. What is built already is kept (idempotent).
+
+        Collective: every rank calls it with the same arguments (not DeepEP's: engines call it once after
+        making the Buffer, before capture). Arguments that are bad on any rank or differ between ranks raise
+        ValueError on every rank, with nothing built. Top-k above what an earlier call of these sizes built
+        for is refused the same way (warm up before the first call to build for more). Shrink mode builds at
+        construction: there it checks the sizes are those and builds the scale outputs.
+        """
+        self._check_open()
+        error = None
+        try:
+            for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                                ("hidden", hidden), ("num_experts", num_experts), ("top_k", top_k)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            if use_fp8 and not fp8_fits(hidden):
+                raise ValueError(f"use_fp8=True needs an even hidden size >= 4, got hidden {hidden}")
+        except ValueError as exc:
+            error = exc
+        args = {"num_max_dispatch_tokens_per_rank": str(num_max_dispatch_tokens_per_rank), "hidden": str(hidden),
+                "num_experts": str(num_experts), "top_k": str(top_k), "use_fp8": str(bool(use_fp8)),
+                "zero_copy": str(bool(zero_copy))}
+        table = all_gather(self.group, (None if error is None else str(error), args))
+        rejected = [(r, err) for r, (err, _) in enumerate(table) if err is not None]
+        if rejected:
+            raise ValueError(f"warm_up: {rejected[0][1]} (rank {rejected[0][0]}'s arguments; refused on every rank, "
+                             f"nothing was built)")
+        diff = differences([a for _, a in table])
+        if diff:
+            raise ValueError(f"rank {self.rank}: warm_up must get the same arguments on every rank; refused on every "
+                             f"rank (nothing was built):\n  " + "\n  ".join(diff))
+        key = (num_max_dispatch_tokens_per_rank, num_experts, hidden)
+        if key not in self._sets:
+            if self.enable_shrink:
+                raise ValueError(f"warm_up: shrink mode built its buffers at construction for "
+                                 f"(num_max_dispatch_tokens_per_rank, num_experts, top-k, hidden) = {self._key}, "
+                                 f"got {(num_max_dispatch_tokens_per_rank, num_experts, top_k, hidden)}")
+            self._build(None, (num_max_dispatch_tokens_per_rank, num_experts, top_k, hidden), None, bool(use_fp8))
+        indices = self._sets[key]
+        built = self._slots[indices[0]].key
+        if top_k > built[2]:
+            raise ValueError(f"warm_up: the buffers for these sizes were built for top-k {built[2]} (by an earlier "
+                             f"call), got top_k={top_k}: warm up before the first call of these sizes to build for "
+                             f"more")
+        if use_fp8:
+            self._build_fp8(indices)
+        for i in indices:
+            slot = self._slots[i]
+            self._scratch_buffers(slot)
+            if zero_copy:
+                self._combine_buffer(slot)
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP's reset for reuse: zero both slots' receive buffers (recv_x, recv_count, the handles'
-        src_info and layout_range) and the zero-copy combine buffers, stream-ordered. Local: no peer
-        writes into these buffers outside this rank's own calls, so, unlike DeepEP's, it needs no
-        barrier (calling it on every rank, as DeepEP requires, does the same). Before the first dispatch
-        there is nothing to clean. Refused (ValueError) with other sizes than the Buffer's, or while a
-        returned hook has not run."""
+        """DeepEP's reset for reuse: zero the receive buffers of both slots of these sizes (recv_x and its
+        DeepEP-layout scales, recv_count, the handles' src_info and layout_range) and their zero-copy combine
+        buffers, stream-ordered. Local: no peer writes into these buffers outside this rank's own calls, so,
+        unlike DeepEP's, it needs no barrier (calling it on every rank, as DeepEP requires, does the same).
+        Before the first dispatch there is nothing to clean. Refused (ValueError) with sizes this Buffer has
+        no buffers for, or while a returned hook of theirs has not run."""
         self._check_open()
         if not self._slots:
             return
-        num_max, E, _, H = self._key
-        if (num_max_dispatch_tokens_per_rank, hidden, num_experts) != (num_max, H, E):
-            raise ValueError(f"clean_low_latency_buffer: this Buffer's sizes are (num_max_dispatch_tokens_per_rank, "
-                             f"hidden, num_experts) = {(num_max, H, E)}, got "
+        key = (num_max_dispatch_tokens_per_rank, num_experts, hidden)
+        if key not in self._sets:
+            built = [(n, h, e) for n, e, h in self._sets]
+            raise ValueError(f"clean_low_latency_buffer: this Buffer has buffers for (num_max_dispatch_tokens_per_rank, "
+                             f"hidden, num_experts) = {', '.join(map(str, built))}, got "
                              f"{(num_max_dispatch_tokens_per_rank, hidden, num_experts)}")
-        if any(s.state in (_DISPATCH_SENT, _COMBINE_SENT) for s in self._slots):
+        slots = [self._slots[i] for i in self._sets[key]]
+        if any(s.state in (_DISPATCH_SENT, _COMBINE_SENT) for s in slots):
             raise ValueError("clean_low_latency_buffer: a call's receive hook has not run yet (call it first)")
-        for s in self._slots:
-            for t in (s.num, s.ex, s.exs, s.layout_range, s.combine_buf):
+        for s in slots:
+            scales = s.recv_x[True, False][1] if s.fp8_outputs else None
+            for t in (s.num, s.ex, s.exs, s.layout_range, s.combine_buf, scales):
                 if t is not None:
                     t.zero_()
         if self.enable_shrink:
@@ -776,8 +914,11 @@ class Buffer:
 
     @staticmethod
     def _received(slot: _Slot) -> None:
-        """After the dispatch's receive half (whose unpack wrote handle[1]): the caller's statistics."""
+        """After the dispatch's receive half (whose unpack wrote handle[1]): an fp8 call's scales into
+        DeepEP's layout, the caller's statistics."""
         slot.state = _DISPATCHED
+        if slot.quantize is not None:
+            slot.transpose_scales()
         if slot.stats is not None:
             slot.stats.add_(slot.num)
 
@@ -832,7 +973,7 @@ class Buffer:
         if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
             self._settle(slot)
         if slot.state == _DISPATCHED:
-            s = self._scratch_buffers()
+            s = self._scratch_buffers(slot)
             T = slot.T
             self._run(slot, lambda: slot.a2a.combine(s["out"][:T], s["idx"][:T], s["w"][:T], slot.ex))
         slot.state, slot.payload, slot.stats, slot.combine_args = _FREE, None, None, None
@@ -888,14 +1029,17 @@ class Buffer:
         self._run(slot, lambda: slot.a2a.abort(str(exc)))  # aborts the call at its combine on every rank
         raise exc  # (abort raised)
 
-    def _scratch_buffers(self) -> dict:
-        if self._scratch is None:
-            cfg, dev = self._slots[0].a2a.cfg, self._slots[0].a2a.device
+    def _scratch_buffers(self, slot: _Slot | None = None) -> dict:
+        """What a combine of nothing sends and receives, per set of sizes (`slot`'s; None: the first set)."""
+        slot = self._slots[0] if slot is None else slot
+        scratch = self._scratch.get(slot.key)
+        if scratch is None:
+            cfg, dev = slot.a2a.cfg, slot.a2a.device
             T, K, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim
-            self._scratch = {"out": torch.empty(T, H, dtype=torch.bfloat16, device=dev),
-                             "idx": torch.zeros(T, K, dtype=torch.int64, device=dev),
-                             "w": torch.zeros(T, K, dtype=torch.float32, device=dev)}
-        return self._scratch
+            scratch = self._scratch[slot.key] = {"out": torch.empty(T, H, dtype=torch.bfloat16, device=dev),
+                                                 "idx": torch.zeros(T, K, dtype=torch.int64, device=dev),
+                                                 "w": torch.zeros(T, K, dtype=torch.float32, device=dev)}
+        return scratch
 
     # ---- checks -------------------------------------------------------------------------------
     @staticmethod
@@ -952,8 +1096,8 @@ class Buffer:
                              f"the bytes of a bf16 row), got hidden {H}")
         return (num_max, num_experts, topk_idx.shape[1], H)
 
-    def _check_stats(self, stats) -> None:
-        a2a = self._slots[0].a2a
+    def _check_stats(self, stats, slot: _Slot) -> None:
+        a2a = slot.a2a
         L = a2a.layout.num_local_experts
         if (not isinstance(stats, torch.Tensor) or tuple(stats.shape) != (L,)
                 or stats.dtype not in (torch.int32, torch.int64) or stats.device != a2a.device):
@@ -961,13 +1105,19 @@ class Buffer:
                              f"{(tuple(stats.shape), stats.dtype, str(stats.device)) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
 
     def _build(self, error: ValueError | None, sizes: tuple | None, x, use_fp8: bool = False) -> None:
-        """The first call: build both slots' bf16 instances, sized from its arguments, on every rank or on none.
+        """The first call, the first call of other sizes, or `warm_up`: build a set of instances (both slots'
+        bf16 ones) for `(num_max_dispatch_tokens_per_rank, num_experts, hidden)`, on every rank or on none.
 
         Every rank first sends its verdict on its own input, its sizes and its `use_fp8` (one all-gather over
-        the group): if any rank rejected its input, or the sizes or `use_fp8` differ (an fp8 first call also
+        the group): if any rank rejected its input, or the sizes or `use_fp8` differ (an fp8 call also
         builds the fp8 instances, on every rank or on none), every rank raises (the rejecting rank its
         ValueError, the others CallAborted naming it; different sizes or use_fp8: ValueError naming them on
-        every rank) and nothing is built, so the next call is the first call again on every rank alike."""
+        every rank) and nothing is built, so the next call of these sizes builds on every rank alike.
+        Top-k may differ between ranks: the set takes the largest (and 8 when `num_rdma_bytes` is
+        `get_low_latency_rdma_size_hint`'s for these sizes); calls with fewer are padded with -1. A set
+        after the first must fit `num_rdma_bytes` when one was given (its bytes as that hint counts them),
+        as DeepEP serves a call only within its buffer: else ValueError on every rank."""
+        first = not self._slots
         cfg = None
         if error is None:
             try:
@@ -979,37 +1129,56 @@ class Buffer:
                     raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
                                      f"({self.group_size})")
                 cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink)
-                device = self._options["device"]
+                device = self._options["device"] if first else self._instance_options["device"]
                 if device is None:  # the first dispatch's x.device (refused here, with the verdict, if not one)
                     device = canonical_device(x.device if x is not None else None)
             except ValueError as exc:
                 error = exc
-        names = ("num_max_dispatch_tokens_per_rank", "num_experts", "top-k (topk_idx.shape[1])", "hidden (x.shape[1])")
+        names = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden (x.shape[1])")
         mine = (None if error is None else str(error),
-                None if sizes is None else {n: str(v) for n, v in zip(names, sizes)}, bool(use_fp8))
+                None if sizes is None else {n: str(v) for n, v in zip(names, _set_key(sizes, x, 0, 0))},
+                bool(use_fp8), None if sizes is None else sizes[2])
         table = all_gather(self.group, mine)
-        rejected = [r for r, (err, _, _) in enumerate(table) if err is not None]
+        rejected = [r for r, row in enumerate(table) if row[0] is not None]
+        which, call = ("the Buffer's first", "the first") if first else ("the first of its sizes",
+                                                                         "the first of its sizes")
         if error is not None:
             others = [r for r in rejected if r != self.rank]
-            raise ValueError(f"{error} (rank {self.rank} aborted this call, the Buffer's first, on every rank"
+            raise ValueError(f"{error} (rank {self.rank} aborted this call, {which}, on every rank"
                              + (f", as did rank(s) {others}" if others else "")
                              + ": nothing was built or sent; the next call builds the buffers)") from None
         if rejected:
-            raise CallAborted(f"rank {self.rank}: call 0 of this Buffer (the first: it builds the buffers) was "
-                              f"aborted by rank {', '.join(map(str, rejected))}: its input was rejected "
+            raise CallAborted(f"rank {self.rank}: call {self._calls} of this Buffer ({call}: it builds the buffers) "
+                              f"was aborted by rank {', '.join(map(str, rejected))}: its input was rejected "
                               f"({table[rejected[0]][0]}); nothing was built or sent; the next call builds the "
                               f"buffers")
-        diff = differences([sz for _, sz, _ in table])
+        diff = differences([row[1] for row in table])
         if diff:
-            raise ValueError(f"rank {self.rank}: the first low_latency_dispatch sizes the buffers and must get the "
-                             f"same sizes on every rank; refused on every rank (nothing was built or sent):\n  "
-                             + "\n  ".join(diff))
-        diff = differences([{"use_fp8": str(fp8)} for _, _, fp8 in table])
+            raise ValueError(f"rank {self.rank}: the first low_latency_dispatch " + ("" if first else "of new sizes ")
+                             + "sizes the buffers and must get the same sizes on every rank; refused on every rank "
+                               "(nothing was built or sent):\n  " + "\n  ".join(diff))
+        diff = differences([{"use_fp8": str(row[2])} for row in table])
         if diff:
-            raise ValueError(f"rank {self.rank}: the first low_latency_dispatch must get the same use_fp8 on every "
-                             f"rank (an fp8 call builds the fp8 buffers, on every rank); refused on every rank "
-                             f"(nothing was built or sent; the next call builds the buffers): {diff[0]}")
-        options = dict(self._options, device=device)
+            raise ValueError(f"rank {self.rank}: the first low_latency_dispatch " + ("" if first else "of new sizes ")
+                             + f"must get the same use_fp8 on every rank (an fp8 call builds the fp8 buffers, on "
+                               f"every rank); refused on every rank (nothing was built or sent; the next call "
+                               f"builds the buffers): {diff[0]}")
+        top_k = max(row[3] for row in table)
+        if _HINTS.get((self.num_rdma_bytes, self.group_size)) == (num_max, num_experts, 8, hidden):
+            top_k = max(top_k, 8)  # the bytes the caller reserved: later calls up to top-k 8 are served
+        if top_k != sizes[2]:
+            cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink)
+        if not first and self.num_rdma_bytes > 0:
+            nbytes = _instance_bytes(num_max, hidden, self.group_size, num_experts, top_k)
+            if nbytes > self.num_rdma_bytes:
+                raise ValueError(
+                    f"rank {self.rank}: a low_latency_dispatch of (num_max_dispatch_tokens_per_rank, hidden, "
+                    f"num_experts, top-k) = {(num_max, hidden, num_experts, top_k)}, sizes this Buffer has no "
+                    f"buffers for, needs {nbytes} bytes (get_low_latency_rdma_size_hint's count) > num_rdma_bytes "
+                    f"= {self.num_rdma_bytes}, the Buffer's bound (as DeepEP's buffer); refused on every rank "
+                    f"(nothing was built or sent). Buffers for it: "
+                    + ", ".join(f"{(n, h, e)}" for n, e, h in self._sets))
+        options = dict(self._options, device=device) if first else self._instance_options
         if self.enable_shrink:  # one mask for all instances: a peer masked in one is skipped by the others
             self._mask = RankMask(self.group_size, self.rank, options["device"])
             for r in sorted(self._pending_mask):
@@ -1022,34 +1191,46 @@ class Buffer:
             with torch.device("cpu"):
                 for _ in range(2):
                     built.append(AllToAll(cfg, **options))
-            slots = [_Slot(a2a) for a2a in built]
+            key = (num_max, num_experts, top_k, hidden)
+            slots = [_Slot(a2a, key) for a2a in built]
         except BaseException:
             for a2a in built:
                 a2a.close()
             raise
         dev = built[0].device
-        self._token_ids = _Prefixes(torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev)
-                                    .view(torch.float32).view(-1, 1))
-        self._slots, self._key, self._instance_options = slots, sizes, options
+        if self._token_ids is None or self._token_ids.rows.shape[0] < cfg.max_num_tokens:
+            self._token_ids = _Prefixes(torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev)
+                                        .view(torch.float32).view(-1, 1))
+        n = len(self._slots)
+        self._sets[num_max, num_experts, hidden] = (n, n + 1)
+        self._slots = self._slots + slots
+        if first:
+            self._key, self._instance_options, self._last_key = key, options, (num_max, num_experts, hidden)
 
-    def _build_fp8(self) -> None:
-        """At the first fp8 call (on every rank): each slot's fp8 instance, whose rows carry the fp8 bytes
-        and scales only (`fp8_payload_bytes`, about half a bf16 row), so that the pack, the wire and the
-        unpack of an fp8 call stride over half the bytes. It writes the slot's receive buffers (shared with
-        the bf16 instance): what it adds is its send and receive rows, not a second set of outputs."""
-        num_max, E, K, H = self._key
-        cfg = _config(num_max, E, K, H, self.group_size, fp8=True)
-        built: list[AllToAll] = []
-        try:
-            with torch.device("cpu"):  # as in _build: the construction's host tables are CPU tensors
-                for _ in self._slots:
-                    built.append(AllToAll(cfg, **self._instance_options))
-        except BaseException:
-            for a2a in built:
-                a2a.close()
-            raise
-        for slot, a2a in zip(self._slots, built):
-            slot.instances[True] = a2a
+    def _build_fp8(self, indices: tuple[int, int]) -> None:
+        """At the first fp8 call of a set's sizes (on every rank): each of its slots' fp8 instance, whose rows
+        carry the fp8 bytes and scales only (`fp8_payload_bytes`, about half a bf16 row), so that the pack,
+        the wire and the unpack of an fp8 call stride over half the bytes. It writes the slot's receive
+        buffers (shared with the bf16 instance): what it adds is its send and receive rows, not a second set
+        of outputs. Shrink mode builds none (its fp8 calls travel in bf16 rows). Then the slots' scales in
+        DeepEP's layout (`_Slot.make_fp8_outputs`)."""
+        slots = [self._slots[i] for i in indices]
+        num_max, E, K, H = slots[0].key
+        if True not in slots[0].instances and not self.enable_shrink and fp8_fits(H):
+            cfg = _config(num_max, E, K, H, self.group_size, fp8=True)
+            built: list[AllToAll] = []
+            try:
+                with torch.device("cpu"):  # as in _build: the construction's host tables are CPU tensors
+                    for _ in slots:
+                        built.append(AllToAll(cfg, **self._instance_options))
+            except BaseException:
+                for a2a in built:
+                    a2a.close()
+                raise
+            for slot, a2a in zip(slots, built):
+                slot.instances[True] = a2a
+        for slot in slots:
+            slot.make_fp8_outputs()
 
 
 __all__ = ["topk_idx_t", "Buffer", "Config", "EventOverlap", "Handle"]

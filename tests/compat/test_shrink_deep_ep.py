@@ -55,8 +55,8 @@ def _owner_masked(idx: torch.Tensor, masked: list[int]) -> torch.Tensor:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bytes (fp8 and bf16 compared bitwise)."""
-    return t.view(torch.uint8) if t.dtype.is_floating_point else t
+    """`t`'s bytes (fp8 and bf16 compared bitwise; fp32 scales are column-major, DeepEP's layout)."""
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t
 
 
 def _rank(comm, store: str, use_fp8: bool, zero_copy_first: bool, device: str):
