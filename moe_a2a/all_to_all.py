@@ -16,7 +16,7 @@ from . import fingerprint
 from .config import A2AConfig, Layout
 from .protocol.segment import ShardWords
 from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
-from .proxy import emulated
+from .proxy import nic_settings as emulated
 from .proxy import libfabric as lf
 from .protocol.memory import check_fits_in_memory
 from .runtime.status import CallAborted, CapacityExceeded, FailureBoard, Status, watch_proxies

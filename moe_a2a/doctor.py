@@ -613,8 +613,8 @@ def check_memlock(facts: dict) -> Check:
 
 def check_registration(facts: dict) -> Check:
     """The registrations of one rank against EFA's per-registration page limit: a buffer over it is
-    registered in overlapping chunks (`proxy.engine.registration_chunks`), each within the limit."""
-    from .proxy.engine import EFA_MAX_WRITE_BYTES, MAX_REGISTRATION_ENV, max_registration_from_env, registration_chunks
+    registered in overlapping chunks (`proxy.fabric_chunks.registration_chunks`), each within the limit."""
+    from .proxy.fabric import EFA_MAX_WRITE_BYTES, MAX_REGISTRATION_ENV, max_registration_from_env, registration_chunks
 
     name, sizes = "registration", facts.get("sizes") or {}
     if "host_segment_bytes" not in sizes:
@@ -731,7 +731,7 @@ def _env_problems(env: dict, facts: dict) -> tuple[list[str], list[str], list[st
     emu = env.get("MOE_A2A_EMULATED_NIC")
     if emu is not None:
         try:
-            from .proxy.emulated import parse_nic_settings
+            from .proxy.nic_settings import parse_nic_settings
 
             parse_nic_settings(emu)
         except ValueError as e:

@@ -26,7 +26,8 @@ def _cuda_pair(comm, nbytes: int, nic: str):
     import numpy as np
     from cuda.bindings import driver as cu
 
-    from moe_a2a.proxy.emulated import EmulatedEngine, parse_nic_settings
+    from moe_a2a.proxy.emulated import emulated_engine as EmulatedEngine
+    from moe_a2a.proxy.nic_settings import parse_nic_settings
     from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET
     from moe_a2a.protocol.memory import CuMemBuffer, MemfdBuffer, cuda_primary_context
 

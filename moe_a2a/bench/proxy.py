@@ -542,7 +542,7 @@ def bench_world(world: int, provider: str = "tcp", epochs: int = 100, warmup: in
 
     from ..config import A2AConfig
     from ..protocol.segment import Flags, read_error
-    from ..proxy.engine import auto_provider
+    from ..proxy.fabric import auto_provider
     from ..protocol.proxy_spec import ProxySpec
     from ..runtime.proxy_handle import ProxyHandle
     from ..protocol.memory import SharedSegment, unique_name

@@ -19,7 +19,7 @@ from ..protocol.proxy_spec import ProxySpec
 from ..protocol.segment import Flags
 from ..protocol.words import HALF_FLAGS, WRITE_TABLE_COLUMNS, Flag, WriteTable, flag_word
 from ..proxy import topology
-from ..proxy.engine import auto_provider
+from ..proxy.fabric import auto_provider
 from ..triton_kernels.node_sync import NodeSync
 from . import bootstrap
 from . import placement as placements

@@ -46,10 +46,10 @@ def _read(eng: TransferEngine, peer, nbytes: int, length: int, key: int) -> str:
     ep = eng._eps[0]
     readmsg = lf._fn(lf.WRITEMSG_PROTO, lf.fid_ep.from_address(ep.ptr).rma, lf.fi_ops_rma, "readmsg")
     iov = lf.iovec(ctypes.addressof(buf), length)
-    desc = (ctypes.c_void_p * 1)(dst.descs[0])
+    desc = (ctypes.c_void_p * 1)(dst.reg.descs[0])
     rma = lf.fi_rma_iov(0, length, key)
     ctx = eng._free_ctx.pop()  # completes through the engine's CQ handling like one of its writes
-    msg = lf.fi_msg_rma(ctypes.addressof(iov), ctypes.addressof(desc), 1, peer.fi_addrs[0],
+    msg = lf.fi_msg_rma(ctypes.addressof(iov), ctypes.addressof(desc), 1, peer.link[0],
                         ctypes.addressof(rma), 1, ctx, 0)
     deadline = time.monotonic() + 3.0
     rc = readmsg(ep.ptr, ctypes.addressof(msg), lf.FI_COMPLETION)

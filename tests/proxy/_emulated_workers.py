@@ -1,10 +1,11 @@
-"""Bodies of the multi-process EmulatedEngine tests (spawned children import only this and the engine)."""
+"""Bodies of the multi-process tests of the emulated NIC (spawned children import only this and the engine)."""
 from __future__ import annotations
 
 import ctypes
 import time
 
-from moe_a2a.proxy.emulated import EmulatedEngine, parse_nic_settings
+from moe_a2a.proxy.emulated import emulated_engine
+from moe_a2a.proxy.nic_settings import parse_nic_settings
 from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
 from moe_a2a.protocol.memory import MemfdBuffer, SharedSegment, unique_name
 
@@ -24,7 +25,7 @@ def pair(comm, nic: str):
     with one immediate) and into its segment; each checks what landed and that the immediates were
     counted exactly by value."""
     me, peer = comm.rank, 1 - comm.rank
-    eng = EmulatedEngine(nic=parse_nic_settings(nic), max_senders=4, timeout_s=20, idle_yield=True)
+    eng = emulated_engine(nic=parse_nic_settings(nic), max_senders=4, timeout_s=20, idle_yield=True)
     send, recv = MemfdBuffer(1 << 16), MemfdBuffer(1 << 16)
     seg = SharedSegment(unique_name(), 1 << 16, create=True)
     ctypes.memmove(send.addr, pattern(me, 1 << 16), 1 << 16)
@@ -69,7 +70,7 @@ def pair(comm, nic: str):
 def dead_peer(comm):
     """Rank 1 dies after connecting: rank 0's posts fill its ring and end in PeerTimeout (position 0),
     and waiting for its immediate ends in a TimeoutError naming it."""
-    eng = EmulatedEngine(max_senders=4, ring_slots=4, timeout_s=1.0, idle_yield=True)
+    eng = emulated_engine(max_senders=4, ring_slots=4, timeout_s=1.0, idle_yield=True)
     buf = MemfdBuffer(4096)
     region = eng.register(buf.addr, buf.size)
     table = comm.allgather((eng.address, region.descriptor()))

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from moe_a2a.proxy.emulated import (NIC_ENV, EmulatedEngine, NicSettings, nic_settings_from_env,
-                                    parse_nic_settings)
+from moe_a2a.proxy.emulated import emulated_engine
+from moe_a2a.proxy.nic_settings import NIC_ENV, NicSettings, nic_settings_from_env, parse_nic_settings
 from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET
 from moe_a2a.protocol.memory import MemfdBuffer, process_shm_files
 
@@ -61,7 +61,7 @@ def test_nic_settings_are_read_when_the_all_to_all_is_built_and_refused_before_a
 @pytest.fixture
 def pair_in_process():
     """Two engines of this process, a connected to b: a's memfd source, b's memfd target."""
-    a, b = EmulatedEngine(max_senders=4, timeout_s=5), EmulatedEngine(max_senders=4, timeout_s=5)
+    a, b = emulated_engine(max_senders=4, timeout_s=5), emulated_engine(max_senders=4, timeout_s=5)
     src, dst = MemfdBuffer(1 << 20), MemfdBuffer(1 << 20)
     ctypes.memmove(src.addr, bytes(range(256)) * 4096, 1 << 20)
     rs, rd = a.register(src.addr, src.size, ACCESS_SOURCE), b.register(dst.addr, dst.size, ACCESS_TARGET)
@@ -109,7 +109,7 @@ def test_post_table_and_arrays_post_what_the_rows_say(pair_in_process):
 
 def test_target_regions_must_be_shareable_files_and_engines_leave_nothing_in_dev_shm():
     anon = ctypes.create_string_buffer(4096)
-    with EmulatedEngine(max_senders=2) as eng:
+    with emulated_engine(max_senders=2) as eng:
         eng.register(ctypes.addressof(anon), 4096, ACCESS_SOURCE)  # a source needs no file
         with pytest.raises(ValueError, match="not a shared file mapping"):
             eng.register(ctypes.addressof(anon), 4096, ACCESS_TARGET)
@@ -128,7 +128,7 @@ LAT = 0.25
 @pytest.mark.timeout(60)
 def test_latency_is_honoured_and_latencies_of_writes_overlap(pair_in_process):
     a, b, rs, grp, dst = pair_in_process
-    c = EmulatedEngine(nic=parse_nic_settings(f"{LAT * 1e3:g}ms"), timeout_s=5)
+    c = emulated_engine(nic=parse_nic_settings(f"{LAT * 1e3:g}ms"), timeout_s=5)
     try:
         [pb] = c.connect([b.address])
         g = c.peer_group([pb], grp.regions)
@@ -154,7 +154,7 @@ def test_latency_is_honoured_and_latencies_of_writes_overlap(pair_in_process):
 @pytest.mark.timeout(60)
 def test_bandwidth_cap_serialises_the_writes_of_one_nic(pair_in_process):
     a, b, rs, grp, dst = pair_in_process
-    c = EmulatedEngine(nic=parse_nic_settings("10MBps"), timeout_s=5)  # 1 MiB: 105 ms each
+    c = emulated_engine(nic=parse_nic_settings("10MBps"), timeout_s=5)  # 1 MiB: 105 ms each
     try:
         [pb] = c.connect([b.address])
         g = c.peer_group([pb], grp.regions)

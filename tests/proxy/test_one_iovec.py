@@ -24,6 +24,7 @@ from moe_a2a.protocol import plan
 from moe_a2a.protocol.segment import Flags
 from moe_a2a.protocol.words import Flag, Imm, WriteTable, encode_imm
 from moe_a2a.proxy import engine as engine_mod
+from moe_a2a.proxy import fabric
 from moe_a2a.proxy import libfabric as lf
 from moe_a2a.proxy import worker
 from moe_a2a.protocol.memory import MemfdBuffer, SharedSegment, send_fds, unique_name
@@ -187,7 +188,7 @@ def test_every_write_of_a_call_is_one_iovec_within_the_bound_and_lands(provider,
         assert all(Flags(s, lay)[Flag.COMBINE_WRITES_DONE] == epoch for s in segs)
 
         # Every posted write: one iovec, one rma iovec of the same length, within the bound.
-        bound = min(min(e.max_write_bytes for e in rec.engines), engine_mod.EFA_MAX_WRITE_BYTES)
+        bound = min(min(e.max_write_bytes for e in rec.engines), fabric.EFA_MAX_WRITE_BYTES)
         posted = sum(e.writes_posted for e in rec.engines)
         assert posted == sum(w["rc"] == 0 for w in rec.writes) >= 2 * 2 + 1  # private, combine; a remainder
         for w in rec.writes:

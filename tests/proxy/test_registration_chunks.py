@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from moe_a2a.proxy import engine as engine_mod
-from moe_a2a.proxy.engine import (ACCESS_SOURCE, ACCESS_TARGET, PAGE_SIZE, RemoteRegion, TransferEngine,
-                                  registration_chunks)
+from moe_a2a.proxy import fabric_chunks as engine_mod
+from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_TARGET, RemoteRegion, TransferEngine
+from moe_a2a.proxy.fabric_chunks import PAGE_SIZE, registration_chunks
 
 from ._providers import PROVIDERS, provider_params
 
@@ -189,7 +189,7 @@ def test_one_chunk_is_todays_registration_and_fast_path(provider, monkeypatch):
         one = eng.register(one_addr, LIMIT, max_write_bytes=MAX_WRITE)  # exactly the limit, page-aligned
         dst = eng.register(dst_addr, LIMIT, ACCESS_TARGET)
         big = eng.register(big_addr, NBYTES, ACCESS_SOURCE, max_write_bytes=MAX_WRITE)
-        assert (one.chunks, one.chunk_stride, len(one._mrs)) == (1, 0, eng.num_domains) and big.chunks > 1
+        assert (one.chunks, one.chunk_stride, len(one.reg._mrs)) == (1, 0, eng.num_domains) and big.chunks > 1
         desc = dst.descriptor()
         assert desc == RemoteRegion(eng.provider_name, LIMIT, desc.base, dst.keys) and desc.chunks == 1
         [me] = eng.connect([eng.address])
@@ -201,8 +201,8 @@ def test_one_chunk_is_todays_registration_and_fast_path(provider, monkeypatch):
         def refuse(*a, **k):
             raise AssertionError("the chunked path was taken for regions of one registration")
 
-        monkeypatch.setattr(eng, "_post_table_chunked", refuse)
-        monkeypatch.setattr(eng, "_scatter_chunked", refuse)
+        monkeypatch.setattr(eng.carrier, "_post_table_chunked", refuse)
+        monkeypatch.setattr(eng.carrier, "_scatter_chunked", refuse)
         eng.scatter(grp, one, [(0, 0, 100, 100)], 0x42)
         table = np.array([(0, 100, 200, 0x43)], np.int64)
         assert eng.post_table(grp, one, memoryview(table).cast("B").cast("q"), ((0, 0),)) == 1

@@ -177,7 +177,7 @@ def test_keys_are_random_not_sequential(provider):
 def test_keys_respect_a_smaller_mr_key_size():
     """A domain with mr_key_size < 8 gets keys of that many bytes (here: pretend 2 bytes)."""
     with TransferEngine("tcp") as eng:
-        eng._key_bits = 16
+        eng.carrier._key_bits = 16
         bufs = [ctypes.create_string_buffer(64) for _ in range(8)]
         keys = [eng.register(ctypes.addressof(b), 64, ACCESS_TARGET).keys[0] for b in bufs]
         assert all(0 < k < 1 << 16 for k in keys) and len(set(keys)) == len(keys), keys
