@@ -4,7 +4,8 @@
     engine.py        TransferEngine: regions, peers, posting, immediate counts, waits (one engine), make_engine
     fabric.py        the libfabric carrier: endpoints, registrations, write templates, CQs
     fabric_chunks.py registrations over a provider's limit, in overlapping chunks, and their posting path
-    libfabric.py     the ctypes shim over libfabric (structs mirrored once, with the header's names)
+    libfabric.py     the ctypes shim over libfabric: loading, fi_getinfo, the objects (endpoints, MRs, CQs)
+    libfabric_abi.py the libfabric header mirrored for ctypes: constants, structs, ops prototypes
     emulated.py      the emulated NIC's carrier (an instrument): copies on one host, immediates via inboxes
     inbox.py         the emulated NIC's inbox (receiver) and rings (senders)
     backing.py       the emulated NIC's view of a buffer: the file or cuMem FD a peer maps
