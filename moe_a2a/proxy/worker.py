@@ -106,7 +106,7 @@ class Proxy:
         self.shard_words = ShardWords(self.seg, lay)
         own = spec.fd_buffers
         on_gpu = own is not None and own[0] == "cuda"
-        self.engine = make_engine(spec, on_gpu)  # libfabric's TransferEngine, or the emulated NIC
+        self.engine = make_engine(spec, on_gpu)  # the TransferEngine, over libfabric or the emulated NIC
         if spec.shrink:  # a post blocked on a stopped peer must not hold the live ones past their timeouts
             self.engine.post_timeout_s = SHRINK_POST_FRACTION * spec.timeout_s
         # Least access (docs/threat-model.md), never readable remotely. Host-staged, the segment holds the
