@@ -16,10 +16,15 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
   whose rows carry just these bytes (`A2AConfig.payload_bytes`, about H + H/32): the pack, the wire and
   the unpack stride over half a bf16 row. Its receive half writes the same receive buffers as the bf16
   instance, so `use_fp8` may change from call to call and the extra memory is the fp8 instances' send
-  and receive rows, not a second set of outputs. The received `recv_x` of an fp8 call are views of the
-  received rows: `[L, C, H]` fp8 with a row stride of 2H bytes, and the scales `[L, C, S]` (row stride
-  2H / 4); `.contiguous()` gives DeepEP's dense shapes. (Shrink mode sends fp8 calls in bf16 rows: its
-  instances are all made at construction, when no fp8 call has been seen.)
+  and receive rows, not a second set of outputs. The fp8 `recv_x` of an fp8 call is a view of the received
+  rows (`[L, C, H]`, row stride 2H bytes); its scales are in DeepEP's layout (`[L, C, S]`, column-major per
+  expert, TMA-aligned: `triton_kernels/scale_layout.py` copies them out of the rows at each fp8 receive).
+  (Shrink mode sends fp8 calls in bf16 rows: its instances are all made at construction, when no fp8 call
+  has been seen.)
+- **calls of other sizes within the Buffer's bounds.** Fewer top-k are padded to what the instances take;
+  other (num_max_dispatch_tokens_per_rank, num_experts, hidden) get a set of instances of their own, built
+  collectively at their first call (within `num_rdma_bytes`). `warm_up` builds a set's buffers before
+  CUDA-graph capture.
 - **handle[0] without a copy.** The scale column of every row carries its source token index (int32 bits;
   `AllToAll` moves scales bit-exactly), so the received scale column *is* DeepEP's `src_info`.
   handle[1] (`layout_range`) is written by the receive's unpack, from the count matrix it reads anyway.
@@ -360,8 +365,10 @@ class Buffer:
     Args:
         group: the torch.distributed process group of the expert-parallel ranks (bootstrap only; default
             WORLD).
-        num_nvl_bytes, num_rdma_bytes: kept as attributes and not used: the buffers are sized by the first
-            dispatch (`get_low_latency_rdma_size_hint` gives what they take).
+        num_nvl_bytes, num_rdma_bytes: kept as attributes. The buffers are built by the first call of each
+            set of sizes (or `warm_up`); `num_rdma_bytes` bounds the sets after the first (their bytes as
+            `get_low_latency_rdma_size_hint` counts them) and, when it is that hint's, makes the instances
+            take top-k up to 8.
         low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric:
             DeepEP's transport switches; no meaning here (same-node peers always go through mapped
             memory, the rest through the proxy and `transport`), accepted and ignored.
@@ -549,7 +556,8 @@ class Buffer:
 
         Returns `(recv_x, recv_count, handle, event, hook)`: recv_x bf16 `[L, C, H]`, or with use_fp8
         `(fp8 [L, C, H], scales)` (fp32 `[L, C, ceil(H/128)]`, or int32 `[L, C, ceil(H/512)]` with
-        use_ue8m0); recv_count int32 `[L]`; a `Handle`; an `EventOverlap` (without an event unless
+        use_ue8m0; DeepEP's layout: strides `(S * C4, 1, C4)`, C4 = C rounded up to a multiple of 4, valid
+        below each expert's count); recv_count int32 `[L]`; a `Handle`; an `EventOverlap` (without an event unless
         `async_finish` on a GPU); the hook or None.
         """
         if self._closed:
