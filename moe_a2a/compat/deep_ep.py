@@ -175,9 +175,10 @@ def _moved_rows(old: torch.Tensor, new: torch.Tensor, capacity: int) -> tuple[to
     low = (1 << 32) - 1
     ob, oc, nb, nc = (old >> 32).cpu(), (old & low).cpu(), (new >> 32).cpu(), (new & low).cpu()
     n = torch.minimum(oc, nc).flatten()
-    base = torch.arange(L, dtype=torch.int64)[:, None] * capacity
-    seg = torch.repeat_interleave(torch.arange(L * W), n)
-    offset = torch.arange(int(n.sum()), dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+    cpu = torch.device("cpu")  # explicit: callers (DeepEP's tests) may set another default device
+    base = torch.arange(L, dtype=torch.int64, device=cpu)[:, None] * capacity
+    seg = torch.repeat_interleave(torch.arange(L * W, device=cpu), n)
+    offset = torch.arange(int(n.sum()), dtype=torch.int64, device=cpu) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
     src, dst = (base + ob).flatten()[seg] + offset, (base + nb).flatten()[seg] + offset
     return src.to(old.device), dst.to(old.device)
 

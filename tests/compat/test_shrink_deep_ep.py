@@ -172,3 +172,16 @@ def test_deep_ep_shrink_sequence_combines_each_handle_twice_exactly(tmp_path, us
             if not g["unchanged"]:
                 problems.append(f"rank {r} round {rnd}: the combines changed the dispatch's recv_x or handle")
     assert problems == [], "\n".join(problems)
+
+
+def test_moved_rows_ignores_the_callers_default_device():
+    """DeepEP's tests set a default device (cuda): the facade's host-side row bookkeeping of a repeated
+    combine must not create tensors there (it once raised index_select's device mismatch on the H200)."""
+    from moe_a2a.compat.deep_ep import _moved_rows
+
+    old = torch.tensor([[(0 << 32) | 2, (2 << 32) | 1], [(0 << 32) | 0, (0 << 32) | 3]], dtype=torch.int64)
+    new = torch.tensor([[(0 << 32) | 2, (2 << 32) | 0], [(0 << 32) | 0, (0 << 32) | 3]], dtype=torch.int64)
+    want = _moved_rows(old, new, 8)
+    with torch.device("meta"):
+        got = _moved_rows(old, new, 8)
+    assert [t.tolist() for t in got] == [t.tolist() for t in want] == [[0, 1, 8, 9, 10], [0, 1, 8, 9, 10]]
