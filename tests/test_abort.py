@@ -153,7 +153,9 @@ def test_bad_input_on_one_rank_aborts_the_call_everywhere_and_the_next_call_work
         else:
             assert bad["error"] == "CallAborted", bad
             assert f"aborted by rank {bad_rank}" in bad["message"] and "rejected" in bad["message"], bad
-            assert bad["seconds"] < 2.0, bad  # within 2 s, README's Errors bullet says (a loaded 2-core machine)
+            # README's Errors bullet: within 1 s on a GPU, 2 s on a loaded 2-core CPU machine (interpreter)
+            print(f"rank {r} learnt of the abort in {bad['seconds']:.3f} s")
+            assert bad["seconds"] < (1.0 if TEST_DEVICE == "cuda" else 2.0), bad
     assert all(results[r][i]["error"] is None for r in range(world) for i in good), \
         [[c.get("message") for c in calls] for calls in results]
     ok = [{"calls": [calls[i] for i in good]} for calls in results]
