@@ -6,7 +6,8 @@ docs/compat.md). It is a thin layer over `moe_a2a.AllToAll` with a fixed expert 
 (`A2AConfig.expert_capacity`): the received tokens are `[num_local_experts, C, hidden]`,
 C = `num_max_dispatch_tokens_per_rank * num_ranks`, as DeepEP's.
 
-How it is built (docs/compat.md has the table of what matches DeepEP and what differs):
+How it is built (docs/compat.md has the table of what matches DeepEP and what differs; `_slots.py` has the
+slots, their call's state machine, and the instances' sizes):
 - **one set of receive buffers for bf16 and fp8 calls.** The received rows are bf16 rows of H elements
   (2H bytes) plus one 4-byte "scale" column. A bf16 call sends `x` as is. An fp8 call has the dispatch's
   pack kernel quantise `x` (`AllToAll.dispatch(quantize=quant.Fp8Quantize(...))`, `quantize_fp8`'s math
@@ -47,27 +48,33 @@ How it is built (docs/compat.md has the table of what matches DeepEP and what di
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
 import torch
 
 from ..all_to_all import AllToAll, CallAborted, canonical_device, check_combine_recv
-from ..config import A2AConfig, ceil_div, round_up
+from ..config import ceil_div
 from ..fingerprint import all_gather, differences
 from ..runtime.shrink import RankMask
-from ..triton_kernels.quant import Fp8Quantize
-from ..triton_kernels.scale_layout import column_major_scales, scales_to_column_major
+from ._slots import COMBINE_SENT as _COMBINE_SENT
+from ._slots import COMBINED as _COMBINED
+from ._slots import DISPATCH_SENT as _DISPATCH_SENT
+from ._slots import DISPATCHED as _DISPATCHED
+from ._slots import FP8_BLOCK  # noqa: F401 - DeepEP's block size, kept importable here
+from ._slots import FREE as _FREE
+from ._slots import Prefixes as _Prefixes
+from ._slots import Slot as _Slot
+from ._slots import config as _config
+from ._slots import fits as _fits
+from ._slots import fp8_fits, fp8_payload_bytes, fp8_scale_offset  # noqa: F401 - kept importable here
+from ._slots import fp8_quantize as _fp8_quantize
+from ._slots import instance_bytes as _instance_bytes
+from ._slots import pad_routes as _pad_routes
+from ._slots import set_key as _set_key
 
 # DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
 topk_idx_t = torch.int64
-
-FP8_BLOCK = 128  # elements per fp8 scale, as DeepEP's
-
-# A slot's call, from its dispatch to its combine (the AllToAll instance is between calls in FREE and
-# COMBINED; a handle of a COMBINED call may be combined again).
-_FREE, _DISPATCH_SENT, _DISPATCHED, _COMBINE_SENT, _COMBINED = range(5)
 
 
 class Handle(NamedTuple):
@@ -129,41 +136,6 @@ _NO_EVENT = EventOverlap()
 # get_low_latency_rdma_size_hint's answers in this process: (bytes, num_ranks) -> the sizes behind them
 # (None when two sizes gave the same bytes), so that shrink mode can build at construction.
 _HINTS: dict[tuple[int, int], tuple | None] = {}
-
-
-class _Prefixes(dict):
-    """`prefixes[T]` is `rows[:T]`, a view made once per T (the slice costs a µs on every call)."""
-
-    def __init__(self, rows: torch.Tensor) -> None:
-        super().__init__()
-        self.rows = rows
-
-    def __missing__(self, T: int) -> torch.Tensor:
-        view = self[T] = self.rows[:T]
-        return view
-
-
-def _fits(sizes: tuple, key: tuple) -> bool:
-    """A call's sizes fit buffers built for `key`: the same num_max_dispatch_tokens_per_rank, num_experts and
-    hidden, top-k up to the key's (fewer are padded with -1)."""
-    return sizes[0] == key[0] and sizes[1] == key[1] and sizes[3] == key[3] and sizes[2] <= key[2]
-
-
-def _set_key(sizes: tuple | None, x, num_max, num_experts) -> tuple | None:
-    """Which set of instances serves a call: `(num_max_dispatch_tokens_per_rank, num_experts, hidden)`, from
-    its checked sizes or, for rejected input, from its arguments as far as they say (None when they do not)."""
-    if sizes is not None:
-        return sizes[0], sizes[1], sizes[3]
-    if isinstance(x, torch.Tensor) and x.dim() == 2 and type(num_max) is int and type(num_experts) is int:
-        return num_max, num_experts, x.shape[1]
-    return None
-
-
-def _pad_routes(t: torch.Tensor, K: int, fill) -> torch.Tensor:
-    """`[T, k]` -> `[T, K]` with `fill` in the new columns (shrink mode's buffers are built for top-k 8)."""
-    if t.shape[1] == K:
-        return t
-    return torch.cat([t, torch.full((t.shape[0], K - t.shape[1]), fill, dtype=t.dtype, device=t.device)], dim=1)
 
 
 def _moved_rows(old: torch.Tensor, new: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,119 +217,6 @@ _NORMAL_MODE = ("DeepEP's normal (high-throughput) mode is not provided by moe_a
 # Arguments of other DeepEP versions' low_latency_dispatch that the facade knows (DeepEP's hybrid-ep branch,
 # passed by vLLM and SGLang for NVFP4 dispatch).
 _NVFP4_ARGS = ("use_nvfp4", "x_global_scale")
-
-
-def _config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: int,
-            shrink: bool = False, fp8: bool = False) -> A2AConfig:
-    """The instances' sizes: bf16 rows of `hidden` plus one 4-byte column (the source token index),
-    capacity `num_max * num_ranks` per local expert. `fp8`: the fp8 instances' rows carry only an fp8
-    call's payload and fp32 scales (`fp8_payload_bytes`) instead of 2H bytes. Shrink mode: a private
-    region that holds every route of a pair (no shared remainder region)."""
-    return A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
-                     in_dtype=torch.bfloat16, scale_block=hidden, out_dtype=torch.bfloat16,
-                     expert_capacity=num_max * num_ranks, max_private_tokens=num_max * top_k if shrink else None,
-                     payload_bytes=fp8_payload_bytes(hidden) if fp8 else None)
-
-
-def _instance_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int, top_k: int) -> int:
-    """Bytes of one set's instances on one rank: two bf16 ones and (when fp8 fits) two fp8 ones."""
-    nbytes = 0
-    for fp8 in (False, True) if fp8_fits(hidden) else (False,):
-        lay = _config(num_max, num_experts, top_k, hidden, num_ranks, fp8=fp8).layout(num_ranks)
-        nbytes += 2 * (lay.send_bytes + lay.recv_bytes + lay.segment_bytes(False))
-    return nbytes
-
-
-def fp8_scale_offset(hidden: int) -> int:
-    """Byte of an fp8 call's row where its scales start (after the H bytes of fp8 payload)."""
-    return round_up(hidden, 4)
-
-
-def fp8_payload_bytes(hidden: int) -> int:
-    """Bytes of an fp8 call's row: fp8 payload, then fp32 scales (UE8M0 codes take fewer)."""
-    return _fp8_quantize(hidden, False, False).row_bytes(hidden)
-
-
-@functools.lru_cache(maxsize=None)
-def _fp8_quantize(hidden: int, round_scale: bool, ue8m0: bool) -> Fp8Quantize:
-    """An fp8 call's fused quantisation (one object per option set: a launch is remembered by it)."""
-    return Fp8Quantize(scale_offset_bytes=fp8_scale_offset(hidden), block=FP8_BLOCK, round_scale=round_scale,
-                       ue8m0=ue8m0)
-
-
-@functools.lru_cache(maxsize=None)
-def fp8_fits(hidden: int) -> bool:
-    """An fp8 call's payload and fp32 scales fit in the bytes of a bf16 row (any even H >= 4), at
-    4-byte-aligned offsets."""
-    return hidden % 2 == 0 and fp8_payload_bytes(hidden) <= 2 * hidden
-
-
-class _Slot:
-    """One of the two alternating micro-batch slots of one set of sizes: its receive buffers, its `AllToAll`
-    instances (bf16 rows, and fp8 rows from the first fp8 call), and its current call."""
-
-    def __init__(self, a2a: AllToAll, key: tuple) -> None:
-        # By use_fp8 (without an fp8 one, fp8 calls use bf16 rows); `a2a` is the current call's.
-        self.instances: dict[bool, AllToAll] = {False: a2a}
-        self.a2a = a2a
-        # The sizes it was built for: (num_max_dispatch_tokens_per_rank, num_experts, top-k, hidden).
-        self.key = key
-        cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
-        L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
-        # Shared by the instances (their receive halves write here): int32 [L]; bf16 [L*C, H]; f32 [L*C, 1].
-        self.num, self.ex, self.exs = a2a.empty_dispatch_outputs()
-        self.shape = (L, C, H)
-        self.src_info = self.exs.view(torch.int32).view(L, C)
-        self.layout_range = torch.zeros(L, W, dtype=torch.int64, device=dev)
-        # What a dispatch returns as recv_x, by (use_fp8, use_ue8m0): views of the received rows. An fp8
-        # call's bytes are in them as its pack wrote them (it quantises x into the rows it sends).
-        self.recv_x = {(False, False): self.ex.view(L, C, H)}
-        # fp8 calls: the scales as the receive wrote them (row-major, inside the rows), by use_ue8m0, and
-        # their copy in DeepEP's layout that recv_x returns (column-major per expert, TMA-aligned; made at
-        # the first fp8 call, `make_fp8_outputs`, written at each fp8 receive by scale_layout's kernel).
-        self.row_scales: dict[bool, torch.Tensor] = {}
-        self.fp8_outputs = False
-        if fp8_fits(H):
-            S, off = ceil_div(H, FP8_BLOCK), fp8_scale_offset(H)
-            S4 = ceil_div(S, 4)
-            rows = self.ex.view(torch.uint8)
-            self.fp8 = rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H)
-            self.row_scales[False] = rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S)
-            self.row_scales[True] = rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4)
-        self.ue8m0 = False        # the current call's scale format (an fp8 call's receive transposes it)
-        self.combine_buf: torch.Tensor | None = None  # get_next_low_latency_combine_buffer, made on first use
-        # The current call.
-        self.state, self.call = _FREE, -1
-        self.T = 0
-        self.payload = None       # [T, H] bf16 the dispatch's x (a repeated combine sends it again)
-        self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
-        self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
-        self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
-
-    def free(self) -> None:
-        """The call ended (an exception in one of its halves ends it on every rank): the slot is free."""
-        self.state, self.combine_args = _FREE, None
-
-    def make_fp8_outputs(self) -> None:
-        """The scales' destination in DeepEP's layout (`scale_layout.column_major_scales`, shared by the fp32
-        and UE8M0 formats: an int32 view of the first `[L, S4, C]` words), and fp8 recv_x returning it."""
-        if self.fp8_outputs or not self.row_scales:
-            return
-        L, C, _ = self.shape
-        S, S4 = self.row_scales[False].shape[2], self.row_scales[True].shape[2]
-        fp32 = column_major_scales(L, C, S, torch.float32, self.a2a.device)
-        C4 = fp32.stride(2)
-        # UE8M0 words: strides (S4 * C4, 1, C4) over the same storage (DeepEP's layout for S4 columns).
-        ue8m0 = fp32.view(torch.int32).as_strided((L, C, S4), (S4 * C4, 1, C4))
-        self.recv_x[True, False] = (self.fp8, fp32)
-        self.recv_x[True, True] = (self.fp8, ue8m0)
-        self.fp8_outputs = True
-
-    def transpose_scales(self) -> None:
-        """After an fp8 call's receive: its received rows' scales into DeepEP's layout (rows below each
-        expert's count; one launch, stream-ordered, CUDA-graph safe)."""
-        ue8m0 = self.ue8m0
-        scales_to_column_major(self.row_scales[ue8m0], self.recv_x[True, ue8m0][1], self.num)
 
 
 class Buffer:
@@ -633,9 +492,9 @@ class Buffer:
         if return_recv_hook:
             slot.state = _DISPATCH_SENT
         else:
-            self._received(slot)
+            slot.received()
         handle = Handle(slot.src_info, slot.layout_range, built[0], H, built[1], index, slot.call, T)
-        hook = self._hook(slot, slot.call, self._receive_dispatch) if return_recv_hook else None
+        hook = self._hook(slot, slot.call, _Slot.receive_dispatch) if return_recv_hook else None
         return slot.recv_x[use_fp8, ue8m0], slot.num, handle, self._event(slot) if async_finish else _NO_EVENT, hook
 
     # ---- combine ----------------------------------------------------------------------------
@@ -679,7 +538,7 @@ class Buffer:
                 and topk_weights.shape[1] == topk_idx.shape[1]:
             topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
         if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
-            self._settle(slot)
+            slot.settle()
         moved = None  # shrink mode: the rows of the handle's layout that a repeated combine moved
         if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
             moved = self._dispatch_again(slot, topk_idx)
@@ -723,7 +582,7 @@ class Buffer:
             slot.free()
             raise
         slot.state = _COMBINE_SENT if return_recv_hook else _COMBINED
-        hook = self._hook(slot, slot.call, self._receive_combine) if return_recv_hook else None
+        hook = self._hook(slot, slot.call, _Slot.receive_combine) if return_recv_hook else None
         return out, self._event(slot) if async_finish else _NO_EVENT, hook
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
@@ -911,25 +770,10 @@ class Buffer:
         self.close()
 
     # ---- the calls of a slot ------------------------------------------------------------------
-    def _run(self, slot: _Slot, half) -> None:
-        """One half of the slot's `AllToAll` call. An exception ends the call (on every rank, for the
-        ValueError, CallAborted and CapacityExceeded that leave the instance usable): the slot is free.
-        (low_latency_dispatch and low_latency_combine inline this for their own halves.)"""
-        try:
-            half()
-        except BaseException:
-            slot.free()
-            raise
-
+    # (The slot's state machine is `_slots.Slot`'s; these name its steps where the Buffer takes them.)
     @staticmethod
-    def _received(slot: _Slot) -> None:
-        """After the dispatch's receive half (whose unpack wrote handle[1]): an fp8 call's scales into
-        DeepEP's layout, the caller's statistics."""
-        slot.state = _DISPATCHED
-        if slot.quantize is not None:
-            slot.transpose_scales()
-        if slot.stats is not None:
-            slot.stats.add_(slot.num)
+    def _run(slot: _Slot, half) -> None:
+        slot.run(half)
 
     def _dispatch_again(self, slot: _Slot, topk_idx: torch.Tensor):
         """A handle combined before is dispatched again (the same payload and routes) before it is combined
@@ -958,34 +802,8 @@ class Buffer:
             return None
         return _moved_rows(slot.layout_range, ranges, slot.shape[1])
 
-    def _receive_dispatch(self, slot: _Slot) -> None:
-        if slot.state == _DISPATCH_SENT:
-            T = slot.T
-            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload, self._token_ids[T],
-                                                      None, do_send=False, out_source_ranges=slot.layout_range))
-            self._received(slot)
-
-    def _receive_combine(self, slot: _Slot) -> None:
-        if slot.state == _COMBINE_SENT:
-            out, idx, w, y = slot.combine_args
-            self._run(slot, lambda: slot.a2a.combine(out, idx, w, y, do_send=False))
-            slot.state, slot.combine_args = _COMBINED, None
-
-    def _settle(self, slot: _Slot) -> None:
-        """Run the receive half a hook has not run yet (its data is then in place when the hook runs)."""
-        self._receive_dispatch(slot)
-        self._receive_combine(slot)
-
     def _retire(self, slot: _Slot) -> None:
-        """Before the slot's next dispatch: finish its call. A dispatch never combined gets a combine of
-        nothing (zero weights into scratch rows: every rank does it, as every rank skipped that combine)."""
-        if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
-            self._settle(slot)
-        if slot.state == _DISPATCHED:
-            s = self._scratch_buffers(slot)
-            T = slot.T
-            self._run(slot, lambda: slot.a2a.combine(s["out"][:T], s["idx"][:T], s["w"][:T], slot.ex))
-        slot.state, slot.payload, slot.stats, slot.combine_args = _FREE, None, None, None
+        slot.retire(self._scratch_buffers(slot))
 
     def _hook(self, slot: _Slot, call: int, receive):
         def hook() -> None:
@@ -1034,7 +852,7 @@ class Buffer:
         slot = named if named in live else min(live, key=lambda s: s.call, default=None)
         if slot is None:
             raise exc
-        self._receive_dispatch(slot)  # as a good handle's combine starts (a hook not called yet)
+        slot.receive_dispatch()  # as a good handle's combine starts (a hook not called yet)
         self._run(slot, lambda: slot.a2a.abort(str(exc)))  # aborts the call at its combine on every rank
         raise exc  # (abort raised)
 
@@ -1200,16 +1018,16 @@ class Buffer:
             with torch.device("cpu"):
                 for _ in range(2):
                     built.append(AllToAll(cfg, **options))
+            dev = built[0].device
+            if self._token_ids is None or self._token_ids.rows.shape[0] < cfg.max_num_tokens:
+                self._token_ids = _Prefixes(torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev)
+                                            .view(torch.float32).view(-1, 1))
             key = (num_max, num_experts, top_k, hidden)
-            slots = [_Slot(a2a, key) for a2a in built]
+            slots = [_Slot(a2a, key, self._token_ids) for a2a in built]
         except BaseException:
             for a2a in built:
                 a2a.close()
             raise
-        dev = built[0].device
-        if self._token_ids is None or self._token_ids.rows.shape[0] < cfg.max_num_tokens:
-            self._token_ids = _Prefixes(torch.arange(cfg.max_num_tokens, dtype=torch.int32, device=dev)
-                                        .view(torch.float32).view(-1, 1))
         n = len(self._slots)
         self._sets[num_max, num_experts, hidden] = (n, n + 1)
         self._slots = self._slots + slots
