@@ -77,3 +77,37 @@ def test_refusals():
         scales_to_column_major(src.to(torch.bfloat16), out)
     with pytest.raises(ValueError, match="float32 or int32"):
         column_major_scales(2, 8, 4, torch.bfloat16, TEST_DEVICE)
+
+
+_SM90 = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_a2a.triton_kernels import scale_layout as m
+
+fn = m._scales_to_column_major
+names = inspect.signature(fn.fn).parameters
+for has_counts in (True, False):
+    constexprs = dict(HAS_COUNTS=has_counts, BLOCK_T=m.BLOCK_TOKENS, BLOCK_S=m.MAX_BLOCK_SCALES)
+    pointers = dict(src="*i32", counts="*i32", out="*i32")
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    print("compiled", has_counts, k.metadata.num_warps, len(k.asm["cubin"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kernel_compiles_for_sm90():
+    """The kernel as the H200 runs it (sm_90), compiled here without a device, in a process without the
+    interpreter (under TRITON_INTERPRET=1 kernels are interpreted functions, which do not compile)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, env=env, timeout=280,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("compiled") == 2, r.stdout
