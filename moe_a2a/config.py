@@ -82,7 +82,7 @@ def next_power_of_2(n: int) -> int:
 # that a typo (an extra zero or three) is refused at once with a message rather than as an allocation
 # failure on some rank. Experts may repeat within a token's top-k, so K may exceed E; K <= 1024 still.
 # Whether the buffers fit a machine is checked where they are allocated
-# (`moe_a2a.proxy.memory.check_fits_in_memory`), not here: configs may be built on another machine.
+# (`moe_a2a.protocol.memory.check_fits_in_memory`), not here: configs may be built on another machine.
 MAX_CONFIG_VALUES = {"max_num_tokens": 1 << 20, "num_experts": 1 << 16, "experts_per_token": 1024,
                      "hidden_dim": 1 << 20, "expert_padding": 1 << 20}
 

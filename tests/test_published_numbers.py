@@ -151,6 +151,15 @@ MEASURED_ROWS = [
     # ranks sharing one GPU
     Published("1.54–1.57 ms per dispatch + combine", ("e2e_w4n4_shared_fixed.json",),
               lambda d: tuple(v / 1e3 for v in span(e2e_totals(d))), 2),
+    # ranks sharing one GPU under MPS, graph, decode (slowest rank's dispatch + combine)
+    Published("**78 / 165 / 285 µs at 2 / 4 / 8 ranks**",
+              ("gpu-2026-12-02-mps/e2e_graph_w2n2_auto.json", "gpu-2026-12-02-mps/e2e_graph_w4n4_auto.json",
+               "gpu-2026-12-02-mps/e2e_graph_w8n8_auto.json"),
+              lambda *runs: tuple(slowest(d, "decode", "graph", "total") for d in runs) + (2, 4, 8)),
+    Published("emulated NIC: 260 / 438 / 799 µs",
+              ("gpu-2026-12-02-mps/e2e_graph_w2n1_emulated.json", "gpu-2026-12-02-mps/e2e_graph_w4n2_emulated.json",
+               "gpu-2026-12-02-mps/e2e_graph_w8n4_emulated.json"),
+              lambda *runs: tuple(slowest(d, "decode", "graph", "total") for d in runs)),
     # the proxy's host time per phase
     Published("**36 / 29 µs at 8 ranks", ("emulated/proxy_shm.json",),
               lambda d: (proxy_phase(d, 8, "dispatch"), proxy_phase(d, 8, "combine"))),

@@ -70,6 +70,10 @@ def nanosleep(ns):
 # ================================================================================================
 # Same-node synchronisation: prologue and epilogue of the data kernels
 # ================================================================================================
+# Polls between two looks at the ERROR word by a wait on node peers alone (~1 µs a poll: ~0.25 ms).
+ERROR_POLL_EVERY: tl.constexpr = tl.constexpr(256)
+
+
 @triton.jit
 def node_wait(
     base_ptr,            # uint8: byte address space of this rank's sync area
@@ -125,6 +129,11 @@ def node_wait(
                     proxy_late = load_acquire_sys(flags_ptr + PROXY_WAIT_WORD, USE_PTX) < target + PROXY_DELTA
                     broken = load_acquire_sys(flags_ptr + ERROR_WORD, USE_PTX) != 0
                     n_late += proxy_late.to(tl.int32)
+                else:
+                    # A node peer's proxy that saw its rank die writes our ERROR word (host memory): looked
+                    # at every ERROR_POLL_EVERY polls, so a waiting grid adds no steady PCIe traffic.
+                    if (spins % ERROR_POLL_EVERY) == ERROR_POLL_EVERY - 1:
+                        broken = load_acquire_sys(flags_ptr + ERROR_WORD, USE_PTX) != 0
                 spins += 1
                 if USE_PTX:
                     if BACKOFF_NS > 0:

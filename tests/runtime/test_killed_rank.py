@@ -18,23 +18,30 @@ TIMEOUT_S = 20.0  # the peers' own timeout: without the report they would raise 
 BOUND_S = 2.0     # README's Errors bullet: a killed rank is known to its peers within 2 s
 
 
-def _rank(comm, store: str, node_size: int, transport: str, victim: int):
+def _rank(comm, store: str, node_size: int, transport: str, victim: int, device: str = "cpu"):
+    """One rank; on a GPU (`device="cuda"`) with kernel waits: the peers' waits are kernels, and `check()`
+    after the combine says what they saw."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["TRITON_INTERPRET"] = "1"
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
 
     from moe_a2a import A2AConfig, AllToAll
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=comm.rank, world_size=comm.size)
+    if device == "cuda":
+        device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     cfg = A2AConfig(max_num_tokens=2, num_experts=2 * comm.size, experts_per_token=2, hidden_dim=16,
                     in_dtype=torch.bfloat16)
-    a2a = AllToAll(cfg, node_group=node_size, transport=transport, device="cpu", timeout_s=TIMEOUT_S)
+    a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=device, timeout_s=TIMEOUT_S,
+                   **({} if str(device) == "cpu" else {"gpu_wait": "kernel"}))
     g = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(2, 16, generator=g).to(torch.bfloat16)
-    idx = torch.tensor([[(comm.rank + 1) % cfg.num_experts, (2 * comm.rank + 3) % cfg.num_experts]] * 2)
-    w = torch.ones(2, 2)
+    x = torch.randn(2, 16, generator=g).to(torch.bfloat16).to(device)
+    idx = torch.tensor([[(comm.rank + 1) % cfg.num_experts, (2 * comm.rank + 3) % cfg.num_experts]] * 2).to(device)
+    w = torch.ones(2, 2, device=device)
     num, ex, exs = a2a.empty_dispatch_outputs()
-    out = torch.zeros(2, 16, dtype=cfg.out_dtype)
+    out = torch.zeros(2, 16, dtype=cfg.out_dtype, device=device)
 
     def call(die: bool = False) -> None:
         a2a.dispatch(num, ex, exs, x, None, idx)
@@ -44,6 +51,7 @@ def _rank(comm, store: str, node_size: int, transport: str, victim: int):
         elif die is None:
             comm.allgather("dispatched")
         a2a.combine(out, idx, w, ex.to(cfg.out_dtype))
+        a2a.check()  # kernel waits: what they recorded (a no-op after host waits that passed)
 
     try:
         call()  # a whole call first: the kernels are built, every proxy is in its loop
@@ -71,4 +79,27 @@ def test_a_rank_killed_outright_is_known_to_its_peers_within_two_seconds(tmp_pat
         assert err is not None and f"rank {victim}" in err and "missing peers [1]" in err, (rank, elapsed, err)
         if transport != "tcp":  # over tcp the peer's proxy may see the connection drop first, and say that
             assert "its model process (pid" in err, (rank, elapsed, err)
+        assert elapsed < BOUND_S, (rank, elapsed, err)
+
+
+@pytest.mark.gpu(reason="kernel waits on node peers: run on the GPU machine under MPS (benchmarks/gpu/run.sh mps)")
+@pytest.mark.timeout(120)
+def test_a_rank_killed_outright_is_known_to_kernel_waits_within_two_seconds(tmp_path):
+    """GPU, every rank on one node, kernel waits (no proxy flag in them): the waits look at the ERROR word
+    the dead rank's proxy writes, so they stop within 2 s naming it, not at `timeout_s`. Three ranks: three
+    GPUs, or one shared under MPS."""
+    from moe_a2a.runtime.wiring import mps_enabled
+
+    if torch.cuda.device_count() < 3 and not mps_enabled(torch.device("cuda", 0)):
+        pytest.skip("needs 3 GPUs, or MPS on this one (benchmarks/gpu/run.sh mps): ranks sharing a GPU "
+                    "without MPS wait on the host")
+    victim = 1
+    results = run_peers(3, _rank, str(tmp_path / "store"), 3, "shm", victim, "cuda", timeout_s=100)
+    assert isinstance(results[victim], Died), results[victim]
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        elapsed, err = result
+        print(f"rank {rank}: {elapsed:.3f} s: {err}")
+        assert err is not None and f"rank {victim}" in err and "missing peers [1]" in err, (rank, elapsed, err)
         assert elapsed < BOUND_S, (rank, elapsed, err)
