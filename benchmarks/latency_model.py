@@ -7,37 +7,36 @@ fp32 scales, K=8 of E=256 experts, bf16 combine) at EP16/32/64 with 8 GPUs per n
   (moe_a2a/proxy/engine.py: peer i -> domain i*D//N);
 - ``"cx7"``: ConnectX-7, one 400 Gb/s NIC per GPU;
 
-and, to check the model against what we measured, on ``"shm"``: libfabric's shm provider between
-simulated nodes on one host, host-staged buffers (the configuration of docs/results/e2e_graph_x2_n1.json).
+and, to check the model against what we measured, on ``"emulated"``: the emulated NIC between simulated
+nodes whose ranks share ONE H200 under MPS (the configuration of docs/results/gpu-2026-12-02-mps/), and on
+``"shm"``: libfabric's shm provider, host-staged buffers (the proxy bench's provider).
 
 How: a critical-path walk of ONE call of the protocol (docs/protocol.md, section 3), all ranks in
 lock-step (every rank starts each half together, so what a rank receives from its peers happens at the
-same time as what it sends them). Two protocols (``protocol=``):
-
-- ``"2026-12-01"`` (the default, the current code): the GPU plans every remote write. Same-node peers
-  synchronise inside the kernels (release-store an epoch word, the consumer spins on it). With remote
-  peers a one-program kernel ``plan_private_writes`` runs between route and pack and writes the PRIVATE
-  write table; at SEND_READY the proxy (one Python process per NIC on EFA, posting serially) posts it,
-  one write per remote peer (the count row at its head); it counts the peers' immediates and raises
-  COUNT_ROWS_READY; ``plan_remainder_and_combine_writes`` (head of the dispatch recv half) waits for it,
-  copies and checks the count rows, writes the REMAINDER and COMBINE tables and raises REMAINDER_PLANNED;
-  the proxy posts the REMAINDER table only when a remainder is needed (then it waits for
-  REMAINDER_PLANNED: a GPU -> proxy -> GPU round trip), and raises DISPATCH_RECV_READY; at combine it
-  posts the COMBINE table and raises COMBINE_RECV_READY once every peer's write is in. Each consumer /
-  producer kernel is preceded by a one-warp wait kernel. The proxy does no arithmetic.
-- ``"2026-11-30"``: the protocol our cross-node GPU runs measured (calibration rows (b)-(d)): the proxy
-  planned every write with numpy (``PLAN_US_*``), at three places on the path.
+same time as what it sends them). The GPU plans every remote write. Same-node peers synchronise inside
+the kernels (release-store an epoch word, the consumer spins on it). With remote peers a one-program
+kernel ``plan_private_writes`` runs between route and pack and writes the PRIVATE write table; at
+SEND_READY the proxy (one Python process per NIC on EFA, posting serially) posts it, one write per remote
+peer (the count row at its head); it counts the peers' immediates and raises COUNT_ROWS_READY;
+``plan_remainder_and_combine_writes`` (head of the dispatch recv half) waits for it, copies and checks the
+count rows, writes the REMAINDER and COMBINE tables and raises REMAINDER_PLANNED; the proxy posts the
+REMAINDER table only when a remainder is needed (then it waits for REMAINDER_PLANNED: a GPU -> proxy ->
+GPU round trip), and raises DISPATCH_RECV_READY; at combine it posts the COMBINE table and raises
+COMBINE_RECV_READY once every peer's write is in. Each consumer / producer kernel is preceded by a
+one-warp wait kernel. The proxy does no arithmetic.
 
 Each event carries the breakdown (term -> µs) of the path that led to it; joining two branches keeps the
 later one, so the terms of a phase are its critical-path contributions and sum to the phase total.
 
 Before it predicts, :func:`calibration` sets it against measured configurations: (a) node-local on 2 x H200
-(graph replay, decode; (a2), (a3) the same on other leases), (b)-(d) two simulated nodes over shm on 2 x H200
-(the 2026-11-30 protocol), and (e) ``moe-a2a bench proxy``: the current proxy alone against synthetic peers
-(1 x H200 host, shm). The files of (a2), (a3), (c), (d) are held out (:data:`HELD_OUT`: no constant is read
-from them), the others are fitting data (:func:`fitting_files`). Every constant below is in
-:data:`PROVENANCE` (measured, with file and date; derived from measured ones; the workload's configuration;
-or ASSUMPTION).
+(graph replay, decode; (a2), (a3) the same on other leases); (e) ``moe-a2a bench proxy``: the proxy alone
+against synthetic peers (1 x H200 host, shm); and the cross-node calibration of this protocol, 1 x H200
+shared by W ranks under MPS (2026-12-02, graph replay, kernel waits): (f) the W ranks on one node, (g) the
+same ranks as simulated nodes over the emulated NIC (fabric ``"emulated"``: the real proxies, each remote
+write a CUDA copy between the ranks' buffers on the one GPU), (h) the node-local reproduction. Fitting
+data are the W=2 runs and the node-local runs; (g) at W=4 and W=8 and (h) are held out (:data:`HELD_OUT`:
+no constant is read from them). Every constant below is in :data:`PROVENANCE` (measured, with file and
+date; derived from measured ones; the workload's configuration; or ASSUMPTION).
 
 Run from the repository root (the page docs/latency-model.md shows its tables):
 
@@ -96,20 +95,19 @@ HOST_STAGED_GBPS = 50.0
 # (~2 µs per 16 KB step).
 PLAN_PCIE_GBPS = 8.0              # ASSUMPTION
 
-# ---- the proxy: transport micro-benchmarks on the GPU host (2026-11-30) --------------------------------
+# ---- the provider's own cost: transport micro-benchmarks on the GPU host (2026-11-30) ------------------
 # docs/results/transport_gpu_host.json (2 x H200 host, shm provider, fi_writemsg replaced by a no-op for
 # the Python cost).
-POST_US = 1.49                    # engine Python per write (the 2026-11-30 engine), 63 targets, median
-SCATTER_FIXED_US = 0.25           # per scatter call: 1-peer scatter post 2.52 - POST_US - SHM_POST_C_US
+POST_US = 1.49                    # the engine's Python per write (that day's engine), 63 targets, median
 SHM_POST_C_US = 0.78              # shm provider's own C per write: scatter-63 post 2.27/write - POST_US
-CQ_US = 0.25                      # per completion drained: scatter-63 "all completed" - "posted" = 15.8 µs
-                                  # for 63 writes (an upper bound: includes the receivers' latency)
-SHM_COPY_GBPS = 8.9               # the receiving proxy's copy (shm): 18.5 MB in 2078 µs over the three
-                                  # data writes of the e2e_graph_x2_n1.json trace (452.7, 878.3, 747.2 µs)
+# The receiving proxy's copy over shm (the shm fabric only: the data lands when the receiving proxy copies
+# it): 18.5 MB in 2078 µs over the three data writes of the e2e_graph_x2_n1.json trace (452.7, 878.3,
+# 747.2 µs; a 2 x H200 run of 2026-11-30 whose protocol has since changed: the copy rate is the provider's)
+SHM_COPY_GBPS = 8.9
 # What-if only, not our implementation: a C helper posting a whole table (docs/transport.md "Not done").
 POST_US_C_HELPER = 0.2            # ASSUMPTION
 
-# ---- the proxy of the current protocol: `moe-a2a bench proxy` (1 x H200 host, shm, H=64, 2026-12-01) --
+# ---- the proxy: `moe-a2a bench proxy` (1 x H200 host, shm, H=64, 2026-12-01) ---------------------------
 # docs/results/emulated/proxy_shm.json: the real proxy process against synthetic peers whose writes are in
 # before each call; the tables as the kernels write them; H=64 rows (80 B), so the loop is timed, not bytes.
 BENCH_POST_PRIVATE_US = 2.81      # post_us_per_write.dispatch_private, W=64 (63 writes): Python + shm's C
@@ -125,35 +123,49 @@ REMAINDER_ROW_US = 0.35           # the REMAINDER table's loop visits every peer
 # bench's shm post per write less shm's C cost per write (transport_gpu_host.json, the same host).
 POST_PY_PRIVATE_US = BENCH_POST_PRIVATE_US - SHM_POST_C_US
 POST_PY_COMBINE_US = BENCH_POST_COMBINE_US - SHM_POST_C_US
-# The same proxy inside a run (docs/results/emulated/e2e_shm_trace.json: bench e2e --trace-proxy, shm,
-# W=2 on ONE H200 shared by both ranks, host waits, eager, decode sizes), mean of the two ranks' medians,
-# against the bench at W=2 (one write per table). Over shm the sender's post does not copy the payload
-# (the receiving proxy does), so the posts compare although the bench's rows are H=64.
+# The proxy's steps between COUNT_ROWS_READY and DISPATCH_RECV_READY with no remainder (the REMAINDER
+# check, the writes-posted count, trace stamps, the flag): the same Python whatever carries the writes.
+BENCH_W2_STEPS_US = 2.29          # proxy_shm.json W=2: parts.remainder_us 0.81 + parts.dispatch_tail_us 1.48
+
+# ---- the emulated NIC on ONE H200 shared by W ranks under MPS (2026-12-02) ------------------------------
+# docs/results/gpu-2026-12-02-mps/: `moe-a2a bench e2e --graph --no-nccl --world W --node N --transport T
+# --iters 100 --warmup 10`, graph replay, kernel waits (gpu_wait="kernel"), several rank processes on the
+# one GPU under MPS (SMs, HBM and copy engines shared by the W ranks), one proxy per rank. Fitting data:
+# the node-local runs (N = W, mapped memory, no proxy) at W = 2, 4, 8, which give how much slower the
+# GPU side is when W ranks share the GPU, and the W=2 run over the emulated NIC (W2-N1), whose traced call
+# gives the proxy's in-run costs and the carrier's latency. Held out: W4-N2, W8-N4, mps_node_local.py.
+MPS_NODE_LOCAL_W2_US = 78.1       # e2e_graph_w2n2_auto.json: slowest rank's dispatch + combine median
+MPS_NODE_LOCAL_W4_US = 164.9      # e2e_graph_w4n4_auto.json
+MPS_NODE_LOCAL_W8_US = 284.6      # e2e_graph_w8n8_auto.json
+# The proxy inside the W2-N1 run (one traced call per rank, graph replay, kernel waits), mean of 2 ranks:
+EMU_RUN_STEPS_US = 3.79           # count_rows_received -> dispatch_received: 4.38 / 3.20 (rank 0 / 1)
+EMU_RUN_PRIVATE_POST_US = 27.24   # send_ready_seen -> private_posted, one write: 31.52 / 22.95
+EMU_RUN_COMBINE_POST_US = 28.75   # combine_send_seen -> combine_posted, one write: 33.82 / 23.68
+MPS_EMULATED_W2_US = 260.2       # e2e_graph_w2n1_emulated.json: slowest rank's dispatch + combine median
+EMU_LATENCY_US = 27.16            # a peer's X_posted -> this rank's count_rows_received / combine_received
+                                  # (lock-step: the peer posted when we did), mean of the 4 (2 ranks x 2 phases)
+# The CUDA carrier's host cost per posted write, alone (2 processes on the H200, zero-length writes: the
+# engine's post, the immediate's stream write, an event): docs/results/emulated/emulated_gpu_tests_helper.txt
+EMU_POST_US = 4.0                 # host time per zero-length write, [3.87, 4.12] µs on the 2 ranks, mean
+
+# How much slower the proxy's work is inside a run than in the bench, measured with kernel waits and graph
+# replay: the steps after COUNT_ROWS_READY, which no carrier takes part in, in the W2-N1 run over the
+# bench's at W=2. The predictions use this factor (`--speed run`).
+PROXY_IN_RUN_FACTOR = EMU_RUN_STEPS_US / BENCH_W2_STEPS_US
+# The emulated carrier's fixed cost per posted table (beyond its writes), at bench speed: the in-run post
+# of one write over the factor, less one write.
+EMU_PRIVATE_TABLE_US = EMU_RUN_PRIVATE_POST_US / PROXY_IN_RUN_FACTOR - EMU_POST_US
+EMU_COMBINE_TABLE_US = EMU_RUN_COMBINE_POST_US / PROXY_IN_RUN_FACTOR - EMU_POST_US
+
+# The factor measured before, with host waits: the proxy's posts inside `bench e2e --trace-proxy` over shm
+# (docs/results/emulated/e2e_shm_trace.json: W=2 on ONE H200, host waits, eager, decode sizes), mean of the
+# two ranks' medians, against the bench at W=2 (one write per table). `--speed host-waits` charges it.
 RUN_PRIVATE_POST_US = 14.98       # proxy.private_post: 13.92 (rank 0), 16.03 (rank 1)
 RUN_COMBINE_POST_US = 16.61       # proxy.combine_post: 10.39, 22.82
 BENCH_W2_PRIVATE_POST_US = 5.74   # proxy_shm.json W=2: parts.dispatch_post_us
 BENCH_W2_COMBINE_POST_US = 5.10   # proxy_shm.json W=2: parts.combine_post_us
-# How much slower the proxy's work is inside a run than in the bench: the posts, the only steps both time
-# alike (the in-run dispatch and combine spans also hold the waits for the peer's GPU).
-PROXY_IN_RUN_FACTOR = ((RUN_PRIVATE_POST_US + RUN_COMBINE_POST_US)
-                       / (BENCH_W2_PRIVATE_POST_US + BENCH_W2_COMBINE_POST_US))
-
-# ---- the protocol of 2026-11-30 (the proxy planned every write with numpy): rows (b)-(d) only -----------
-PLAN_US_W8, PLAN_US_W64, PLAN_US_W256 = 46.8, 154.8, 276.3  # proxy arithmetic per call (medians)
-# That proxy inside the run (e2e_graph_x2_n1.json trace, W=2, shm), per call:
-RUN_SCATTER1_US = 14.5            # one-write scatters: route 23.0/6.7, private 15.2/6.9, combine 7.9/27.5 µs
-RUN_PLAN_PRIVATE_US = 78.6        # route_posted -> send_ready_seen (SEND_READY already raised): 82.8/74.4
-RUN_PLAN_REMAINDER_US = 62.5      # routes_received -> remainder_posted: 58.1/67.0
-RUN_PLAN_COMBINE_US = 48.0        # remainder_posted -> dispatch_received, rows already in (rank 0)
-# The trace's spans over the isolated costs of the same steps (three one-write scatters + the plan; the
-# plan was benchmarked at W=8, at least as much work as W=2, so this is a lower bound).
-PROXY_IN_RUN_FACTOR_2026_11_30 = (
-    (3 * RUN_SCATTER1_US + RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US)
-    / (3 * (SCATTER_FIXED_US + POST_US + SHM_POST_C_US) + PLAN_US_W8))
-# Share of the plan in each of its three places on the path (the in-run spans at W=2).
-_RUN_PLAN = RUN_PLAN_PRIVATE_US + RUN_PLAN_REMAINDER_US + RUN_PLAN_COMBINE_US
-PLAN_SHARES = {"private": RUN_PLAN_PRIVATE_US / _RUN_PLAN, "remainder": RUN_PLAN_REMAINDER_US / _RUN_PLAN,
-               "combine": RUN_PLAN_COMBINE_US / _RUN_PLAN}
+PROXY_HOST_WAITS_FACTOR = ((RUN_PRIVATE_POST_US + RUN_COMBINE_POST_US)
+                           / (BENCH_W2_PRIVATE_POST_US + BENCH_W2_COMBINE_POST_US))
 
 # ---- NIC fabrics: nothing here is measured by us (no EFA or InfiniBand host) --------------------------
 EFA_NICS = 2                      # 2 x 200 Gb/s per GPU (the article: "two 200 Gbps NICs are aggregated")
@@ -168,22 +180,21 @@ CX7_BW_EFFICIENCY = 0.90          # ASSUMPTION: >= 100 KB RC writes near line ra
 CX7_MSG_LATENCY_US = 2.5          # ASSUMPTION: typical ib_write_lat figures
 NIC_POST_C_US = 0.3               # ASSUMPTION: the efa / verbs provider's own cost per posted write
 
-PROTOCOL = "2026-12-01"           # the current protocol: the GPU plans the writes (write tables)
-OLD_PROTOCOL = "2026-11-30"       # the proxy planned them (numpy)
-PROTOCOLS = (PROTOCOL, OLD_PROTOCOL)
 FABRICS = ("efa", "cx7")
 WORLDS = (16, 32, 64)
-SPEEDS = ("run", "bench")
-# Critical-path terms of each protocol (predict() returns every term of ALL_TERMS, zero where unused).
+# The proxy's speed: as inside our graph runs with kernel waits (the default), as in its benchmark, or as
+# inside the eager run with host waits.
+SPEEDS = ("run", "bench", "host-waits")
+# Critical-path terms (predict() returns every one, zero where unused).
 TERMS = ("kernels", "plan_kernels", "pcie", "nvlink", "flags", "proxy_post", "proxy_imms", "proxy_steps", "wire")
-TERMS_OF = {PROTOCOL: TERMS,
-            OLD_PROTOCOL: ("kernels", "pcie", "nvlink", "flags", "proxy_post", "proxy_plan", "proxy_cq", "wire")}
-ALL_TERMS = tuple(dict.fromkeys(TERMS + TERMS_OF[OLD_PROTOCOL]))
 # The project's targets for dispatch + combine on EFA (µs).
 ISSUE_TARGETS_US = {16: 400.0, 32: 500.0, 64: 600.0}
 
-_RUN = "docs/results/e2e_graph_x2_n1.json (trace, 2026-11-30)"
+_RUN = "docs/results/e2e_graph_x2_n1.json (trace, 2 x H200, 2026-11-30)"
 _TGH = "docs/results/transport_gpu_host.json (2026-11-30)"
+_MPS = "docs/results/gpu-2026-12-02-mps"
+_MPS_W2 = f"{_MPS}/e2e_graph_w2n1_emulated.json (bench e2e --graph, 1 x H200 under MPS, W2-N1, trace, 2026-12-02)"
+_EGH = "docs/results/emulated/emulated_gpu_tests_helper.txt (2026-12-01)"
 _KJ = "docs/results/kernels.json (2026-11-29)"
 _PSHM = "docs/results/emulated/proxy_shm.json (bench proxy, 1 x H200 host, shm, H=64, 2026-12-01)"
 _ESHM = "docs/results/emulated/e2e_shm_trace.json (bench e2e --trace-proxy, shm, W=2, 2026-12-01)"
@@ -218,17 +229,16 @@ PROVENANCE = {
                                        "peer memory), raw file lost (docs/benchmarks.md, hardware and host-side costs)"),
     "FLAG_RTT_US": ("measured", "docs/results/flags.json (2026-11-29): median GPU -> proxy -> GPU"),
     "HOST_STAGED_GBPS": ("measured", f"{_RUN}: pack, unpack, combine pack, reduce spans of both ranks, "
-                                     "bytes / (span - kernel time) = 50.4 GB/s"),
+                                     "bytes / (span - kernel time) = 50.4 GB/s (the only host-staged GPU "
+                                     "run; its protocol has since changed, the PCIe rate has not; "
+                                     "`--host-staged` only)"),
     "PLAN_PCIE_GBPS": ("assumption", "one-program write-plan kernel reading count rows from host memory, "
                                      "16 KB per ~2 µs step (no GPU timing of these kernels yet)"),
-    "POST_US": ("measured", f"{_TGH}: shm python_post, 63 peers, median (the 2026-11-30 engine; protocol "
-                            "2026-11-30 only)"),
-    "SCATTER_FIXED_US": ("derived", f"{_TGH}: shm scatter 1 peer post 2.52 - POST_US - SHM_POST_C_US "
-                                    "(protocol 2026-11-30 only)"),
+    "POST_US": ("measured", f"{_TGH}: shm python_post, 63 peers, median (that day's engine; only to split "
+                            "the shm post into Python and C: SHM_POST_C_US)"),
     "SHM_POST_C_US": ("derived", f"{_TGH}: shm scatter 63 peers post per write 2.27 - POST_US"),
-    "CQ_US": ("measured", f"{_TGH}: shm scatter 63 peers, completed - posted = 15.8 µs / 63 (upper bound; "
-                          "protocol 2026-11-30 only)"),
-    "SHM_COPY_GBPS": ("measured", f"{_RUN}: posted (sender) -> received (receiver) of the 3 data writes"),
+    "SHM_COPY_GBPS": ("measured", f"{_RUN}: posted (sender) -> received (receiver) of the 3 data writes (the "
+                                  "shm fabric only)"),
     "POST_US_C_HELPER": ("assumption", "what-if: a C helper posting a table in one call"),
     "BENCH_POST_PRIVATE_US": ("measured", f"{_PSHM}: post_us_per_write.dispatch_private at W=64 (63 writes)"),
     "BENCH_POST_COMBINE_US": ("measured", f"{_PSHM}: post_us_per_write.combine at W=64"),
@@ -248,17 +258,37 @@ PROVENANCE = {
     "RUN_COMBINE_POST_US": ("measured", f"{_ESHM}: proxy.combine_post medians 10.39 / 22.82, mean"),
     "BENCH_W2_PRIVATE_POST_US": ("measured", f"{_PSHM}: parts.dispatch_post_us median at W=2"),
     "BENCH_W2_COMBINE_POST_US": ("measured", f"{_PSHM}: parts.combine_post_us median at W=2"),
-    "PROXY_IN_RUN_FACTOR": ("derived", "(RUN_PRIVATE_POST_US + RUN_COMBINE_POST_US) / (BENCH_W2_PRIVATE_POST_US "
-                                       "+ BENCH_W2_COMBINE_POST_US): in-run posts over the bench's, shm, W=2"),
-    "PLAN_US_W8": ("measured", f"{_TGH}: proxy_plan, 8 ranks, median (protocol 2026-11-30 only)"),
-    "PLAN_US_W64": ("measured", f"{_TGH}: proxy_plan, 64 ranks, median (protocol 2026-11-30 only)"),
-    "PLAN_US_W256": ("measured", f"{_TGH}: proxy_plan, 256 ranks, median (protocol 2026-11-30 only)"),
-    "RUN_SCATTER1_US": ("measured", f"{_RUN}: the six one-write scatters (seen -> posted), mean"),
-    "RUN_PLAN_PRIVATE_US": ("measured", f"{_RUN}: route_posted -> send_ready_seen, mean of 2 ranks"),
-    "RUN_PLAN_REMAINDER_US": ("measured", f"{_RUN}: routes_received -> remainder_posted, mean of 2 ranks"),
-    "RUN_PLAN_COMBINE_US": ("measured", f"{_RUN}: remainder_posted -> dispatch_received, rank 0"),
-    "PROXY_IN_RUN_FACTOR_2026_11_30": ("derived", "in-run spans (RUN_SCATTER1_US, RUN_PLAN_*) / micro-benchmark "
-                                                  "cost of the same steps (protocol 2026-11-30 only)"),
+    "PROXY_HOST_WAITS_FACTOR": ("derived", "(RUN_PRIVATE_POST_US + RUN_COMBINE_POST_US) / "
+                                           "(BENCH_W2_PRIVATE_POST_US + BENCH_W2_COMBINE_POST_US): in-run posts "
+                                           "over the bench's, shm, W=2, host waits (`--speed host-waits`)"),
+    "BENCH_W2_STEPS_US": ("measured", f"{_PSHM}: parts.remainder_us (0.81) + parts.dispatch_tail_us (1.48) "
+                                      "medians at W=2"),
+    "MPS_NODE_LOCAL_W2_US": ("measured", f"{_MPS}/e2e_graph_w2n2_auto.json (bench e2e --graph, 1 x H200 under "
+                                         "MPS, W2-N2, 2026-12-02): decode, slowest rank's total median"),
+    "MPS_NODE_LOCAL_W4_US": ("measured", f"{_MPS}/e2e_graph_w4n4_auto.json (W4-N4, 2026-12-02): decode, slowest "
+                                         "rank's total median"),
+    "MPS_NODE_LOCAL_W8_US": ("measured", f"{_MPS}/e2e_graph_w8n8_auto.json (W8-N8, 2026-12-02): decode, slowest "
+                                         "rank's total median"),
+    "EMU_RUN_STEPS_US": ("measured", f"{_MPS_W2}: decode, count_rows_received -> dispatch_received, mean of "
+                                     "the 2 ranks (4.38, 3.20)"),
+    "EMU_RUN_PRIVATE_POST_US": ("measured", f"{_MPS_W2}: decode, send_ready_seen -> private_posted (one write), "
+                                            "mean of the 2 ranks (31.52, 22.95)"),
+    "EMU_RUN_COMBINE_POST_US": ("measured", f"{_MPS_W2}: decode, combine_send_seen -> combine_posted (one "
+                                            "write), mean of the 2 ranks (33.82, 23.68)"),
+    "MPS_EMULATED_W2_US": ("measured", f"{_MPS_W2}: decode, slowest rank's total median (rank 0)"),
+    "EMU_GPU_FACTOR": ("derived", f"solved so that the walk gives MPS_EMULATED_W2_US ({_MPS}/"
+                                  "e2e_graph_w2n1_emulated.json): the GPU side of a call with remote peers on the "
+                                  "shared GPU over the same ranks' node-local call there"),
+    "EMU_LATENCY_US": ("measured", f"{_MPS_W2}: decode, the peer's private_posted -> count_rows_received and "
+                                   "combine_posted -> combine_received, mean of the 4"),
+    "EMU_POST_US": ("measured", f"{_EGH}: CUDA carrier, NIC 0, host time per zero-length write [3.87, 4.12] "
+                                "µs, mean"),
+    "PROXY_IN_RUN_FACTOR": ("derived", "EMU_RUN_STEPS_US / BENCH_W2_STEPS_US: the proxy's steps after "
+                                       "COUNT_ROWS_READY inside the W2-N1 graph run (kernel waits) over the "
+                                       "bench's at W=2"),
+    "EMU_PRIVATE_TABLE_US": ("derived", "EMU_RUN_PRIVATE_POST_US / PROXY_IN_RUN_FACTOR - EMU_POST_US: the "
+                                        "emulated carrier's fixed cost per PRIVATE table post, bench speed"),
+    "EMU_COMBINE_TABLE_US": ("derived", "EMU_RUN_COMBINE_POST_US / PROXY_IN_RUN_FACTOR - EMU_POST_US"),
     "EFA_NICS": ("config", "2 x 200 Gb/s per GPU (Perplexity's article; p5en)"),
     "EFA_NIC_GBPS": ("assumption", "line rate 200 Gb/s (datasheet value, not measured by us)"),
     "EFA_BW_EFFICIENCY": ("assumption", "lower bound implied by pplx-garden's EFA combine at EP64 (not ours)"),
@@ -287,6 +317,9 @@ class Fabric:
     post_c_us: float              # the provider's own cost per posted write
     receiver_copies: bool         # shm: data lands only when the receiving proxy copies it (while it polls)
     host_staged: bool             # buffers in pinned host memory: every row kernel crosses PCIe
+    # The emulated NIC: its post_c_us is the carrier's whole host cost per write (the engine's Python
+    # included), plus a fixed cost per posted table; its ranks share one GPU (the setup's gpu_share).
+    table_us: tuple = (0.0, 0.0)  # (PRIVATE, COMBINE) fixed cost per posted table, bench speed
 
 
 def fabric(name: str, efa_efficiency: float | None = None) -> Fabric:
@@ -298,7 +331,13 @@ def fabric(name: str, efa_efficiency: float | None = None) -> Fabric:
                       False, False)
     if name == "shm":
         return Fabric("shm", 1, SHM_COPY_GBPS, 0.0, SHM_POST_C_US, True, True)
-    raise ValueError(f"fabric must be one of {FABRICS + ('shm',)}, got {name!r}")
+    if name == "emulated":
+        # one proxy per rank = one CUDA stream = one NIC; a write is a copy inside the one GPU's HBM
+        # its latency was measured at W=2 (the wire's copies run on the shared GPU: it scales with gpu_share,
+        # setup() makes that setup(2, "emulated", node=1).gpu_share there)
+        return Fabric("emulated", 1, HBM_COPY_GBPS, EMU_LATENCY_US, EMU_POST_US, False, False,
+                      (EMU_PRIVATE_TABLE_US, EMU_COMBINE_TABLE_US))
+    raise ValueError(f"fabric must be one of {FABRICS + ('shm', 'emulated')}, got {name!r}")
 
 
 # ---- critical-path bookkeeping ------------------------------------------------------------------------
@@ -393,12 +432,6 @@ def routing_stats(world: int, node: int = GPUS_PER_NODE, per: str = "route") -> 
                                        if over.sum() > 0 else 0.0))
 
 
-def plan_us(world: int) -> float:
-    """Protocol 2026-11-30: the proxy's numpy arithmetic per call at micro-benchmark speed, linear between
-    the measured world sizes (below 8 ranks numpy's fixed cost per operation dominates: the 8-rank value)."""
-    return float(np.interp(world, (8, 64, 256), (PLAN_US_W8, PLAN_US_W64, PLAN_US_W256)))
-
-
 # ---- one call, all ranks in lock-step ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup:
@@ -408,23 +441,22 @@ class Setup:
     speed: float                  # multiplies the proxy's micro-benchmark costs
     post_us: float | None         # Python per posted write; None: the measured one of each table
     host_staged: bool
-    # Protocol 2026-11-30 only: the count row as a write of its own to every remote peer, before the
-    # private writes: the protocol our cross-node measurement (b) ran; since, the row travels at the head
-    # of the private write.
-    route_writes: bool = False
     # Proxy processes per rank (`AllToAll(proxies=k)`): each posts, in parallel, the writes of the peers
     # p % k == j, on its own NIC when k equals the NIC count, and counts their immediates.
     proxies: int = 1
     # Only rows to and from other nodes cross PCIe (`buffers="staged"`, the GPU default on tcp/shm); else
     # (host_staged) every row does, this node's too (`buffers="host"`).
     staged_remote_only: bool = False
-    protocol: str = PROTOCOL
-    # The levers of issue 32 (protocol 2026-12-01 only; moe_a2a/reference.py `Wire`): "route" = one row per
+    # The levers of issue 32 (moe_a2a/reference.py `Wire`): "route" = one row per
     # route (today), "rank" = one dispatch row per (token, rank) / the combine reduced at the sender, one row
     # per (token, rank); combine_fp8 = combine rows in fp8 e4m3 + fp32 scales.
     dispatch_rows: str = "route"
     combine_rows: str = "route"
     combine_fp8: bool = False
+    # The W ranks share ONE GPU (MPS): every GPU-side term (kernels, plan kernels, peer rows, the emulated
+    # NIC's copies) is this much longer than with a GPU per rank (shared_gpu_factor).
+    gpu_share: float = 1.0
+    wire_share_at: float = 1.0    # the emulated NIC: gpu_share where its latency was measured (W2-N1)
 
 
 def _dispatch_row_bytes(s: Setup) -> int:
@@ -447,9 +479,10 @@ def _rows_per_rank(s: Setup, per: str) -> float:
 
 
 def _post_write_us(s: Setup, table: str) -> float:
-    """One posted write of a table: the proxy's Python plus the provider's own cost, at the proxy's speed."""
-    if s.protocol == OLD_PROTOCOL:
-        return s.speed * (s.post_us + s.fab.post_c_us)
+    """One posted write of a table: the proxy's Python plus the provider's own cost, at the proxy's speed
+    (the emulated NIC: its carrier's measured host cost per write, the engine's Python included)."""
+    if s.fab.name == "emulated" and s.post_us is None:
+        return s.speed * s.fab.post_c_us
     py = s.post_us if s.post_us is not None else (POST_PY_COMBINE_US if table == "combine" else POST_PY_PRIVATE_US)
     return s.speed * (py + s.fab.post_c_us)
 
@@ -459,24 +492,23 @@ def _scatter(start: Path, sizes: list[float], s: Setup, table: str = "private") 
     ``i * nics // n`` (contiguous peer shards) and are serialised there. Returns (last write posted, last
     byte landed); a receiver-copies fabric lands nothing by itself (see _dispatch). With k proxies,
     proxy j posts the writes ``i % k == j`` at the same time as the others, to NIC ``j % nics``.
-    Protocol 2026-11-30: a fixed cost per scatter call and one completion drained per post, too."""
+    The emulated NIC: a fixed cost per table too, and its copies run on the shared GPU (``gpu_share``)."""
     if s.proxies > 1:
         return _scatter_sharded(start, sizes, s, table)
     fab, n = s.fab, len(sizes)
-    old = s.protocol == OLD_PROTOCOL
-    posted = start.add("proxy_post", s.speed * SCATTER_FIXED_US) if old else start
+    fixed = fab.table_us[1 if table == "combine" else 0]
+    posted = start.add("proxy_post", s.speed * fixed) if fixed and sizes else start
     per = _post_write_us(s, table)
     nic_free, landed = [None] * fab.nics, posted
     for i, size in enumerate(sizes):
         posted = posted.add("proxy_post", per)
-        if old:  # the post, then its local completion drained between posts
-            posted = posted.add("proxy_cq", s.speed * CQ_US)
         if fab.receiver_copies:
             continue
         nic = i * fab.nics // n
         begin = posted if nic_free[nic] is None else later(posted, nic_free[nic])
-        nic_free[nic] = begin.add("wire", size / (fab.gbps * 1e3))      # GB/s -> bytes per µs
-        landed = later(landed, nic_free[nic].add("wire", fab.latency_us))
+        wire = s.gpu_share / s.wire_share_at if fab.name == "emulated" else 1.0
+        nic_free[nic] = begin.add("wire", wire * size / (fab.gbps * 1e3))      # GB/s -> bytes per µs
+        landed = later(landed, nic_free[nic].add("wire", wire * fab.latency_us))
     return posted, later(posted, landed)
 
 
@@ -502,10 +534,11 @@ def _gpu(start: Path, kernel_us: float, row_bytes: int, nvlink_rows: float, s: S
     row it reads or writes in the buffers (``buffer_rows`` of them) over PCIe. Added, not overlapped: at 2
     ranks the node-local trace shows unpack at 19 µs = 8.7 + 10.6 µs of NVLink (e2e_graph_x2.json).
     The kernel time is the measured one whatever the levers (ASSUMPTION: the per-(token, rank) and
-    sender-reducing kernels, not written yet, cost what today's do)."""
-    p = start.add("kernels", kernel_us)
+    sender-reducing kernels, not written yet, cost what today's do). Ranks sharing one GPU: both times
+    gpu_share (on one GPU the node peers' rows cross its HBM, not NVLink: the factor was fitted so)."""
+    p = start.add("kernels", s.gpu_share * kernel_us)
     if nvlink_rows:
-        p = p.add("nvlink", nvlink_rows * row_bytes / (NVLINK_GBPS * 1e3))
+        p = p.add("nvlink", s.gpu_share * nvlink_rows * row_bytes / (NVLINK_GBPS * 1e3))
     if s.host_staged:
         share = (s.world - s.node) / s.world if s.staged_remote_only else 1.0
         p = p.add("pcie", share * buffer_rows * row_bytes / (HOST_STAGED_GBPS * 1e3))
@@ -529,22 +562,20 @@ def _unpack(ready: Path, st: dict, s: Setup, waitk: float) -> Path:
     """Dispatch recv: the wait kernel sees every flag (``ready``), unpack pulls the node peers' rows."""
     done = _gpu(ready.add("kernels", waitk), K_UNPACK_TOKENS, _dispatch_row_bytes(s),
                 st["local_peers"] * st["rows_per_peer"], s, _rows_per_rank(s, s.dispatch_rows))
-    return done.add("kernels", HALF_GAP_US)
+    return done.add("kernels", s.gpu_share * HALF_GAP_US)
 
 
 def _dispatch(s: Setup, early: bool = False) -> Path:
     """``early``: the peers' count rows, tokens and ready words are already in when this rank needs
     them (in a back-to-back loop, the rank whose peer runs ahead of it: see back_to_back)."""
-    if s.protocol == OLD_PROTOCOL:
-        return _dispatch_2026_11_30(s, early)
     st = routing_stats(s.world, s.node, s.dispatch_rows)
     remote, rows = st["remote_peers"], st["rows_per_peer"]
     row_bytes = _dispatch_row_bytes(s)
     flag = _flag(s, remote)
-    waitk = LAUNCH_GPU_US if remote else 0.0           # the one-warp wait kernel before pack / unpack
-    t_route = Path().add("kernels", K_ROUTE_TOKENS)
+    waitk = s.gpu_share * LAUNCH_GPU_US if remote else 0.0     # the one-warp wait kernel before pack / unpack
+    t_route = Path().add("kernels", s.gpu_share * K_ROUTE_TOKENS)
     # plan_private_writes: this rank's own count row (in the segment: host memory) -> the PRIVATE table
-    t_plan = t_route.add("plan_kernels", _plan_kernel_us(1)) if remote else t_route
+    t_plan = t_route.add("plan_kernels", s.gpu_share * _plan_kernel_us(1)) if remote else t_route
     t_pack = _gpu(t_plan.add("kernels", waitk), K_PACK_TOKENS, row_bytes, 0, s, _rows_per_rank(s, s.dispatch_rows))
     # node peers' dispatch_ready: in lock-step they packed when we did
     node_ready = t_pack if early else t_pack.add("flags", flag)
@@ -566,7 +597,7 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
     # from the private slots' heads: host memory only when the buffers are; the node peers' from the sync
     # area, always host memory with remote peers), raises REMAINDER_PLANNED
     host_rows = s.world if s.host_staged else s.node
-    planned = later(t_pack, crr.add("flags", flag)).add("plan_kernels", _plan_kernel_us(host_rows))
+    planned = later(t_pack, crr.add("flags", flag)).add("plan_kernels", s.gpu_share * _plan_kernel_us(host_rows))
     done = _unpack(later(planned, node_ready, drr.add("flags", flag)), st, s, waitk)
     p_any = st["p_any_remainder"]
     if p_any > 0 and not early:
@@ -587,13 +618,11 @@ def _dispatch(s: Setup, early: bool = False) -> Path:
 
 
 def _combine(s: Setup) -> Path:
-    if s.protocol == OLD_PROTOCOL:
-        return _combine_2026_11_30(s)
     st = routing_stats(s.world, s.node, s.combine_rows)
     remote, rows = st["remote_peers"], st["rows_per_peer"]
     row_bytes, buffer_rows = _combine_row_bytes(s), _rows_per_rank(s, s.combine_rows)
     flag = _flag(s, remote)
-    waitk = LAUNCH_GPU_US if remote else 0.0           # before combine pack / reduce
+    waitk = s.gpu_share * LAUNCH_GPU_US if remote else 0.0     # before combine pack / reduce
     t_pack = _gpu(Path().add("kernels", waitk), K_PACK_COMBINE, row_bytes, st["local_peers"] * rows, s, buffer_rows)
     ready = t_pack.add("flags", flag)                  # node peers' combine_ready
     if remote:
@@ -607,98 +636,29 @@ def _combine(s: Setup) -> Path:
             "proxy_steps", s.speed * COMBINE_STEPS_US)
         ready = later(ready, crr.add("flags", flag))    # COMBINE_RECV_READY
     done = _gpu(ready.add("kernels", waitk), K_REDUCE_COMBINE, row_bytes, 0, s, buffer_rows)
-    return done.add("kernels", HALF_GAP_US)
-
-
-# ---- the protocol of 2026-11-30: the proxy plans with numpy (rows (b)-(d) of the calibration) ----------
-def _dispatch_2026_11_30(s: Setup, early: bool = False) -> Path:
-    st = routing_stats(s.world, s.node)
-    remote, rows = st["remote_peers"], st["rows_per_peer"]
-    flag = _flag(s, remote)
-    waitk = LAUNCH_GPU_US if remote else 0.0           # the one-warp wait kernel before pack / unpack
-    t_route = Path().add("kernels", K_ROUTE_TOKENS)
-    t_pack = _gpu(t_route.add("kernels", waitk), K_PACK_TOKENS, DISPATCH_ROW_BYTES, 0, s)
-    # node peers' dispatch_ready: in lock-step they packed when we did
-    node_ready = t_pack if early else t_pack.add("flags", flag)
-    ready = node_ready
-    if remote:
-        plan = s.speed * plan_us(s.world)
-        per_proxy = math.ceil(remote / s.proxies)  # completions each proxy drains, copies it makes (shm)
-        size = min(rows, st["private_rows"]) * DISPATCH_ROW_BYTES
-        if s.route_writes:
-            route_posted, route_landed = _scatter(t_route.add("flags", flag), [ROUTE_ROW_BYTES] * remote, s)
-        else:  # the count row rides at the head of each private write
-            route_posted, size = t_route.add("flags", flag), size + ROUTE_ROW_BYTES
-        p = route_posted.add("proxy_plan", plan * PLAN_SHARES["private"])       # while the model packs
-        p = later(p, t_pack.add("flags", flag))                                  # SEND_READY seen
-        priv_posted, data_landed = _scatter(p, [size] * remote, s)
-        if not s.route_writes:
-            route_landed = data_landed
-        if early:
-            route_landed = data_landed = Path()
-        elif s.fab.receiver_copies:
-            # shm: our proxy copies every peer's private write when it next polls, i.e. after its own
-            # posts (the peers posted theirs at the same time); one after the other, one process
-            data_landed = priv_posted.add("wire", per_proxy * size / (s.fab.gbps * 1e3))
-            route_landed = data_landed
-        p = later(priv_posted, route_landed).add("proxy_cq", s.speed * CQ_US * per_proxy)  # routing imms
-        p = p.add("proxy_plan", plan * PLAN_SHARES["remainder"])
-        # a remainder write only if some pair overflows its private region: weighted by its probability
-        # (never at 2 ranks: the private region holds all T*K rows)
-        if st["p_any_remainder"] > 0 and not early:
-            _, rem_landed = _scatter(p, [0.0], s)
-            extra = max(0.0, rem_landed.t - data_landed.t) * st["p_any_remainder"]
-            data_landed = data_landed.add("wire", extra)
-        if s.route_writes:  # then, the combine plan came before DISPATCH_RECV_READY; now after it
-            p = p.add("proxy_plan", plan * PLAN_SHARES["combine"])
-        drr = later(p, data_landed).add("proxy_cq", s.speed * CQ_US * per_proxy)    # dispatch imms
-        ready = later(node_ready, drr.add("flags", flag))                        # DISPATCH_RECV_READY
-    return _unpack(later(t_pack, ready), st, s, waitk)
-
-
-def _combine_2026_11_30(s: Setup) -> Path:
-    st = routing_stats(s.world, s.node)
-    remote, rows = st["remote_peers"], st["rows_per_peer"]
-    flag = _flag(s, remote)
-    waitk = LAUNCH_GPU_US if remote else 0.0           # before combine pack / reduce
-    t_pack = _gpu(Path().add("kernels", waitk), K_PACK_COMBINE, COMBINE_ROW_BYTES, st["local_peers"] * rows, s)
-    ready = t_pack.add("flags", flag)                  # node peers' combine_ready
-    if remote:
-        size = rows * COMBINE_ROW_BYTES
-        start = t_pack.add("flags", flag)
-        if not s.route_writes:  # the proxy plans the combine writes from the phase's start, beside the GPU
-            start = later(start, Path().add("proxy_plan", s.speed * plan_us(s.world) * PLAN_SHARES["combine"]))
-        posted, landed = _scatter(start, [size] * remote, s)
-        if s.fab.receiver_copies:
-            landed = posted.add("wire", math.ceil(remote / s.proxies) * size / (s.fab.gbps * 1e3))
-        crr = landed.add("proxy_cq", s.speed * CQ_US * math.ceil(remote / s.proxies))
-        ready = later(ready, crr.add("flags", flag))    # COMBINE_RECV_READY
-    done = _gpu(ready.add("kernels", waitk), K_REDUCE_COMBINE, COMBINE_ROW_BYTES, 0, s)
-    return done.add("kernels", HALF_GAP_US)
+    return done.add("kernels", s.gpu_share * HALF_GAP_US)
 
 
 def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed: str = "run",
           post_us: float | None = None, host_staged: bool | None = None,
-          efa_efficiency: float | None = None, route_writes: bool = False, proxies: int | None = None,
-          staged_remote_only: bool = False, protocol: str = PROTOCOL, rank_rows: bool = False,
-          sender_reduce: bool = False, fp8_combine: bool = False) -> Setup:
+          efa_efficiency: float | None = None, proxies: int | None = None,
+          staged_remote_only: bool = False, rank_rows: bool = False,
+          sender_reduce: bool = False, fp8_combine: bool = False, shared_gpu: bool | None = None,
+          emu_gpu_factor: float | None = None) -> Setup:
     """`proxies`: None = the library's default (one per NIC on EFA, else 1), capped by the remote peers.
-    `post_us`: the proxy's Python per posted write at bench speed; None = the measured one (protocol
-    2026-12-01: POST_PY_PRIVATE_US / POST_PY_COMBINE_US per table; 2026-11-30: POST_US).
-    The levers of issue 32 (protocol 2026-12-01 only): `rank_rows` = dispatch one row per (token, rank);
+    `post_us`: the proxy's Python per posted write at bench speed; None = the measured one
+    (POST_PY_PRIVATE_US / POST_PY_COMBINE_US per table; the emulated NIC: its carrier's EMU_POST_US).
+    The levers of issue 32: `rank_rows` = dispatch one row per (token, rank);
     `sender_reduce` = the combine reduced at the sender, one row per (token, rank) (needs `rank_rows`: the
-    weights travel with the dispatch); `fp8_combine` = combine rows in fp8."""
+    weights travel with the dispatch); `fp8_combine` = combine rows in fp8.
+    `shared_gpu`: the W ranks share ONE H200 under MPS (the GPU side `shared_gpu_factor(W)` times longer);
+    None = only over the emulated NIC, whose runs were made so. Over the emulated NIC the GPU side is
+    `emu_gpu_factor` (default EMU_GPU_FACTOR) times longer again."""
     node = min(node, world)
     if world < 2 or world % node or NUM_EXPERTS % world:
         raise ValueError(f"world must be a multiple of the node size ({node}) dividing {NUM_EXPERTS}, got {world}")
     if speed not in SPEEDS:
         raise ValueError(f"speed must be one of {SPEEDS}, got {speed!r}")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    if route_writes and protocol != OLD_PROTOCOL:
-        raise ValueError(f"route_writes is a variant of protocol {OLD_PROTOCOL}")
-    if (rank_rows or sender_reduce or fp8_combine) and protocol != PROTOCOL:
-        raise ValueError(f"rank_rows, sender_reduce and fp8_combine are levers of protocol {PROTOCOL}")
     if sender_reduce and not rank_rows:
         raise ValueError("sender_reduce needs rank_rows (the weights travel with the per-(token, rank) rows)")
     fab = fabric(fabric_name, efa_efficiency) if node < world else None   # remote peers need one
@@ -707,30 +667,69 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
     if proxies is None:
         proxies = fab.nics if fab is not None and fab.name == "efa" else 1
     proxies = max(1, min(proxies, remote))
-    factor = PROXY_IN_RUN_FACTOR if protocol == PROTOCOL else PROXY_IN_RUN_FACTOR_2026_11_30
-    if post_us is None and protocol == OLD_PROTOCOL:
-        post_us = POST_US
-    return Setup(world, node, fab, factor if speed == "run" else 1.0, post_us, staged, route_writes,
-                 proxies, staged_remote_only, protocol, "rank" if rank_rows else "route",
-                 "rank" if sender_reduce else "route", bool(fp8_combine))
+    factor = {"run": PROXY_IN_RUN_FACTOR, "bench": 1.0, "host-waits": PROXY_HOST_WAITS_FACTOR}[speed]
+    if shared_gpu is None:
+        shared_gpu = fabric_name == "emulated"
+    share = shared_gpu_factor(world) if shared_gpu else 1.0
+    if fab is not None and fab.name == "emulated":
+        share *= EMU_GPU_FACTOR if emu_gpu_factor is None else emu_gpu_factor
+    at = 1.0
+    if fab is not None and fab.name == "emulated":
+        at = shared_gpu_factor(2) * (EMU_GPU_FACTOR if emu_gpu_factor is None else emu_gpu_factor)
+    return Setup(world, node, fab, factor, post_us, staged, proxies, staged_remote_only,
+                 "rank" if rank_rows else "route", "rank" if sender_reduce else "route", bool(fp8_combine), share,
+                 at)
+
+
+# The node-local runs on the shared GPU, by world size (the fitting data of shared_gpu_factor).
+MPS_NODE_LOCAL_US = {2: "MPS_NODE_LOCAL_W2_US", 4: "MPS_NODE_LOCAL_W4_US", 8: "MPS_NODE_LOCAL_W8_US"}
+
+
+def shared_gpu_factor(world: int) -> float:
+    """How much longer the GPU side of a call is when ``world`` ranks share ONE H200 under MPS than with a
+    GPU per rank: the node-local call measured on the shared GPU (graph replay, kernel waits, slowest
+    rank's dispatch + combine) less the walk's flag hand-offs, over the walk's GPU-side terms (kernels,
+    node peers' rows) for the same ranks on one node with a GPU each. Measured at W = 2, 4, 8 only."""
+    if world not in MPS_NODE_LOCAL_US:
+        raise ValueError(f"ranks sharing one GPU were measured at W in {sorted(MPS_NODE_LOCAL_US)}, got {world}")
+    alone = predict(world, None, node=world, shared_gpu=False)
+    gpu = sum(alone[f"{ph}.{t}"] for ph in ("dispatch", "combine") for t in ("kernels", "nvlink", "plan_kernels"))
+    return (globals()[MPS_NODE_LOCAL_US[world]] - (alone["total"] - gpu)) / gpu
 
 
 def predict(world: int, fabric_name: str | None, **kw) -> dict:
     """Lock-step latency in µs: ``{"dispatch", "dispatch.<term>", "combine", "combine.<term>", "total",
-    "dispatch_early"}`` for every term of ALL_TERMS (zero where the protocol has none). Terms are
-    critical-path contributions and sum to their phase. Keywords: see :func:`setup` (``speed="run"``: the
-    proxy as fast as it was inside our run; ``"bench"``: as fast as in its benchmark)."""
+    "dispatch_early"}`` for every term of TERMS (zero where unused). Terms are critical-path contributions
+    and sum to their phase. Keywords: see :func:`setup` (``speed="run"``: the proxy as fast as it was
+    inside our graph runs with kernel waits; ``"bench"``: as fast as in its benchmark; ``"host-waits"``: as
+    inside the eager run with host waits)."""
     s = setup(world, fabric_name, **kw)
-    out = {"protocol": s.protocol}
+    out = {}
     for phase, path in (("dispatch", _dispatch(s)), ("combine", _combine(s))):
-        unknown = set(path.parts) - set(ALL_TERMS)
+        unknown = set(path.parts) - set(TERMS)
         assert not unknown, unknown
         out[phase] = path.t
-        for term in ALL_TERMS:
+        for term in TERMS:
             out[f"{phase}.{term}"] = path.parts.get(term, 0.0)
     out["total"] = out["dispatch"] + out["combine"]
     out["dispatch_early"] = _dispatch(s, early=True).t
     return out
+
+
+def _fit_emu_gpu_factor() -> float:
+    """EMU_GPU_FACTOR: the one number fitted to the W2-N1 run's total (MPS_EMULATED_W2_US): how much longer
+    than on the same shared GPU node-local the GPU side of a call with remote peers is (bisection)."""
+    lo, hi = 0.25, 16.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if predict(2, "emulated", node=1, emu_gpu_factor=mid)["total"] < MPS_EMULATED_W2_US:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+EMU_GPU_FACTOR = _fit_emu_gpu_factor()
 
 
 def back_to_back(r: dict) -> dict:
@@ -777,17 +776,23 @@ def bench_proxy(world: int) -> dict:
 
 
 # ---- calibration: the configurations we measured --------------------------------------------------------
-# (configuration, quantity, measured µs, source). (a)-(d): 2 x H200, decode, CUDA-graph replay, medians of
-# 200 (a) / 100 (b) calls per rank; (a2), (a3): (a) on two other leases of the machine, 200 calls per rank;
-# (c), (d): 100-200 calls per run, several runs (the spread between runs of one configuration, ~10%, is
-# larger than the difference between (c) and (d)). (e): the proxy alone, medians of 100 calls (30 at W=256).
+# (configuration, quantity, measured µs, source). (a): 2 x H200, decode, CUDA-graph replay, medians of 200
+# calls per rank; (a2), (a3): (a) on two other leases of the machine. (e): the proxy alone, medians of 100
+# calls (30 at W=256). (f), (g): 1 x H200 shared by W rank processes under MPS, decode, graph replay,
+# kernel waits, medians of 100 calls per rank, the slowest rank's; (h): (f) again by
+# benchmarks/gpu/mps_node_local.py (50 calls per rank, the slowest rank's medians).
 _E2E_A = "docs/results/e2e_graph_x2.json"
 _E2E_A2 = "docs/results/e2e_graph_x2_fasthost.json"
 _E2E_A3 = "docs/results/e2e_graph_x2_slowhost.json"
-_E2E_B = "docs/results/e2e_graph_x2_n1.json"
-_E2E_C = "docs/results/x2_n1_2026-11-30/host_*.json"
-_E2E_D = "docs/results/x2_n1_2026-11-30/staged_*.json"
 _BP = "docs/results/emulated/proxy_shm.json"
+MPS_FILES = {"f": "e2e_graph_w{w}n{w}_auto.json", "g": "e2e_graph_w{w}n{n}_emulated.json", "h": "new_w{w}.json"}
+MPS_WORLDS = (2, 4, 8)
+
+
+def _mps(config: str, w: int) -> str:
+    return f"{_MPS}/" + MPS_FILES[config].format(w=w, n=w // 2)
+
+
 MEASURED = [
     ("a", "dispatch, slower rank", 39.3, f"{_E2E_A}: rank 1 (rank 0: 38.9)"),
     ("a", "combine, slower rank", 37.0, f"{_E2E_A}: rank 0 (rank 1: 36.5)"),
@@ -798,13 +803,6 @@ MEASURED = [
     ("a3", "dispatch, slower rank", 39.4, f"{_E2E_A3}: rank 1 (rank 0: 39.1)"),
     ("a3", "combine, slower rank", 37.0, f"{_E2E_A3}: rank 1 (rank 0: 37.0)"),
     ("a3", "dispatch + combine", 76.4, f"{_E2E_A3}: rank 1 (rank 0: 76.1)"),
-    ("b", "dispatch, slower rank", 1357.5, f"{_E2E_B}: rank 1"),
-    ("b", "dispatch, faster rank", 462.9, f"{_E2E_B}: rank 0"),
-    ("b", "combine, slower rank", 1887.1, f"{_E2E_B}: rank 0"),
-    ("b", "combine, faster rank", 993.0, f"{_E2E_B}: rank 1"),
-    ("b", "dispatch + combine", 2350.2, f"{_E2E_B}: rank 0 (rank 1: 2347.9)"),
-    ("c", "dispatch + combine", 2707.7, f"{_E2E_C}: median of 5 runs (2564.7 - 2738.5), slower rank"),
-    ("d", "dispatch + combine", 2590.1, f"{_E2E_D}: median of 12 runs (2329.6 - 4506.3), slower rank"),
     ("e", "W=2: proxy dispatch", 11.5, f"{_BP}: dispatch_host_us (1 remote peer)"),
     ("e", "W=2: proxy combine", 7.1, f"{_BP}: combine_host_us"),
     ("e", "W=8: proxy dispatch", 36.2, f"{_BP}: dispatch_host_us (7 remote peers)"),
@@ -819,17 +817,51 @@ MEASURED = [
     ("e", "W=128: proxy combine", 379.1, f"{_BP}: combine_host_us"),
     ("e", "W=256: proxy dispatch", 1109.3, f"{_BP}: dispatch_host_us (255 remote peers, 5.5 remainders)"),
     ("e", "W=256: proxy combine", 838.9, f"{_BP}: combine_host_us"),
+    ("f2", "dispatch, slowest rank", 41.0, f"{_mps('f', 2)}: rank 1 of 2"),
+    ("f2", "combine, slowest rank", 39.5, f"{_mps('f', 2)}: rank 0 of 2"),
+    ("f2", "dispatch + combine", 78.1, f"{_mps('f', 2)}: rank 1 of 2"),
+    ("f4", "dispatch, slowest rank", 92.9, f"{_mps('f', 4)}: rank 3 of 4"),
+    ("f4", "combine, slowest rank", 88.8, f"{_mps('f', 4)}: rank 0 of 4"),
+    ("f4", "dispatch + combine", 164.9, f"{_mps('f', 4)}: rank 1 of 4"),
+    ("f8", "dispatch, slowest rank", 159.6, f"{_mps('f', 8)}: rank 7 of 8"),
+    ("f8", "combine, slowest rank", 164.7, f"{_mps('f', 8)}: rank 1 of 8"),
+    ("f8", "dispatch + combine", 284.6, f"{_mps('f', 8)}: rank 7 of 8"),
+    ("g2", "dispatch, slowest rank", 145.4, f"{_mps('g', 2)}: rank 0 of 2"),
+    ("g2", "combine, slowest rank", 115.4, f"{_mps('g', 2)}: rank 0 of 2"),
+    ("g2", "dispatch + combine", 260.2, f"{_mps('g', 2)}: rank 0 of 2"),
+    ("g4", "dispatch, slowest rank", 260.8, f"{_mps('g', 4)}: rank 3 of 4"),
+    ("g4", "combine, slowest rank", 200.1, f"{_mps('g', 4)}: rank 0 of 4"),
+    ("g4", "dispatch + combine", 437.5, f"{_mps('g', 4)}: rank 3 of 4"),
+    ("g8", "dispatch, slowest rank", 496.1, f"{_mps('g', 8)}: rank 3 of 8"),
+    ("g8", "combine, slowest rank", 373.6, f"{_mps('g', 8)}: rank 4 of 8"),
+    ("g8", "dispatch + combine", 798.9, f"{_mps('g', 8)}: rank 4 of 8"),
+    ("h2", "dispatch, slowest rank", 42.1, f"{_mps('h', 2)}: dispatch_us"),
+    ("h2", "combine, slowest rank", 40.7, f"{_mps('h', 2)}: combine_us"),
+    ("h4", "dispatch, slowest rank", 88.9, f"{_mps('h', 4)}: dispatch_us"),
+    ("h4", "combine, slowest rank", 87.9, f"{_mps('h', 4)}: combine_us"),
+    ("h8", "dispatch, slowest rank", 145.9, f"{_mps('h', 8)}: dispatch_us"),
+    ("h8", "combine, slowest rank", 165.8, f"{_mps('h', 8)}: combine_us"),
 ]
 CONFIGS = {"a": "2 x H200, one node (NVLink, kernels synchronise)",
            "a2": "as (a), another lease of the machine (08:40)",
            "a3": "as (a), another lease of the machine (09:03)",
-           "b": "2 x H200, two simulated nodes, host-staged, shm, protocol 2026-11-30",
-           "c": "as (b), one write per peer (count row at its head)",
-           "d": "as (c), only remote rows staged (buffers=\"staged\")",
-           "e": "bench proxy: the proxy alone, synthetic peers, shm, H=64 (1 x H200 host)"}
+           "e": "bench proxy: the proxy alone, synthetic peers, shm, H=64 (1 x H200 host)",
+           **{f"f{w}": f"1 x H200 shared by {w} ranks (MPS), one node (W{w}-N{w})" for w in MPS_WORLDS},
+           **{f"g{w}": f"1 x H200 shared by {w} ranks (MPS), {w // (w // 2)} nodes over the emulated NIC "
+                       f"(W{w}-N{w // 2 if w > 2 else 1})" for w in MPS_WORLDS},
+           **{f"h{w}": f"as (f{w}), benchmarks/gpu/mps_node_local.py" for w in MPS_WORLDS}}
 _QUANTITY = {"dispatch, slower rank": "dispatch_slow", "dispatch, faster rank": "dispatch_fast",
              "combine, slower rank": "combine_slow", "combine, faster rank": "combine_fast",
              "dispatch + combine": "total"}
+# Ranks sharing the GPU: the slowest rank's medians against the lock-step walk (which sits between the
+# ranks' mean and the slowest: ranks that drift apart make one rank's half absorb the offset).
+_LOCK_STEP = {"dispatch, slowest rank": "dispatch", "combine, slowest rank": "combine", "dispatch + combine": "total"}
+
+
+def mps_node(config: str, w: int) -> int:
+    """Ranks per simulated node in the MPS runs: (f), (h) all on one node; (g) two nodes (W=2: one rank each)."""
+    return w if config in "fh" else max(1, w // 2)
+
 
 # ---- fitting data and held-out data ---------------------------------------------------------------------
 # A row of MEASURED is one of three kinds (its "role"), by what it can show:
@@ -840,32 +872,32 @@ _QUANTITY = {"dispatch, slower rank": "dispatch_slow", "dispatch, faster rank": 
 HELD_OUT = {
     "e2e_graph_x2_fasthost.json": "(a2): configuration (a) on another lease, 2.5 h before (a)",
     "e2e_graph_x2_slowhost.json": "(a3): configuration (a) on another lease, 2 h before (a)",
-    "x2_n1_2026-11-30/host_*.json": "(c): 5 runs of the one-write-per-peer protocol, host-staged",
-    "x2_n1_2026-11-30/staged_*.json": "(d): 12 runs with only the remote rows staged",
+    "gpu-2026-12-02-mps/e2e_graph_w4n2_emulated.json": "(g4): 4 ranks as 2 x 2 over the emulated NIC on one GPU",
+    "gpu-2026-12-02-mps/e2e_graph_w8n4_emulated.json": "(g8): 8 ranks as 2 x 4 over the emulated NIC on one GPU",
+    "gpu-2026-12-02-mps/new_w2.json": "(h2): 2 ranks on one node, another process layout (mps_node_local.py)",
+    "gpu-2026-12-02-mps/new_w4.json": "(h4): 4 ranks on one node, mps_node_local.py",
+    "gpu-2026-12-02-mps/new_w8.json": "(h8): 8 ranks on one node, mps_node_local.py",
 }
 FITTED = {
     "a": "HALF_GAP_US (2 of its 4 gaps: this run's trace)",
-    "b": "SHM_COPY_GBPS, HOST_STAGED_GBPS, RUN_SCATTER1_US, RUN_PLAN_* (this run's trace), HALF_GAP_US",
     ("e", "W=2: proxy dispatch"): "DISPATCH_STEPS_US (this value less one post and one immediate)",
     ("e", "W=2: proxy combine"): "COMBINE_STEPS_US (this value less one post and one immediate)",
     ("e", "W=64: proxy dispatch"): "BENCH_POST_PRIVATE_US, IMM_US (its parts)",
     ("e", "W=64: proxy combine"): "BENCH_POST_COMBINE_US, COMBINE_IMM_US (its parts)",
     ("e", "W=256: proxy dispatch"): "REMAINDER_ROW_US (its remainder part)",
+    ("f2", "dispatch + combine"): "MPS_NODE_LOCAL_W2_US (this value: the shared-GPU factor at W=2)",
+    ("f4", "dispatch + combine"): "MPS_NODE_LOCAL_W4_US (this value: the shared-GPU factor at W=4)",
+    ("f8", "dispatch + combine"): "MPS_NODE_LOCAL_W8_US (this value: the shared-GPU factor at W=8)",
+    ("g2", "dispatch + combine"): "MPS_EMULATED_W2_US (this value: EMU_GPU_FACTOR is solved from it)",
 }
 # Rows outside the band (model / measured in [0.75, 1.25]), each with the reason (docs/latency-model.md).
 BAND = (0.75, 1.25)
 OUTSIDE_BAND = {
-    ("d", "dispatch + combine"): (
-        "the model's PCIe term is additive, fitted to row-kernel spans of (b)'s trace that are mostly waits for "
-        "the proxy's flags and copies; staging only the remote rows halves that term in the model (2287 -> 1845 "
-        "µs) but did not move the measured total beyond the spread between runs. The walk has no term for a flag "
-        "seen late by a busy proxy. Only the `--host-staged` predictions use the PCIe term: they overstate "
-        "staging's cost."),
     ("e", "W=16: proxy dispatch"): (
         "the proxy's cost per remote peer is not constant in W: at 15 peers a post took 3.86 µs and counting an "
         "immediate 0.89 µs, at 63 peers (where the model's constants were read) 2.81 and 0.29 µs; W=8 and W=16 "
         "come out 17-28% low. The EP16 predictions (8 remote peers) therefore likely understate the proxy's "
-        "terms (56 µs of the EFA EP16 total of 481 µs) by about that share: 10-16 µs, 2-3% of the total."),
+        "terms by about that share."),
 }
 
 
@@ -879,8 +911,11 @@ def fitting_files() -> dict[str, list[str]]:
     """Measured file (relative to docs/results/) -> the constants whose PROVENANCE names it."""
     out: dict[str, list[str]] = {}
     for name, (_, source) in PROVENANCE.items():
-        for f in dict.fromkeys(re.findall(r"(?:docs/results/)?([\w./-]+\.json)", source)):
+        for f in dict.fromkeys(re.findall(r"docs/results/([\w./-]+\.(?:json|txt))", source)):
             out.setdefault(f, []).append(name)
+        for f in dict.fromkeys(re.findall(r"(?<![\w/.-])([\w-]+\.json)", source)):  # a bare name: docs/results/
+            if not any(k.endswith("/" + f) or k == f for k in out):
+                out.setdefault(f, []).append(name)
     return out
 
 
@@ -892,20 +927,20 @@ def row_role(config: str, quantity: str, source: str) -> str:
 
 
 def calibration() -> list[dict]:
-    """The model against the measured configurations: (a) 2 ranks on one node (no remote peer: the same
-    in both protocols); (b)-(d) 2 ranks as two simulated nodes (one rank each) over the shm provider,
-    host-staged, proxy at its in-run speed, in the protocol those runs used (2026-11-30); (e) the current
-    proxy alone in `bench proxy`, at bench speed."""
-    old = dict(protocol=OLD_PROTOCOL, node=1, speed="run")
+    """The model against the measured configurations: (a) 2 ranks on one node, a GPU each; (e) the proxy
+    alone in `bench proxy`, at bench speed; (f), (h) W ranks on one node sharing one H200 under MPS; (g) the
+    same W ranks as two simulated nodes over the emulated NIC, proxy at its in-run speed."""
     node_local = back_to_back(predict(2, None, node=2))
-    runs = {"a": node_local, "a2": node_local, "a3": node_local,
-            "b": back_to_back(predict(2, "shm", route_writes=True, **old)),
-            "c": back_to_back(predict(2, "shm", **old)),
-            "d": back_to_back(predict(2, "shm", staged_remote_only=True, **old))}
-    model = {(c, q): v for c, run in runs.items() for q, k in _QUANTITY.items() for v in [run[k]]}
+    model = {(c, q): node_local[k] for c in ("a", "a2", "a3") for q, k in _QUANTITY.items()}
     for w in BENCH_PROXY_WORLDS:
         b = bench_proxy(w)
         model["e", f"W={w}: proxy dispatch"], model["e", f"W={w}: proxy combine"] = b["dispatch"].t, b["combine"].t
+    for c in "fgh":
+        for w in MPS_WORLDS:
+            n = mps_node(c, w)
+            r = predict(w, "emulated" if n < w else None, node=n, shared_gpu=True)
+            for q, k in _LOCK_STEP.items():
+                model[f"{c}{w}", q] = r[k]
     return [{"config": c, "quantity": q, "predicted": model[c, q], "measured": m, "ratio": model[c, q] / m,
              "role": row_role(c, q, src), "source": src} for c, q, m, src in MEASURED]
 
@@ -959,7 +994,7 @@ def table(worlds=WORLDS, fabrics=FABRICS, **kw) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    terms = TERMS_OF[rows[0]["protocol"]]
+    terms = TERMS
     head = ("| fabric | EP | dispatch | combine | dispatch + combine | at bench speed (d / c / sum) | "
             "dispatch: " + " / ".join(terms) + " | combine: " + " / ".join(terms) + " |")
     lines = [head, "|" + "---|" * 8]
@@ -977,7 +1012,7 @@ def _published(fab: str, src: str, ep: int):
 
 
 def _top_terms(r: dict, phase: str, n: int = 2) -> str:
-    terms = sorted(TERMS_OF[r["protocol"]], key=lambda t: -r[f"{phase}.{t}"])[:n]
+    terms = sorted(TERMS, key=lambda t: -r[f"{phase}.{t}"])[:n]
     return ", ".join(f"{t} {r[f'{phase}.{t}']:.0f}" for t in terms)
 
 
@@ -1017,7 +1052,7 @@ SENSITIVITY = [
     ("`--speed bench --efa-efficiency 0.45`", {"speed": "bench", "efa_efficiency": 0.45}),
     ("`--host-staged` (GPU buffers not registered with the NIC)", {"host_staged": True}),
     ("`--speed bench --host-staged`", {"speed": "bench", "host_staged": True}),
-    ("`--protocol 2026-11-30` (the proxy planned with numpy: before this change)", {"protocol": OLD_PROTOCOL}),
+    ("`--speed host-waits` (the proxy as slow as in the eager run with host waits)", {"speed": "host-waits"}),
 ]
 
 
@@ -1162,7 +1197,7 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
                             color=colors[fab], alpha=0.15)
             ax.plot(ws, [r[f"{phase}_c_helper"] for r in rs], ":", color=colors[fab], lw=1.5,
                     label=f"MODEL what-if {fab.upper()}: C posting {POST_US_C_HELPER} µs/write, bench speed")
-            if fab == "efa" and rs[0]["protocol"] == PROTOCOL:
+            if fab == "efa":
                 ax.plot(ws, [predict(w, fab, rank_rows=True, sender_reduce=True, fp8_combine=True)[phase]
                              for w in ws], "-.^", color="tab:red", lw=1.5,
                         label="MODEL EFA, issue 32's three levers (rank rows, sender reduce, fp8 combine)")
@@ -1192,7 +1227,7 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
     ax = fig.add_subplot(gs[1, :2])
     bars = [(r["fabric"], r["world"], ph, r) for ph in ("dispatch", "combine") for r in rows]
     bottoms = np.zeros(len(bars))
-    terms = TERMS_OF[rows[0]["protocol"]]
+    terms = TERMS
     for term, col in zip(terms, plt.cm.tab10.colors):
         vals = np.array([r[f"{ph}.{term}"] for _, _, ph, r in bars])
         ax.bar(np.arange(len(bars)), vals, bottom=bottoms, color=col, label=term)
@@ -1200,7 +1235,7 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
     ax.set_xticks(np.arange(len(bars)), [f"{ph[0].upper()} {f.upper()}\nEP{w}" for f, w, ph, _ in bars], fontsize=7)
     ax.set_ylim(0, 1.12 * bottoms.max())
     ax.set_ylabel("µs on the critical path")
-    ax.set_title(f"MODEL, protocol {rows[0]['protocol']}: where the time goes (D = dispatch, C = combine; "
+    ax.set_title("MODEL: where the time goes (D = dispatch, C = combine; "
                  "proxy at in-run speed)", fontsize=9)
     ax.legend(fontsize=8, ncol=3)
     ax.grid(alpha=0.3, axis="y")
@@ -1218,9 +1253,9 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 1.5)
     ax.set_xlabel("model / measured (band: within 25%)")
-    ax.set_title("calibration: (a)-(d) 2 x H200, 2026-11-30 protocol; (e) bench proxy alone,\n"
-                 "1 x H200 host, 2026-12-01; [held out]: no constant read from its file", fontsize=9)
-    fig.suptitle(f"moe_a2a latency MODEL (a model where it predicts), protocol {rows[0]['protocol']}: decode "
+    ax.set_title("calibration: (a) 2 x H200; (e) bench proxy alone; (f)-(h) 1 x H200 shared by W ranks\n"
+                 "(MPS), (g) over the emulated NIC; [held out]: no constant read from its file", fontsize=9)
+    fig.suptitle("moe_a2a latency MODEL (a model where it predicts): decode "
                  "T=128, H=7168 fp8 / bf16, K=8, E=256", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -1234,12 +1269,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", help="write the plot here")
     ap.add_argument("--json", help="write calibration, predictions, constants and published points here")
     ap.add_argument("--speed", choices=SPEEDS, default="run",
-                    help="proxy cost: as inside our run (default) or as in its benchmark")
+                    help="proxy cost: as inside our graph runs with kernel waits (default), as in its benchmark, "
+                         "or as inside the eager run with host waits")
     ap.add_argument("--post-us", type=nonneg_float, default=None,
                     help=f"the proxy's Python per posted write at bench speed (default: measured, "
                          f"{POST_PY_PRIVATE_US:.2f} private / {POST_PY_COMBINE_US:.2f} combine)")
-    ap.add_argument("--protocol", choices=PROTOCOLS, default=PROTOCOL,
-                    help=f"{PROTOCOL}: the GPU plans the writes (default); {OLD_PROTOCOL}: the proxy did (numpy)")
     ap.add_argument("--host-staged", action="store_true", help="buffers in host memory on EFA / CX7 too")
     ap.add_argument("--efa-efficiency", type=fraction, default=None,
                     help=f"EFA effective/line-rate bandwidth (default {EFA_BW_EFFICIENCY})")
@@ -1254,10 +1288,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--proxies must be >= 1, got {args.proxies}")
     if args.sender_reduce and not args.rank_rows:
         ap.error("--sender-reduce needs --rank-rows (the weights travel with the per-(token, rank) rows)")
-    if (args.rank_rows or args.sender_reduce or args.fp8_combine) and args.protocol != PROTOCOL:
-        ap.error(f"--rank-rows, --sender-reduce and --fp8-combine are levers of protocol {PROTOCOL}")
     kw = dict(speed=args.speed, post_us=args.post_us, host_staged=True if args.host_staged else None,
-              efa_efficiency=args.efa_efficiency, proxies=args.proxies, protocol=args.protocol)
+              efa_efficiency=args.efa_efficiency, proxies=args.proxies)
     if args.rank_rows or args.fp8_combine:
         kw.update(rank_rows=args.rank_rows, sender_reduce=args.sender_reduce, fp8_combine=args.fp8_combine)
     cal = calibration()
@@ -1268,9 +1300,12 @@ def main(argv: list[str] | None = None) -> int:
     print(format_outside_band())
     print("\nFitting data and held-out data")
     print(format_sources())
-    print(f"\nProxy in-run factor (in-run posts / bench posts, shm, W=2): {PROXY_IN_RUN_FACTOR:.2f} "
-          f"(protocol {OLD_PROTOCOL}: {PROXY_IN_RUN_FACTOR_2026_11_30:.2f})")
-    print(f"\nPredictions: MODEL, not measured; µs; protocol {args.protocol}; proxy speed '{args.speed}'; terms are "
+    print(f"\nProxy in-run factor, graph replay with kernel waits (the proxy's steps after COUNT_ROWS_READY in "
+          f"the W2-N1 run / in the bench, W=2): {PROXY_IN_RUN_FACTOR:.2f} (used by --speed run); eager with host "
+          f"waits (posts over shm): {PROXY_HOST_WAITS_FACTOR:.2f} (--speed host-waits)")
+    print(f"Ranks sharing one H200 (MPS): GPU side x {', '.join(f'{shared_gpu_factor(w):.2f} at W={w}' for w in MPS_WORLDS)}"
+          f" (node-local), x {EMU_GPU_FACTOR:.2f} more with remote peers over the emulated NIC")
+    print(f"\nPredictions: MODEL, not measured; µs; proxy speed '{args.speed}'; terms are "
           "critical-path contributions")
     print(format_table(rows))
     print("\nAgainst the targets and published numbers")
