@@ -897,7 +897,7 @@ OUTSIDE_BAND = {
         "the proxy's cost per remote peer is not constant in W: at 15 peers a post took 3.86 µs and counting an "
         "immediate 0.89 µs, at 63 peers (where the model's constants were read) 2.81 and 0.29 µs; W=8 and W=16 "
         "come out 17-28% low. The EP16 predictions (8 remote peers) therefore likely understate the proxy's "
-        "terms by about that share."),
+        "terms (32 µs of the EFA EP16 total of 457 µs) by about that share: 5-9 µs, 1-2% of the total."),
 }
 
 
@@ -1253,8 +1253,8 @@ def plot(rows: list[dict], cal: list[dict], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 1.5)
     ax.set_xlabel("model / measured (band: within 25%)")
-    ax.set_title("calibration: (a) 2 x H200; (e) bench proxy alone; (f)-(h) 1 x H200 shared by W ranks\n"
-                 "(MPS), (g) over the emulated NIC; [held out]: no constant read from its file", fontsize=9)
+    ax.set_title("calibration: (a) 2 x H200; (e) bench proxy; (f)-(h) 1 x H200\nshared by W ranks (MPS), "
+                 "(g) emulated NIC; [held out]: no constant from its file", fontsize=9)
     fig.suptitle("moe_a2a latency MODEL (a model where it predicts): decode "
                  "T=128, H=7168 fp8 / bf16, K=8, E=256", fontsize=11)
     fig.tight_layout()
