@@ -437,7 +437,11 @@ class Buffer:
             # num_max_dispatch_tokens_per_rank, hidden and num_experts on every rank): build a set of
             # instances for them. Collective: raises on every rank when any rank cannot build.
             self._build(error, sizes, x, use_fp8)
-        indices = self._sets.get(key) or self._sets[self._last_key]
+        indices = self._sets.get(key)
+        if indices is None:  # rejected input whose arguments name no set: the call aborts on the last one's
+            indices = self._sets[self._last_key]
+        else:
+            self._last_key = key
         built = self._slots[indices[0]].key
         if error is None and not _fits(sizes, built):
             if self.enable_shrink:
@@ -463,7 +467,6 @@ class Buffer:
         index, self._next = self._next, self._next ^ 1
         self._calls += 1  # every rank counts every call, aborted ones included
         index = indices[index]  # this set's slot of the alternation
-        self._last_key = (built[0], built[1], built[3])
         slot = self._slots[index]
         if slot.state != _FREE:
             self._retire(slot)  # the slot's previous call, if it was left unfinished
