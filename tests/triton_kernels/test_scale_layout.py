@@ -86,7 +86,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moe_a2a.triton_kernels import scale_layout as m
 
-fn = m._scales_to_column_major
+fn = m._LAUNCH.kernel  # the @triton.jit kernel the launcher launches, wherever it is defined
 names = inspect.signature(fn.fn).parameters
 for has_counts in (True, False):
     constexprs = dict(HAS_COUNTS=has_counts, BLOCK_T=m.BLOCK_TOKENS, BLOCK_S=m.MAX_BLOCK_SCALES)
