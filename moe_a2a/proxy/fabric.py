@@ -319,21 +319,18 @@ class FabricCarrier(ChunkedPosting):
         pack = _PATCH.pack_into
         templates = grp._templates
         info = grp.post_info
-        pop = self._free_ctx.pop
+        free = self._free_ctx
+        pop = free.pop
         ctx_peer = self._ctx_peer
         src_addr = src.addr
         flags = _WRITE_FLAGS
         for (p, so, length, do), v in zip(targets, repeat(imm) if imms is None else imms):
             writemsg, ep, msg, off, rbase, peer = info[p]
-            try:
-                ctx = pop()
-            except IndexError:  # max_inflight writes in flight: progress until one completes
-                ctx = self._wait_ctx()
+            ctx = pop() if free else self._wait_ctx()  # none free: max_inflight in flight, progress
             ctx_peer[ctx] = peer
             # context (this op's fi_context), data (the immediate), iov_base, iov_len, rma addr, rma len
             pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
-            rc = writemsg(ep, msg, flags)
-            if rc:
+            if rc := writemsg(ep, msg, flags):
                 self._post_failed(rc, grp, p, ctx, v)
         self.engine.writes_posted += len(targets)
 
@@ -345,7 +342,8 @@ class FabricCarrier(ChunkedPosting):
         rows, templates, src_addr, src_lim = self._prepared_table(grp, src, slots, src_base, dst_base)
         eng = self.engine
         pack, max_len = _PATCH.pack_into, eng.max_write_bytes
-        pop, ctx_peer = self._free_ctx.pop, self._ctx_peer
+        free = self._free_ctx
+        pop, ctx_peer = free.pop, self._ctx_peer
         posted = 0
         for b, p, writemsg, ep, msg, off, rbase, peer, dst_lim in rows:
             so, length, do, v = words[b], words[b + 1], words[b + 2], words[b + 3]
@@ -355,14 +353,10 @@ class FabricCarrier(ChunkedPosting):
                 v = imm
             if (so | length | do) < 0 or so + length > src_lim or do + length > dst_lim or length > max_len:
                 raise ValueError(eng.bad_target(grp, src, (p, so + src_base, length, do + dst_base)))
-            try:
-                ctx = pop()
-            except IndexError:  # max_inflight writes in flight: progress until one completes
-                ctx = self._wait_ctx()
+            ctx = pop() if free else self._wait_ctx()  # none free: max_inflight in flight, progress
             ctx_peer[ctx] = peer
             pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
-            rc = writemsg(ep, msg, _WRITE_FLAGS)
-            if rc:
+            if rc := writemsg(ep, msg, _WRITE_FLAGS):
                 self._post_failed(rc, grp, p, ctx, v)
             posted += 1
         eng.writes_posted += posted

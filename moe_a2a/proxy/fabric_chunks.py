@@ -124,7 +124,8 @@ class ChunkedPosting:
         grp._src = None  # the templates' descs now change per write: the fast path sets its own again
         eng = self.engine
         pack, max_len = _PATCH_CHUNKED.pack_into, eng.max_write_bytes
-        pop, ctx_peer = self._free_ctx.pop, self._ctx_peer
+        free = self._free_ctx
+        pop, ctx_peer = free.pop, self._ctx_peer
         posted = 0
         for b, p, writemsg, ep, msg, off, peer, (d_stride, d_last, d_ends, d_bases, d_keys), \
                 (s_stride, s_last, s_ends, s_descs) in rows:
@@ -144,15 +145,11 @@ class ChunkedPosting:
                 kd = d_last
             if so + length > s_ends[ks] or do + length > d_ends[kd]:
                 raise ValueError(eng.bad_target(grp, src, (p, so, length, do)))
-            try:
-                ctx = pop()
-            except IndexError:
-                ctx = self._wait_ctx()
+            ctx = pop() if free else self._wait_ctx()  # none free: max_inflight in flight, progress
             ctx_peer[ctx] = peer
             pack(templates, off, ctx, v, src_addr + so, length, d_bases[kd] + do - kd * d_stride, length,
                  d_keys[kd], s_descs[ks])
-            rc = writemsg(ep, msg, _WRITE_FLAGS)
-            if rc:
+            if rc := writemsg(ep, msg, _WRITE_FLAGS):
                 self._post_failed(rc, grp, p, ctx, v)
             posted += 1
         eng.writes_posted += posted
