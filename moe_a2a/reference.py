@@ -19,6 +19,10 @@ import torch
 from .config import ROW_ALIGN_BYTES, A2AConfig, ceil_div, round_up
 
 
+Tensors = Sequence[torch.Tensor]  # one tensor per rank
+Received = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # a rank's (num_tokens, expert_x, expert_x_scale)
+
+
 def _check_rank_inputs(cfg: A2AConfig, world_size: int, s: int, x, x_scale, idx) -> None:
     T = x.shape[0]
     if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.dtype != cfg.in_dtype:
@@ -37,12 +41,8 @@ def _check_rank_inputs(cfg: A2AConfig, world_size: int, s: int, x, x_scale, idx)
         raise ValueError(f"indices[{s}]: values must be in [-1, {cfg.num_experts})")
 
 
-def dispatch(
-    cfg: A2AConfig,
-    xs: Sequence[torch.Tensor],
-    x_scales: Sequence[torch.Tensor | None] | None,
-    indices: Sequence[torch.Tensor],
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def dispatch(cfg: A2AConfig, xs: Tensors, x_scales: Sequence[torch.Tensor | None] | None,
+             indices: Tensors) -> list[Received]:
     """Dispatch of every source rank's tokens, as each destination rank must see it.
 
     Args:
@@ -145,13 +145,8 @@ def expert_rows(cfg: A2AConfig, indices: Sequence[torch.Tensor]) -> list[torch.T
     return rows
 
 
-def combine(
-    cfg: A2AConfig,
-    indices: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    expert_ys: Sequence[torch.Tensor],
-    out_tokens: Sequence[torch.Tensor] | None = None,
-) -> list[torch.Tensor]:
+def combine(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: Tensors,
+            out_tokens: Tensors | None = None) -> list[torch.Tensor]:
     """Combine: `out[t] = sum_k weights[t,k] * expert_y[row(t,k)]` over unmasked k.
 
     Args:
@@ -275,13 +270,8 @@ class RankRows(NamedTuple):
     weights: torch.Tensor | None    # float32 [n, K]: the token's K weights, when they travel
 
 
-def dispatch_rows_per_rank(
-    cfg: A2AConfig,
-    xs: Sequence[torch.Tensor],
-    x_scales: Sequence[torch.Tensor | None] | None,
-    indices: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor] | None = None,
-) -> list[list[RankRows]]:
+def dispatch_rows_per_rank(cfg: A2AConfig, xs: Tensors, x_scales: Sequence[torch.Tensor | None] | None,
+                           indices: Tensors, weights: Tensors | None = None) -> list[list[RankRows]]:
     """What crosses in a dispatch of one row per (token, rank): `out[r][s]` = the rows source s sends
     destination r (a token once, however many of its experts r hosts). Arguments as `dispatch`, and
     optionally per source rank `[T_s, K]` float32 weights that travel with the rows."""
@@ -307,9 +297,7 @@ def dispatch_rows_per_rank(
     return out
 
 
-def expand_rank_rows(
-    cfg: A2AConfig, received: Sequence[Sequence[RankRows]]
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def expand_rank_rows(cfg: A2AConfig, received: Sequence[Sequence[RankRows]]) -> list[Received]:
     """The receiver's unpack: `received[r][s]` (as `dispatch_rows_per_rank` gives them) expanded on rank r
     into the expert-major layout of `dispatch`: row i of source s goes to the slot of local expert l once
     for every k with `indices[i, k] == r*L + l` (k order; duplicates fill two slots). Within an expert,
@@ -350,24 +338,15 @@ def expand_rank_rows(
     return out
 
 
-def dispatch_per_rank(
-    cfg: A2AConfig,
-    xs: Sequence[torch.Tensor],
-    x_scales: Sequence[torch.Tensor | None] | None,
-    indices: Sequence[torch.Tensor],
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def dispatch_per_rank(cfg: A2AConfig, xs: Tensors, x_scales: Sequence[torch.Tensor | None] | None,
+                      indices: Tensors) -> list[Received]:
     """Dispatch sending one row per (token, rank), then expanding: equal to `dispatch` (bitwise)."""
     return expand_rank_rows(cfg, dispatch_rows_per_rank(cfg, xs, x_scales, indices))
 
 
 # ---- combine: reduced at the sender; fp8 rows ------------------------------------------------------
-def combine_partials_at_sender(
-    cfg: A2AConfig,
-    indices: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    expert_ys: Sequence[torch.Tensor],
-    fp8: bool = False,
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def combine_partials_at_sender(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: Tensors,
+                               fp8: bool = False) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """The rows of a combine reduced at the sender: `out[r][s] = (tokens int64 [n], rows fp32 [n, H])`,
     what expert rank r sends home rank s, one row per token of s with routes to r (token order), as the
     reduce will read it: `partial = sum_k w[t,k] * y[row(t,k)]` over the live k whose expert is on r, in
@@ -394,14 +373,8 @@ def combine_partials_at_sender(
     return out
 
 
-def combine_reduced_at_sender(
-    cfg: A2AConfig,
-    indices: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    expert_ys: Sequence[torch.Tensor],
-    out_tokens: Sequence[torch.Tensor] | None = None,
-    fp8: bool = False,
-) -> list[torch.Tensor]:
+def combine_reduced_at_sender(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: Tensors,
+                              out_tokens: Tensors | None = None, fp8: bool = False) -> list[torch.Tensor]:
     """Combine reduced at the sender: `out[t] = sum_r partial_r[t]` over the ranks r the token was sent
     to, in ascending r, accumulated in fp32 (the old value first when `out_tokens` is given) and cast
     once to out_dtype; `partial_r` as `combine_partials_at_sender` (`fp8`: its rows in fp8). Arguments
@@ -424,13 +397,8 @@ def combine_reduced_at_sender(
     return out
 
 
-def combine_fp8(
-    cfg: A2AConfig,
-    indices: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    expert_ys: Sequence[torch.Tensor],
-    out_tokens: Sequence[torch.Tensor] | None = None,
-) -> list[torch.Tensor]:
+def combine_fp8(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: Tensors,
+                out_tokens: Tensors | None = None) -> list[torch.Tensor]:
     """Today's receiver-side combine with fp8 rows: every expert output row (out_dtype) quantised to fp8
     blocks, dequantised in the reduce, then exactly `combine` (fp32, k order, one cast)."""
     return combine(cfg, indices, weights, [fp8_roundtrip(y.cpu()) for y in expert_ys], out_tokens)
