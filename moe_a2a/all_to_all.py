@@ -8,78 +8,26 @@ docs/protocol.md. The kernels know nothing of the network and the proxy knows no
 from __future__ import annotations
 
 import threading
-from typing import Any
-
 import torch
 
-from . import fingerprint
-from .config import A2AConfig, Layout
+from .config import A2AConfig
 from .protocol.segment import ShardWords
-from .protocol.words import MAX_PROXY_SHARDS, Flag, ShardWord, flag_word
-from .proxy import nic_settings as emulated
-from .proxy import libfabric as lf
-from .protocol.memory import check_fits_in_memory
+from .protocol.words import Flag, ShardWord, flag_word
+from .proxy import nic_settings
+from .runtime import options
+from .runtime.checks import (canonical_device, check_combine_recv, check_combine_send, check_dispatch_inputs,
+                             check_dispatch_outputs, check_quantize)
 from .runtime.status import CallAborted, CapacityExceeded, FailureBoard, Status, watch_proxies
 from .runtime.tracing import Tracer
-from .runtime import placement, wiring
 from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import routing, write_plan
 from .triton_kernels.node_sync import launch_wait_apart
-from .triton_kernels.quant import Fp8Quantize, check_fused_quantize
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
                 "dispatch received (next: combine send)", "combine sent (next: combine recv)")
-
-
-def _check(name: str, t: Any, shape: tuple | None, dtype, device: torch.device, last_contig: bool = True) -> None:
-    """Tensor contract at the API boundary: a ValueError naming the argument, expected vs actual."""
-    # The common case in a few C calls (every call checks about ten tensors); messages only on a failure.
-    if isinstance(t, torch.Tensor):
-        dt = t.dtype
-        if (dt is dtype or (type(dtype) is tuple and dt in dtype)) and (shape is None or t.shape == shape) \
-                and t.device == device and (not last_contig or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1):
-            return
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if last_contig and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got strides {t.stride()}")
-
-
-def canonical_device(device=None) -> torch.device:
-    """The device an instance works on, as its tensors report theirs (`t.device`), or ValueError: None ->
-    the current CUDA device if there is one, else the CPU; "cuda" / `torch.device("cuda")` -> `cuda:<current
-    device>`; "cuda:N" -> itself (N must be a device of this process); "cpu", "cpu:N" -> `cpu` (CPU tensors
-    report no index). Anything else (another device type, a string torch does not parse) is refused, so
-    a device no tensor can match is refused at construction rather than at every call."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise ValueError(f"device: expected a str, int or torch.device, got {type(device).__name__} {device!r}")
-    try:
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # int: torch's rule
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"device: {device!r} is not a device ({exc})") from None
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} needs CUDA, which is not available here")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    count = torch.cuda.device_count()
-    if not 0 <= index < count:
-        raise ValueError(f"device: {device!r}: this process sees {count} CUDA device(s)")
-    return torch.device("cuda", index)
 
 
 class AllToAll:
@@ -128,84 +76,26 @@ class AllToAll:
     def __init__(self, cfg: A2AConfig, group=None, node_group="auto", transport: str = "auto",
                  device=None, timeout_s: float = 30.0, gpu_wait: str = "auto", buffers: str = "auto",
                  nics="auto", proxies="auto", rank_mask=None) -> None:
-        import torch.distributed as dist
-
         self._closed = True  # until the wiring exists: close() and __del__ have nothing to release
-        if not isinstance(cfg, A2AConfig):
-            raise ValueError(f"cfg: expected A2AConfig, got {type(cfg).__name__}")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-        device = canonical_device(device)  # once, here: every tensor of every call is compared with it
-        if transport not in ("auto", "efa", "shm", "tcp", "verbs", "emulated"):
-            raise ValueError(f"transport must be 'auto', 'efa', 'shm', 'tcp', 'verbs' or 'emulated', got {transport!r}")
-        # The emulated NIC's settings, read once here (ValueError naming the variable, before anything collective).
-        self.emulated_nic = emulated.nic_settings_from_env() if transport == "emulated" else None
-        placement.check_options(gpu_wait, buffers, nics)
-        if proxies != "auto" and (isinstance(proxies, bool) or not isinstance(proxies, int) or proxies < 1
-                                  or proxies > MAX_PROXY_SHARDS):
-            raise ValueError(f"proxies must be 'auto' or an int in [1, {MAX_PROXY_SHARDS}], got {proxies!r}")
-        if transport not in ("auto", "emulated"):  # before anything collective: every rank refuses alike
-            name, available = lf.PROVIDER_NAMES[transport], lf.list_providers()
-            if name not in available:
-                raise ValueError(f"transport {transport!r} needs libfabric's {name!r} provider, which is not "
-                                 f"available here (available: {available}; efa and verbs need their "
-                                 f"devices, MOE_A2A_LIBFABRIC may point at another libfabric.so)")
-        if group is None:
-            if not dist.is_initialized():
-                raise ValueError("AllToAll needs torch.distributed initialised (or pass group=)")
-            group = dist.group.WORLD
-        self.cfg, self.group, self.timeout_s = cfg, group, float(timeout_s)
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.device = device
-        if rank_mask is not None:
-            check_rank_mask(rank_mask, self.rank, self.world_size)
-        self.rank_mask = rank_mask
-        if buffers == "gpu" and self.device.type != "cuda":
-            raise ValueError(f"buffers='gpu' needs a CUDA device, got device {self.device}")
-        if buffers == "memfd" and self.device.type != "cpu":
-            raise ValueError(f"buffers='memfd' is for CPU tensors, got device {self.device}")
-        # With the host names, every rank's configuration: a difference raises ValueError on every rank, here.
-        # The emulated NIC's settings are part of the transport: ranks that differ are refused alike.
-        hosts = fingerprint.exchange(self.group, cfg, node_group=node_group, buffers=buffers,
-                                     transport=(transport if self.emulated_nic is None else f"emulated({self.emulated_nic})")
-                                     + (" in shrink mode" if rank_mask is not None else ""),
-                                     proxies=proxies, device=self.device)
-        if transport == "emulated" and len(set(hosts)) > 1:  # every rank holds the same hosts: all refuse
-            raise ValueError(f"transport='emulated' connects simulated nodes of one host (node_group); these ranks "
-                             f"run on {len(set(hosts))} hosts {sorted(set(hosts))}")
-        self.layout: Layout = cfg.layout(self.world_size, wiring.node_size(node_group, hosts, self.world_size))
-        check_fits_in_memory(self.layout, ranks=1, host_staged=self.device.type != "cuda")
-        if rank_mask is not None and self.layout.node_size < self.world_size \
-                and self.layout.private_rows < cfg.max_routes:  # every rank has the same layout: all refuse
-            raise ValueError(f"rank_mask (shrink mode) with remote peers needs cfg.max_private_tokens >= "
-                             f"max_num_tokens * experts_per_token = {cfg.max_routes} (no shared remainder region), "
-                             f"got {cfg.max_private_tokens}")
-        if rank_mask is not None and self.layout.node_size < self.world_size and self.device.type == "cuda":
-            gpu_wait = "host" if gpu_wait == "auto" else gpu_wait  # the host takes in the proxies' masks
-        if rank_mask is not None and self.layout.node_size < self.world_size and self.device.type == "cuda" \
-                and gpu_wait != "host":  # every rank has the same layout: all refuse
-            raise ValueError(f"rank_mask (shrink mode) with remote peers needs gpu_wait='host' on a GPU, got "
-                             f"gpu_wait={gpu_wait!r}: the kernels' own waits mask node peers only (every rank on "
-                             f"one node), the proxies' remote ones are taken in by the host")
-        self.transport = wiring.choose_transport(transport, hosts)
-        self.nics = wiring.choose_nics(nics, self.transport, self.rank, self.layout, device=self.device)
-        self.num_proxies = wiring.choose_proxies(proxies, self.transport, self.nics,
-                                                 len(self.layout.remote_peers(self.rank)))
+        self.plan = p = options.plan(cfg, group, node_group, transport, device, timeout_s, gpu_wait, buffers,
+                                     nics, proxies, rank_mask)
+        self.cfg, self.group, self.timeout_s, self.device = cfg, p.group, p.timeout_s, p.device
+        self.rank, self.world_size, self.layout = p.rank, p.world_size, p.layout
+        self.transport, self.nics, self.num_proxies = p.transport, p.nics, p.num_proxies
+        self.emulated_nic, self.rank_mask = p.emulated_nic, p.rank_mask
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
         self._abort_scratch = None
-        self._checked_quantize = None  # (the last `quantize` given to dispatch, as check_fused_quantize made it)
+        self._checked_quantize = None  # (the last `quantize` given to dispatch, as checked: `check_quantize`)
         self._watch_lock = threading.Lock()
-        # Every rank on this host: the proxies listen on loopback only (docs/threat-model.md), unless the
-        # caller named the NICs to use.
-        self._w = Wiring(self.layout, group, self.rank, self.device, self.transport, self.nics, self.num_proxies,
-                         buffers, gpu_wait, self.timeout_s, local_only=len(set(hosts)) == 1 and nics == "auto",
-                         emulated_nic=None if self.emulated_nic is None else str(self.emulated_nic),
+        self._w = Wiring(p.layout, p.group, p.rank, p.device, p.transport, p.nics, p.num_proxies, p.buffers,
+                         p.gpu_wait, p.timeout_s, local_only=p.local_only,
+                         emulated_nic=None if p.emulated_nic is None else str(p.emulated_nic),
                          shrink=rank_mask is not None, shrink_mask=None if rank_mask is None else rank_mask.tensor)
         self._closed = False
         if self.emulated_nic is not None and self.with_proxy and self.rank == 0:
-            emulated.log_settings(self.emulated_nic, "cuda" if self.placement == "nic" and self.device.type == "cuda"
-                                  else "host")
+            carrier = "cuda" if self.placement == "nic" and self.device.type == "cuda" else "host"
+            nic_settings.log_settings(self.emulated_nic, carrier)
         self._status, self._tracer = Status(self._w, cfg), Tracer(self._w)
         if rank_mask is not None:
             if self._w.device_shrink:  # the kernels' waits mask late peers in rank_mask.tensor (graph-safe)
@@ -220,7 +110,8 @@ class AllToAll:
         self._send_row = torch.full_like(self.route_slot, -1) if self.with_proxy else None
         if self.with_proxy:  # a peer whose proxy dies says so on the board: every rank stops within ~0.5 s
             # (Shrink mode: a peer that stopped is masked by the timeouts instead, never an error here.)
-            watch_proxies(self, FailureBoard.open(group, self.rank, self.world_size) if rank_mask is None else None)
+            board = FailureBoard.open(self.group, self.rank, self.world_size) if rank_mask is None else None
+            watch_proxies(self, board)
 
     # ---- what the wiring decided (read-only) ---------------------------------------------------------
     @property
@@ -269,6 +160,77 @@ class AllToAll:
     def host_waits(self) -> bool:
         """True when this rank's host polls before each launch (CPU, or ranks sharing a GPU)."""
         return self._w.ready_words is not None
+
+    # ---- the wiring's addresses and views (read-only; tests and benchmarks look at them) -----------------
+    @property
+    def segment(self):
+        """This rank's shared segment (`protocol.memory.SharedSegment`): flags, sync area, host-staged rows."""
+        return self._w.segment
+
+    @property
+    def base(self):
+        """uint8 view from the lowest address any kernel touches; every offset below is from it."""
+        return self._w.base
+
+    @property
+    def send_offset_bytes(self):
+        """Where this rank's send buffer starts, from `base`."""
+        return self._w.send_offset_bytes
+
+    @property
+    def recv_offset_bytes(self):
+        """Where this rank's receive buffer starts, from `base`."""
+        return self._w.recv_offset_bytes
+
+    @property
+    def stage_send_offset_bytes(self):
+        """Where rows to other nodes are staged, from `base` (the send buffer unless split by node)."""
+        return self._w.stage_send_offset_bytes
+
+    @property
+    def stage_recv_offset_bytes(self):
+        """Where rows from other nodes land, from `base` (the receive buffer unless split by node)."""
+        return self._w.stage_recv_offset_bytes
+
+    @property
+    def node_slots(self):
+        """Split by node: `[2]` int32, this node's slot range as the route kernel reports it (else None)."""
+        return self._w.node_slots
+
+    @property
+    def counts(self):
+        """`[W, E]` int32: every source's count row, as the sync area holds them."""
+        return self._w.counts
+
+    @property
+    def flags(self):
+        """The flags area on the device (int64 words, `protocol.words.Flag`)."""
+        return self._w.flags
+
+    @property
+    def flags_host(self):
+        """The flags area as a CPU tensor."""
+        return self._w.flags_host
+
+    @property
+    def epoch_dev(self):
+        """`[1]` int64 on the GPU: the call number kernel waits read (None on a CPU)."""
+        return self._w.epoch_dev
+
+    @property
+    def peer_send_bytes(self):
+        """`[W]` int64: node peers' send buffers from `base` (-1: a remote peer)."""
+        return self._w.peer_send_bytes
+
+    @property
+    def peer_recv_bytes(self):
+        """`[W]` int64: node peers' receive buffers from `base` (-1: a remote peer)."""
+        return self._w.peer_recv_bytes
+
+    @property
+    def device_sync(self):
+        """True when the sync area is in device memory (every rank on one node, kernel waits)."""
+        return self._w.device_sync
 
     # ---- public API ---------------------------------------------------------------------------
     def empty_dispatch_outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -325,19 +287,7 @@ class AllToAll:
             self._expect(_IDLE, "dispatch(do_send=True)")
             try:
                 check_dispatch_inputs(self.cfg, self.device, x, x_scale, indices, bound_m)
-                if quantize is not None:
-                    seen = self._checked_quantize  # a frozen Fp8Quantize is checked once (callers reuse one)
-                    if seen is not None and seen[0] is quantize:
-                        quantize = seen[1]
-                    else:
-                        checked = check_fused_quantize("quantize", quantize, self.cfg)
-                        if isinstance(quantize, Fp8Quantize):
-                            self._checked_quantize = (quantize, checked)
-                        quantize = checked
-                if quantize is None and self.cfg.x_bytes < self.cfg.token_bytes:
-                    raise ValueError(f"quantize: expected a quant.Fp8Quantize: this config's rows carry "
-                                     f"{self.cfg.x_bytes} of a token's {self.cfg.token_bytes} bytes "
-                                     f"(A2AConfig.payload_bytes), so every dispatch quantises in the pack")
+                quantize, self._checked_quantize = check_quantize(self.cfg, quantize, self._checked_quantize)
                 if do_recv:
                     check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
                                            out_expert_x_scale, out_source_ranges)
@@ -610,24 +560,9 @@ class AllToAll:
         self._w.segment_flags[Flag.CALL_ABORTED] = self.epoch
 
     def _scratch(self) -> dict:
-        """Buffers of an aborted call (made on the first one): no tokens in; one row out, since the
-        kernels never write or read past the rows they are given (the call's outputs are void)."""
+        """Buffers of an aborted call, made on the first one (`void_call_buffers`)."""
         if self._abort_scratch is None:
-            cfg, lay, dev = self.cfg, self.layout, self.device
-            T, K, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim
-
-            def scales(rows):
-                return torch.zeros(rows, cfg.num_scales, dtype=torch.float32, device=dev) if cfg.has_scales else None
-
-            self._abort_scratch = {
-                "x": torch.zeros(0, H, dtype=cfg.in_dtype, device=dev), "xs": scales(0),
-                "idx": torch.zeros(0, K, dtype=torch.int32, device=dev),
-                "num": torch.zeros(lay.num_local_experts, dtype=torch.int32, device=dev),
-                "ex": torch.zeros(1, H, dtype=cfg.in_dtype, device=dev), "exs": scales(1),
-                "y": torch.zeros(1, H, dtype=cfg.out_dtype, device=dev),
-                "out": torch.zeros(T, H, dtype=cfg.out_dtype, device=dev),
-                "w": torch.zeros(T, K, dtype=torch.float32, device=dev),
-            }
+            self._abort_scratch = void_call_buffers(self.cfg, self.layout, self.device)
         return self._abort_scratch
 
     # ---- errors, state, validation --------------------------------------------------------------------
@@ -662,87 +597,21 @@ class AllToAll:
             raise ValueError(f"{call}: called out of order; the instance is {_STATE_NAMES[self._state]}")
 
 
-def check_rank_mask(mask, rank: int, world_size: int) -> None:
-    """`AllToAll(rank_mask=...)`: a `RankMask` of this rank and world."""
-    from .runtime.shrink import RankMask
+def void_call_buffers(cfg: A2AConfig, lay, dev) -> dict:
+    """Buffers of an aborted call: no tokens in; one row out, since the kernels never write or read past
+    the rows they are given (the call's outputs are void)."""
+    T, K, H = cfg.max_num_tokens, cfg.experts_per_token, cfg.hidden_dim
 
-    if not isinstance(mask, RankMask) or (mask.rank, mask.world_size) != (rank, world_size):
-        raise ValueError(f"rank_mask: expected a runtime.shrink.RankMask(world_size={world_size}, rank={rank}), "
-                         f"got {mask!r}")
+    def scales(rows):
+        return torch.zeros(rows, cfg.num_scales, dtype=torch.float32, device=dev) if cfg.has_scales else None
 
+    return {"x": torch.zeros(0, H, dtype=cfg.in_dtype, device=dev), "xs": scales(0),
+            "idx": torch.zeros(0, K, dtype=torch.int32, device=dev),
+            "num": torch.zeros(lay.num_local_experts, dtype=torch.int32, device=dev),
+            "ex": torch.zeros(1, H, dtype=cfg.in_dtype, device=dev), "exs": scales(1),
+            "y": torch.zeros(1, H, dtype=cfg.out_dtype, device=dev),
+            "out": torch.zeros(T, H, dtype=cfg.out_dtype, device=dev),
+            "w": torch.zeros(T, K, dtype=torch.float32, device=dev)}
 
-def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) -> None:
-    """The send half's tensor contracts (indices checked on the host on a CPU only)."""
-    _check("x", x, None, cfg.in_dtype, device)
-    if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
-        raise ValueError(f"x: expected [T, {cfg.hidden_dim}], got {tuple(x.shape)}")
-    T = x.shape[0]
-    if T > cfg.max_num_tokens:
-        raise ValueError(f"x: {T} tokens > max_num_tokens ({cfg.max_num_tokens})")
-    if cfg.has_scales:
-        if x_scale is None:
-            raise ValueError(f"x_scale: this config has scales (scale_block={cfg.block_size}); got None")
-        _check("x_scale", x_scale, (T, cfg.num_scales), torch.float32, device)
-    elif x_scale is not None:
-        raise ValueError("x_scale: this config has no scales; pass None")
-    _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
-    if not indices.is_contiguous():
-        raise ValueError("indices: must be contiguous")
-    if bound_m is not None:
-        _check("bound_m", bound_m, (1,), torch.int32, device)
-    if device.type != "cuda":
-        # CPU: the checks cost no device sync, so bad input is refused before anything is sent.
-        # GPU: the routing kernel checks on the device; the combine's end says it (no host sync).
-        if bound_m is not None and not 0 <= int(bound_m[0]) <= T:
-            raise ValueError(f"bound_m: expected a live token count in [0, {T}] (x has {T} rows), "
-                             f"got {int(bound_m[0])}")
-        routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
-
-def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, ranges=None) -> None:
-    """The receive half's output contracts."""
-    if ranges is not None:
-        _check("out_source_ranges", ranges, (lay.num_local_experts, lay.world_size), torch.int64, device)
-        if not ranges.is_contiguous():
-            raise ValueError(f"out_source_ranges: expected a contiguous tensor, got strides {ranges.stride()}")
-    _check("out_expert_num_tokens", num, (lay.num_local_experts,), torch.int32, device)
-    _check("out_expert_x", x, None, cfg.in_dtype, device)
-    if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.shape[0] < lay.max_dispatch_rows:
-        raise ValueError(f"out_expert_x: expected [>= {lay.max_dispatch_rows}, {cfg.hidden_dim}], "
-                         f"got {tuple(x.shape)} (use empty_dispatch_outputs())")
-    if cfg.has_scales:
-        _check("out_expert_x_scale", xs, None, torch.float32, device, last_contig=False)
-        if xs.dim() != 2 or xs.shape[1] != cfg.num_scales or xs.shape[0] < lay.max_dispatch_rows:
-            raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {cfg.num_scales}], "
-                             f"got {tuple(xs.shape)}")
-    elif xs is not None:
-        raise ValueError("out_expert_x_scale: this config has no scales; pass None")
-
-
-def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
-    _check("expert_y", expert_y, None, cfg.out_dtype, device)
-    if expert_y.dim() != 2 or expert_y.shape[1] != cfg.hidden_dim:
-        raise ValueError(f"expert_y: expected [rows, {cfg.hidden_dim}], got {tuple(expert_y.shape)}")
-    if expert_y.shape[0] < lay.max_dispatch_rows:
-        raise ValueError(f"expert_y: needs >= {lay.max_dispatch_rows} rows (as out_expert_x), "
-                         f"got {expert_y.shape[0]}")
-
-
-def check_combine_recv(cfg: A2AConfig, device, T: int, out_tokens, weights, indices, bound_m=None) -> None:
-    _check("out_tokens", out_tokens, (T, cfg.hidden_dim), cfg.out_dtype, device)
-    _check("weights", weights, (T, cfg.experts_per_token), torch.float32, device)
-    _check("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
-    if bound_m is not None:  # as dispatch's: its value on a CPU only (a GPU's would need a host sync)
-        _check("bound_m", bound_m, (1,), torch.int32, device)
-        if device.type != "cuda" and not 0 <= int(bound_m[0]) <= T:
-            raise ValueError(f"bound_m: expected a live token count in [0, {T}] (the dispatch had {T} tokens), "
-                             f"got {int(bound_m[0])}")
-
-
-# The wiring's addresses and views, read-only on the instance (tests and benchmarks look at them).
-for _name in ("segment", "base", "send_offset_bytes", "recv_offset_bytes", "stage_send_offset_bytes",
-              "stage_recv_offset_bytes", "node_slots", "counts", "flags", "flags_host", "epoch_dev",
-              "peer_send_bytes", "peer_recv_bytes", "device_sync"):
-    setattr(AllToAll, _name, property(lambda self, _n=_name: getattr(self._w, _n)))
-del _name
 
 __all__ = ["AllToAll", "CallAborted", "CapacityExceeded", "canonical_device"]

@@ -10,6 +10,7 @@ import ctypes
 import logging
 import os
 import socket
+from typing import Any, NamedTuple
 
 import torch
 
@@ -101,6 +102,20 @@ def choose_proxies(proxies, transport: str, nics, remote_peers: int) -> int:
     if proxies > max(1, remote_peers):
         raise ValueError(f"proxies={proxies}: more proxies than remote peers ({remote_peers}) per rank")
     return proxies
+
+
+class RankEntry(NamedTuple):
+    """One rank's row of the bootstrap table (`Wiring._start` all-gathers one per rank)."""
+
+    addresses: list                 # per proxy shard: its engine's address
+    regions: list                   # per proxy shard: its registered host regions
+    segment: str                    # the shared segment's name (node peers map it)
+    buffers: Any                    # the placement's `share()`: what node peers map of its buffers
+    gpu: tuple[str, str] | None     # (host name, GPU UUID); None on a CPU
+    gpu_regions: list               # per proxy shard: its registered GPU regions
+    gpu_wait: str                   # the `gpu_wait` argument
+    num_proxies: int                # proxy processes of the rank
+    mps: bool                       # the rank's GPU contexts run under MPS
 
 
 class Wiring:
@@ -209,23 +224,24 @@ class Wiring:
         if on_gpu:
             seg.register_cuda()
         gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(dev).uuid)) if on_gpu else None
-        table = bootstrap.exchange(self.group, (addresses, regions, seg.name, self.buffers.share(), gpu,
-                                                gpu_regions, self._gpu_wait, k, on_gpu and mps_enabled(dev)))
-        if any(t[7] != k for t in table):  # every rank sees the same table: every rank raises
+        table: list[RankEntry] = bootstrap.exchange(self.group, RankEntry(
+            addresses, regions, seg.name, self.buffers.share(), gpu, gpu_regions, self._gpu_wait, k,
+            on_gpu and mps_enabled(dev)))
+        if any(t.num_proxies != k for t in table):  # every rank sees the same table: every rank raises
             raise ValueError(f"proxies: every rank must run the same number of proxy processes, got "
-                             f"{[t[7] for t in table]} (per rank)")
+                             f"{[t.num_proxies for t in table]} (per rank)")
 
         # Ranks sharing one GPU without MPS are time-sliced, not concurrent: a kernel spinning on a flag would
         # hold the GPU while the peer it waits for cannot run. Such ranks wait on the host instead.
         def waits_on_host(i: int) -> bool:
-            gpu_i, wait_i, mps_i = table[i][4], table[i][6], table[i][8]
-            shared = gpu_i is not None and any(t[4] == gpu_i for j, t in enumerate(table) if j != i)
-            return gpu_i is not None and (wait_i == "host" or (wait_i == "auto" and shared and not mps_i))
+            t = table[i]
+            shared = t.gpu is not None and any(o.gpu == t.gpu for j, o in enumerate(table) if j != i)
+            return t.gpu is not None and (t.gpu_wait == "host" or (t.gpu_wait == "auto" and shared and not t.mps))
 
         self.host_waits = waits_on_host(r)
         # Under MPS ranks sharing a GPU run side by side, but a waiting grid of one program per SM may hold
         # every SM while the peer's producer waits for one: such ranks spin in one single-warp kernel instead.
-        self.shares_gpu = gpu is not None and any(t[4] == gpu for j, t in enumerate(table) if j != r)
+        self.shares_gpu = gpu is not None and any(t.gpu == gpu for j, t in enumerate(table) if j != r)
         # Shrink mode decided by the kernels' own waits (every rank on one node, kernel waits: graph-safe).
         self.device_shrink = self.shrink_mask is not None and on_gpu and not self.host_waits
         # The sync area is in device memory (end of the recv buffers) when every rank is on one node and
@@ -235,7 +251,7 @@ class Wiring:
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=dev) if on_gpu else None
         # Our proxy p % k carries peer p, and p's proxy r % k carries us: every one of our proxies gets
         # entry r % k of each peer, and uses only its share.
-        mine = [(t[0][r % k], t[1][r % k], t[2], t[5][r % k]) for t in table]
+        mine = [(t.addresses[r % k], t.regions[r % k], t.segment, t.gpu_regions[r % k]) for t in table]
         for h in self.proxies:
             h.finish(mine, max(self.timeout_s, STARTUP_S), not self.with_proxy)
 
@@ -246,12 +262,12 @@ class Wiring:
                 continue
             other = None
             if self.buffers.needs_peer_segments or not self.device_sync:
-                other = SharedSegment(table[p][2])
+                other = SharedSegment(table[p].segment)
                 self.peer_segments.append(other)
                 if on_gpu:
                     other.register_cuda()
                 seg_at[p] = other.addr
-            send_at[p], recv_at[p] = self.buffers.map_peer(table[p][3], other)
+            send_at[p], recv_at[p] = self.buffers.map_peer(table[p].buffers, other)
         sync_at = ({p: a + lay.recv_sync_offset_bytes for p, a in recv_at.items()} if self.device_sync
                    else {p: a + lay.segment_sync_offset_bytes for p, a in seg_at.items()})
         # Kernels address everything as byte offsets >= 0 from the lowest address (a negative offset

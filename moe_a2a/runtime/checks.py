@@ -1,0 +1,160 @@
+"""The argument and tensor contracts of `AllToAll`: each failure a ValueError naming the argument, with
+expected against actual. The device an instance works on (`canonical_device`), the shrink mode's mask
+(`check_rank_mask`), and each half's tensors (`check_dispatch_inputs` ... `check_combine_recv`), checked
+before anything of a call is sent. `moe_a2a.all_to_all` re-exports the public ones.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import A2AConfig, Layout
+from ..triton_kernels import routing
+from ..triton_kernels.quant import Fp8Quantize, check_fused_quantize
+
+
+def check_tensor(name: str, t: Any, shape: tuple | None, dtype, device: torch.device, last_contig: bool = True) -> None:
+    """Tensor contract at the API boundary: a ValueError naming the argument, expected vs actual."""
+    # The common case in a few C calls (every call checks about ten tensors); messages only on a failure.
+    if isinstance(t, torch.Tensor):
+        dt = t.dtype
+        if (dt is dtype or (type(dtype) is tuple and dt in dtype)) and (shape is None or t.shape == shape) \
+                and t.device == device and (not last_contig or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1):
+            return
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if last_contig and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def canonical_device(device=None) -> torch.device:
+    """The device an instance works on, as its tensors report theirs (`t.device`), or ValueError: None ->
+    the current CUDA device if there is one, else the CPU; "cuda" / `torch.device("cuda")` -> `cuda:<current
+    device>`; "cuda:N" -> itself (N must be a device of this process); "cpu", "cpu:N" -> `cpu` (CPU tensors
+    report no index). Anything else (another device type, a string torch does not parse) is refused, so
+    a device no tensor can match is refused at construction rather than at every call."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ValueError(f"device: expected a str, int or torch.device, got {type(device).__name__} {device!r}")
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # int: torch's rule
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device: {device!r} is not a device ({exc})") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} needs CUDA, which is not available here")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"device: {device!r}: this process sees {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def check_rank_mask(mask, rank: int, world_size: int) -> None:
+    """`AllToAll(rank_mask=...)`: a `RankMask` of this rank and world."""
+    from .shrink import RankMask
+
+    if not isinstance(mask, RankMask) or (mask.rank, mask.world_size) != (rank, world_size):
+        raise ValueError(f"rank_mask: expected a runtime.shrink.RankMask(world_size={world_size}, rank={rank}), "
+                         f"got {mask!r}")
+
+
+def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) -> None:
+    """The send half's tensor contracts (indices checked on the host on a CPU only)."""
+    check_tensor("x", x, None, cfg.in_dtype, device)
+    if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
+        raise ValueError(f"x: expected [T, {cfg.hidden_dim}], got {tuple(x.shape)}")
+    T = x.shape[0]
+    if T > cfg.max_num_tokens:
+        raise ValueError(f"x: {T} tokens > max_num_tokens ({cfg.max_num_tokens})")
+    if cfg.has_scales:
+        if x_scale is None:
+            raise ValueError(f"x_scale: this config has scales (scale_block={cfg.block_size}); got None")
+        check_tensor("x_scale", x_scale, (T, cfg.num_scales), torch.float32, device)
+    elif x_scale is not None:
+        raise ValueError("x_scale: this config has no scales; pass None")
+    check_tensor("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
+    if not indices.is_contiguous():
+        raise ValueError("indices: must be contiguous")
+    if bound_m is not None:
+        check_tensor("bound_m", bound_m, (1,), torch.int32, device)
+    if device.type != "cuda":
+        # CPU: the checks cost no device sync, so bad input is refused before anything is sent.
+        # GPU: the routing kernel checks on the device; the combine's end says it (no host sync).
+        if bound_m is not None and not 0 <= int(bound_m[0]) <= T:
+            raise ValueError(f"bound_m: expected a live token count in [0, {T}] (x has {T} rows), "
+                             f"got {int(bound_m[0])}")
+        routing.validate_indices(indices if bound_m is None else indices[: int(bound_m[0])], cfg.num_experts)
+
+
+def check_quantize(cfg: A2AConfig, quantize, seen: tuple | None) -> tuple[Any, tuple | None]:
+    """`dispatch(quantize=)`: `(the checked quantisation or None, what to remember)`. `seen` is the last
+    `(Fp8Quantize given, as checked)`: a frozen Fp8Quantize is checked once (callers reuse one). Required
+    when `A2AConfig.payload_bytes` makes the rows narrower than a token."""
+    if quantize is not None:
+        if seen is not None and seen[0] is quantize:
+            quantize = seen[1]
+        else:
+            checked = check_fused_quantize("quantize", quantize, cfg)
+            if isinstance(quantize, Fp8Quantize):
+                seen = (quantize, checked)
+            quantize = checked
+    if quantize is None and cfg.x_bytes < cfg.token_bytes:
+        raise ValueError(f"quantize: expected a quant.Fp8Quantize: this config's rows carry "
+                         f"{cfg.x_bytes} of a token's {cfg.token_bytes} bytes "
+                         f"(A2AConfig.payload_bytes), so every dispatch quantises in the pack")
+    return quantize, seen
+
+
+def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, ranges=None) -> None:
+    """The receive half's output contracts."""
+    if ranges is not None:
+        check_tensor("out_source_ranges", ranges, (lay.num_local_experts, lay.world_size), torch.int64, device)
+        if not ranges.is_contiguous():
+            raise ValueError(f"out_source_ranges: expected a contiguous tensor, got strides {ranges.stride()}")
+    check_tensor("out_expert_num_tokens", num, (lay.num_local_experts,), torch.int32, device)
+    check_tensor("out_expert_x", x, None, cfg.in_dtype, device)
+    if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.shape[0] < lay.max_dispatch_rows:
+        raise ValueError(f"out_expert_x: expected [>= {lay.max_dispatch_rows}, {cfg.hidden_dim}], "
+                         f"got {tuple(x.shape)} (use empty_dispatch_outputs())")
+    if cfg.has_scales:
+        check_tensor("out_expert_x_scale", xs, None, torch.float32, device, last_contig=False)
+        if xs.dim() != 2 or xs.shape[1] != cfg.num_scales or xs.shape[0] < lay.max_dispatch_rows:
+            raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {cfg.num_scales}], "
+                             f"got {tuple(xs.shape)}")
+    elif xs is not None:
+        raise ValueError("out_expert_x_scale: this config has no scales; pass None")
+
+
+def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
+    """The combine's send half: expert outputs as many rows as the dispatch output."""
+    check_tensor("expert_y", expert_y, None, cfg.out_dtype, device)
+    if expert_y.dim() != 2 or expert_y.shape[1] != cfg.hidden_dim:
+        raise ValueError(f"expert_y: expected [rows, {cfg.hidden_dim}], got {tuple(expert_y.shape)}")
+    if expert_y.shape[0] < lay.max_dispatch_rows:
+        raise ValueError(f"expert_y: needs >= {lay.max_dispatch_rows} rows (as out_expert_x), "
+                         f"got {expert_y.shape[0]}")
+
+
+def check_combine_recv(cfg: A2AConfig, device, T: int, out_tokens, weights, indices, bound_m=None) -> None:
+    """The combine's receive half: T is the dispatch's token count."""
+    check_tensor("out_tokens", out_tokens, (T, cfg.hidden_dim), cfg.out_dtype, device)
+    check_tensor("weights", weights, (T, cfg.experts_per_token), torch.float32, device)
+    check_tensor("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
+    if bound_m is not None:  # as dispatch's: its value on a CPU only (a GPU's would need a host sync)
+        check_tensor("bound_m", bound_m, (1,), torch.int32, device)
+        if device.type != "cuda" and not 0 <= int(bound_m[0]) <= T:
+            raise ValueError(f"bound_m: expected a live token count in [0, {T}] (the dispatch had {T} tokens), "
+                             f"got {int(bound_m[0])}")
