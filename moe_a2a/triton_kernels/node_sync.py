@@ -38,20 +38,18 @@ so the kernel's own wait passes at its first poll. Under `TRITON_INTERPRET=1` lo
 
 The prologue and epilogue are `@triton.jit` helpers of `_details.py` (`node_wait`, `node_arrive`,
 `node_copy_count_row`, `node_publish`); this module holds what a launcher needs: `NodeSync` (the
-arguments) and the separate wait kernel with its launcher (`launch_wait_apart`).
+arguments) and the launcher of the separate wait (`launch_wait_apart`; its kernel is in `_node_sync_kernels.py`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from ..config import next_power_of_2
 from ..protocol.words import HALF_FLAGS, Flag, flag_word
-from . import _details as d
 from . import _launch as launch
+from ._node_sync_kernels import _wait_apart_kernel
 
 # Polls of a prologue spin under the interpreter (it has no clock; the host already waited).
 INTERPRETER_MAX_SPINS = 1 << 16
@@ -147,23 +145,6 @@ class NodeSync:
                 args.update(rank=self.rank, ABORT_BYTES=self.combine_aborted_bytes,
                             ABORTED_WORD=flag_word(Flag.ABORTED))
         return args
-
-
-@triton.jit
-def _wait_apart_kernel(
-    base_ptr, failed_ptr, epoch_ptr, flags_ptr, sync_bytes, node_first, timeout_ns, max_spins,
-    READY_BYTES: tl.constexpr, NODE: tl.constexpr, NODE_PAD: tl.constexpr, HAS_PROXY: tl.constexpr,
-    PROXY_WAIT_WORD: tl.constexpr, PROXY_DELTA: tl.constexpr, ERROR_WORD: tl.constexpr,
-    STATUS_WORD: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
-    mask_ptr, counts_bytes, E: tl.constexpr, E_PAD: tl.constexpr, SHRINK: tl.constexpr,
-):
-    """Grid (1,), one warp: the wait of one half (`node_wait`) ahead of its data kernel, which then
-    starts after it on the stream. A failure is recorded (status word, sticky `failed`) as in the prologue.
-    Shrink mode: late node peers are masked at the deadline, and the dispatch wait zeroes masked peers'
-    count rows, so the data kernel after it takes nothing from them."""
-    d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first, timeout_ns,
-                max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD,
-                USE_PTX, True, BACKOFF_NS, mask_ptr, counts_bytes, E, E_PAD, SHRINK)
 
 
 def launch_wait_apart(node: NodeSync | None, half: str, base: torch.Tensor) -> None:

@@ -18,11 +18,10 @@ copied (DeepEP's rows past the count are unspecified too); the 4-byte words are 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ..config import ceil_div, next_power_of_2, round_up
 from . import _launch as launch
+from ._scale_layout_kernels import _scales_to_column_major_kernel
 
 # Tokens per program (GPU: one warp-wide store of 64 consecutive words per scale column; the interpreter
 # pays per operation, so it takes bigger tiles) and scale columns per inner step.
@@ -47,31 +46,6 @@ def column_major_scales(num_experts: int, num_tokens: int, num_scales: int, dtyp
     C4 = tma_aligned_tokens(num_tokens)
     storage = torch.zeros(num_experts, num_scales, C4, dtype=dtype, device=device)
     return storage[:, :, :num_tokens].transpose(1, 2)
-
-
-@triton.jit
-def _scales_to_column_major(src, counts, out, num_tokens, num_scales, src_stride_e, src_stride_t,
-                            out_stride_e, out_stride_s, HAS_COUNTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_S: tl.constexpr):
-    """Program (token block b, expert l): rows [b * BLOCK_T, (b + 1) * BLOCK_T) of expert l below its count,
-    every scale column: out[l, s, t] (column-major) = src[l, t, s] (row-major, unit stride along s)."""
-    block = tl.program_id(0)
-    expert = tl.program_id(1).to(tl.int64)
-    n = num_tokens
-    if HAS_COUNTS:
-        n = tl.minimum(tl.load(counts + expert), num_tokens)
-    tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    live = tok < n
-    src_rows = src + expert * src_stride_e + tok.to(tl.int64)[:, None] * src_stride_t
-    out_cols = out + expert * out_stride_e + tok[:, None]
-    for s0 in range(0, num_scales, BLOCK_S):
-        col = s0 + tl.arange(0, BLOCK_S)
-        mask = live[:, None] & (col < num_scales)[None, :]
-        words = tl.load(src_rows + col[None, :], mask=mask)
-        tl.store(out_cols + col.to(tl.int64)[None, :] * out_stride_s, words, mask=mask)
-
-
-_LAUNCH = None  # the kernel's remembered launches (made below, after the kernel)
 
 
 def scales_to_column_major(src: torch.Tensor, out: torch.Tensor, counts: torch.Tensor | None = None) -> None:
@@ -113,7 +87,7 @@ def scales_to_column_major(src: torch.Tensor, out: torch.Tensor, counts: torch.T
                    BLOCK_S=block_s)
 
 
-_LAUNCH = launch.LaunchCache(_scales_to_column_major)
+_LAUNCH = launch.LaunchCache(_scales_to_column_major_kernel)
 
 
 __all__ = ["column_major_scales", "scales_to_column_major", "tma_aligned_tokens"]

@@ -604,8 +604,8 @@ def test_profiler_names_one_dispatch_and_one_combine_symbol():
     names = sorted(compiled)
     assert [n for n in names if "dispatch" in n] == [_launch.DISPATCH_SYMBOL], names
     assert [n for n in names if "combine" in n] == [_launch.COMBINE_SYMBOL], names
-    assert compiled[_launch.DISPATCH_SYMBOL] == {"_pack_tokens_by_expert_kernel", "_unpack_dispatched_tokens_kernel"}
-    assert compiled[_launch.COMBINE_SYMBOL] == {"_pack_expert_outputs_by_source_kernel", "_reduce_combined_tokens_kernel"}
+    assert compiled[_launch.DISPATCH_SYMBOL] == {"_pack_tokens_by_expert_kernel", "_unpack_tokens_by_expert_kernel"}
+    assert compiled[_launch.COMBINE_SYMBOL] == {"_pack_combine_by_source_kernel", "_reduce_combined_tokens_kernel"}
     # What the profiler shows: the symbols demangle to C++ names holding "::dispatch" / "::combine".
     import shutil
     import subprocess

@@ -15,7 +15,8 @@ from triton.compiler import ASTSource
 
 from moe_a2a.config import A2AConfig, next_power_of_2
 from moe_a2a.protocol.words import HALF_FLAGS, Flag, flag_word
-from moe_a2a.triton_kernels import dispatch, quant, routing, write_plan
+from moe_a2a.triton_kernels import _dispatch_kernels, _quant_kernels, _routing_kernels, _write_plan_kernels
+from moe_a2a.triton_kernels import quant, write_plan
 
 
 def _compile(fn, pointers: dict, constexprs: dict):
@@ -35,7 +36,7 @@ def main(world: int, node: int) -> None:
     wait, _, signal, status, _ = HALF_FLAGS["dispatch_plan"]
     shape = dict(W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L))
     kernels = [
-        _compile(write_plan._plan_remainder_and_return_writes_kernel,
+        _compile(_write_plan_kernels._plan_remainder_and_combine_writes_kernel,
                  dict(counts_ptr="*i32", base_ptr="*u8", epoch_ptr="*i64", failed_ptr="*i64", flags_ptr="*i64",
                       remainder_ptr="*i64", combine_ptr="*i64"),
                  dict(NODE=node, P=lay.private_rows, PRIVATE_SLOT_ROWS=lay.private_slot_rows,
@@ -45,7 +46,7 @@ def main(world: int, node: int) -> None:
                       MAX_ROUTES=lay.max_routes, PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal),
                       ERROR_WORD=flag_word(Flag.ERROR), STATUS_WORD=flag_word(status),
                       BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS), SPIN=True, USE_PTX=True, BACKOFF_NS=200, **shape)),
-        _compile(write_plan._plan_private_writes_kernel,
+        _compile(_write_plan_kernels._plan_private_writes_kernel,
                  dict(counts_ptr="*i32", epoch_ptr="*i64", table_ptr="*i64", remainder_writes_ptr="*i64",
                       base_ptr="*u8"),
                  dict(NODE=node, P=lay.private_rows, STRIDE_BYTES=lay.dispatch_stride_bytes,
@@ -61,10 +62,10 @@ def main(world: int, node: int) -> None:
                       **{n: "i32" for n in ("num_tokens", "num_experts", "num_blocks", "stride_counts", "abort",
                                             "node_lo", "node_hi", "sr_node_first")})  # ints that fit, as launched
     kernels += [
-        _compile(routing._route_block_kernel, route_ptrs,
+        _compile(_routing_kernels._route_tokens_block_kernel, route_ptrs,
                  dict(K=8, BLOCK_R=128, E_BINS=next_power_of_2(lay.num_experts + 1), HAS_BOUND_M=False, SINGLE=True,
                       **send_rows)),
-        _compile(routing._route_fixup_kernel, route_ptrs,
+        _compile(_routing_kernels._route_tokens_fixup_kernel, route_ptrs,
                  dict(K=8, BLOCK_R=64, E_PAD=next_power_of_2(lay.num_experts), CHUNK_B=16, **send_rows)),
     ]
     for k in kernels:
@@ -98,9 +99,9 @@ def main_pack() -> None:
         if sync:
             meta.update(NODE_SYNC=True, HAS_PROXY=True, USE_PTX=True, NODE=4, SPLIT=True, REMOTE_FIRST=True, E=256,
                         E_PAD=256)
-        kernels.append(_compile(dispatch._pack_tokens_by_expert_kernel, pointers_x, meta))
+        kernels.append(_compile(_dispatch_kernels._pack_tokens_by_expert_kernel, pointers_x, meta))
     for ue8m0 in (False, True):
-        kernels.append(_compile(quant._quantize_fp8_kernel,
+        kernels.append(_compile(_quant_kernels._quantize_fp8_kernel,
                                 dict(x_ptr="*bf16", out_ptr="*u8", scale_ptr="*u8" if ue8m0 else "*fp32",
                                      bound_m_ptr="*i32"),
                                 dict(BLOCK_T=32, BLOCK_C=128, HAS_BOUND_M=True, FP8_VIA_BITS=False,
@@ -111,9 +112,10 @@ def main_pack() -> None:
 
 
 def main_wait() -> None:
-    """The separate wait (`node_sync._wait_apart_kernel`) as ranks sharing a GPU and shrink mode launch it:
-    node peers only, plain and masking (dispatch: with the count rows zeroed; combine: without)."""
-    from moe_a2a.triton_kernels import node_sync
+    """The separate wait (`_node_sync_kernels._wait_apart_kernel`, launched by `node_sync.launch_wait_apart`) as
+    ranks sharing a GPU and shrink mode launch it: node peers only, plain and masking (dispatch: with the count
+    rows zeroed; combine: without)."""
+    from moe_a2a.triton_kernels import _node_sync_kernels
 
     pointers = dict(base_ptr="*u8", failed_ptr="*i64", epoch_ptr="*i64", flags_ptr="*i64", mask_ptr="*i32")
     kernels = []
@@ -124,7 +126,7 @@ def main_wait() -> None:
         ptrs = dict(pointers) if shrink else dict(pointers, mask_ptr="*i64")
         if not counts:
             meta["counts_bytes"] = 0  # a launch with 0 specialises it away
-        kernels.append(_compile(node_sync._wait_apart_kernel, ptrs, meta))
+        kernels.append(_compile(_node_sync_kernels._wait_apart_kernel, ptrs, meta))
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"
     print("compiled", [k.name for k in kernels])
