@@ -29,7 +29,7 @@ Each event carries the breakdown (term -> µs) of the path that led to it; joini
 later one, so the terms of a phase are its critical-path contributions and sum to the phase total.
 
 Before it predicts, :func:`calibration` sets it against measured configurations: (a) node-local on 2 x H200
-(graph replay, decode; (a2), (a3) the same on other leases); (e) ``moe-a2a bench proxy``: the proxy alone
+(graph replay, decode; (a2), (a3) the same on other leases); (e) ``python -m benchmarks.proxy``: the proxy alone
 against synthetic peers (1 x H200 host, shm); and the cross-node calibration of this protocol, 1 x H200
 shared by W ranks under MPS (2026-12-02, graph replay, kernel waits): (f) the W ranks on one node, (g) the
 same ranks as simulated nodes over the emulated NIC (fabric ``"emulated"``: the real proxies, each remote
@@ -107,7 +107,7 @@ SHM_COPY_GBPS = 8.9
 # What-if only, not our implementation: a C helper posting a whole table (docs/transport.md "Not done").
 POST_US_C_HELPER = 0.2            # ASSUMPTION
 
-# ---- the proxy: `moe-a2a bench proxy` (1 x H200 host, shm, H=64, 2026-12-01) ---------------------------
+# ---- the proxy: `python -m benchmarks.proxy` (1 x H200 host, shm, H=64, 2026-12-01) ---------------------------
 # docs/results/emulated/proxy_shm.json: the real proxy process against synthetic peers whose writes are in
 # before each call; the tables as the kernels write them; H=64 rows (80 B), so the loop is timed, not bytes.
 BENCH_POST_PRIVATE_US = 2.81      # post_us_per_write.dispatch_private, W=64 (63 writes): Python + shm's C
@@ -745,12 +745,12 @@ def back_to_back(r: dict) -> dict:
             "combine_fast": c - d + e, "total": d + c}
 
 
-# ---- the proxy alone: `moe-a2a bench proxy` ------------------------------------------------------------
+# ---- the proxy alone: `python -m benchmarks.proxy` ------------------------------------------------------------
 BENCH_PROXY_WORLDS = (2, 8, 16, 32, 64, 128, 256)   # every world size proxy_shm.json measured
 
 
 def bench_proxy(world: int) -> dict:
-    """The model's proxy phases as `moe-a2a bench proxy` times them (rank 0 of ``world`` ranks, one per
+    """The model's proxy phases as `python -m benchmarks.proxy` times them (rank 0 of ``world`` ranks, one per
     node, shm, bench speed): ``dispatch`` = SEND_READY seen -> DISPATCH_RECV_READY, ``combine`` =
     COMBINE_SEND_READY seen -> COMBINE_RECV_READY, each a Path. The same pieces as the walk's proxy, with
     what the bench does differently: the peers' writes (H=64 rows) are in before the call (no wire, no
@@ -928,7 +928,7 @@ def row_role(config: str, quantity: str, source: str) -> str:
 
 def calibration() -> list[dict]:
     """The model against the measured configurations: (a) 2 ranks on one node, a GPU each; (e) the proxy
-    alone in `bench proxy`, at bench speed; (f), (h) W ranks on one node sharing one H200 under MPS; (g) the
+    alone in `benchmarks/proxy.py`, at bench speed; (f), (h) W ranks on one node sharing one H200 under MPS; (g) the
     same W ranks as two simulated nodes over the emulated NIC, proxy at its in-run speed."""
     node_local = back_to_back(predict(2, None, node=2))
     model = {(c, q): node_local[k] for c in ("a", "a2", "a3") for q, k in _QUANTITY.items()}
@@ -1044,7 +1044,7 @@ SENSITIVITY = [
     ("default: proxy at in-run speed", {}),
     ("`--proxies 1` (one proxy process per rank)", {"proxies": 1}),
     ("`--proxies 2` (two proxy processes per rank; on CX7 they share its one NIC)", {"proxies": 2}),
-    ("`--speed bench` (the proxy as fast as in `bench proxy`)", {"speed": "bench"}),
+    ("`--speed bench` (the proxy as fast as in `benchmarks/proxy.py`)", {"speed": "bench"}),
     ("`--post-us 0.2` (what-if: C posting helper, in-run speed)", {"post_us": POST_US_C_HELPER}),
     ("`--speed bench --post-us 0.2`", {"speed": "bench", "post_us": POST_US_C_HELPER}),
     ("`--speed bench --post-us 0` (no Python per write at all)", {"speed": "bench", "post_us": 0.0}),

@@ -1,5 +1,5 @@
 """Why the Python cost per posted write has a median twice its minimum on the GPU host (docs/benchmarks.md):
-the same micro-benchmark as `moe_a2a.bench.transport` (fi_writemsg replaced by a no-op, 63 targets, shm),
+the same micro-benchmark as `benchmarks.transport` (fi_writemsg replaced by a no-op, 63 targets, shm),
 under variants that remove one suspect each: Python's cyclic GC, the process moving between cores, and
 a short run against a long one. Prints the median and minimum per write of each (the result and its
 reading: docs/perf-notes.md).
@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from moe_a2a.bench import transport
+from benchmarks import transport
 
 
 def _run(label: str, iters: int = 3000) -> dict:

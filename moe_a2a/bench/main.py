@@ -1,12 +1,12 @@
 """`moe-a2a bench`: benchmarks that write JSON and PNG and print a table (docs/design.md, "Benchmarks").
 
     moe-a2a bench kernels   --preset decode|prefill|both --world 64 --node 8     (GPU)
-    moe-a2a bench flags     GPU -> proxy process -> GPU flag round trip           (GPU)
     moe-a2a bench e2e       --world 4 --node 2 --preset decode --transport shm    (LocalCluster)
     moe-a2a bench timeline  one traced call drawn as a Gantt chart (GPU / proxy / wire lanes)
     moe-a2a bench nccl      the torch.distributed all_to_all_single baseline (moe_a2a.bench.nccl)
-    moe-a2a bench transport libfabric costs (moe_a2a.bench.transport)
-    moe-a2a bench proxy     the real proxy's host µs per phase against synthetic peers (moe_a2a.bench.proxy)
+
+The maintainers' instruments (the proxy alone, libfabric costs, the soak, the flag round trip) are
+`python -m benchmarks.<name>` from the repository root (docs/benchmarks.md).
 
 Every timing is a median over many calls after warm-up; JSON files keep p10/p90/min/max too.
 Nothing is written unless asked (--json, --png), except `timeline`'s chart (default ./timeline.png).
@@ -80,89 +80,8 @@ def _plot_kernels(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-# ---- GPU -> proxy -> GPU flag round trip -------------------------------------------------------------
-def run_flags(args) -> int:
-    import subprocess
-
-    if rc := refuse_without_cuda("moe-a2a bench flags"):
-        return rc
-
-    import torch
-    import triton
-    import triton.language as tl
-
-    from ..protocol.memory import SharedSegment, device_view, unique_name
-    from ..triton_kernels import _details as d
-
-    timeout_ns = 30 * 10**9  # the whole kernel: a dead echo process ends it instead of hanging the GPU
-
-    @triton.jit
-    def ping_kernel(flags_ptr, n_iters, timeout_ns):
-        # One program: raise PING = i, spin until the other process answers PONG = i. Measures the
-        # round trip alone, without launch costs in between. Past the deadline every wait gives up at
-        # once (the host then finds PONG short of n_iters).
-        deadline = d.globaltimer_ns() + timeout_ns
-        for i in range(1, n_iters + 1):
-            v = i.to(tl.int64)
-            tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
-                                      [flags_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
-            seen = d.load_acquire_sys(flags_ptr + 1, True)
-            while (seen < v) & (d.globaltimer_ns() < deadline):
-                seen = d.load_acquire_sys(flags_ptr + 1, True)
-
-    seg = SharedSegment(unique_name("moe_a2a-bench"), 4096, create=True)
-    echo = None
-    try:
-        seg.register_cuda()
-        flags = device_view(seg.addr, 4096, torch.device("cuda")).view(torch.int64)
-        echo = subprocess.Popen([sys.executable, "-c", _ECHO, seg.name, str(args.iters + 100)])
-        time.sleep(0.5)
-        ping_kernel[(1,)](flags, 100, timeout_ns)  # warm-up (compiles) with the echo process running
-        torch.cuda.synchronize()
-        seg.numpy(0, 2, "int64")[:] = 0
-        time.sleep(0.05)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        samples = []
-        for _ in range(args.reps):
-            seg.numpy(0, 2, "int64")[:] = 0
-            time.sleep(0.01)
-            start.record()
-            ping_kernel[(1,)](flags, args.iters, timeout_ns)
-            end.record()
-            end.synchronize()
-            if int(seg.numpy(8, 1, "int64")[0]) != args.iters:
-                raise TimeoutError(f"bench flags: the echo process answered {int(seg.numpy(8, 1, 'int64')[0])} "
-                                   f"of {args.iters} pings within {timeout_ns / 1e9:g}s")
-            samples.append(start.elapsed_time(end) * 1e3 / args.iters)
-    finally:
-        if echo is not None:
-            echo.kill()
-        seg.close()
-    st = _stats(samples)
-    print(f"GPU -> proxy process -> GPU flag round trip: median {st['median']:.2f} µs "
-          f"(min {st['min']:.2f}, p90 {st['p90']:.2f}) over {args.reps} x {args.iters} round trips")
-    _write(args.json, {"flag_round_trip_us": st})
-    return 0
-
-
-# The echo process: plain Python + numpy on the shared page, as the proxy reads its flags.
-_ECHO = """
-import os, sys, numpy as np
-from moe_a2a.protocol.memory import SharedSegment
-seg = SharedSegment(sys.argv[1]); f = seg.numpy(0, 2, np.int64)
-parent, n = os.getppid(), 0
-while True:
-    v = f[0]
-    if v != f[1]:
-        f[1] = v
-    n += 1
-    if n % 65536 == 0 and os.getppid() != parent:
-        break  # the benchmark is gone
-"""
-
-
 # ---- end to end over a LocalCluster ------------------------------------------------------------------
-# The proxy's own spans of one traced call (protocol.words.TRACE_EVENTS): what `bench proxy` measures
+# The proxy's own spans of one traced call (protocol.words.TRACE_EVENTS): what benchmarks/proxy.py measures
 # against synthetic peers, here inside a run (the in-run factor, docs/benchmarks.md).
 PROXY_SPANS = {"private_post": ("send_ready_seen", "private_posted"),
                "remainder": ("count_rows_received", "remainder_posted"),
@@ -398,22 +317,6 @@ def run_timeline(args) -> int:
     return 0
 
 
-def run_soak(args) -> int:
-    import torch
-
-    from ..config import A2AConfig
-    from . import soak
-
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Small sizes (the kernels run in the interpreter): fp8 with scales and padding, so every path moves.
-    cfg = A2AConfig(max_num_tokens=8, num_experts=4 * args.world, experts_per_token=3, hidden_dim=32,
-                    in_dtype=torch.float8_e4m3fn, scale_block=16, expert_padding=2)
-    res = soak.run(cfg, args.world, args.node, args.transport, args.calls, args.warmup, args.sample, args.timeout)
-    soak.print_summary(res)
-    _write(args.json, res)
-    return 0 if all(r["num_problems"] == 0 for r in res["per_rank"]) and not res["dev_shm_left_after_close"] else 1
-
-
 def _cluster_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of the benchmarks that start a LocalCluster."""
     p.add_argument("--world", type=positive_int, default=4, help="ranks (default 4)")
@@ -441,8 +344,7 @@ def _check_cluster_args(args) -> str | None:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The `bench` sub-commands, added to `parser` (the `moe-a2a bench` sub-parser of moe_a2a.cli), or to
     a new stand-alone parser. Each sub-parser sets `run` (the function that takes the parsed args)."""
-    from . import nccl, transport
-    from . import proxy as proxy_bench
+    from . import nccl
 
     if parser is None:
         parser = argparse.ArgumentParser(prog="moe-a2a bench", description=__doc__,
@@ -460,11 +362,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     k.add_argument("--launchers", action="store_true",
                    help="instead: the Python cost of each launcher with the kernel launch stubbed (any machine)")
     k.set_defaults(run=run_kernels, check=_check_cluster_args)
-    f = sub.add_parser("flags", help="GPU -> proxy process -> GPU flag round trip (GPU)")
-    f.add_argument("--iters", type=positive_int, default=2000, help="round trips per kernel (default 2000)")
-    f.add_argument("--reps", type=positive_int, default=20, help="kernels timed (default 20)")
-    f.add_argument("--json", default=None, help="write results here")
-    f.set_defaults(run=run_flags)
     e = _cluster_args(sub.add_parser("e2e", help="dispatch/combine halves over a LocalCluster"))
     e.add_argument("--iters", type=positive_int, default=100, help="timed calls (default 100)")
     e.add_argument("--warmup", type=nonneg_int, default=10, help="untimed calls first (default 10)")
@@ -477,36 +374,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     e.add_argument("--no-nccl", action="store_true", help="with --graph: skip the NCCL baseline")
     e.add_argument("--trace-proxy", action="store_true",
                    help="without --graph: also the proxy's own spans of every timed call (posting, planned "
-                        "writes), to compare with `bench proxy`")
+                        "writes), to compare with benchmarks/proxy.py")
     e.set_defaults(run=run_e2e, preset=None)  # None: decode, or both presets with --graph
     tl = _cluster_args(sub.add_parser("timeline", help="trace one dispatch + combine and draw GPU / proxy / "
                                                        "wire lanes"))
     tl.add_argument("--png", default="timeline.png", help="the Gantt chart (default ./timeline.png)")
     tl.add_argument("--json", default=None, help="write the raw timestamps here")
     tl.set_defaults(run=run_timeline)
-    so = sub.add_parser("soak", help="many checked dispatch + combine calls on CPU; memory, fds and files "
-                                     "watched for growth")
-    so.add_argument("--calls", type=positive_int, default=10000, help="checked calls after warm-up (default 10000)")
-    so.add_argument("--warmup", type=nonneg_int, default=20, help="checked calls before the first sample (default 20)")
-    so.add_argument("--sample", type=positive_int, default=500, help="calls between resource samples (default 500)")
-    so.add_argument("--world", type=positive_int, default=2, help="ranks (default 2)")
-    so.add_argument("--node", type=positive_int, default=1, help="ranks per node (default 1: through the proxies)")
-    so.add_argument("--transport", default="shm", choices=["shm", "tcp"], help="provider (default shm)")
-    so.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before any wait gives up")
-    so.add_argument("--json", default=None, help="write the results here")
-    so.set_defaults(run=run_soak, check=_check_cluster_args)
     n = sub.add_parser("nccl", help="torch.distributed all_to_all_single baseline (GPU; gloo on CPU)",
                        description=nccl.__doc__, formatter_class=raw)
     nccl.add_arguments(n)
     n.set_defaults(run=nccl.run_args)
-    t = sub.add_parser("transport", help="libfabric costs: post, scatter, round trip, bandwidth",
-                       description=transport.__doc__, formatter_class=raw)
-    transport.add_arguments(t)
-    t.set_defaults(run=transport.run_args)
-    pb = sub.add_parser("proxy", help="the real proxy process's host µs per phase against synthetic peers, W=8..256",
-                        description=proxy_bench.__doc__, formatter_class=raw)
-    proxy_bench.add_arguments(pb)
-    pb.set_defaults(run=proxy_bench.run_args)
     for p in sub.choices.values():
         p.set_defaults(error=p.error)  # cross-flag problems are reported by the sub-command's parser
     return parser

@@ -227,7 +227,7 @@ def test_constants_from_the_benchmarks_are_what_they_recorded():
 
 
 def test_constants_from_the_proxy_bench_and_the_traced_run_are_what_they_recorded():
-    """The current protocol's proxy constants: `bench proxy` over shm (proxy_shm.json) and the proxy's own
+    """The current protocol's proxy constants: `benchmarks/proxy.py` over shm (proxy_shm.json) and the proxy's own
     spans inside `bench e2e --trace-proxy` over shm (e2e_shm_trace.json), both 2026-12-01."""
     doc = _load("emulated/proxy_shm.json")
     assert doc["provider"] == "shm" and doc["date"].startswith("2026-12-01")
@@ -259,11 +259,11 @@ def test_constants_from_the_proxy_bench_and_the_traced_run_are_what_they_recorde
         statistics.mean(r["proxy.private_post"]["median"] for r in ranks), abs=0.005)
     assert lm.RUN_COMBINE_POST_US == pytest.approx(
         statistics.mean(r["proxy.combine_post"]["median"] for r in ranks), abs=0.005)
-    # the host-wait factor, straight from the two files (moe_a2a.bench.proxy.in_run_factor: per phase)
+    # the host-wait factor, straight from the two files (benchmarks.proxy.in_run_factor: per phase)
     factor = (sum(r["proxy.private_post"]["median"] + r["proxy.combine_post"]["median"] for r in ranks) / 2
               / (med(2, "dispatch_post_us") + med(2, "combine_post_us")))
     assert lm.PROXY_HOST_WAITS_FACTOR == pytest.approx(factor, rel=0.002)
-    from moe_a2a.bench.proxy import in_run_factor
+    from benchmarks.proxy import in_run_factor
     per_phase = [in_run_factor(r, bench[2]) for r in ranks]
     lo = min(f[k] for f in per_phase for k in ("dispatch_post_us", "combine_post_us"))
     hi = max(f[k] for f in per_phase for k in ("dispatch_post_us", "combine_post_us"))
@@ -271,8 +271,8 @@ def test_constants_from_the_proxy_bench_and_the_traced_run_are_what_they_recorde
 
 
 def _mps_spans(name: str, preset: str = "decode") -> list[dict]:
-    """The proxy's spans (µs, moe_a2a.bench.proxy.PHASES) of each rank's traced call in an MPS run."""
-    from moe_a2a.bench.proxy import proxy_phase_us
+    """The proxy's spans (µs, benchmarks.proxy.PHASES) of each rank's traced call in an MPS run."""
+    from benchmarks.proxy import proxy_phase_us
 
     return [proxy_phase_us(rk["trace"]) for rk in _load(f"gpu-2026-12-02-mps/{name}")["presets"][preset]["graph"]]
 

@@ -1,5 +1,5 @@
-"""The proxy's host cost per phase: ``moe-a2a bench proxy [--worlds 8,16,...] [--provider tcp|shm|auto]
-[--epochs N] [--json PATH] [--quick]`` (docs/benchmarks.md, "Proxy host cost").
+"""The proxy's host cost per phase: ``python -m benchmarks.proxy [--worlds 8,16,...] [--provider tcp|shm|auto]
+[--epochs N] [--json PATH] [--quick]``, from the repository root (docs/benchmarks.md, "Proxy host cost").
 
 The real proxy step loop, nothing emulated on its side: one `Proxy` process (`moe_a2a/proxy/worker.py`)
 started by `ProxyHandle` with a `ProxySpec` exactly as `runtime/wiring.py` starts it (host-staged buffers
@@ -61,8 +61,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from ..protocol.words import ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, WriteTable, encode_imm
-from ._util import int_list, nonneg_float, nonneg_int, positive_float, positive_int
+from moe_a2a.protocol.words import ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, WriteTable, encode_imm
+from moe_a2a.bench._util import int_list, nonneg_float, nonneg_int, positive_float, positive_int
 
 DEFAULT_WORLDS = (8, 16, 32, 64, 128, 256)
 GOAL_BASE_US, GOAL_PER_PEER_US = 10.0, 0.9
@@ -166,7 +166,7 @@ def routing_sets(lay, tokens: int, topk: int, sets: int, seed: int) -> np.ndarra
 def expected_tables(counts: np.ndarray, rank: int, lay) -> tuple[np.ndarray, int]:
     """`[3, W, 4]` int64 rows of `protocol.plan` (+ immediates of epoch 0) for this rank's remote peers,
     zero elsewhere, and the number of remainder writes: what the kernels must write."""
-    from ..protocol import plan
+    from moe_a2a.protocol import plan
 
     W, P = lay.world_size, lay.private_rows
     out = np.zeros((int(WriteTable.NUM_TABLES), W, 4), np.int64)
@@ -189,9 +189,9 @@ def kernel_tables(counts: np.ndarray, rank: int, lay, device: str = "cpu") -> tu
     need TRITON_INTERPRET=1 (set before triton is first imported)."""
     import torch
 
-    from ..protocol.words import flag_word
-    from ..triton_kernels import write_plan
-    from ..triton_kernels.node_sync import NodeSync
+    from moe_a2a.protocol.words import flag_word
+    from moe_a2a.triton_kernels import write_plan
+    from moe_a2a.triton_kernels.node_sync import NodeSync
 
     W, dev = lay.world_size, torch.device(device)
     flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=dev)
@@ -234,7 +234,7 @@ def peer_writes(lay, rank: int, counts: np.ndarray, seed: int):
     (peer, kind, src_offset, length, dst_offset) in posting order (privates, remainders, combines) with
     the lengths and destinations `protocol.plan` gives peer p (dst relative to rank's recv buffer). The
     contents are seeded random bytes with the count rows in place: the same in every process."""
-    from ..protocol import plan
+    from moe_a2a.protocol import plan
 
     W, P = lay.world_size, lay.private_rows
     ds, cs, rowb = lay.dispatch_stride_bytes, lay.combine_stride_bytes, lay.routing_row_bytes
@@ -289,7 +289,7 @@ class _SyntheticPeers:
     """The W - 1 remote ranks of rank `rank`, in one process (see the module docstring)."""
 
     def __init__(self, engines, setup: dict) -> None:
-        from ..proxy.engine import ACCESS_SOURCE, ACCESS_TARGET
+        from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_TARGET
 
         self.engines, self.lay, self.rank = engines, setup["layout"], setup["rank"]
         self.epochs, self.timeout_s = setup["epochs"], setup["timeout_s"]
@@ -395,7 +395,7 @@ def _peer_process(fd: int) -> None:
     over the socket `fd`."""
     from multiprocessing.connection import Connection
 
-    from ..proxy.engine import TransferEngine
+    from moe_a2a.proxy.engine import TransferEngine
 
     conn = Connection(fd)
     try:  # die with the bench (Linux), as the proxy does
@@ -434,7 +434,9 @@ class _Helper:
         ours, theirs = socket.socketpair()
         self.conn = Connection(os.dup(ours.fileno()))
         ours.close()
-        code = "import sys; from moe_a2a.bench.proxy import _peer_process; _peer_process(int(sys.argv[1]))"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: benchmarks/ is no package's
+        code = (f"import sys; sys.path.insert(0, {root!r}); from benchmarks.proxy import _peer_process; "
+                f"_peer_process(int(sys.argv[1]))")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                      close_fds=True)
         theirs.close()
@@ -448,7 +450,7 @@ class _Helper:
     def kill(self) -> None:
         """SIGKILL; then remove what it left in /dev/shm (libfabric shm's `{pid}:*` region) while it is
         still an unreaped zombie (its pid cannot be reused), and reap it."""
-        from ..protocol.memory import remove_process_shm_files
+        from moe_a2a.protocol.memory import remove_process_shm_files
 
         if self.proc.returncode is None:
             self.proc.kill()
@@ -540,13 +542,13 @@ def bench_world(world: int, provider: str = "tcp", epochs: int = 100, warmup: in
     rather than hanging when a process dies."""
     import torch
 
-    from ..config import A2AConfig
-    from ..protocol.segment import Flags, read_error
-    from ..proxy.fabric import auto_provider
-    from ..protocol.proxy_spec import ProxySpec
-    from ..runtime.proxy_handle import ProxyHandle
-    from ..protocol.memory import SharedSegment, unique_name
-    from ._util import progress
+    from moe_a2a.config import A2AConfig
+    from moe_a2a.protocol.segment import Flags, read_error
+    from moe_a2a.proxy.fabric import auto_provider
+    from moe_a2a.protocol.proxy_spec import ProxySpec
+    from moe_a2a.runtime.proxy_handle import ProxyHandle
+    from moe_a2a.protocol.memory import SharedSegment, unique_name
+    from moe_a2a.bench._util import progress
 
     W, total = world, warmup + epochs
     if provider == "auto":
@@ -810,8 +812,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_args(args) -> int:
-    from ..proxy import libfabric as lf
-    from ._util import has_cuda
+    from moe_a2a.proxy import libfabric as lf
+    from moe_a2a.bench._util import has_cuda
 
     if not has_cuda():  # the plan kernels run once per routing set: in the interpreter without a GPU
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -841,8 +843,18 @@ def run_args(args) -> int:
     if bad:
         print(f"WARNING: checks failed at W={bad}: " + "; ".join(str(r["checks"]) for r in rows if r["world"] in bad))
     if args.json:
-        from ._util import write_json as _write
+        from moe_a2a.bench._util import write_json as _write
 
         _write(args.json, {"bench": "proxy", "goal": GOAL, "provider": r0["provider"], "cpus": os.cpu_count(),
                            "results": rows})
     return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ._cli import main as cli_main
+
+    return cli_main("proxy", __doc__, add_arguments, run_args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

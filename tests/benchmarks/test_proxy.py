@@ -1,4 +1,4 @@
-"""`moe-a2a bench proxy` (moe_a2a/bench/proxy.py): the real proxy process against synthetic peers, on a few
+"""`python -m benchmarks.proxy` (benchmarks/proxy.py): the real proxy process against synthetic peers, on a few
 calls at small sizes. The JSON has its keys and sane numbers; the proxy posted exactly the writes its
 tables describe; those bytes landed where the tables said at the peers, and the peers' where plan said at
 the rank; a dead peer process ends the bench with a TimeoutError instead of a hang."""
@@ -9,8 +9,7 @@ import math
 
 import pytest
 
-from moe_a2a.bench import main as bench_main
-from moe_a2a.bench import proxy as bp
+from benchmarks import proxy as bp
 from moe_a2a.protocol.words import TRACE_EVENTS
 
 SMALL = dict(tokens=8, hidden=64, experts=16, topk=2)
@@ -37,9 +36,9 @@ def _assert_row(row: dict, world: int) -> None:
 @pytest.mark.timeout(60)
 def test_cli_writes_json_with_the_keys_and_checks_the_bytes(tmp_path, capsys):
     path = tmp_path / "proxy.json"
-    rc = bench_main(["proxy", "--worlds", "4", "--epochs", "6", "--warmup", "2", "--tokens", "8", "--hidden", "64",
-                     "--experts", "16", "--topk", "2", "--timeout", "20", "--gap-ms", "0.5", "--verify",
-                     "--json", str(path)])
+    rc = bp.main(["--worlds", "4", "--epochs", "6", "--warmup", "2", "--tokens", "8", "--hidden", "64",
+                  "--experts", "16", "--topk", "2", "--timeout", "20", "--gap-ms", "0.5", "--verify",
+                  "--json", str(path)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "dispatch med / p90" in out and "10 + 0.9 * remote_peers" in out

@@ -1,5 +1,5 @@
-"""Transport micro-benchmarks: ``moe-a2a bench transport [--provider tcp,shm] [--iters N] [--json PATH]``
-(or ``python -m moe_a2a.bench.transport ...``).
+"""Transport micro-benchmarks: ``python -m benchmarks.transport [--provider tcp,shm] [--iters N] [--json PATH]``,
+from the repository root.
 
 Measures, per provider, between real processes on this machine:
 
@@ -33,8 +33,8 @@ import subprocess
 import sys
 import time
 
-from ..proxy.engine import TransferEngine
-from ._util import choice_list, int_list, positive_int
+from moe_a2a.proxy.engine import TransferEngine
+from moe_a2a.bench._util import choice_list, int_list, positive_int
 
 PING, PONG, DATA, DONE = 0x1001, 0x1002, 0x1003, 0x1004
 SCATTER_BYTES = 1024  # per peer per scatter: the size of a decode-step private write (a few tokens)
@@ -146,7 +146,7 @@ def bench_python_post_cost(provider: str, num_peers: int, iters: int) -> dict:
     group's per-peer tuples and recycles the engine's contexts, since no completion will come."""
     import ctypes.util
 
-    from ..proxy.libfabric import WRITEMSG_PROTO
+    from moe_a2a.proxy.libfabric import WRITEMSG_PROTO
 
     eng = TransferEngine(provider)
     try:
@@ -297,8 +297,8 @@ def bench_proxy_plan(world_size: int, iters: int) -> dict:
     import numpy as np
     import torch
 
-    from .. import plan
-    from ..config import A2AConfig
+    from moe_a2a.protocol import plan
+    from moe_a2a.config import A2AConfig
 
     W, r = world_size, min(3, world_size - 1)
     cfg = A2AConfig(max_num_tokens=128, num_experts=max(256, W), experts_per_token=8, hidden_dim=7168,
@@ -372,7 +372,7 @@ def format_table(results: list[dict], plans: list[dict] = ()) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options (shared by `moe-a2a bench transport` and `python -m moe_a2a.bench.transport`)."""
+    """The options of `python -m benchmarks.transport`."""
     ap.add_argument("--provider", default="tcp,shm", type=choice_list(("tcp", "shm", "efa", "verbs"), allow_empty=True),
                     help="comma-separated: tcp, shm, efa, verbs; '' for none (default tcp,shm)")
     ap.add_argument("--iters", type=positive_int, default=2000, help="measured iterations per benchmark (default 2000)")
@@ -384,7 +384,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_args(args) -> int:
-    from ..proxy import libfabric as lf
+    from moe_a2a.proxy import libfabric as lf
 
     if args.provider:  # before anything is spawned: a missing provider is the user's mistake, not a crash
         available = lf.list_providers()
@@ -405,8 +405,9 @@ def run_args(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_a2a.bench.transport", description=__doc__.splitlines()[0])
-    return run_args(add_arguments(ap).parse_args(argv))
+    from ._cli import main as cli_main
+
+    return cli_main("transport", __doc__.splitlines()[0], add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`moe-a2a bench soak`: many consecutive dispatch + combine calls with random routing, every result
+"""The soak: many consecutive dispatch + combine calls with random routing, every result
 checked, and the resources of every rank and proxy watched for growth.
 
 Each rank computes every rank's inputs of a call from the call's seed (`demo.make_inputs`), so it can
@@ -8,18 +8,22 @@ itself and its proxy process, the resident memory (VmRSS), the open file descrip
 /dev/shm entries. Growth is the last sample
 minus the first one taken after warm-up.
 
-    moe-a2a bench soak --calls 10000 --world 2 --node 1 --transport shm --json soak.json
+    python -m benchmarks.soak --calls 10000 --world 2 --node 1 --transport shm --json soak.json
+
+(from the repository root; the kernels run in the Triton interpreter, TRITON_INTERPRET=1 is set).
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import time
 
 import torch
 
-from ..oracle import check_call, fill_sentinel, record_call, toy_expert
-from .demo import make_inputs
-from ._util import progress
+from moe_a2a.oracle import check_call, fill_sentinel, record_call, toy_expert
+from moe_a2a.bench.demo import make_inputs
+from moe_a2a.bench._util import nonneg_int, positive_float, positive_int, progress, write_json
 
 ROUTINGS = ("random", "skew", "dupes")
 
@@ -70,7 +74,7 @@ def run(cfg, world: int, node: int, transport: str, calls: int, warmup: int, sam
         timeout: float, chunk: int = 100) -> dict:
     """The soak over a LocalCluster, in chunks of `chunk` calls per `LocalCluster.run` (each must end
     within the cluster's timeout); one progress bar in this process."""
-    from ..local import LocalCluster
+    from moe_a2a.local import LocalCluster
 
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     total = warmup + calls
@@ -112,3 +116,41 @@ def print_summary(res: dict) -> None:
               f"proxy RSS {g.get('proxy_rss_bytes', 0) / 2**20:+.1f} MiB, proxy fds {g.get('proxy_fds', 0):+d}, "
               f"/dev/shm entries {g['dev_shm_entries']:+d}")
     print(f"  left in /dev/shm after close: {res['dev_shm_left_after_close'] or 'nothing'}")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The soak's options."""
+    ap.add_argument("--calls", type=positive_int, default=10000, help="checked calls after warm-up (default 10000)")
+    ap.add_argument("--warmup", type=nonneg_int, default=20, help="checked calls before the first sample (default 20)")
+    ap.add_argument("--sample", type=positive_int, default=500, help="calls between resource samples (default 500)")
+    ap.add_argument("--world", type=positive_int, default=2, help="ranks (default 2)")
+    ap.add_argument("--node", type=positive_int, default=1, help="ranks per node (default 1: through the proxies)")
+    ap.add_argument("--transport", default="shm", choices=["shm", "tcp"], help="provider (default shm)")
+    ap.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before any wait gives up")
+    ap.add_argument("--json", default=None, help="write the results here")
+    return ap
+
+
+def run_args(args) -> int:
+    from moe_a2a.config import A2AConfig
+
+    if args.world % args.node:
+        args.error(f"--node {args.node} must divide --world {args.world}")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Small sizes (the kernels run in the interpreter): fp8 with scales and padding, so every path moves.
+    cfg = A2AConfig(max_num_tokens=8, num_experts=4 * args.world, experts_per_token=3, hidden_dim=32,
+                    in_dtype=torch.float8_e4m3fn, scale_block=16, expert_padding=2)
+    res = run(cfg, args.world, args.node, args.transport, args.calls, args.warmup, args.sample, args.timeout)
+    print_summary(res)
+    write_json(args.json, res)
+    return 0 if all(r["num_problems"] == 0 for r in res["per_rank"]) and not res["dev_shm_left_after_close"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ._cli import main as cli_main
+
+    return cli_main("soak", __doc__, add_arguments, run_args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

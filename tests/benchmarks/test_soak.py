@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_a2a.bench import soak
+from benchmarks import soak
 from moe_a2a.config import A2AConfig
 
 pytestmark = [pytest.mark.slow]  # a LocalCluster of its own
