@@ -11,7 +11,7 @@
 #                                                  proxies): host vs staged placement, proxies per rank, transport
 #   bash benchmarks/gpu/run.sh emulated            1 or 2 GPUs: the write-plan kernels compiled, the emulated-NIC
 #                                                  tests, decode over the emulated NIC (full speed and EFA-like),
-#                                                  and the proxy's host cost (`bench proxy`) on this host
+#                                                  and the proxy's host cost (`benchmarks/proxy.py`) on this host
 #   bash benchmarks/gpu/run.sh compat [tests|deepep|cost]
 #                                                  the DeepEP facade on every GPU here, one rank per GPU: its
 #                                                  tests compiled; DeepEP's own low-latency test, unchanged,
@@ -102,14 +102,14 @@ case "$suite:$part" in
 quick:all)
   step 300 "${gpu_tests[@]}" tests/triton_kernels
   step 150 moe-a2a bench kernels --preset both --json "$RES/kernels.json" --png "$RES/kernels.png"
-  step 60  moe-a2a bench flags --iters 2000 --reps 10 --json "$RES/flags.json"
+  step 60  python -m benchmarks.flags --iters 2000 --reps 10 --json "$RES/flags.json"
   ;;
 full:all|full:tests)
   step 900 "${gpu_tests[@]}" --timeout 300 tests
   ;;&
 full:all|full:bench)
   step 150 moe-a2a bench kernels --preset both --json "$RES/kernels.json" --png "$RES/kernels.png"
-  step 60  moe-a2a bench flags --iters 2000 --reps 10 --json "$RES/flags.json"
+  step 60  python -m benchmarks.flags --iters 2000 --reps 10 --json "$RES/flags.json"
   # one rank per GPU on one node: graph replay, eager, the NCCL baseline and the floor, decode and prefill,
   # plus one traced graph call drawn as the timeline
   step 240 moe-a2a bench e2e --graph --world 2 --node 2 --iters 200 --warmup 20 \
@@ -149,7 +149,7 @@ cross-node:all|cross-node:more)
   step 60 moe-a2a bench timeline --world 2 --node 1 --device cuda --png "$RES/timeline_x2_n1.png" \
        --json "$RES/timeline_x2_n1.json"
   # the proxy's own costs on this host: Python per write, scatters, round trips, the plan per world size
-  step 90 moe-a2a bench transport --provider shm --iters 2000 --peers 1,7,63 --json "$RES/transport_gpu_host.json"
+  step 90 python -m benchmarks.transport --provider shm --iters 2000 --peers 1,7,63 --json "$RES/transport_gpu_host.json"
   ;;
 emulated:all)
   # two simulated nodes of one rank each; each remote write a CUDA copy (an instrument, not a network)
@@ -161,8 +161,8 @@ emulated:all)
        --json "$RES/e2e_emulated_w2n1.json"
   step 120 env MOE_A2A_EMULATED_NIC=12us,25GBps moe-a2a bench e2e "${mode[@]}" --transport emulated --world 2 \
        --node 1 --iters 100 --warmup 10 --json "$RES/e2e_emulated_efa_w2n1.json"
-  step 240 moe-a2a bench proxy --worlds 2,8,16,32,64,128,256 --provider tcp --json "$RES/bench_proxy_tcp.json"
-  step 120 moe-a2a bench proxy --worlds 8,64 --provider shm --json "$RES/bench_proxy_shm.json"
+  step 240 python -m benchmarks.proxy --worlds 2,8,16,32,64,128,256 --provider tcp --json "$RES/bench_proxy_tcp.json"
+  step 120 python -m benchmarks.proxy --worlds 8,64 --provider shm --json "$RES/bench_proxy_shm.json"
   ;;
 compat:all|compat:tests)
   step 400 "${gpu_tests[@]}" --timeout 300 tests/compat
