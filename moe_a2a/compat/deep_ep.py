@@ -286,6 +286,7 @@ class Buffer:
         self._scratch: dict = {}  # what a combine of nothing sends and receives, per set of sizes
         self._again = None  # shrink mode: what a handle's repeated combine dispatches again into (_dispatch_again)
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
+        self._normal = None  # normal mode's instances (compat/_normal.py), made at its first call
         self._closed = False
         if self.enable_shrink:
             # A rank that stops before its first call must not hold the others in a collective build:
@@ -352,26 +353,75 @@ class Buffer:
             "low_latency_clean_mask_buffer() to unmask. vLLM calls it only with fault tolerance enabled "
             "(parallel_config.enable_fault_tolerance): run without it; docs/compat.md")
 
-    # ---- DeepEP's normal mode: not provided ----------------------------------------------------
-    def get_dispatch_layout(self, *args, **kwargs):
-        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
-        raise NotImplementedError(f"get_dispatch_layout: {_NORMAL_MODE}")
+    # ---- DeepEP's normal (high-throughput) mode (compat/_normal.py) ----------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """DeepEP's: whether its SM90 (fp8) kernels were compiled. True: the facade's fp8 paths need no such
+        build (DeepEP's tests take their fp8 cases when it is True)."""
+        return True
 
-    def dispatch(self, *args, **kwargs):
-        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
-        raise NotImplementedError(f"dispatch: {_NORMAL_MODE}")
+    def _normal_mode(self):
+        self._check_open()
+        if self._normal is None:
+            from ._normal import NormalMode
+            self._normal = NormalMode(self)
+        return self._normal
 
-    def combine(self, *args, **kwargs):
-        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
-        raise NotImplementedError(f"combine: {_NORMAL_MODE}")
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's: from `topk_idx` `[T, K]` (-1 = no expert), `(num_tokens_per_rank` int32 `[W]`,
+        `num_tokens_per_rdma_rank` int32 `[num_nodes]` or None on one node, `num_tokens_per_expert` int32 `[E]`,
+        `is_token_in_rank` bool `[T, W]`, event)`. Local (no communication), on topk_idx's device."""
+        return self._normal_mode().get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                                       allocate_on_comm_stream)
 
-    def internode_dispatch(self, *args, **kwargs):
-        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
-        raise NotImplementedError(f"internode_dispatch: {_NORMAL_MODE}")
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: "Config | None" = None,
+                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's normal-mode dispatch (collective): each token to every rank `is_token_in_rank` names, once.
 
-    def internode_combine(self, *args, **kwargs):
-        """DeepEP's normal mode: refused (NotImplementedError naming the low-latency alternative)."""
-        raise NotImplementedError(f"internode_combine: {_NORMAL_MODE}")
+        `x`: bf16 `[T, H]`, or `(float8_e4m3fn [T, H], scales [T, S] float32 or int32)` (moved bit-exactly).
+        Without `handle`: `num_tokens_per_rank`, `is_token_in_rank`, `num_tokens_per_expert` (from
+        `get_dispatch_layout`) and optionally `topk_idx` / `topk_weights` (both or neither). With `handle` (a
+        cached dispatch): the handle's routes, no top-k. `num_tokens_per_rdma_rank` is not needed (ignored).
+
+        Returns `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)`
+        as DeepEP's: recv_x in (source rank, token) order, the same type as `x`; recv_topk_idx local expert
+        ids (-1: an expert of another rank); recv_topk_weights (0 where the id is -1); the list of received
+        tokens per local expert from `num_tokens_per_expert`, each rounded up to `expert_alignment` (empty
+        with `num_worst_tokens`, which pads the received tensors to that many rows, recv_topk_idx -1 past the
+        count). A cached dispatch returns `(recv_x, None, None, None, None, event)`. Bad input on any rank:
+        ValueError there, CallAborted on the others, nothing sent. `config` is checked and unused.
+        """
+        return self._normal_mode().dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                            topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                            previous_event, async_finish, allocate_on_comm_stream)
+
+    def combine(self, x: torch.Tensor, handle, topk_weights=None, bias=None, config: "Config | None" = None,
+                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's normal-mode combine (collective): `x` `[num_recv, H]` bf16 in the handle's recv_x order goes
+        home; `combined_x[t] = bias_0[t] + bias_1[t] + sum over the ranks r that received t (in rank order) of
+        x_r[row]`, in fp32, cast to bf16 once (no weights applied, as DeepEP). `topk_weights` `[num_recv, K]`
+        float32 is summed the same way. Returns `(combined_x [T, H] bf16, combined_topk_weights or None,
+        event)`. A handle may be combined any number of times."""
+        return self._normal_mode().combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                           allocate_on_comm_stream)
+
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                           is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment: int = 1, config: "Config | None" = None, previous_event=None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's name for `dispatch` across nodes (which `dispatch` takes itself): the same call."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config,
+                             previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config: "Config | None" = None,
+                          previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's name for `combine` across nodes: the same call."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -757,6 +807,8 @@ class Buffer:
         """Stop every instance (their proxies, shared memory). Idempotent; every later call raises
         ValueError."""
         self._closed = True
+        if self._normal is not None:
+            self._normal.close()
         for s in self._slots:
             for a2a in s.instances.values():
                 a2a.close()

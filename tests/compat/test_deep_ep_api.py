@@ -107,14 +107,10 @@ def test_capture_returns_an_event_overlap():
         pass
 
 
-def test_normal_mode_and_local_buffer_tensor_are_refused_naming_the_alternative():
-    """Refused before anything is sent, the same way on every rank (no input is read): normal mode names
-    the low-latency API and the engines' flags; get_local_buffer_tensor says why."""
-    buf = object.__new__(m.Buffer)  # these refusals read nothing of the instance (no process group needed)
-    for name in ("get_dispatch_layout", "dispatch", "combine", "internode_dispatch", "internode_combine"):
-        with pytest.raises(NotImplementedError, match=f"{name}: .*normal .*low_latency_dispatch.*"
-                                                      f"deepep_low_latency.*--deepep-mode low_latency"):
-            getattr(buf, name)(torch.zeros(1, 1), None)
+def test_local_buffer_tensor_is_refused_saying_why():
+    """Refused before anything is sent, the same way on every rank (no input is read): get_local_buffer_tensor
+    says why. (Normal mode is served since issue 32, item 6: tests/compat/test_deep_ep_normal.py.)"""
+    buf = object.__new__(m.Buffer)  # this refusal reads nothing of the instance (no process group needed)
     with pytest.raises(NotImplementedError, match="get_local_buffer_tensor: .*enable_fault_tolerance"):
         buf.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
 
@@ -170,7 +166,8 @@ def _engine_calls(a2a, rank):
         extra = {"overlap": True} if rank == 0 else {}
         attempt(lambda: buf.low_latency_combine(recv_x, idx, w, handle, **extra))
         good()
-        # Normal mode: refused on every rank alike, nothing sent; the next call works.
+        # Normal mode (issue 32, item 6): the layout is local; a dispatch without it is refused on every
+        # rank alike, nothing sent; the next call works.
         attempt(lambda: buf.get_dispatch_layout(idx, E))
         attempt(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w))
         attempt(lambda: buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True))
@@ -188,9 +185,10 @@ def test_engine_calls_between_processes_positional_stats_and_refusals():
         seen = got[r]
         assert len(seen) == 15, seen
         assert seen[0] is True and seen[1] is True and seen[3] == [7, 7], seen[:4]
-        for i, what in ((11, "get_dispatch_layout: DeepEP's normal"), (12, "dispatch: DeepEP's normal"),
-                        (13, "get_local_buffer_tensor: moe_a2a's DeepEP facade has no single raw buffer")):
-            assert seen[i].startswith(f"NotImplementedError: {what}"), seen[i]
+        assert seen[11] == "ok", seen[11]
+        assert seen[12].startswith("ValueError: num_tokens_per_rank: required"), seen[12]
+        assert seen[13].startswith("NotImplementedError: get_local_buffer_tensor: moe_a2a's DeepEP facade has no "
+                                   "single raw buffer"), seen[13]
     for i, bad_rank, what in ((5, 1, "use_nvfp4=True: NVFP4 dispatch"),
                               (7, 0, "dispatch_wait_recv_cost_stats: expected an int64 [2]"),
                               (9, 0, "unexpected arguments ['overlap']")):
