@@ -153,7 +153,7 @@ cross-node:all|cross-node:more)
   ;;
 emulated:all)
   # two simulated nodes of one rank each; each remote write a CUDA copy (an instrument, not a network)
-  step 240 "${gpu_tests[@]}" tests/triton_kernels/test_write_plan.py tests/test_emulated_gpu.py
+  step 240 "${gpu_tests[@]}" tests/triton_kernels/test_write_plan.py tests/e2e/test_emulated_gpu.py
   ngpu=$(nvidia-smi -L | wc -l)
   # one GPU: both ranks share it, so they wait on the host (no graph) and the proxy's spans are traced
   if [ "$ngpu" -ge 2 ]; then mode=(--graph --no-nccl --preset decode); else mode=(--device cuda --trace-proxy); fi
@@ -189,7 +189,7 @@ mps:all|mps:node-local)
   # CUDA-graph tests (2 ranks; shrink mode inside a graph, 3 ranks), the kernels' masking wait compiled, and
   # the facade's shrink tests with a GPU (the kernels' own waits mask on one node, the host's across nodes).
   mps_start
-  step 300 "${gpu_tests[@]}" --timeout 240 tests/test_cuda_graph.py tests/triton_kernels/test_node_sync.py
+  step 300 "${gpu_tests[@]}" --timeout 240 tests/e2e/test_cuda_graph.py tests/triton_kernels/test_node_sync.py
   step 420 "${gpu_tests[@]}" --timeout 400 tests/compat/test_shrink.py
   mps_stop
   ;;&

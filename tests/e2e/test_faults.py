@@ -18,8 +18,8 @@ from moe_a2a import LocalCluster
 from moe_a2a.config import A2AConfig
 from moe_a2a.local import _CLUSTER_ENV, _cluster_processes
 
-from ._procnet import listening_sockets, socket_inodes
-from .conftest import TEST_DEVICE
+from .._procnet import listening_sockets, socket_inodes
+from ..conftest import TEST_DEVICE
 
 pytestmark = [pytest.mark.slow]
 

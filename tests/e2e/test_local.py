@@ -18,7 +18,7 @@ from moe_a2a import LocalCluster
 from moe_a2a.config import A2AConfig
 from moe_a2a.local import _dumps, _loads
 
-from .conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE
 
 
 def _who(a2a, rank, tag):

@@ -14,7 +14,7 @@ from moe_a2a.bench.demo import make_inputs
 from moe_a2a.oracle import check_against_reference, fill_sentinel, record_call, toy_expert
 from moe_a2a.config import A2AConfig
 
-from .conftest import TEST_DEVICE, interpreter_only
+from ..conftest import TEST_DEVICE, interpreter_only
 
 pytestmark = [pytest.mark.slow]
 

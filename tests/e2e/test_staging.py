@@ -14,7 +14,7 @@ from moe_a2a.oracle import check_against_reference
 from moe_a2a.config import A2AConfig
 from moe_a2a.protocol import plan
 
-from .conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE
 
 pytestmark = [pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from moe_a2a.bench.demo import rank_roundtrip
 from moe_a2a.oracle import check_against_reference
 from moe_a2a.config import A2AConfig
 
-from .conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE
 
 pytestmark = [pytest.mark.slow]
 

@@ -14,7 +14,7 @@ from moe_a2a.config import A2AConfig
 from moe_a2a.bench.demo import make_inputs, rank_roundtrip
 from moe_a2a.oracle import SENTINEL, check_against_reference, fill_sentinel, record_call, toy_expert
 
-from .conftest import TEST_DEVICE
+from ..conftest import TEST_DEVICE
 
 pytestmark = [pytest.mark.slow]
 
@@ -230,7 +230,7 @@ def test_killed_rank_gives_timeout_naming_it_not_a_hang(transport, node_size, wo
     msg = str(info.value)
     assert "rank(s) [2] died" in msg and "must be rebuilt" in msg, msg
     # LocalCluster interrupts the survivors at once (never another rank blamed); their own timeouts naming
-    # a silent rank (missing peers) are tested in tests/test_collective_faults.py.
+    # a silent rank (missing peers) are tested in tests/e2e/test_collective_faults.py.
     assert all(f"missing peers [{r}" not in msg for r in range(world) if r != 2), msg
     assert elapsed < timeout_s + 15
     time.sleep(0.5)

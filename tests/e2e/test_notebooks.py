@@ -16,7 +16,7 @@ nbclient = pytest.importorskip("nbclient", reason="needs the test extras: pip in
 pytest.importorskip("ipykernel", reason="needs the test extras: pip install -e '.[test]'")
 pytest.importorskip("matplotlib", reason="needs the test extras: pip install -e '.[test]'")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 VERIFIED = "VERIFIED:"
 

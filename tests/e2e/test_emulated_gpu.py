@@ -4,7 +4,7 @@
 Written to run with one GPU (2 ranks on 2 simulated nodes share it: host waits) and with one GPU per
 rank (kernel waits). Run on the GPU machine with compiled kernels:
 
-    MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_emulated_gpu.py
+    MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/e2e/test_emulated_gpu.py
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _cuda_pair(comm, nbytes: int, nic: str):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nic", ["0", "20us,10GBps"])
 def test_cuda_carrier_moves_bytes_and_immediates_between_processes(nic):
-    from .proxy._peers import run_peers
+    from ..proxy._peers import run_peers
 
     results = run_peers(2, _cuda_pair, 4 << 20, nic, timeout_s=120)
     for errors, per_write_us in results:
