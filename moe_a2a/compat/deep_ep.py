@@ -1,6 +1,8 @@
-"""A DeepEP-shaped low-latency facade: `Buffer.low_latency_dispatch` / `low_latency_combine`.
+"""A DeepEP-shaped facade: the low-latency `Buffer.low_latency_dispatch` / `low_latency_combine` (here), and
+the normal (high-throughput) `get_dispatch_layout` / `dispatch` / `combine` (`compat/_normal.py`, issue 32
+item 6, on the same Buffer).
 
-Inference engines (vLLM, SGLang) and DeepEP's own low-latency test drive DeepEP's `Buffer`; this module
+Inference engines (vLLM, SGLang) and DeepEP's own tests drive DeepEP's `Buffer`; this module
 has its names, so `import deep_ep` may resolve to it (`sys.modules["deep_ep"] = moe_a2a.compat.deep_ep`,
 docs/compat.md). It is a thin layer over `moe_a2a.AllToAll` with a fixed expert capacity
 (`A2AConfig.expert_capacity`): the received tokens are `[num_local_experts, C, hidden]`,
@@ -165,9 +167,10 @@ def _move_rows(rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torc
 class Config:
     """DeepEP's `Config`: the tuning of its normal (high-throughput) mode's kernels, with DeepEP's constructor
     arguments, defaults and checks (ValueError where DeepEP asserts), so engines that build one (SGLang's
-    `--deepep-config`, `Buffer.get_dispatch_config`) work. The facade provides only the low-latency API and
-    its kernels pick their own grids: the values are kept and never used. The buffer size hints are 0
-    (the facade has no normal-mode buffer; its buffers are sized by the first low-latency dispatch)."""
+    `--deepep-config`, `Buffer.get_dispatch_config`) work, and normal-mode calls take it (`config=`). The
+    facade's kernels pick their own grids: the values are kept and never used. The buffer size hints are 0
+    (no buffer is sized by them: the low-latency buffers are sized by their first dispatch, the normal-mode
+    ones by the first normal-mode dispatch)."""
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
@@ -208,19 +211,13 @@ class Config:
                 f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
 
 
-# Why DeepEP's normal-mode calls are refused, and what to use instead.
-_NORMAL_MODE = ("DeepEP's normal (high-throughput) mode is not provided by moe_a2a's DeepEP facade: use its "
-                "low-latency API (low_latency_dispatch / low_latency_combine): vLLM `--all2all-backend "
-                "deepep_low_latency`, SGLang `--deepep-mode low_latency` (its default `auto` uses normal mode for "
-                "prefill); docs/compat.md")
-
 # Arguments of other DeepEP versions' low_latency_dispatch that the facade knows (DeepEP's hybrid-ep branch,
 # passed by vLLM and SGLang for NVFP4 dispatch).
 _NVFP4_ARGS = ("use_nvfp4", "x_global_scale")
 
 
 class Buffer:
-    """DeepEP's `Buffer` for the low-latency path, over `moe_a2a.AllToAll`.
+    """DeepEP's `Buffer` (low-latency and normal mode), over `moe_a2a.AllToAll`.
 
     Args:
         group: the torch.distributed process group of the expert-parallel ranks (bootstrap only; default
@@ -324,7 +321,7 @@ class Buffer:
     def get_dispatch_config(num_ranks: int) -> Config:
         """DeepEP's recommended normal-mode dispatch `Config` for `num_ranks`: here `Config(Buffer.num_sms)`
         with DeepEP's constructor defaults for any number of ranks (not DeepEP's per-size tuning table: the
-        values are never used, normal mode is not provided)."""
+        values are never used, the facade's kernels pick their own grids)."""
         return Buffer._normal_config("get_dispatch_config", num_ranks)
 
     @staticmethod
