@@ -130,7 +130,8 @@ def _normal_rank(a2a, rank, Ts):
 
         # 1. bf16 with top-k, async_finish and previous_event (EventOverlap-like, as the low-latency path)
         recv_x, r_idx, r_w, r_list, handle, ev = buf.dispatch(
-            x, **layout, topk_idx=idx, topk_weights=w, config=m.Buffer.get_dispatch_config(W),
+            x, **layout, num_tokens_per_rdma_rank=per_node, topk_idx=idx, topk_weights=w,
+            config=m.Buffer.get_dispatch_config(W),
             previous_event=m.Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
         ev.current_stream_wait()
         with ev:
@@ -165,6 +166,11 @@ def _normal_rank(a2a, rank, Ts):
         b1 = torch.full((T, H), 1e-3, dtype=torch.bfloat16)
         combined3, _, _ = buf.combine(recv2, handle2, bias=(b0.to(dev), b1.to(dev)))
         report["combine_two_biases"] = (recv2.cpu(), b0, b1, combined3.cpu())
+        # DeepEP's internode_* names: the same calls
+        recv3 = buf.internode_dispatch(x2, handle=handle2)[0]
+        assert torch.equal(recv3, recv2)
+        combined3b, _, _ = buf.internode_combine(recv2, handle2, bias=(b0.to(dev), b1.to(dev)))
+        assert torch.equal(combined3b, combined3)
 
         # 3. fp8 (x, scales) with top-k, expert_alignment 4, num_worst_tokens: bits passed through
         q, s = _fp8(ins[rank][0].new_zeros(T, H8), rank, 1)
