@@ -41,6 +41,18 @@ def _check_rank_inputs(cfg: A2AConfig, world_size: int, s: int, x, x_scale, idx)
         raise ValueError(f"indices[{s}]: values must be in [-1, {cfg.num_experts})")
 
 
+def segment_rows(cfg: A2AConfig, rank: int, counts: torch.Tensor) -> list[int]:
+    """Rows of each local expert's segment of `rank`'s output: its count rounded up to `expert_padding`,
+    or `expert_capacity` for every expert (a count above it is refused, as the kernels abort the call)."""
+    if cfg.expert_capacity is None:
+        return [round_up(int(c), cfg.expert_padding) for c in counts]
+    over = [l for l in range(len(counts)) if int(counts[l]) > cfg.expert_capacity]
+    if over:
+        raise ValueError(f"rank {rank}: local expert {over[0]} receives {int(counts[over[0]])} rows > "
+                         f"expert_capacity ({cfg.expert_capacity})")
+    return [cfg.expert_capacity] * len(counts)
+
+
 def dispatch(cfg: A2AConfig, xs: Tensors, x_scales: Sequence[torch.Tensor | None] | None,
              indices: Tensors) -> list[Received]:
     """Dispatch of every source rank's tokens, as each destination rank must see it.
@@ -87,13 +99,7 @@ def dispatch(cfg: A2AConfig, xs: Tensors, x_scales: Sequence[torch.Tensor | None
         mine = (expert >= r * L) & (expert < (r + 1) * L)
         e_loc, src, tok = expert[mine] - r * L, source[mine], token[mine]
         counts = torch.bincount(e_loc, minlength=L).to(torch.int32)
-        padded = [round_up(int(c), cfg.expert_padding) for c in counts]
-        if cfg.expert_capacity is not None:
-            over = [l for l in range(L) if int(counts[l]) > cfg.expert_capacity]
-            if over:
-                raise ValueError(f"rank {r}: local expert {over[0]} receives {int(counts[over[0]])} rows > "
-                                 f"expert_capacity ({cfg.expert_capacity})")
-            padded = [cfg.expert_capacity] * L
+        padded = segment_rows(cfg, r, counts)
         R = sum(padded)
         ex = torch.zeros(R, cfg.hidden_dim, dtype=cfg.in_dtype, device=device)
         exs = torch.zeros(R, cfg.num_scales, dtype=torch.float32, device=device) if cfg.has_scales else None
@@ -315,14 +321,7 @@ def expand_rank_rows(cfg: A2AConfig, received: Sequence[Sequence[RankRows]]) -> 
                     if e >= 0 and r * L <= e < (r + 1) * L:
                         slots[e - r * L].append((s, i))
         counts = torch.tensor([len(sl) for sl in slots], dtype=torch.int32)
-        if cfg.expert_capacity is not None:
-            over = [l for l in range(L) if len(slots[l]) > cfg.expert_capacity]
-            if over:
-                raise ValueError(f"rank {r}: local expert {over[0]} receives {len(slots[over[0]])} rows > "
-                                 f"expert_capacity ({cfg.expert_capacity})")
-            padded = [cfg.expert_capacity] * L
-        else:
-            padded = [round_up(len(sl), cfg.expert_padding) for sl in slots]
+        padded = segment_rows(cfg, r, counts)
         device = received[r][0].x.device if received[r] else "cpu"
         R = sum(padded)
         ex = torch.zeros(R, cfg.hidden_dim, dtype=cfg.in_dtype, device=device)

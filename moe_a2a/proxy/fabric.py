@@ -34,7 +34,7 @@ from itertools import repeat
 
 from . import libfabric as lf
 from .engine import EngineAddress, LocalRegion, Peer, PeerGroup, PeerTimeout, RemoteRegion
-from .fabric_chunks import (_ONE_CHUNK, _WRITE_FLAGS, MAX_REGISTRATION_ENV, PAGE_SIZE, ChunkedPosting,
+from .fabric_chunks import (_ONE_CHUNK, _WRITE_FLAGS, MAX_REGISTRATION_ENV, PAGE_SIZE, ChunkedPosting, slot_peers,
                             FabricRegistration, _chunk_ends, check_chunks,
                             default_max_registration_bytes, max_registration_from_env, registration_chunks)
 
@@ -316,14 +316,9 @@ class FabricCarrier(ChunkedPosting):
         # fi_writemsg): 0.41 µs for the bare ctypes call; the whole loop per write is in
         # docs/transport.md. Hence: locals only, one tuple per peer, one struct.pack_into for the six
         # contiguous words of the peer's template that change per write, free contexts as addresses.
-        pack = _PATCH.pack_into
-        templates = grp._templates
-        info = grp.post_info
-        free = self._free_ctx
+        pack, templates, info, flags = _PATCH.pack_into, grp._templates, grp.post_info, _WRITE_FLAGS
+        free, ctx_peer, src_addr = self._free_ctx, self._ctx_peer, src.addr
         pop = free.pop
-        ctx_peer = self._ctx_peer
-        src_addr = src.addr
-        flags = _WRITE_FLAGS
         for (p, so, length, do), v in zip(targets, repeat(imm) if imms is None else imms):
             writemsg, ep, msg, off, rbase, peer = info[p]
             ctx = pop() if free else self._wait_ctx()  # none free: max_inflight in flight, progress
@@ -373,12 +368,8 @@ class FabricCarrier(ChunkedPosting):
         if hit is not None and hit[0] is slots:
             return hit[1]
         self.engine.check_source(src)
-        info, n = grp.post_info, len(grp.peers)
         rows = []
-        for p, b in slots:
-            if not 0 <= p < n:
-                raise ValueError(f"post_table slot {(p, b)}: peer index {p} outside the group of {n} peers")
-            writemsg, ep, msg, off, rbase, peer = info[p]
+        for p, b, (writemsg, ep, msg, off, rbase, peer) in slot_peers(grp, slots):
             rows.append((b, p, writemsg, ep, msg, off, rbase + dst_base, peer, grp.remote_nbytes[p] - dst_base))
         prep = (tuple(rows), grp._templates, src.addr + src_base, src.nbytes - src_base)
         self._prepared[key] = (slots, prep)

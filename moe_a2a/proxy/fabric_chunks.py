@@ -85,6 +85,15 @@ def check_chunks(i: int, r: RemoteRegion) -> None:
                          f"the chunks do not describe it")
 
 
+
+def slot_peers(grp, slots):
+    """`(peer index, row, post info)` of each `(peer index, row)` slot of a write table, the index checked."""
+    info, n = grp.post_info, len(grp.peers)
+    for p, b in slots:
+        if not 0 <= p < n:
+            raise ValueError(f"post_table slot {(p, b)}: peer index {p} outside the group of {n} peers")
+        yield p, b, info[p]
+
 class FabricRegistration:
     """A buffer's MRs: one per domain, per chunk (``chunk_descs[i][d]``, ``chunk_keys[i][d]``); ``descs`` and
     ``keys`` are chunk 0's. ``chunk_table[d]``: what the chunked write path needs in domain d (stride, last
@@ -162,12 +171,8 @@ class ChunkedPosting:
         hit = self._prepared.get(key)
         if hit is not None and hit[0] is slots:
             return hit[1]
-        info, n = grp.post_info, len(grp.peers)
         rows = []
-        for p, b in slots:
-            if not 0 <= p < n:
-                raise ValueError(f"post_table slot {(p, b)}: peer index {p} outside the group of {n} peers")
-            writemsg, ep, msg, off, _, peer = info[p]
+        for p, b, (writemsg, ep, msg, off, _, peer) in slot_peers(grp, slots):
             rows.append((b, p, writemsg, ep, msg, off, peer, grp.remote_chunks[p],
                          src.reg.chunk_table[grp.domain_of[p]]))
         prep = (tuple(rows), grp._templates, src.addr)

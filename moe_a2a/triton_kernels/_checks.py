@@ -104,3 +104,12 @@ def split(name: str, remote_offset_bytes, node_slots, device) -> bool:
 
 def _one_of(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def expert_rows(name: str, rows, dtype, cfg: A2AConfig, lay) -> tuple:
+    """A launcher's common checks of its config, its layout and its `[R, hidden_dim]` expert-row tensor `name`
+    of `dtype`; returns `(W, L, E, device, R)`."""
+    config(cfg)
+    layout(lay, cfg)
+    tensor(name, rows, dtypes=(dtype,), shape=(None, cfg.hidden_dim))
+    return lay.world_size, lay.num_local_experts, cfg.num_experts, rows.device, rows.shape[0]

@@ -61,12 +61,7 @@ def pack_combine_by_source(
         key = launch.key(expert_y, counts, rank, base, peer_recv_bytes, stage_bytes, cfg, layout, node)
         if _PACK_COMBINE.hit(key):
             return
-    check.config(cfg)
-    check.layout(layout, cfg)
-    W, L, E = layout.world_size, layout.num_local_experts, cfg.num_experts
-    check.tensor("expert_y", expert_y, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
-    device = expert_y.device
-    R = expert_y.shape[0]
+    W, L, E, device, R = check.expert_rows("expert_y", expert_y, cfg.out_dtype, cfg, layout)
     check.counts(counts, W, E, device)
     check.integer("rank", rank, 0, W)
     check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)

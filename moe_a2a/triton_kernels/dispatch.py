@@ -211,12 +211,7 @@ def unpack_tokens_by_expert(
                          recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges)
         if _UNPACK.hit(key):
             return
-    check.config(cfg)
-    check.layout(layout, cfg)
-    W, L, E = layout.world_size, layout.num_local_experts, cfg.num_experts
-    check.tensor("out_expert_x", out_expert_x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
-    device = out_expert_x.device
-    R = out_expert_x.shape[0]
+    W, L, E, device, R = check.expert_rows("out_expert_x", out_expert_x, cfg.in_dtype, cfg, layout)
     check.tensor("out_expert_num_tokens", out_expert_num_tokens, dtypes=(torch.int32,), shape=(L,),
                  device=device)
     if cfg.has_scales:

@@ -33,10 +33,8 @@ def stamp_time(words: torch.Tensor, index: int, value: int, *, device=None, epoc
     `(value, time.monotonic_ns())` at once."""
     words = _int64_words(words, "words")
     index = _word_index(words, index + 1, "index") - 1
-    run_on = _run_device(words, device)
-    if run_on.type == "cuda":
-        if epoch is not None:
-            check.scalar("epoch", epoch, torch.int64, run_on)
+    run_on = _cuda_run(words, device, epoch)
+    if run_on is not None:
         with torch.cuda.device(run_on):
             _stamp_time_kernel[(1,)](words, index, int(value), epoch if epoch is not None else words,
                                      HAS_EPOCH=epoch is not None, num_warps=1)
@@ -83,15 +81,23 @@ def signal_flag(flags: torch.Tensor, slot: int, value: int, *, device=None, epoc
     """
     words = _int64_words(flags, "flags")
     index = _word_index(words, slot, "slot")
-    run_on = _run_device(words, device)
-    if run_on.type == "cuda":
-        if epoch is not None:
-            check.scalar("epoch", epoch, torch.int64, run_on)
+    run_on = _cuda_run(words, device, epoch)
+    if run_on is not None:
         with torch.cuda.device(run_on):
             _signal_flag_kernel[(1,)](words, index, int(value), epoch if epoch is not None else words,
                                       USE_PTX=True, HAS_EPOCH=epoch is not None, num_warps=1)
     else:
         words.numpy()[index] = int(value)  # an aligned 8-byte store: atomic on x86 and arm64
+
+
+def _cuda_run(words: torch.Tensor, device, epoch) -> torch.device | None:
+    """The CUDA device a one-program launch runs on (`epoch` checked there), or None: the host stores."""
+    run_on = _run_device(words, device)
+    if run_on.type != "cuda":
+        return None
+    if epoch is not None:
+        check.scalar("epoch", epoch, torch.int64, run_on)
+    return run_on
 
 
 def _int64_words(t: torch.Tensor, name: str) -> torch.Tensor:
