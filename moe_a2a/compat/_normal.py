@@ -14,8 +14,9 @@ Semantics are DeepEP's (commit dd758ca: `deep_ep/buffers/legacy.py`, `csrc/legac
   bf16 taken to fp32) then the rows in rank order, in fp32, cast to bf16 once; the top-k weights given to
   the combine are summed the same way (fp32, rank order).
 
-How: the rows move through `AllToAll` instances whose "experts" are the ranks (num_experts = W, top-k = W,
-route k of token t = rank k when `is_token_in_rank[t, k]`, else -1), so rank r's one local "expert" receives
+How: the rows move through `AllToAll` instances whose "experts" are the ranks (num_experts = W; token t's
+routes are the ranks `is_token_in_rank[t]` names, in ascending order, then -1; top-k = R, the most ranks a
+token goes to on any rank, agreed per call), so rank r's one local "expert" receives
 every source's tokens in (source, token) order, which is DeepEP's `recv_x` order. A dispatched row carries,
 after the token's bytes (bf16, or fp8 with its scales), an int32 token index, the K top-k ids (int32) and
 the K weights (fp32 bits), moved bit-exactly (AllToAll moves payloads as opaque words). The instance's
@@ -87,7 +88,7 @@ class _Slot:
         self.send = torch.zeros(T, row_elems, dtype=in_dtype, device=dev)
         self.y = torch.zeros(rows, row_elems, dtype=torch.float32, device=dev)
         self.out = torch.zeros(T, row_elems, dtype=torch.float32, device=dev)
-        self.zero_w = torch.zeros(T, a2a.world_size, dtype=torch.float32, device=dev)
+        self.zero_w = torch.zeros(T, a2a.cfg.experts_per_token, dtype=torch.float32, device=dev)
         self.state, self.call, self.routes = FREE, -1, None
 
     def close(self) -> None:
@@ -96,10 +97,10 @@ class _Slot:
 
 class _Set:
     """Two slots of instances for one row format: kind ("bf16" | "fp8"), hidden H, S scale words, top-k K,
-    up to T tokens a rank."""
+    up to T tokens a rank, each to at most R ranks (the instances' routes a token)."""
 
-    def __init__(self, kind: str, H: int, S: int, K: int, T: int) -> None:
-        self.kind, self.H, self.S, self.K, self.T = kind, H, S, K, T
+    def __init__(self, kind: str, H: int, S: int, K: int, T: int, R: int) -> None:
+        self.kind, self.H, self.S, self.K, self.T, self.R = kind, H, S, K, T, R
         self.in_dtype = torch.bfloat16 if kind == "bf16" else _FP8
         item = 2 if kind == "bf16" else 1
         self.x_bytes = H * item
@@ -110,8 +111,8 @@ class _Set:
         self.slots: list[_Slot] = []
         self.next = 0
 
-    def fits(self, kind, H, S, K, T) -> bool:
-        return (self.kind, self.H, self.S) == (kind, H, S) and K <= self.K and T <= self.T
+    def fits(self, kind, H, S, K, T, R) -> bool:
+        return (self.kind, self.H, self.S) == (kind, H, S) and K <= self.K and T <= self.T and R <= self.R
 
 
 def _int(value, name: str, low: int) -> int:
@@ -212,19 +213,22 @@ class NormalMode:
                                      f"num_worst_tokens ({worst}); refused on every rank, nothing was sent")
         i0 = infos[0]
         T_max, K_max = max(i["T"] for i in infos), i0["k"] or 0
-        set_ = self._set_for(i0["kind"], i0["H"], i0["S"], max(K_max, 1), T_max, args["device"])
+        R_max = max(i["R"] for i in infos)  # the most ranks one token goes to, on any rank
+        set_ = self._set_for(i0["kind"], i0["H"], i0["S"], max(K_max, 1), T_max, max(R_max, 1), args["device"])
         _wait(previous_event)
         index, set_.next = set_.next, set_.next ^ 1
         slot = set_.slots[index]
         self.calls += 1
         if not i0["cached"]:
             is_token_in_rank = args["is_token_in_rank"]
-            routes = self._routes(is_token_in_rank)
+            routes = self._routes(is_token_in_rank, set_.R)
             prefix = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             n = int(prefix[W - 1, self.rank])
         else:
             call_ = handle.call
             is_token_in_rank, routes, n = call_.is_token_in_rank, call_.routes, call_.n
+            if routes.shape[1] < set_.R:  # the handle's set routes fewer ranks a token: padded with -1
+                routes = torch.cat([routes, routes.new_full((routes.shape[0], set_.R - routes.shape[1]), -1)], 1)
             prefix = handle[0]
         self._retire(slot)
         T = args["T"]
@@ -301,7 +305,7 @@ class NormalMode:
                 raise ValueError("a cached dispatch (handle given) takes no topk_idx / topk_weights (as DeepEP's)")
             if T != handle.call.T:
                 raise ValueError(f"x: a cached dispatch needs the handle's {handle.call.T} tokens, got {T}")
-            info.update(cached=True, k=None, E=None, call=handle.call.call)
+            info.update(cached=True, k=None, E=None, call=handle.call.call, R=handle.call.routes.shape[1])
             return {"info": info, "x": x, "scales": scales, "T": T, "worst": 0, "align": align, "device": dev,
                     "topk_idx": None, "topk_weights": None}
         for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
@@ -343,15 +347,19 @@ class NormalMode:
                 raise ValueError(f"topk_idx: expert ids must be in [-1, {E}), got values in "
                                  f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
         info.update(cached=False, k=k, E=E, per_rank=per_rank.tolist(),
+                    R=int(is_token_in_rank.sum(1).max()) if T else 0,
                     per_expert=num_tokens_per_expert.cpu().tolist())
         return {"info": info, "x": x, "scales": scales, "T": T, "worst": worst, "align": align, "device": dev,
                 "is_token_in_rank": is_token_in_rank, "topk_idx": topk_idx, "topk_weights": topk_weights}
 
-    def _routes(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
-        """`[T, W]` int32: route k of token t is rank k where the token goes there, else -1."""
+    def _routes(self, is_token_in_rank: torch.Tensor, R: int) -> torch.Tensor:
+        """`[T, R]` int32: the ranks token t goes to, in ascending order (the combine sums in route order, so
+        in rank order, as DeepEP), then -1; R >= the most ranks a token goes to."""
         W = self.W
         ranks = torch.arange(W, dtype=torch.int32, device=is_token_in_rank.device).expand(is_token_in_rank.shape[0], W)
-        return torch.where(is_token_in_rank, ranks, torch.full_like(ranks, -1)).contiguous()
+        keyed = torch.where(is_token_in_rank, ranks, torch.full_like(ranks, W))
+        routes = keyed.sort(dim=1).values[:, :R]
+        return torch.where(routes == W, torch.full_like(routes, -1), routes).contiguous()
 
     def _send_head(self, is_token_in_rank, prefix) -> torch.Tensor:
         """`[T, W]` int32: the row of token t in rank r's recv_x (-1: not sent there)."""
@@ -494,17 +502,18 @@ class NormalMode:
                               f"{', '.join(map(str, rejected))}: {table[rejected[0]][0]}; nothing was sent")
         return table
 
-    def _set_for(self, kind, H, S, K, T, device) -> _Set:
+    def _set_for(self, kind, H, S, K, T, R, device) -> _Set:
         for s in reversed(self.sets):
-            if s.fits(kind, H, S, K, T):
+            if s.fits(kind, H, S, K, T, R):
                 return s
         same = [s for s in self.sets if (s.kind, s.H, s.S) == (kind, H, S)]
         T = max([T, 16] + [s.T for s in same])
         T = 1 << (T - 1).bit_length()
         K = max([K] + [s.K for s in same])
-        set_ = _Set(kind, H, S, K, T)
+        R = max([R] + [s.R for s in same])
+        set_ = _Set(kind, H, S, K, T, R)
         W = self.W
-        cfg = A2AConfig(max_num_tokens=T, num_experts=W, experts_per_token=W, hidden_dim=set_.row_elems,
+        cfg = A2AConfig(max_num_tokens=T, num_experts=W, experts_per_token=R, hidden_dim=set_.row_elems,
                         in_dtype=set_.in_dtype, scale_block=None, out_dtype=torch.float32,
                         expert_capacity=W * T)
         opts = dict(self.buf._options)

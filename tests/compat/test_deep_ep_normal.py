@@ -128,6 +128,22 @@ def _normal_rank(a2a, rank, Ts):
         ref_x = torch.cat([ins[s][0][rows[s]] for s in range(W)])
         n = ref_x.shape[0]
 
+        # 0. the first call routes each token to one expert (instances built for one rank a token), then
+        # calls with more ranks a token build larger ones
+        idx1 = idx[:, :1].contiguous()
+        p1, _, e1, r1, _ = buf.get_dispatch_layout(idx1, E)
+        recv1, ridx1, rw1, _, h1, _ = buf.dispatch(x, num_tokens_per_rank=p1, is_token_in_rank=r1,
+                                                   num_tokens_per_expert=e1, topk_idx=idx1,
+                                                   topk_weights=w[:, :1].contiguous())
+        ins1 = [(a, b[:, :1], c[:, :1]) for a, b, c in ins]
+        rows1, ref_idx1, ref_w1, _, _ = _recv_ref(ins1, rank, W, 1)
+        assert torch.equal(recv1.cpu(), torch.cat([ins[s][0][rows1[s]] for s in range(W)]))
+        assert torch.equal(ridx1.cpu(), ref_idx1) and torch.equal(rw1.cpu(), ref_w1)
+        y1 = (recv1.float() * (rank + 1)).to(torch.bfloat16)
+        c1, _, _ = buf.combine(y1, h1)
+        report["top1"] = (y1.cpu(), c1.cpu())
+        assert [st.R for st in buf._normal.sets] == [1]  # instances for one rank a token
+
         # 1. bf16 with top-k, async_finish and previous_event (EventOverlap-like, as the low-latency path)
         recv_x, r_idx, r_w, r_list, handle, ev = buf.dispatch(
             x, **layout, num_tokens_per_rdma_rank=per_node, topk_idx=idx, topk_weights=w,
@@ -137,6 +153,7 @@ def _normal_rank(a2a, rank, Ts):
         with ev:
             pass
         assert torch.equal(recv_x.cpu(), ref_x) and recv_x.is_contiguous()
+        assert [st.R for st in buf._normal.sets][-1] > 1  # a larger set for more ranks a token
         assert torch.equal(r_idx.cpu(), ref_idx) and r_idx.dtype == torch.int64
         assert torch.equal(r_w.cpu(), ref_w) and r_list == lst
         assert torch.equal(handle[0][:, rank].cpu(), torch.tensor(prefix, dtype=torch.int32))
@@ -225,7 +242,10 @@ def _normal_rank(a2a, rank, Ts):
 
 def _check(got, Ts, W):
     ins = [_inputs(s, 1, Ts[s], W) for s in range(W)]
+    ins1 = [(a, b[:, :1], c[:, :1]) for a, b, c in ins]
     for rank in range(W):
+        ref1, _ = _combined_ref(ins1, [got[r]["top1"][0] for r in range(W)], None, rank, W)
+        assert torch.equal(got[rank]["top1"][1], ref1), rank
         # combine 1: unweighted sum of the rows over ranks (fp32, rank order, one cast), weights summed alike
         ys = [got[r]["combine1"][0] for r in range(W)]
         wys = [got[r]["combine1"][1] for r in range(W)]
