@@ -1,7 +1,8 @@
 """What runs in the proxy process, and nothing else: torch-free (tests/proxy/test_torch_free.py).
 
     worker.py        the proxy process: one call's steps (run_epoch)
-    engine.py        TransferEngine: regions, peers, posting, immediate counts, waits (one engine), make_engine
+    engine.py        TransferEngine: regions, peers, posting, immediate counts, waits (one engine)
+    carriers.py      make_engine: the proxy's engine over libfabric or the emulated NIC
     fabric.py        the libfabric carrier: endpoints, registrations, write templates, CQs
     fabric_chunks.py registrations over a provider's limit, in overlapping chunks, and their posting path
     libfabric.py     the ctypes shim over libfabric: loading, fi_getinfo, the objects (endpoints, MRs, CQs)
@@ -15,3 +16,5 @@
 The model process's side (starting a proxy, the bootstrap) is in `runtime/`; what both share (the segment,
 memory helpers, `ProxySpec`) in `protocol/`.
 """
+
+from . import fabric as _fabric  # noqa: E402,F401  (registers libfabric as the engines' default carrier)

@@ -49,6 +49,14 @@ import numpy as np
 from . import libfabric as lf
 
 EMULATED = "emulated"  # the provider name of the emulated NIC (transport="emulated")
+# The carrier a TransferEngine made without one runs on: `fabric.FabricCarrier`, registered by fabric.py
+# (imported with the package), so that this module needs none of its carriers (they all need it).
+_DEFAULT_CARRIER: list = [None]
+
+
+def use_default_carrier(factory) -> None:
+    """Make `factory(provider, num_domains, **libfabric options)` the carrier of engines made without one."""
+    _DEFAULT_CARRIER[0] = factory
 _IMM_MASK = 0xFFFFFFFF
 _sched_yield = os.sched_yield
 
@@ -213,12 +221,10 @@ class TransferEngine:
                  tx_size: int | None = None, cq_size: int = 4096, max_inflight: int | None = None,
                  hmem: bool = False, idle_yield: bool = False, timeout_s: float = 30.0, local_only: bool = False,
                  max_registration_bytes: int | None = None, carrier=None):
-        if carrier is None:
-            from .fabric import FabricCarrier
-
-            carrier = FabricCarrier(provider, num_domains, domains=domains, tx_size=tx_size, cq_size=cq_size,
-                                    max_inflight=max_inflight, hmem=hmem, local_only=local_only,
-                                    max_registration_bytes=max_registration_bytes)
+        if carrier is None:  # libfabric's (fabric.py registers it when the proxy package is imported)
+            carrier = _DEFAULT_CARRIER[0](provider, num_domains, domains=domains, tx_size=tx_size, cq_size=cq_size,
+                                          max_inflight=max_inflight, hmem=hmem, local_only=local_only,
+                                          max_registration_bytes=max_registration_bytes)
         self.carrier = carrier
         self.provider, self.provider_name = carrier.provider, carrier.provider_name
         self.num_domains = carrier.num_domains
@@ -553,18 +559,3 @@ class TransferEngine:
     def __repr__(self) -> str:
         return f"TransferEngine({self.carrier!r}, pending={self.writes_pending})"
 
-
-def make_engine(spec, on_gpu: bool) -> TransferEngine:
-    """The proxy's engine for `spec` (`protocol.proxy_spec.ProxySpec`): over libfabric, or for transport
-    "emulated" over the emulated NIC (its CUDA carrier when the buffers are GPU memory)."""
-    if spec.provider != EMULATED:
-        return TransferEngine(spec.provider, domains=spec.domains, timeout_s=spec.timeout_s,
-                              idle_yield=spec.idle_yield, hmem=on_gpu, local_only=spec.local_only)
-    from .emulated import EmulatedCarrier
-    from .nic_settings import parse_nic_settings
-
-    # Every engine that connects to us claims a ring: every proxy of every rank (ourselves included).
-    senders = spec.layout.world_size * max(1, spec.shards) + 1
-    carrier = EmulatedCarrier(cuda_device=spec.fd_buffers[1] if on_gpu else None,
-                              nic=parse_nic_settings(spec.emulated_nic), max_senders=senders)
-    return TransferEngine(carrier=carrier, timeout_s=spec.timeout_s, idle_yield=spec.idle_yield)

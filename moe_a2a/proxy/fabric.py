@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from itertools import repeat
 
 from . import libfabric as lf
-from .engine import EngineAddress, LocalRegion, Peer, PeerGroup, PeerTimeout, RemoteRegion
+from .engine import EngineAddress, LocalRegion, Peer, PeerGroup, PeerTimeout, RemoteRegion, use_default_carrier
 from .fabric_chunks import (_ONE_CHUNK, _WRITE_FLAGS, MAX_REGISTRATION_ENV, PAGE_SIZE, ChunkedPosting, slot_peers,
                             FabricRegistration, _chunk_ends, check_chunks,
                             default_max_registration_bytes, max_registration_from_env, registration_chunks)
@@ -475,3 +475,6 @@ class FabricCarrier(ChunkedPosting):
 
     def __repr__(self) -> str:
         return f"libfabric {self.provider_name}, domains={self.num_domains}, mr_mode={self.info.mr_mode:#x}"
+
+
+use_default_carrier(FabricCarrier)  # a TransferEngine made without a carrier runs over libfabric

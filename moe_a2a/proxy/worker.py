@@ -58,7 +58,8 @@ from ..protocol.board import post_failure
 from ..protocol.memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
 from ..protocol.proxy_spec import ProxySpec
 from . import libfabric as lf
-from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout, make_engine
+from .carriers import make_engine
+from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
 
 
 
