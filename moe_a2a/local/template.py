@@ -1,0 +1,135 @@
+"""The ranks' template process (device="cpu"): its body, which forks every rank from one start-up, and the
+caller's view of it and of the ranks it forked (`_Template`, `_ForkedRank`)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+
+from .processes import _is_zombie, _start_time
+from .rank import _rank_main
+
+
+def _template_main(world_size: int, rank_args: tuple, conns: list, control, abort_words) -> None:
+    """The ranks' template process (device="cpu"): import what every rank needs once, then fork the ranks
+    from this process, so N ranks cost one start-up (importing torch and triton: seconds of CPU) instead of
+    N; then reap them, telling the caller each one's exit code. Forking is safe here: nothing has touched a
+    GPU or started a thread pool (the ranks' environment asks for one BLAS/OpenMP thread)."""
+    import torch
+    import torch.distributed  # noqa: F401 - imported once, here, for every rank
+
+    from .. import all_to_all  # noqa: F401 - the kernels too (TRITON_INTERPRET is set: interpreted)
+
+    torch.set_num_threads(1)
+    ranks: dict[int, int] = {}
+    for rank in range(world_size):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for i, c in enumerate(conns):  # only the caller's end and this rank's may stay open (EOF)
+                    if i != rank and not c.closed:
+                        c.close()
+                control.close()
+                _rank_main(rank, *rank_args, conns[rank], abort_words)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # noqa: BLE001 - said on stderr, as a spawned rank's would be
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)  # never the template's exit handlers
+        ranks[pid] = rank
+        conns[rank].close()
+        control.send(("forked", rank, pid, _start_time(pid)))
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        rank = ranks.pop(pid, None)
+        if rank is not None:
+            try:
+                control.send(("exit", rank, os.waitstatus_to_exitcode(status)))
+            except OSError:  # the caller is gone: reap the rest anyway
+                pass
+    # Out at once: an interpreter that imported torch and triton takes about a second to tear down, and
+    # LocalCluster.close waits for this process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class _Template:
+    """The caller's side of the template process: the forked ranks' pids and exit codes, as it reports them."""
+
+    def __init__(self, proc, control) -> None:
+        self.proc, self.control = proc, control
+        self.pids: dict[int, tuple[int, int | None]] = {}  # rank -> (pid, start time)
+        self.codes: dict[int, int] = {}
+
+    def poll(self) -> None:
+        try:
+            while self.control.poll(0):
+                msg = self.control.recv()
+                if msg[0] == "forked":
+                    self.pids[msg[1]] = (msg[2], msg[3])
+                else:
+                    self.codes[msg[1]] = msg[2]
+        except (EOFError, OSError):
+            pass
+
+
+class _ForkedRank:
+    """A rank forked by the template process (our grandchild), with the part of `multiprocessing.Process`
+    that LocalCluster uses: pid, is_alive(), exitcode, kill(), join()."""
+
+    def __init__(self, template: _Template, rank: int) -> None:
+        self._t, self._rank = template, rank
+
+    @property
+    def pid(self) -> int | None:
+        self._t.poll()
+        return self._t.pids.get(self._rank, (None, None))[0]
+
+    @property
+    def exitcode(self) -> int | None:
+        self._t.poll()
+        if self._rank in self._t.codes:
+            return self._t.codes[self._rank]
+        if self._rank not in self._t.pids and not self._t.proc.is_alive():
+            return self._t.proc.exitcode  # never forked: the template's exit (e.g. no `__main__` guard)
+        return None
+
+    def is_alive(self) -> bool:
+        t = self._t
+        t.poll()
+        if self._rank in t.codes:
+            return False
+        if self._rank not in t.pids or t.proc.is_alive():
+            return t.proc.is_alive()  # the template reports every exit of its ranks
+        pid, started = t.pids[self._rank]
+        return _start_time(pid) == started and not _is_zombie(pid)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            pid, started = self._t.pids[self._rank]
+            if _start_time(pid) == started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+
