@@ -1,4 +1,4 @@
-"""`moe-a2a doctor` (moe_a2a/doctor.py): the checks over recorded facts of a p5 (EFA) and a ConnectX (verbs)
+"""`moe-a2a doctor` (moe_a2a/doctor/): the checks over recorded facts of a p5 (EFA) and a ConnectX (verbs)
 node, each with the one fact that breaks it; the live collector over a fake sysfs/proc/dev tree and on this
 host (tcp and shm, no RDMA device: warnings, exit 0); the command line.
 
