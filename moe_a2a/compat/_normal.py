@@ -24,8 +24,8 @@ combine payload is fp32 (`out_dtype=float32`): the row sent home is the expert o
 the K top-k weights, the combine sums with weight 1 per route in route (= rank) order with the bias as the
 accumulator's first term, so both sums are DeepEP's arithmetic exactly; the cast to bf16 is made once at
 the end. Costs beyond DeepEP's (for later, issue 32 items 1, 4, 7): one staging copy of `x` per dispatch and
-one copy out of the received rows; a combine of fp32 rows (twice DeepEP's bytes); buffers sized for W routes
-a token (`AllToAll` does not know that a token goes at most once to a rank); one host all-gather per call
+one copy out of the received rows; a combine of fp32 rows (twice DeepEP's bytes); buffers sized for R routes
+a token, W x T x R rows a rank (`AllToAll` does not know that a token goes at most once to a rank); one host all-gather per call
 (the call's verdicts and counts, so that bad input raises on every rank before anything is sent).
 
 Calls on one Buffer are collective (every rank makes the same calls in the same order, as DeepEP requires).
