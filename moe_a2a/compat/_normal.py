@@ -46,6 +46,7 @@ import torch
 from ..all_to_all import AllToAll, CallAborted, canonical_device
 from ..config import A2AConfig, round_up
 from ..fingerprint import all_gather
+from ._api import _NO_EVENT, Config, EventOverlap
 
 FREE, DISPATCHED, COMBINED = range(3)
 _FP8 = torch.float8_e4m3fn
@@ -262,8 +263,6 @@ class NormalMode:
     def _check_dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                         allocate_on_comm_stream) -> dict:
-        from .deep_ep import Config
-
         W = self.W
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         if config is not None and not isinstance(config, Config):
@@ -417,7 +416,6 @@ class NormalMode:
 
     # ---- combine ----------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
-        from .deep_ep import Config
 
         error, info = None, None
         try:
@@ -567,7 +565,6 @@ def _wait(previous_event) -> None:
 
 
 def _event(device, async_finish: bool):
-    from .deep_ep import _NO_EVENT, EventOverlap
 
     if async_finish and device.type == "cuda":
         event = torch.cuda.Event()
