@@ -1,4 +1,4 @@
-"""The DeepEP facade's slots and sizes (`compat/deep_ep.py`'s `Buffer` drives them).
+"""The DeepEP facade's slots and sizes (`compat/_low_latency.py`'s `LowLatencyMode`, behind `Buffer`, drives them).
 
 A slot is one of the two alternating micro-batch slots of one set of sizes: its receive buffers (shared by
 its `AllToAll` instances, a bf16 one and, from the first fp8 call, an fp8 one), the fp8 scales' copy in

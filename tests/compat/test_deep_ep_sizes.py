@@ -56,7 +56,7 @@ def _sizes_rank(a2a, rank):
     smaller hidden (sets of their own), refusals (more top-k, a set over num_rdma_bytes), clean."""
     from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
-    from moe_a2a.compat import deep_ep as m
+    from moe_a2a.compat import _low_latency_sets as m  # the builds look up all_gather and AllToAll there
 
     dev, seen = a2a.device, {}
 

@@ -1,0 +1,413 @@
+"""DeepEP's low-latency mode for the facade: `low_latency_dispatch` / `low_latency_combine` and what serves
+them, driven by `compat/deep_ep.py`'s `Buffer` (as `compat/_normal.py` serves the normal mode). The sets of
+instances, their build and `warm_up` are `compat/_low_latency_sets.py`'s; the slots `compat/_slots.py`'s.
+
+How it is built (docs/compat.md has the table of what matches DeepEP and what differs; `_slots.py` has the
+slots, their call's state machine, and the instances' sizes):
+- **one set of receive buffers for bf16 and fp8 calls.** The received rows are bf16 rows of H elements
+  (2H bytes) plus one 4-byte "scale" column. A bf16 call sends `x` as is. An fp8 call has the dispatch's
+  pack kernel quantise `x` (`AllToAll.dispatch(quantize=quant.Fp8Quantize(...))`, `quantize_fp8`'s math
+  with DeepEP's `round_scale` / `use_ue8m0` options) straight into each row it sends: fp8 payload in bytes
+  [0, H), its scales (fp32, or UE8M0 codes packed four per int32) from byte `round_up(H, 4)` (no separate
+  quantisation pass). Those rows travel through an fp8 instance per slot, made at the first fp8 call,
+  whose rows carry just these bytes (`A2AConfig.payload_bytes`, about H + H/32): the pack, the wire and
+  the unpack stride over half a bf16 row. Its receive half writes the same receive buffers as the bf16
+  instance, so `use_fp8` may change from call to call and the extra memory is the fp8 instances' send
+  and receive rows, not a second set of outputs. The fp8 `recv_x` of an fp8 call is a view of the received
+  rows (`[L, C, H]`, row stride 2H bytes); its scales are in DeepEP's layout (`[L, C, S]`, column-major per
+  expert, TMA-aligned: `triton_kernels/scale_layout.py` copies them out of the rows at each fp8 receive).
+  (Shrink mode sends fp8 calls in bf16 rows: its instances are all made at construction, when no fp8 call
+  has been seen.)
+- **calls of other sizes within the Buffer's bounds.** Fewer top-k are padded to what the instances take;
+  other (num_max_dispatch_tokens_per_rank, num_experts, hidden) get a set of instances of their own, built
+  collectively at their first call (within `num_rdma_bytes`). `warm_up` builds a set's buffers before
+  CUDA-graph capture.
+- **handle[0] without a copy.** The scale column of every row carries its source token index (int32 bits;
+  `AllToAll` moves scales bit-exactly), so the received scale column *is* DeepEP's `src_info`.
+  handle[1] (`layout_range`) is written by the receive's unpack, from the count matrix it reads anyway.
+- **two calls in flight.** Two slots of `AllToAll` instances used alternately (two micro-batches, two handles
+  alive); a call's receive buffers are reused two calls later. A dispatch whose handle is never combined
+  (DeepEP's test dispatches twice in a row) is finished by a combine of nothing before its instance is
+  reused; a handle combined twice (DeepEP's test does, with and without `zero_copy`) is dispatched
+  again first (the same `x`, quantised again for fp8, and routes, so `recv_x` is rewritten with the same
+  bytes; `x` must be unchanged for that). In shrink mode that dispatch receives into scratch buffers
+  instead (a third set of receive rows, made at the first repeated combine), since a rank masked after
+  the handle's dispatch is missing from it: its layout differs from the handle's, and the combine's
+  expert outputs, laid out as the handle says, are moved to it (`LowLatencyMode._dispatch_again`).
+- every tensor is created with an explicit device and dtype: nothing depends on torch's defaults.
+- input rejected by any call aborts that call on every rank (the peers raise
+  `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works, a bad `handle` to a combine
+  included; the first call (which builds the buffers, sized from its arguments) is collective itself: the
+  ranks exchange their verdicts, sizes and `use_fp8` first, so if one rank rejects its input, or the
+  ranks' sizes or `use_fp8` differ, every rank raises and nothing is built.
+- `close()` (or DeepEP's `destroy()`) releases everything; any later call raises ValueError.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..all_to_all import check_combine_recv
+from ._api import _NO_EVENT, EventOverlap
+from ._low_latency_sets import LowLatencySets
+from ._slots import COMBINE_SENT as _COMBINE_SENT
+from ._slots import COMBINED as _COMBINED
+from ._slots import DISPATCH_SENT as _DISPATCH_SENT
+from ._slots import DISPATCHED as _DISPATCHED
+from ._slots import FREE as _FREE
+from ._slots import Slot as _Slot
+from ._slots import fits as _fits
+from ._slots import fp8_quantize as _fp8_quantize
+from ._slots import pad_routes as _pad_routes
+from ._slots import set_key as _set_key
+
+
+class Handle(NamedTuple):
+    """What `low_latency_dispatch` returns for its combine; indexes as DeepEP's handle.
+
+    Fields (0-4 as DeepEP's):
+        src_info: `[L, C]` int32: row i of local expert l is token `src_info[l, i]` of its source rank's
+            `x` (rows i < recv_count[l]; later rows are stale).
+        layout_range: `[L, W]` int64: `(begin << 32) | count` per (local expert l, source rank s): expert l's
+            rows from rank s are rows [begin, begin + count) of its segment (rows are ordered by source
+            rank, then token, then top-k slot, so each source's rows are contiguous).
+        num_max_dispatch_tokens_per_rank, hidden, num_experts: the call's sizes.
+        slot, call: which of the two slots, and the Buffer's call number (a stale handle is refused).
+        num_tokens: T of this rank's `x`.
+
+    `src_info` and `layout_range` are views of the slot's buffers, valid (like `recv_x`) until the
+    dispatch two calls later.
+    """
+
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    slot: int
+    call: int
+    num_tokens: int
+
+    def __repr__(self) -> str:
+        return (f"Handle(slot={self.slot}, call={self.call}, num_tokens={self.num_tokens}, "
+                f"src_info={list(self.src_info.shape)}, layout_range={list(self.layout_range.shape)})")
+
+
+def _moved_rows(old: torch.Tensor, new: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Between two layouts of one call's received rows (`layout_range` `[L, W]`: `(begin << 32) | count`
+    per local expert and source, expert l's rows from row `l * capacity`): `(src, dst)`, the rows of `old`
+    and where `new` has them. A source's rows keep their order (token, then k); a source with fewer rows in
+    `new` (a masked one: none) keeps its first ones."""
+    L, W = old.shape
+    low = (1 << 32) - 1
+    ob, oc, nb, nc = (old >> 32).cpu(), (old & low).cpu(), (new >> 32).cpu(), (new & low).cpu()
+    n = torch.minimum(oc, nc).flatten()
+    cpu = torch.device("cpu")  # explicit: callers (DeepEP's tests) may set another default device
+    base = torch.arange(L, dtype=torch.int64, device=cpu)[:, None] * capacity
+    seg = torch.repeat_interleave(torch.arange(L * W, device=cpu), n)
+    offset = torch.arange(int(n.sum()), dtype=torch.int64, device=cpu) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+    src, dst = (base + ob).flatten()[seg] + offset, (base + nb).flatten()[seg] + offset
+    return src.to(old.device), dst.to(old.device)
+
+
+def _move_rows(rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """A new `rows`-shaped tensor whose rows `dst` are `rows[src]`, the others zero (never read)."""
+    moved = torch.zeros_like(rows)
+    moved[dst] = rows[src]
+    return moved
+
+
+class LowLatencyMode(LowLatencySets):
+    """The low-latency calls of one `Buffer`: each call on one of the two alternating slots of its set of
+    sizes (building the set at its first call), the receive hooks, a slot's retirement, a handle combined
+    again, and shrink mode's mask. `Buffer` checks that it is open and delegates here."""
+
+    # ---- dispatch ---------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                 num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None,
+                 dispatch_wait_recv_cost_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
+                 use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, kwargs: dict):
+        """`Buffer.low_latency_dispatch` (its docstring says what it takes and returns)."""
+        error, sizes, first = None, None, not self._slots
+        try:
+            if kwargs:
+                self._refuse_dispatch_kwargs(kwargs)
+            if dispatch_wait_recv_cost_stats is not None:  # its device too once built
+                self._check_cost_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
+            sizes = self._sizes(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+        except ValueError as exc:
+            error = exc
+        key = _set_key(sizes, x, num_max_dispatch_tokens_per_rank, num_experts)
+        if not self._slots or (key is not None and key not in self._sets and not self.enable_shrink):
+            # The first call, or the first of other sizes (every rank is in it: DeepEP needs the same
+            # num_max_dispatch_tokens_per_rank, hidden and num_experts on every rank): build a set of
+            # instances for them. Collective: raises on every rank when any rank cannot build.
+            self._build(error, sizes, x, use_fp8)
+        indices = self._sets.get(key)
+        if indices is None:  # rejected input whose arguments name no set: the call aborts on the last one's
+            indices = self._sets[self._last_key]
+        else:
+            self._last_key = key
+        built = self._slots[indices[0]].key
+        if error is None and not _fits(sizes, built):
+            if self.enable_shrink:
+                error = ValueError(f"this Buffer was sized by its first dispatch (num_max_dispatch_tokens_per_rank, "
+                                   f"num_experts, top-k, hidden) = {self._key}; got {sizes}: use another Buffer")
+            else:  # these sizes have instances, built for fewer routes per token
+                error = ValueError(f"topk_idx: top-k {sizes[2]} > {built[2]}, the top-k this Buffer's buffers for "
+                                   f"(num_max_dispatch_tokens_per_rank, num_experts, hidden) = "
+                                   f"{(built[0], built[1], built[3])} were built for (the largest any rank passed "
+                                   f"when they were built, and 8 when num_rdma_bytes came from "
+                                   f"get_low_latency_rdma_size_hint): build for more with warm_up(..., top_k=) "
+                                   f"before the first call of these sizes")
+        if error is None and cumulative_local_expert_recv_stats is not None:  # x's device: AllToAll checks it
+            try:
+                self._check_stats(cumulative_local_expert_recv_stats, self._slots[indices[0]])
+            except ValueError as exc:
+                error = exc
+        if error is None and first and dispatch_wait_recv_cost_stats is not None:  # the device, now known
+            try:
+                self._check_cost_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
+            except ValueError as exc:
+                error = exc
+        index, self._next = self._next, self._next ^ 1
+        self._calls += 1  # every rank counts every call, aborted ones included
+        index = indices[index]  # this set's slot of the alternation
+        slot = self._slots[index]
+        if slot.state != _FREE:
+            self._retire(slot)  # the slot's previous call, if it was left unfinished
+        use_fp8 = bool(use_fp8)
+        if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
+            self._build_fp8(indices)  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
+        slot.a2a = slot.instances.get(use_fp8) or slot.instances[False]  # no fp8 instance: bf16 rows
+        if error is not None:
+            # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
+            # and the next one works, as with bad input to AllToAll.dispatch.
+            slot.a2a.abort(str(error))
+        T, H = x.shape
+        if sizes[2] < built[2]:  # fewer routes per token than the instances take: padded with -1
+            topk_idx = _pad_routes(topk_idx, built[2], -1)
+        ue8m0 = use_fp8 and bool(use_ue8m0)
+        # fp8: the pack quantises x straight into the rows it sends (fp8 bytes, then the scales).
+        quantize = _fp8_quantize(H, bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
+        slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = self._calls, T, x, quantize, ue8m0
+        slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
+        try:
+            slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
+                              do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range)
+        except BaseException:
+            slot.free()
+            raise
+        if return_recv_hook:
+            slot.state = _DISPATCH_SENT
+        else:
+            slot.received()
+        handle = Handle(slot.src_info, slot.layout_range, built[0], H, built[1], index, slot.call, T)
+        hook = self._hook(slot, slot.call, _Slot.receive_dispatch) if return_recv_hook else None
+        return slot.recv_x[use_fp8, ue8m0], slot.num, handle, self._event(slot) if async_finish else _NO_EVENT, hook
+
+    # ---- combine ----------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
+                use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
+                out: torch.Tensor | None, combine_wait_recv_cost_stats: torch.Tensor | None, kwargs: dict):
+        """`Buffer.low_latency_combine` (its docstring says what it takes and returns)."""
+        try:
+            slot = self._slot_of(handle)
+        except ValueError as exc:
+            self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
+        K = self._key[2]  # shrink mode's buffers are built for top-k 8: pad fewer
+        if self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
+                and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
+                and topk_weights.shape[1] == topk_idx.shape[1]:
+            topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
+        K = slot.key[2]  # instances built for more routes per token than this call's (see the dispatch)
+        if not self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
+                and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
+                and topk_weights.shape[1] == topk_idx.shape[1]:
+            topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
+        if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
+            slot.settle()
+        moved = None  # shrink mode: the rows of the handle's layout that a repeated combine moved
+        if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
+            moved = self._dispatch_again(slot, topk_idx)
+        a2a, shape = slot.a2a, slot.shape
+        H = shape[2]
+        if out is None:
+            out = torch.empty(slot.T, H, dtype=torch.bfloat16, device=a2a.device)
+        try:
+            if kwargs:
+                raise ValueError(f"unexpected arguments {sorted(kwargs)}: not arguments of DeepEP's "
+                                 f"low_latency_combine (SGLang's single-batch overlap passes overlap / "
+                                 f"comp_signal / src_signals ... for a DeepEP fork: not supported; docs/compat.md)")
+            if combine_wait_recv_cost_stats is not None:
+                self._check_cost_stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
+            if use_logfmt:
+                raise ValueError("use_logfmt=True: LogFMT (DeepEP's 10-bit combine encoding) is not implemented "
+                                 "by moe_a2a's DeepEP facade: pass use_logfmt=False (the combine sends bf16); "
+                                 "docs/compat.md")
+            if zero_copy:
+                if slot.combine_buf is None:
+                    raise ValueError("zero_copy=True: nothing was written to get_next_low_latency_combine_buffer("
+                                     "handle) for this handle (call it, write the expert outputs there, then combine)")
+                y = slot.combine_buf
+            else:
+                y = x
+                if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != torch.bfloat16 \
+                        or x.device != a2a.device:
+                    raise ValueError(f"x: expected {list(shape)} bfloat16 expert outputs on {a2a.device}, got "
+                                     f"{(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if return_recv_hook:  # checked before sending: a receive that cannot run would leave the call open
+                check_combine_recv(a2a.cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
+        except ValueError as exc:
+            self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
+        expert_y = y.reshape(-1, H)  # a view of contiguous outputs (a copy of others)
+        if moved is not None:  # the outputs are in the handle's layout: into the one dispatched again
+            expert_y = _move_rows(expert_y, *moved)
+        slot.combine_args = (out, topk_idx, topk_weights, expert_y)
+        try:
+            a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)
+        except BaseException:
+            slot.free()
+            raise
+        slot.state = _COMBINE_SENT if return_recv_hook else _COMBINED
+        hook = self._hook(slot, slot.call, _Slot.receive_combine) if return_recv_hook else None
+        return out, self._event(slot) if async_finish else _NO_EVENT, hook
+
+    def next_combine_buffer(self, handle: Handle) -> torch.Tensor:
+        """`Buffer.get_next_low_latency_combine_buffer`: the zero-copy combine's buffer of this handle."""
+        return self._combine_buffer(self._slot_of(handle))
+
+    # ---- shrink mode: the mask ---------------------------------------------------------------
+    def update_mask(self, rank_to_mask: int, mask: bool) -> None:
+        """Shrink mode: mask (`mask=True`: nothing is sent to it or awaited from it) or unmask one rank
+        on this rank."""
+        if self._mask is None:  # before the first dispatch: kept until the instances exist
+            if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) \
+                    or not 0 <= rank_to_mask < self.group_size or (mask and rank_to_mask == self.rank):
+                raise ValueError(f"rank_to_mask: expected a rank in [0, {self.group_size}) other than this rank "
+                                 f"({self.rank}) to mask, got {rank_to_mask!r}")
+            (self._pending_mask.add if mask else self._pending_mask.discard)(rank_to_mask)
+            return
+        self._mask.set(rank_to_mask, bool(mask))
+
+    def query_mask(self, mask_status: torch.Tensor) -> None:
+        """Shrink mode: write into `mask_status` (`[num_ranks]` int32, any device) 1 for each rank this rank
+        has masked, 0 for the others (stream-ordered on a GPU)."""
+        if not isinstance(mask_status, torch.Tensor) or tuple(mask_status.shape) != (self.group_size,) \
+                or mask_status.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"mask_status: expected an int32 [{self.group_size}] tensor, got "
+                             f"{(tuple(mask_status.shape), mask_status.dtype) if isinstance(mask_status, torch.Tensor) else type(mask_status).__name__}")
+        if self._mask is None:
+            mask_status.zero_()
+            for r in self._pending_mask:
+                mask_status[r] = 1
+        else:
+            mask_status.copy_(self._mask.tensor)
+
+    def clean_mask(self) -> None:
+        """Shrink mode: unmask every rank (a rank still stopped is masked again by the next wait on it)."""
+        self._pending_mask.clear()
+        if self._mask is not None:
+            self._mask.clear()
+
+    def _empty_call(self) -> None:
+        """Shrink mode's `clean_low_latency_buffer`: a call of no tokens on every rank, so that a rank which
+        stopped before it is masked by every peer there (as DeepEP's clean does), not at the next call."""
+        index, self._next = self._next, self._next ^ 1
+        self._calls += 1
+        slot = self._slots[index]
+        self._retire(slot)
+        a2a, s, H = slot.a2a, self._scratch_buffers(), slot.a2a.cfg.hidden_dim
+        x = torch.empty(0, H, dtype=torch.bfloat16, device=a2a.device)
+        slot.call, slot.T = self._calls, 0
+        self._run(slot, lambda: a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[0], s["idx"][:0]))
+        self._run(slot, lambda: a2a.combine(s["out"][:0], s["idx"][:0], s["w"][:0], slot.ex))
+        slot.state = _FREE
+
+    # ---- the calls of a slot ------------------------------------------------------------------
+    # (The slot's state machine is `_slots.Slot`'s; these name its steps where the Buffer takes them.)
+    @staticmethod
+    def _run(slot: _Slot, half) -> None:
+        slot.run(half)
+
+    def _dispatch_again(self, slot: _Slot, topk_idx: torch.Tensor):
+        """A handle combined before is dispatched again (the same payload and routes) before it is combined
+        again. Without shrink mode every row lands where it did, rewritten with the same bytes; returns None.
+
+        Shrink mode: a rank masked since the handle's dispatch sends nothing now, so its rows are missing
+        and the rows of the sources after it in each expert's segment move up, while the combine's expert
+        outputs are laid out as the handle says (DeepEP's zero-copy buffer was filled from its recv_x). So
+        this dispatch receives into scratch buffers (the handle, recv_x and recv_count stay as the dispatch
+        returned them, as DeepEP's combine leaves them), and when its layout differs from the handle's,
+        returns `(src, dst)`: the expert-output rows to move (`_move_rows`); else None."""
+        if not self.enable_shrink:
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
+                                                      self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
+                                                      out_source_ranges=slot.layout_range))
+            slot.state = _DISPATCHED
+            return None
+        if self._again is None:  # one set for both slots (shrink mode's instances share a config)
+            num, ex, exs = slot.a2a.empty_dispatch_outputs()
+            self._again = (num, ex, exs, torch.zeros_like(slot.layout_range))
+        num, ex, exs, ranges = self._again
+        self._run(slot, lambda: slot.a2a.dispatch(num, ex, exs, slot.payload, self._token_ids[slot.T], topk_idx,
+                                                  quantize=slot.quantize, out_source_ranges=ranges))
+        slot.state = _DISPATCHED
+        if torch.equal(ranges, slot.layout_range):
+            return None
+        return _moved_rows(slot.layout_range, ranges, slot.shape[1])
+
+    def _retire(self, slot: _Slot) -> None:
+        slot.retire(self._scratch_buffers(slot))
+
+    def _hook(self, slot: _Slot, call: int, receive):
+        def hook() -> None:
+            """Receive this call's data (a no-op when it was received already)."""
+            self.buf._check_open()
+            if slot.call != call:
+                raise ValueError(f"this hook's call ({call}) was finished and its buffers reused by call "
+                                 f"{slot.call}: call hooks before the dispatch two calls later")
+            receive(slot)
+        return hook
+
+    @staticmethod
+    def _event(slot: _Slot) -> EventOverlap:
+        """async_finish: an event recorded on the current stream after the call (none on a CPU)."""
+        if slot.a2a.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(slot.a2a.device))
+            return EventOverlap(event)
+        return _NO_EVENT
+
+    def _slot_of(self, handle) -> _Slot:
+        if not isinstance(handle, Handle) or not 0 <= handle.slot < len(self._slots):
+            what = repr(handle) if handle is None or isinstance(handle, Handle) else (
+                f"a {type(handle).__name__}" + (f" of {len(handle)}" if isinstance(handle, (tuple, list)) else ""))
+            raise ValueError(f"handle: expected the handle returned by low_latency_dispatch, got {what}")
+        slot = self._slots[handle.slot]
+        if slot.call != handle.call or slot.state == _FREE:
+            raise ValueError(f"handle: call {handle.call} is over (its buffers were reused by a later dispatch, or "
+                             f"the call was aborted): combine a handle before the dispatch two calls later")
+        return slot
+
+    def _abort_for_handle(self, handle, exc: ValueError) -> None:
+        """A combine's handle was refused on this rank: its peers are in the combine of a call with a good
+        handle, so abort that call on every rank (this rank raises `exc`, the peers CallAborted naming it),
+        as bad combine input does; the next call works. The call is the one the handle names (a stale
+        Handle's slot, or the slot whose `src_info` a plain tuple holds) while it awaits its combine, else the
+        oldest call awaiting its combine (None, a plain tuple; the call DeepEP's callers combine first).
+        With no call awaiting its combine there is none a peer can be in (but a repeated combine): `exc` is
+        raised here alone."""
+        live = [s for s in self._slots if s.state in (_DISPATCH_SENT, _DISPATCHED)]
+        named = None
+        if isinstance(handle, Handle) and 0 <= handle.slot < len(self._slots):
+            named = self._slots[handle.slot]
+        elif isinstance(handle, (tuple, list)) and handle and isinstance(handle[0], torch.Tensor):
+            named = next((s for s in self._slots if s.src_info is handle[0]), None)
+        slot = named if named in live else min(live, key=lambda s: s.call, default=None)
+        if slot is None:
+            raise exc
+        slot.receive_dispatch()  # as a good handle's combine starts (a hook not called yet)
+        self._run(slot, lambda: slot.a2a.abort(str(exc)))  # aborts the call at its combine on every rank
+        raise exc  # (abort raised)
