@@ -14,37 +14,5 @@
 # defaults (4096 tokens, hidden 7168) and 9.4 GB at 8, four instances once fp8 calls come: 8 processes sharing one
 # H200 will not fit until AllToAll sizes rows per (token, rank) (issue 32, items 1 and 4).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-src=$(cd "${1:?usage: deepep_intranode.sh DEEPEP_CHECKOUT [--shared-gpu] [test arguments]}" && pwd); shift
-shared=0; [ "${1:-}" = "--shared-gpu" ] && { shared=1; shift; }
-for need in deep_ep/utils/envs.py tests/legacy/test_intranode.py tests/legacy/test_low_latency.py; do
-  [ -f "$src/$need" ] || { echo "deepep_intranode.sh: $src has no $need (a DeepEP checkout?)" >&2; exit 2; }
-done
-shim=$(mktemp -d); trap 'rm -rf "$shim"' EXIT
-mkdir -p "$shim/deep_ep"
-cat > "$shim/deep_ep/__init__.py" <<'PY'
-"""What DeepEP's test imports as `deep_ep`: moe_a2a's facade (assembled by deepep_intranode.sh)."""
-from moe_a2a.compat.deep_ep import *  # noqa: F401,F403
-PY
-cat > "$shim/deep_ep/_C.py" <<'PY'
-"""Stand-in for DeepEP's C++ extension: the names its test utilities import; none is called by this test."""
-
-
-class EventHandle:
-    pass
-
-
-def __getattr__(name):
-    raise AttributeError(f"deep_ep._C.{name}: DeepEP's C++ extension is not part of moe_a2a")
-PY
-if [ "$shared" = 1 ]; then  # DeepEP's utilities one by one, its envs.py replaced by ours (which loads it)
-  mkdir "$shim/deep_ep/utils"
-  for f in "$src"/deep_ep/utils/*.py; do [ "$(basename "$f")" = envs.py ] || ln -s "$f" "$shim/deep_ep/utils/"; done
-  cp benchmarks/gpu/deepep_shared_gpu_envs.py "$shim/deep_ep/utils/envs.py"
-  export MOE_A2A_DEEPEP_ENVS="$src/deep_ep/utils/envs.py"
-else
-  ln -s "$src/deep_ep/utils" "$shim/deep_ep/utils"
-fi
-export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset TRITON_INTERPRET
-python3 "$src/tests/legacy/test_intranode.py" "$@"
+# The same assembly as the low-latency test (deepep_low_latency.sh), another test of DeepEP's.
+DEEPEP_TEST=test_intranode.py exec bash "$(dirname "$0")/deepep_low_latency.sh" "$@"

@@ -9,17 +9,19 @@
 # `deep_ep.utils`, and a stand-in for its C++ extension holding only the names those utilities import.
 # --shared-gpu: more processes than GPUs; `deep_ep.utils.envs` is then ours (benchmarks/gpu/
 # deepep_shared_gpu_envs.py: DeepEP's module with an init_dist that shares GPUs and uses gloo), the rest DeepEP's.
+# DEEPEP_TEST: another test of tests/legacy/ to run the same way (deepep_intranode.sh: test_intranode.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+test=${DEEPEP_TEST:-test_low_latency.py}
 src=$(cd "${1:?usage: deepep_low_latency.sh DEEPEP_CHECKOUT [--shared-gpu] [test arguments]}" && pwd); shift
 shared=0; [ "${1:-}" = "--shared-gpu" ] && { shared=1; shift; }
-for need in deep_ep/utils/envs.py tests/legacy/test_low_latency.py; do
-  [ -f "$src/$need" ] || { echo "deepep_low_latency.sh: $src has no $need (a DeepEP checkout?)" >&2; exit 2; }
+for need in deep_ep/utils/envs.py tests/legacy/test_low_latency.py "tests/legacy/$test"; do
+  [ -f "$src/$need" ] || { echo "$(basename "$0"): $src has no $need (a DeepEP checkout?)" >&2; exit 2; }
 done
 shim=$(mktemp -d); trap 'rm -rf "$shim"' EXIT
 mkdir -p "$shim/deep_ep"
 cat > "$shim/deep_ep/__init__.py" <<'PY'
-"""What DeepEP's test imports as `deep_ep`: moe_a2a's facade (assembled by deepep_low_latency.sh)."""
+"""What DeepEP's tests import as `deep_ep`: moe_a2a's facade (assembled by benchmarks/gpu/deepep_low_latency.sh)."""
 from moe_a2a.compat.deep_ep import *  # noqa: F401,F403
 PY
 cat > "$shim/deep_ep/_C.py" <<'PY'
@@ -43,4 +45,4 @@ else
 fi
 export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET
-python3 "$src/tests/legacy/test_low_latency.py" "$@"
+python3 "$src/tests/legacy/$test" "$@"

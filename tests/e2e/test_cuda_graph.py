@@ -11,6 +11,16 @@ from moe_a2a.oracle import check_against_reference, fill_sentinel, record_call, 
 needs_gpu = pytest.mark.gpu(reason="CUDA graphs; run on the GPU machine (benchmarks/gpu/run.sh)")
 
 
+def _captured(step) -> "torch.cuda.CUDAGraph":
+    """`step` run once eagerly (every kernel compiled before capture), then captured in a CUDA graph."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def _graph_rank(a2a, rank, live_tokens):
     cfg, dev = a2a.cfg, a2a.device
     T = cfg.max_num_tokens
@@ -23,11 +33,7 @@ def _graph_rank(a2a, rank, live_tokens):
         a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound)
         a2a.combine(out, idx, w, toy_expert(ex, exs, cfg), bound_m=bound)
 
-    step()  # eager warm-up: compiles every kernel before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     calls = []
     for it, n in enumerate(live_tokens):
         nx, nxs, nidx, nw = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, 200 + it))
@@ -89,11 +95,7 @@ def _shrink_graph_rank(comm, store: str, fp8: bool, stopper: int, replays: int, 
         a2a.dispatch(num, ex, exs, x, xs, idx)
         a2a.combine(out, idx, w, toy_expert(ex, exs, cfg))
 
-    step()  # eager warm-up: compiles every kernel before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     calls = []
     for it in range(1 + replays):
         if it == 1 and rank == stopper:
