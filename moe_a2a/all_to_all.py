@@ -22,7 +22,7 @@ from .runtime.tracing import Tracer
 from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
-from .triton_kernels import routing, write_plan
+from .triton_kernels import rank_rows, routing, write_plan
 from .triton_kernels.node_sync import launch_wait_apart
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
@@ -108,6 +108,9 @@ class AllToAll:
         # With remote peers the pack writes each route at its send row: a remote peer's first P routes go to
         # its private staging slot, behind the count row, so its private write is one range (config.Layout).
         self._send_row = torch.full_like(self.route_slot, -1) if self.with_proxy else None
+        # Per-rank rows (cfg.dispatch_rows="rank"): the row each route opens, and the first routes' ranks.
+        self._rank_slot = torch.full_like(self.route_slot, -1) if cfg.rank_rows else None
+        self._rank_scratch = torch.full_like(self.route_slot, -1) if cfg.rank_rows else None
         if self.with_proxy:  # a peer whose proxy dies says so on the board: every rank stops within ~0.5 s
             # (Shrink mode: a peer that stopped is masked by the timeouts instead, never an error here.)
             board = FailureBoard.open(self.group, self.rank, self.world_size) if rank_mask is None else None
@@ -250,7 +253,7 @@ class AllToAll:
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, x, x_scale, indices,
                  bound_m=None, do_send: bool = True, do_recv: bool = True, *, quantize=None,
-                 out_source_ranges=None) -> None:
+                 out_source_ranges=None, weights=None) -> None:
         """Send every token to the ranks hosting its experts; receive this rank's tokens expert-major.
 
         Args:
@@ -275,6 +278,9 @@ class AllToAll:
             out_source_ranges: optional `[L, W]` int64 (contiguous), written by the receive half:
                 `(begin << 32) | count` per (local expert l, source rank s): expert l's rows from s are
                 its rows [begin, begin + count) (DeepEP's `layout_range`; in the unpack's launch).
+            weights: `[T, K]` float32, the routes' weights: required with `cfg.combine_rows="rank"` (they
+                travel with the rows, and the experts' rank applies them; `combine`'s `weights` are then
+                checked but not read), None otherwise.
 
         Bad input raises ValueError before anything of it is sent and aborts the call on every rank (its
         peers raise `CallAborted` naming this rank; the next call works; docs/protocol.md, section 6). Bad
@@ -286,7 +292,7 @@ class AllToAll:
         if do_send:
             self._expect(_IDLE, "dispatch(do_send=True)")
             try:
-                check_dispatch_inputs(self.cfg, self.device, x, x_scale, indices, bound_m)
+                check_dispatch_inputs(self.cfg, self.device, x, x_scale, indices, bound_m, weights)
                 quantize, self._checked_quantize = check_quantize(self.cfg, quantize, self._checked_quantize)
                 if do_recv:
                     check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
@@ -301,7 +307,7 @@ class AllToAll:
         try:
             if do_send:
                 self._tracer.run("dispatch_send", self.epoch, self._dispatch_send, x, x_scale, indices, bound_m,
-                                 quantize)
+                                 quantize, False, weights)
             if do_recv:
                 self._tracer.run("dispatch_recv", self.epoch, self._dispatch_recv, out_expert_num_tokens,
                                  out_expert_x, out_expert_x_scale, False, out_source_ranges)
@@ -390,6 +396,21 @@ class AllToAll:
             return out
         return {phase: sum(d[phase] for d in out) for phase in ("dispatch", "combine")}
 
+    def bytes_last_call(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes of the last call per phase, sent and received, node-local and remote:
+        `{"dispatch": {"node_sent", "remote_sent", "node_received", "remote_received"}, "combine": {...}}`
+        (`runtime.traffic.call_bytes` defines them). Reads the count matrix on the host (a sync: not for
+        the hot path); valid once the call's combine returned, until a node peer starts the next call."""
+        from .runtime import traffic  # the accessors' module, imported where they are used
+        return traffic.bytes_last_call(self)
+
+    @property
+    def buffer_bytes(self) -> dict:
+        """Bytes this instance holds: send, recv and segment, in device and host memory
+        (`runtime.traffic.buffer_bytes`; `moe-a2a sizes` prints them for any sizes)."""
+        from .runtime import traffic
+        return traffic.buffer_bytes(self.layout, self.placement, self.device.type)
+
     def set_tracing(self, on: bool = True) -> None:
         """Record timestamps of every call (model halves and proxy steps) for `trace()` (`runtime.tracing`):
         off by default and free when off."""
@@ -438,7 +459,7 @@ class AllToAll:
     # ---- the four halves ----------------------------------------------------------------------------
     # Each half is its kernels; they wait in their prologue and signal in their epilogue
     # (triton_kernels/node_sync.py; the steps and flags: docs/protocol.md, section 3).
-    def _dispatch_send(self, x, x_scale, indices, bound_m, quantize=None, abort: bool = False) -> None:
+    def _dispatch_send(self, x, x_scale, indices, bound_m, quantize=None, abort: bool = False, weights=None) -> None:
         w = self._w
         self.epoch += 1
         self._T, self._bound_m = x.shape[0], bound_m
@@ -462,6 +483,14 @@ class AllToAll:
         if self.with_proxy:  # the proxy posts the private writes this plans once the pack says SEND_READY
             write_plan.plan_private_writes(w.counts, w.write_tables, w.node.epoch, w.flags, self.rank,
                                            self.layout, w.base, w.stage_send_offset_bytes)
+        if self.cfg.rank_rows:  # one row per (token, rank): its slot, then its metadata (the pack's count row
+            # copy and publish come last, so the rows' metadata is in place when peers read it)
+            T = x.shape[0]
+            rows = self._rank_slot[:T]
+            rank_rows.route_tokens_by_rank(indices, self.layout, w.rank_rows[self.rank], rows,
+                                           self._rank_scratch[:T], bound_m=bound_m, abort=abort)
+            rank_rows.stamp_rank_rows(indices, slot, rows, w.own_counts, weights, w.base, w.send_offset_bytes,
+                                      self.cfg, self.layout)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, rows, w.base, w.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=w.node, quantize=quantize,
                                                max_slots=self.layout.max_routes + self.layout.private_stage_rows,
@@ -476,13 +505,25 @@ class AllToAll:
                                                          w.stage_recv_offset_bytes, self.rank, self.layout)
         self._status.host_wait("dispatch_recv", self.epoch)
         aborted = self._status.aborted_sources(self.epoch)
+        if self.cfg.rank_rows:
+            rank_rows.expand_rank_rows(out_num, out_x, out_x_scale, w.counts, w.rank_rows, self.rank, w.base,
+                                       w.peer_send_bytes, self.cfg, self.layout, node=w.node,
+                                       copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges)
+        else:
+            self._unpack(out_num, out_x, out_x_scale, out_source_ranges)
+        self._state = _DISPATCH_DONE
+        if aborting:
+            return
+        self._after_unpack(aborted)
+
+    def _unpack(self, out_num, out_x, out_x_scale, out_source_ranges) -> None:
+        w = self._w
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, w.counts, self.rank, w.base, w.peer_send_bytes,
             w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,  # remote sources' rows
             copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges)
-        self._state = _DISPATCH_DONE
-        if aborting:
-            return
+
+    def _after_unpack(self, aborted) -> None:
         # CPU kernels have run: an expert over capacity is known now (a GPU says it at the end of combine).
         over = self._status.capacity_exceeded() if self.device.type != "cuda" and self.layout.expert_capacity else None
         if over or aborted:
@@ -505,6 +546,11 @@ class AllToAll:
     def _combine_send(self, expert_y) -> None:
         w = self._w
         self._status.host_wait("combine_send", self.epoch)
+        if self.cfg.combine_rows == "rank":
+            rank_rows.reduce_rank_rows_by_source(expert_y, w.counts, w.rank_rows, self.rank, w.base, w.peer_send_bytes,
+                                                 w.peer_recv_bytes, self.cfg, self.layout, node=w.node)
+            self._state = _COMBINE_SENT
+            return
         combine_kernels.pack_combine_by_source(
             expert_y, w.counts, self.rank, w.base, w.peer_recv_bytes,
             w.stage_send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg, self.layout, node=w.node)
@@ -517,6 +563,13 @@ class AllToAll:
             if w.device_shrink:  # the wait that may mask them first, then the slots dropped by the device mask
                 launch_wait_apart(w.node, "combine_recv", w.base)
             self.rank_mask.drop_route_slots(self.route_slot[: self._T], self._routes, self.layout.num_local_experts)
+        if self.cfg.combine_rows == "rank":
+            rank_rows.reduce_rank_rows_by_token(out_tokens, self._rank_slot[: self._T], w.base,
+                                                w.recv_offset_bytes + self.layout.combine_recv_offset_bytes, self.cfg,
+                                                accumulate=accumulate,
+                                                bound_m=bound_m if bound_m is not None else self._bound_m, node=w.node)
+            self._state = _IDLE
+            return
         combine_kernels.reduce_combined_tokens(
             out_tokens, self.route_slot[: self._T], weights, w.base,
             w.recv_offset_bytes + self.layout.combine_recv_offset_bytes, self.cfg, accumulate=accumulate,
@@ -530,7 +583,8 @@ class AllToAll:
         raise `exc`. Nothing of the rejected input is read."""
         scratch = self._scratch()
         try:
-            self._dispatch_send(scratch["x"], scratch["xs"], scratch["idx"], None, abort=True)
+            self._dispatch_send(scratch["x"], scratch["xs"], scratch["idx"], None, abort=True,
+                                weights=scratch["w"][:0] if self.cfg.combine_rows == "rank" else None)
             self._dispatch_recv(scratch["num"], scratch["ex"], scratch["exs"], aborting=True)
             self._combine_send(scratch["y"])
             self._combine_recv(scratch["out"][:0], scratch["w"][:0], False, None)

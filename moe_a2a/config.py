@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # torch is imported lazily (see _dtypes)
 
 PAGE_BYTES = 4096
 ROW_ALIGN_BYTES = 16  # rows start on 16-byte boundaries so kernels can use 16-byte accesses
+COMBINE_FP8_BLOCK = 128  # elements per fp32 scale of an fp8 combine row (A2AConfig.combine_fp8)
 
 
 
@@ -113,6 +114,24 @@ class A2AConfig:
             instance whose every dispatch quantises in the pack (`AllToAll.dispatch(quantize=)`): its
             fp8 bytes and scales, about half a bf16 row, so rows are packed, sent and unpacked at half
             the stride. A dispatch without `quantize` is refused by such an instance.
+        dispatch_rows: "route" (default): one dispatch row per live route (token, k). "rank": one row per
+            (token, destination rank), carrying after its scales the token's K (local expert, position)
+            pairs for that rank (`rank_meta_offset_bytes`); the receiver expands it into the slot of every
+            local expert it was routed to, so the dispatch output is the same (`reference.dispatch_per_rank`).
+            Every rank on one node (the cross-node path carries route rows only, for now).
+        combine_rows: "route" (default): one expert-output row per route, summed at the token's home rank
+            (`reference.combine`). "rank" (needs dispatch_rows="rank"): the expert's rank sums, in fp32 in k
+            order, the weighted outputs of its experts for each token and sends one row per (token, rank);
+            the home rank sums over ranks (`reference.combine_reduced_at_sender`). The weights travel with
+            the dispatch (`AllToAll.dispatch(weights=)`).
+        combine_fp8: False (default): combine rows (expert outputs going home) travel as `out_dtype`.
+            True: the combine pack quantises every expert output row to fp8 e4m3 with one fp32 scale per
+            COMBINE_FP8_BLOCK (128) elements, and the reduce dequantises it before the weighted sum
+            (`reference.combine_fp8`, bitwise on CPU; its error: docs/accuracy.md). A combine slot then
+            holds the fp8 bytes at [0, H) and the scales at `combine_scale_offset_bytes`, and
+            `combine_stride_bytes` is `round_up(H, 16) + round_up(4 * ceil(H / 128), 16)`: about half a
+            bf16 row on every path (node-local pushes, the proxy's writes, the emulated NIC). `expert_y`
+            and the combined tokens stay `out_dtype`.
     """
 
     __hash__, __getstate__ = _cached_hash, _state_without_hash
@@ -128,6 +147,9 @@ class A2AConfig:
     max_private_tokens: int | None = None
     expert_capacity: int | None = None
     payload_bytes: int | None = None
+    dispatch_rows: str = "route"
+    combine_rows: str = "route"
+    combine_fp8: bool = False
     _scale_block: int | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -177,6 +199,14 @@ class A2AConfig:
                                or not 4 <= pb <= self.token_bytes):
             raise ValueError(f"A2AConfig.payload_bytes must be None or a multiple of 4 in [4, {self.token_bytes}] "
                              f"(hidden_dim x in_dtype's size), got {pb!r}")
+        for name in ("dispatch_rows", "combine_rows"):
+            if getattr(self, name) not in ("route", "rank"):
+                raise ValueError(f"A2AConfig.{name} must be 'route' or 'rank', got {getattr(self, name)!r}")
+        if self.combine_rows == "rank" and self.dispatch_rows != "rank":
+            raise ValueError("A2AConfig.combine_rows='rank' needs dispatch_rows='rank' (the weights travel "
+                             "with the dispatch rows)")
+        if not isinstance(self.combine_fp8, bool):
+            raise ValueError(f"A2AConfig.combine_fp8 must be a bool, got {self.combine_fp8!r}")
         if scale_block is not None and scale_block > MAX_CONFIG_VALUES["hidden_dim"]:
             raise ValueError(f"A2AConfig.scale_block must be <= {MAX_CONFIG_VALUES['hidden_dim']:,}, "
                              f"got {scale_block:,}")
@@ -231,18 +261,57 @@ class A2AConfig:
         return round_up(self.x_bytes, ROW_ALIGN_BYTES)
 
     @cached_property
-    def dispatch_stride_bytes(self) -> int:
-        """Bytes per dispatch slot: payload, then scales, each padded to 16 bytes."""
+    def rank_rows(self) -> bool:
+        """True when dispatch sends one row per (token, destination rank) (`dispatch_rows="rank"`)."""
+        return self.dispatch_rows == "rank"
+
+    @cached_property
+    def rank_meta_offset_bytes(self) -> int:
+        """Where a per-rank row's metadata starts (after the scales): int32 [K] local expert (-1: this
+        route is not for the row's rank), int32 [K] the route's position among the sender's routes to that
+        expert, and with `combine_rows="rank"` float32 [K] the routes' weights."""
         return self.dispatch_scale_offset_bytes + round_up(self.scale_bytes, ROW_ALIGN_BYTES)
 
     @cached_property
+    def rank_meta_bytes(self) -> int:
+        """Bytes of that metadata (0 with route rows), padded to 16."""
+        if not self.rank_rows:
+            return 0
+        words = 2 * self.experts_per_token + (self.experts_per_token if self.combine_rows == "rank" else 0)
+        return round_up(4 * words, ROW_ALIGN_BYTES)
+
+    @cached_property
+    def dispatch_stride_bytes(self) -> int:
+        """Bytes per dispatch slot: payload, then scales, then (per-rank rows) the metadata, each padded
+        to 16 bytes."""
+        return self.rank_meta_offset_bytes + self.rank_meta_bytes
+
+    @cached_property
     def y_bytes(self) -> int:
-        """Payload bytes of one combined (expert output) row."""
+        """Bytes of one expert output row as the experts write it (`expert_y`, out_dtype); a combine slot
+        carries them as they are unless `combine_fp8` (then `combine_payload_bytes`)."""
         return self.hidden_dim * self.out_itemsize
 
     @cached_property
+    def combine_num_scales(self) -> int:
+        """fp32 scales per combine slot: ceil(H / COMBINE_FP8_BLOCK) with `combine_fp8`, else 0."""
+        return ceil_div(self.hidden_dim, COMBINE_FP8_BLOCK) if self.combine_fp8 else 0
+
+    @cached_property
+    def combine_payload_bytes(self) -> int:
+        """Payload bytes of one combine slot: the H fp8 bytes with `combine_fp8`, else `y_bytes`."""
+        return self.hidden_dim if self.combine_fp8 else self.y_bytes
+
+    @cached_property
+    def combine_scale_offset_bytes(self) -> int:
+        """Where a combine slot's fp32 scales start (`combine_fp8`): right after the payload, 16-byte
+        aligned (without scales: the end of the slot)."""
+        return round_up(self.combine_payload_bytes, ROW_ALIGN_BYTES)
+
+    @cached_property
     def combine_stride_bytes(self) -> int:
-        return round_up(self.y_bytes, ROW_ALIGN_BYTES)
+        """Bytes per combine slot: payload, then (`combine_fp8`) scales, each padded to 16 bytes."""
+        return self.combine_scale_offset_bytes + round_up(4 * self.combine_num_scales, ROW_ALIGN_BYTES)
 
     @cached_property
     def max_routes(self) -> int:
@@ -273,6 +342,7 @@ class Layout:
     dispatch_stride_bytes: int
     combine_stride_bytes: int
     expert_capacity: int = 0      # rows per local expert in the dispatch output; 0 = compact layout
+    rank_rows: bool = False       # dispatch rows per (token, rank): count rows also carry W rows per rank
 
     @classmethod
     def from_config(cls, cfg: "A2AConfig", world_size: int, node_size: int) -> "Layout":
@@ -293,7 +363,7 @@ class Layout:
         else:
             private = min(cfg.max_routes, round_up(ceil_div(2 * cfg.max_routes, W), 8))
         return cls(W, ns, E, cfg.max_num_tokens, cfg.experts_per_token, cfg.expert_padding, private,
-                   cfg.dispatch_stride_bytes, cfg.combine_stride_bytes, cfg.expert_capacity or 0)
+                   cfg.dispatch_stride_bytes, cfg.combine_stride_bytes, cfg.expert_capacity or 0, cfg.rank_rows)
 
     @cached_property
     def num_local_experts(self) -> int:
@@ -510,8 +580,14 @@ class Layout:
         return self.segment_sync_offset_bytes + self.node_counts_offset_bytes
 
     @cached_property
+    def count_row_ints(self) -> int:
+        """int32 per count row: E route counts per expert, then with per-rank rows W row counts per
+        destination rank (the receiver needs both: where a source's rows start, and each expert's rows)."""
+        return self.num_experts + (self.world_size if self.rank_rows else 0)
+
+    @cached_property
     def routing_row_bytes(self) -> int:
-        return self.num_experts * 4
+        return self.count_row_ints * 4
 
     @cached_property
     def routing_bytes(self) -> int:

@@ -126,6 +126,7 @@ class Wiring:
         nodes are (the same unless the placement splits by node).
     peer_send_bytes / peer_recv_bytes: `[W]` int64 offsets of node peers' buffers (-1: remote peer).
     node: the kernels' `NodeSync`.  counts: `[W, E]` int32 count matrix of the sync area (own_counts: this rank's row).
+    rank_rows: `[W, W]` int32, row s = rows source s sends to each rank (per-rank dispatch rows; else None).
     flags / flags_host / flags_np: the flags area on the device, as a CPU tensor, as numpy.
     ready_words / counts_np: host views of the sync area, for ranks that wait on the host (else None).
     """
@@ -318,9 +319,12 @@ class Wiring:
         self.model_trace = self.view(seg.addr + lay.model_trace_offset_bytes, ntrace * 8).view(torch.int64)
         self.model_trace_host = seg.numpy(lay.model_trace_offset_bytes, ntrace, "int64")
         # Rows of same-node sources are written by their kernels, rows of remote sources by the proxy.
-        self.counts = self.view(sync_addr + lay.node_counts_offset_bytes, lay.routing_bytes).view(
-            torch.int32).view(W, lay.num_experts)
+        rows = self.view(sync_addr + lay.node_counts_offset_bytes, lay.routing_bytes).view(
+            torch.int32).view(W, lay.count_row_ints)
+        self.counts = rows[:, :lay.num_experts]
         self.own_counts = self.counts[r]  # this rank's count row, which its routing kernel writes
+        # Per-rank dispatch rows: each count row also says how many rows its source sends to each rank.
+        self.rank_rows = rows[:, lay.num_experts:] if lay.rank_rows else None
         self.bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
         self.bad_bound_m = self.flags[flag_word(Flag.BAD_BOUND_M): flag_word(Flag.BAD_BOUND_M) + 1]
         self.route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]
@@ -335,7 +339,7 @@ class Wiring:
             flags=self.flags, peer_sync_bytes=peer_sync_bytes, sync_bytes=sync_addr - lo,
             rank=r, node_first=lay.node_of(r) * lay.node_size, node_size=lay.node_size,
             dispatch_ready_bytes=lay.dispatch_ready_offset_bytes, combine_ready_bytes=lay.combine_ready_offset_bytes,
-            counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.num_experts, timeout_s=self.timeout_s,
+            counts_bytes=lay.node_counts_offset_bytes, num_experts=lay.count_row_ints, timeout_s=self.timeout_s,
             aborted=torch.zeros(1, dtype=torch.int64, device=dev), combine_aborted_bytes=lay.combine_aborted_offset_bytes,
             # Ranks sharing a GPU wait on the host; their kernels must not spin at all.
             with_proxy=self.with_proxy, kernel_waits=not self.host_waits,
@@ -354,8 +358,8 @@ class Wiring:
                                   ("combine", lay.combine_ready_offset_bytes))}
             # A row of -1 is a source that aborted the call.
             self.counts_np = torch.frombuffer(
-                (ctypes.c_int32 * (W * lay.num_experts)).from_address(sync_addr + lay.node_counts_offset_bytes),
-                dtype=torch.int32).numpy().reshape(W, lay.num_experts)
+                (ctypes.c_int32 * (W * lay.count_row_ints)).from_address(sync_addr + lay.node_counts_offset_bytes),
+                dtype=torch.int32).numpy().reshape(W, lay.count_row_ints)[:, :lay.num_experts]
 
     def view(self, addr: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor over [addr, addr+nbytes) on this rank's device (memory is not touched)."""

@@ -74,7 +74,7 @@ class NodeSync:
             other ranks); `sync_bytes`: this rank's.
         rank, node_first, node_size: this rank and its node's ranks `[node_first, node_first + node_size)`.
         dispatch_ready_bytes, combine_ready_bytes, counts_bytes: offsets of the area's parts in a sync area.
-        num_experts: E (length of a count row).
+        num_experts: ints per count row (`Layout.count_row_ints`: E, + W with per-rank rows).
         timeout_s: how long a prologue spins before giving up (GPU).
         with_proxy: remote peers exist: the kernels also wait for / raise the proxy's flags.
         kernel_waits: False when the host polls every word before it launches a kernel (CPU, or ranks

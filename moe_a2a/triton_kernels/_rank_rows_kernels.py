@@ -1,0 +1,390 @@
+"""The `@triton.jit` bodies of `rank_rows.py` (private: launched only by its launchers, which hold the
+overview, the checks and the block sizes).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..protocol import device as protocol_device
+from . import _details as d
+from . import _launch as launch
+from ._combine_kernels import _f32_to_bf16_rtne
+
+_NO_SLOT: tl.constexpr = tl.constexpr(1 << 30)  # sorts after every real slot (< T*K < 2**30)
+
+
+# ================================================================================================
+# Helpers: a token's routes, the walk over received per-rank rows
+# ================================================================================================
+@triton.jit
+def _token_routes(indices_ptr, num_tokens, num_experts, K: tl.constexpr, K_PAD: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+    """(token ids [BLOCK_T], slot ids [K_PAD], in-range mask [BLOCK_T, K_PAD], expert [BLOCK_T, K_PAD] int32,
+    live [BLOCK_T, K_PAD]: an expert in [0, E)) of this program's tokens."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, K_PAD)
+    m = (tokens[:, None] < num_tokens) & (kk[None, :] < K)
+    raw = tl.load(indices_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
+    live = m & (raw >= 0) & (raw < num_experts)  # compared before the cast: an int64 past 2**31 stays dead
+    return tokens, kk, m, tl.where(live, raw, 0).to(tl.int32), live
+
+
+@triton.jit
+def _column(tile, kk, k):
+    """Column k of a [N, K_PAD] int tile (-1 where absent): a masked max, no gather needed."""
+    return tl.max(tl.where(kk[None, :] == k, tile, -1), axis=1)
+
+
+@triton.jit
+def _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W: tl.constexpr, W_PAD: tl.constexpr):
+    """Per source s, [W_PAD] int64: (n[s] rows s sends this rank, off[s] where they start in s's rank-major
+    send order = sum_{r < rank} rows s sends r, dense[s] = sum_{s' < s} n[s']). An aborting source's row
+    of -1 counts as 0."""
+    s = tl.arange(0, W_PAD)[:, None]
+    r = tl.arange(0, W_PAD)[None, :]
+    rows = tl.load(rank_rows_ptr + s.to(tl.int64) * stride_rank_rows_w + r, mask=(s < W) & (r < W), other=0)
+    rows = tl.maximum(rows, 0).to(tl.int64)
+    n = tl.sum(tl.where(r == rank, rows, 0), axis=1)
+    off = tl.sum(tl.where(r < rank, rows, 0), axis=1)
+    return n, off, tl.cumsum(n, axis=0) - n
+
+
+@triton.jit
+def _rank_row_tile(tile, num_rows, n, dense, W_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """For the BLOCK_R received rows q of a tile (numbered source-major): (is_row, source, index j of the
+    row among its source's rows for this rank)."""
+    q = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    is_row = q < num_rows
+    sel = (q[:, None] >= dense[None, :]) & (q[:, None] < dense[None, :] + n[None, :])
+    src = tl.sum(tl.where(sel, tl.arange(0, W_PAD)[None, :], 0), axis=1)
+    j = q - tl.sum(tl.where(sel, dense[None, :], 0), axis=1)
+    return is_row, src, j
+
+
+@triton.jit
+def _pick(table, src, W_PAD: tl.constexpr):
+    """table[src] for a [BLOCK_R] vector of sources (a one-hot sum over the W_PAD entries)."""
+    return tl.sum(tl.where(src[:, None] == tl.arange(0, W_PAD)[None, :], table[None, :], 0), axis=1)
+
+
+@triton.jit
+def _expert_rows(base_i32, meta_words, is_row, src, kk, out_start, fit, K: tl.constexpr, L: tl.constexpr,
+                 W_PAD: tl.constexpr, BLOCK_R: tl.constexpr, K_PAD: tl.constexpr):
+    """[BLOCK_R, K_PAD] int64: the expert-major output row of each (received row, k) from the row's metadata
+    (local expert l, position pos among the source's routes to it): out_start[l, s] + pos; -1 where route k
+    is not for this rank, or past the pair's rows that fit (its count, or the expert capacity). A metadata
+    value out of range is dropped, never written through."""
+    km = is_row[:, None] & (kk[None, :] < K)
+    lk = tl.load(base_i32 + meta_words[:, None] + kk[None, :], mask=km, other=-1).to(tl.int64)
+    pk = tl.load(base_i32 + meta_words[:, None] + K + kk[None, :], mask=km, other=0).to(tl.int64)
+    valid = km & (lk >= 0) & (lk < L)
+    pair = tl.reshape(tl.where(valid, lk * W_PAD + src[:, None], 0), (BLOCK_R * K_PAD,))
+    start = tl.reshape(tl.gather(out_start, pair, 0), (BLOCK_R, K_PAD))
+    room = tl.reshape(tl.gather(fit, pair, 0), (BLOCK_R, K_PAD))
+    valid = valid & (pk >= 0) & (pk < room)
+    return tl.where(valid, start + pk, -1)
+
+
+# ================================================================================================
+# Dispatch send: which routes open a row, and the rows' metadata
+# ================================================================================================
+@triton.jit(do_not_specialize=["num_tokens"])
+def _first_route_per_rank_kernel(
+    indices_ptr,     # (T, K) int32/int64, contiguous
+    out_ptr,         # (T, K) int32, contiguous: out, the destination rank of the token's first route there, else -1
+    num_tokens, num_experts,
+    K: tl.constexpr, K_PAD: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid: cdiv(T, BLOCK_T). Route (t, k) opens the row of (t, rank of its expert) when no live route
+    k' < k of the token goes to the same rank: `route_tokens` on these ranks then numbers the rows."""
+    tokens, kk, m, expert, live = _token_routes(indices_ptr, num_tokens, num_experts, K, K_PAD, BLOCK_T)
+    dest = tl.where(live, expert // L, -1)
+    taken = dest < -1  # all False, of the tile's shape
+    for j in range(K):
+        dj = _column(dest, kk, j)
+        taken = taken | ((kk[None, :] > j) & (dest == dj[:, None]) & (dj[:, None] >= 0))
+    tl.store(out_ptr + tokens[:, None] * K + kk[None, :], tl.where(live & ~taken, dest, -1), mask=m)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _stamp_rank_rows_kernel(
+    indices_ptr,      # (T, K) int32/int64, contiguous
+    route_slot_ptr,   # (T, K) int32, contiguous: each route's expert-major slot (-1: dead), from route_tokens
+    rank_slot_ptr,    # (T, K) int32, contiguous: the row a route opens (-1: it opens none)
+    counts_ptr,       # (E,) int32, stride `stride_counts`: this rank's count row (route_tokens' counts)
+    weights_ptr,      # (T, K) float32, strides (stride_w_t, stride_w_k) (HAS_WEIGHTS)
+    base_ptr,         # uint8: byte address space of the send buffer
+    send_bytes,       # the send buffer - base
+    num_tokens, num_experts, stride_counts, stride_w_t, stride_w_k,
+    K: tl.constexpr, K_PAD: tl.constexpr, L: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    SD_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+):
+    """Grid: cdiv(T, BLOCK_T). Into every row a token opens (the row of (t, rank r)), after the scales: for
+    each k, the local expert of route k when it goes to r (else -1), its position among this rank's routes
+    to that expert (its slot minus the expert's first slot), and with HAS_WEIGHTS the K weights."""
+    tokens, kk, m, expert, live = _token_routes(indices_ptr, num_tokens, num_experts, K, K_PAD, BLOCK_T)
+    slot = tl.load(route_slot_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
+    live = live & (slot >= 0)  # bound_m and bad indices: route_tokens decided
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e.to(tl.int64) * stride_counts, mask=e < num_experts, other=0)
+    first = tl.cumsum(counts, axis=0) - counts
+    flat = tl.reshape(tl.where(live, expert, 0), (BLOCK_T * K_PAD,))
+    pos = slot - tl.reshape(tl.gather(first, flat, 0), (BLOCK_T, K_PAD))
+    dest = tl.where(live, expert // L, -1)
+    local = expert - (expert // L) * L
+    opens = tl.load(rank_slot_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + tokens[:, None] * stride_w_t + kk[None, :] * stride_w_k, mask=m, other=0.0)
+    base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
+    base_f32 = base_ptr.to(tl.pointer_type(tl.float32))
+    for k in range(K):
+        row = _column(opens, kk, k).to(tl.int64)
+        dk = _column(dest, kk, k)
+        meta = (send_bytes + row * SD_BYTES + META_OFFSET_BYTES) // 4
+        mask = (row >= 0)[:, None] & (kk[None, :] < K)
+        mine = live & (dest == dk[:, None])
+        tl.store(base_i32 + meta[:, None] + kk[None, :], tl.where(mine, local, -1), mask=mask)
+        tl.store(base_i32 + meta[:, None] + K + kk[None, :], tl.where(mine, pos, 0), mask=mask)
+        if HAS_WEIGHTS:
+            tl.store(base_f32 + meta[:, None] + 2 * K + kk[None, :], w, mask=mask)
+
+
+# ================================================================================================
+# Dispatch recv: expand each received row into its experts' rows
+# ================================================================================================
+@triton.jit(do_not_specialize=["num_out_rows"], repr=launch.compiled_as(launch.DISPATCH_SYMBOL))
+def _expand_rank_rows_kernel(
+    out_num_tokens_ptr,  # (L,) int32: rows per local expert
+    out_x_ptr,           # (R, X_WORDS) words, row stride `stride_out_x_r`
+    out_scale_ptr,       # (R, S) int32 (fp32 bits), strides (stride_out_scale_r, stride_out_scale_s)
+    counts_ptr,          # (W, E) int32, row stride stride_counts_w: per-expert route counts
+    rank_rows_ptr,       # (W, W) int32, row stride stride_rank_rows_w: rows per destination rank
+    base_ptr,            # uint8: byte address space of the node peers' send buffers
+    peer_send_bytes_ptr,  # (W,) int64: peer s's send buffer - base (every source is on this node)
+    rank, num_out_rows,
+    stride_counts_w, stride_rank_rows_w, stride_out_x_r, stride_out_scale_r, stride_out_scale_s,
+    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, K: tl.constexpr,
+    K_PAD: tl.constexpr, PAD: tl.constexpr, X_WORDS: tl.constexpr, S: tl.constexpr,
+    SCALE_OFFSET_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr, SD_BYTES: tl.constexpr,
+    WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_SCALES: tl.constexpr, CAPACITY: tl.constexpr, CAPACITY_WORD: tl.constexpr, ABORT_WORD: tl.constexpr,
+    # Same-node synchronisation (node_sync.py, NodeSync.kernel_args("dispatch_recv")), only with NODE_SYNC:
+    failed_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None, sync_bytes=0, node_first=0,
+    timeout_ns=0, max_spins=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
+    NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
+    ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    aborted_ptr=None, CALL_ABORTED_WORD: tl.constexpr = 0, ABORT_AT_COMBINE: tl.constexpr = False,
+    out_ranges_ptr=None, HAS_RANGES: tl.constexpr = False,
+):
+    """Compiled as `moe_a2a::dispatch()`. Grid: (G,) persistent programs over tiles of BLOCK_R received rows
+    (numbered source-major). Each row is read once and written to the output row of every k its metadata
+    names (`_expert_rows`): the expert-major output of `unpack_tokens_by_expert`, same rows, same order."""
+    pid = tl.program_id(0)
+    ok = pid >= 0
+    if NODE_SYNC:
+        ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
+                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
+    cnt, _, out_start, _, _, tot, _, fit, aborted = d.recv_pair_tables(
+        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
+    l_idx = tl.arange(0, L_PAD)
+    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where((pid == 0) & ok, L, 0))
+    if HAS_RANGES:
+        l2 = tl.arange(0, L_PAD)[:, None]
+        s2 = tl.arange(0, W_PAD)[None, :]
+        tl.store(out_ranges_ptr + l2 * W + s2, ((tl.cumsum(cnt, axis=1) - cnt) << 32) | cnt,
+                 mask=(l2 < tl.where((pid == 0) & ok, L, 0)) & (s2 < W))
+    if NODE_SYNC:
+        tl.store(flags_ptr + ABORT_WORD, protocol_device.encode_abort(tl.load(epoch_ptr), aborted),
+                 mask=(pid == 0) & ok & (aborted < W))
+        if CAPACITY > 0:
+            over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
+            n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
+            hit = (pid == 0) & ok & (over < L)
+            tl.store(flags_ptr + CAPACITY_WORD, protocol_device.encode_capacity(over, n_over, L), mask=hit)
+            if ABORT_AT_COMBINE:
+                epoch = tl.load(epoch_ptr)
+                tl.store(aborted_ptr, epoch, mask=hit)
+                tl.store(flags_ptr + CALL_ABORTED_WORD, epoch, mask=hit)
+    NPAIR: tl.constexpr = L_PAD * W_PAD
+    out_start = tl.reshape(out_start, (NPAIR,))
+    fit = tl.reshape(fit, (NPAIR,))
+    n, off, dense = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD)
+    peer = tl.load(peer_send_bytes_ptr + tl.arange(0, W_PAD), mask=tl.arange(0, W_PAD) < W, other=0)
+    first_bytes = peer + off * SD_BYTES
+    num_rows = tl.where(ok, tl.sum(n, axis=0), 0)
+
+    word_ty: tl.constexpr = out_x_ptr.dtype.element_ty
+    base_words = base_ptr.to(tl.pointer_type(word_ty))
+    base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
+    kk = tl.arange(0, K_PAD)
+    for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
+        is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
+        src_bytes = _pick(first_bytes, src, W_PAD) + j * SD_BYTES
+        rows = _expert_rows(base_i32, (src_bytes + META_OFFSET_BYTES) // 4, is_row, src, kk, out_start, fit, K, L,
+                            W_PAD, BLOCK_R, K_PAD)
+        rows = tl.where(rows < num_out_rows, rows, -1)
+        src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
+        for c0 in range(0, X_WORDS, BLOCK_W):  # each chunk read once, written to every expert row of the row
+            cols = c0 + tl.arange(0, BLOCK_W)
+            mask = is_row[:, None] & (cols < X_WORDS)[None, :]
+            v = tl.load(base_words + src_words[:, None] + cols[None, :], mask=mask)
+            for k in range(K):
+                out_row = _column(rows, kk, k)
+                tl.store(out_x_ptr + out_row[:, None] * stride_out_x_r + cols[None, :], v,
+                         mask=mask & (out_row >= 0)[:, None])
+        if HAS_SCALES:  # chunks of BLOCK_W columns, as the payload (copy_row_columns says why)
+            for c0 in range(0, S, BLOCK_W):
+                cols = c0 + tl.arange(0, BLOCK_W)
+                mask = is_row[:, None] & (cols < S)[None, :]
+                v = tl.load(base_i32 + ((src_bytes + SCALE_OFFSET_BYTES) // 4)[:, None] + cols[None, :], mask=mask)
+                for k in range(K):
+                    out_row = _column(rows, kk, k)
+                    tl.store(out_scale_ptr + out_row[:, None] * stride_out_scale_r + cols[None, :] * stride_out_scale_s,
+                             v, mask=mask & (out_row >= 0)[:, None])
+
+
+# ================================================================================================
+# Combine send: reduce each received row's expert outputs, send one row back
+# ================================================================================================
+@triton.jit(do_not_specialize=["num_y_rows"], repr=launch.compiled_as(launch.COMBINE_SYMBOL))
+def _reduce_rank_rows_by_source_kernel(
+    expert_y_ptr,        # (R, H) out_dtype, row stride stride_y_r: expert outputs, dispatch output rows
+    counts_ptr,          # (W, E) int32
+    rank_rows_ptr,       # (W, W) int32
+    base_ptr,            # uint8: byte address space of the node peers' send and recv buffers
+    peer_send_bytes_ptr,  # (W,) int64: peer s's send buffer - base (the rows' metadata and weights)
+    peer_recv_bytes_ptr,  # (W,) int64: peer s's recv buffer - base (where its reduced rows land)
+    rank, num_y_rows,
+    stride_counts_w, stride_rank_rows_w, stride_y_r,
+    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, K: tl.constexpr,
+    K_PAD: tl.constexpr, PAD: tl.constexpr, H: tl.constexpr, META_OFFSET_BYTES: tl.constexpr,
+    SD_BYTES: tl.constexpr, SC_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr, ITEM_BYTES: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAPACITY: tl.constexpr,
+    # Same-node synchronisation (NodeSync.kernel_args("combine_send")), only with NODE_SYNC:
+    failed_ptr=None, counter_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None,
+    sync_bytes=0, node_first=0, timeout_ns=0, max_spins=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_SYNC: tl.constexpr = False,
+    HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False, STATUS_WORD: tl.constexpr = 0,
+    PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
+    PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    aborted_ptr=None, ABORT_BYTES: tl.constexpr = 0,
+):
+    """Compiled as `moe_a2a::combine()`. Grid: (G,) persistent programs over tiles of BLOCK_R received rows,
+    as the expand. Row j of source s: partial = sum_k w_k * y[row_k] over the k whose expert is here, in fp32
+    in k order, rounded once to out_dtype and stored in s's recv buffer at the slot of its dispatch row
+    (combine region + (off[s] + j) * Sc). With NODE_SYNC the last program tells every node peer (as the
+    route-row combine pack does)."""
+    pid = tl.program_id(0)
+    _, _, out_start, _, _, _, _, fit, _ = d.recv_pair_tables(
+        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
+    NPAIR: tl.constexpr = L_PAD * W_PAD
+    out_start = tl.reshape(out_start, (NPAIR,))
+    fit = tl.reshape(fit, (NPAIR,))
+    n, off, dense = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD)
+    num_rows = tl.sum(n, axis=0)
+    if NODE_SYNC:
+        num_rows = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_rows, 0)
+    s_idx = tl.arange(0, W_PAD)
+    send = tl.load(peer_send_bytes_ptr + s_idx, mask=s_idx < W, other=0) + off * SD_BYTES
+    recv = tl.load(peer_recv_bytes_ptr + s_idx, mask=s_idx < W, other=0) + COMBINE_RECV_BYTES + off * SC_BYTES
+
+    y_ty: tl.constexpr = expert_y_ptr.dtype.element_ty
+    base_y = base_ptr.to(tl.pointer_type(y_ty))
+    base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
+    base_f32 = base_ptr.to(tl.pointer_type(tl.float32))
+    kk = tl.arange(0, K_PAD)
+    for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
+        is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
+        meta = (_pick(send, src, W_PAD) + j * SD_BYTES + META_OFFSET_BYTES) // 4
+        rows = _expert_rows(base_i32, meta, is_row, src, kk, out_start, fit, K, L, W_PAD, BLOCK_R, K_PAD)
+        rows = tl.where(rows < num_y_rows, rows, -1)
+        w = tl.load(base_f32 + meta[:, None] + 2 * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
+                    other=0.0)
+        dst = (_pick(recv, src, W_PAD) + j * SC_BYTES) // ITEM_BYTES
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = is_row[:, None] & (cols < H)[None, :]
+            acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+            for k in range(K):  # k order: the fp32 sum is rounded exactly as in the reference
+                y_row = _column(rows, kk, k)
+                wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+                y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :],
+                            mask=mask & (y_row >= 0)[:, None], other=0.0)
+                acc = tl.where((y_row >= 0)[:, None], acc + wk[:, None] * y.to(tl.float32), acc)
+            if y_ty == tl.bfloat16:
+                tl.store(base_y + dst[:, None] + cols[None, :], _f32_to_bf16_rtne(acc), mask=mask)
+            else:
+                tl.store(base_y + dst[:, None] + cols[None, :], acc.to(y_ty), mask=mask)
+    if NODE_SYNC:
+        if d.node_arrive(counter_ptr, USE_PTX):
+            if tl.load(failed_ptr, volatile=True) == 0:
+                if ABORT_BYTES > 0:
+                    d.node_mark_aborted(base_ptr, peer_sync_bytes_ptr, ABORT_BYTES, aborted_ptr, epoch_ptr, rank,
+                                        node_first, NODE)
+                d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
+                               NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+
+
+# ================================================================================================
+# Combine recv: sum each token's rows over ranks
+# ================================================================================================
+@triton.jit(do_not_specialize=["num_tokens"], repr=launch.compiled_as(launch.COMBINE_SYMBOL))
+def _reduce_rank_rows_by_token_kernel(
+    out_tokens_ptr,      # out: (T, H) out_dtype, row stride stride_out_t (also in when ACCUMULATE)
+    rank_slot_ptr,       # (T, K) int32, contiguous: the row each route opened (-1: none)
+    base_ptr,            # uint8: byte address space of the recv buffer
+    bound_m_ptr,         # (1,) int32 live tokens; read only when HAS_BOUND_M
+    recv_bytes,          # this rank's combine region - base
+    num_tokens, stride_out_t,
+    K: tl.constexpr, K_PAD: tl.constexpr, MAX_SLOTS: tl.constexpr, H: tl.constexpr, SC_BYTES: tl.constexpr,
+    ITEM_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BOUND_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    # Same-node synchronisation (NodeSync.kernel_args("combine_recv")), only with NODE_SYNC:
+    failed_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None, sync_bytes=0, node_first=0,
+    timeout_ns=0, max_spins=0,
+    READY_BYTES: tl.constexpr = 0, NODE: tl.constexpr = 1, NODE_PAD: tl.constexpr = 1,
+    NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
+    ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    rank=0, ABORT_BYTES: tl.constexpr = 0, ABORTED_WORD: tl.constexpr = 0,
+):
+    """Compiled as `moe_a2a::combine()`. Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)). out[t] = (old out[t] +)
+    the sum of the token's rows, one per rank it was sent to, in ascending rank (rows are rank-major, so in
+    ascending slot: a sort of the token's K slots), in fp32, cast once."""
+    if NODE_SYNC:
+        ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
+                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
+        num_tokens = tl.where(ok, num_tokens, 0)
+        if ABORT_BYTES > 0:
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & ok:
+                d.node_check_aborted(base_ptr, sync_bytes, ABORT_BYTES, epoch_ptr, flags_ptr, ABORTED_WORD, rank,
+                                     node_first, NODE, NODE_PAD)
+    tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
+    kk = tl.arange(0, K_PAD)
+    slot = tl.load(rank_slot_ptr + tokens[:, None] * K + kk[None, :], mask=is_live[:, None] & (kk[None, :] < K),
+                   other=-1)
+    slot = tl.sort(tl.where((slot >= 0) & (slot < MAX_SLOTS), slot, _NO_SLOT), dim=1)
+    y_ty: tl.constexpr = out_tokens_ptr.dtype.element_ty
+    base_y = base_ptr.to(tl.pointer_type(y_ty))
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = is_live[:, None] & (cols < H)[None, :]
+    out_ptrs = out_tokens_ptr + tokens[:, None] * stride_out_t + cols[None, :]
+    if ACCUMULATE:
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for i in range(K):
+        s = tl.min(tl.where(kk[None, :] == i, slot, _NO_SLOT), axis=1).to(tl.int64)
+        has = s < _NO_SLOT
+        row = (recv_bytes + s * SC_BYTES) // ITEM_BYTES
+        y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has[:, None], other=0.0)
+        acc = tl.where(has[:, None], acc + y.to(tl.float32), acc)
+    if y_ty == tl.bfloat16:
+        tl.store(out_ptrs, _f32_to_bf16_rtne(acc), mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(y_ty), mask=mask)

@@ -1,0 +1,240 @@
+"""Per-rank rows: a token crosses to a rank once, however many of its experts live there.
+
+With `A2AConfig(dispatch_rows="rank")` the dispatch sends one row per (token, destination rank) instead of
+one per route (token, k) (`reference.dispatch_per_rank`); with `combine_rows="rank"` the combine sums a
+token's expert outputs on the experts' rank and sends one row back per (token, rank)
+(`reference.combine_reduced_at_sender`). Rows, counts and slots come from the same deterministic routing
+as route rows (`routing.route_tokens`, run a second time over "the rank of each token's first route
+there"), so nothing here uses atomics and every output is the same run to run.
+
+- `route_tokens_by_rank` (send half): which route opens a row (`_first_route_per_rank_kernel`), then
+  `route_tokens` over those ranks: rows per destination rank (the count row's last W ints, `Layout.count_row_ints`)
+  and each row's rank-major slot.
+- `stamp_rank_rows` (send half, before the pack): each row's metadata after its scales: per k the local
+  expert (or -1) and the route's position among this rank's routes to it, and the weights for a sender-side
+  reduce. The payload itself is packed by `dispatch.pack_tokens_by_expert` with these slots.
+- `expand_rank_rows` (recv half): every received row read once and written to each expert row it names:
+  the same expert-major output, in the same order, as `dispatch.unpack_tokens_by_expert`.
+- `reduce_rank_rows_by_source` (combine send, `combine_rows="rank"`): per received row the weighted sum of
+  its experts' outputs, in fp32 in k order, rounded once, into the home's recv buffer at its row's slot.
+- `reduce_rank_rows_by_token` (combine recv): per token the sum of its rows in ascending rank order.
+
+Every source is on this node (the cross-node write plans count route rows: `runtime.options` refuses
+per-rank rows with remote peers, for now).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
+from . import _checks as check
+from . import _launch as launch
+from .combine import MAX_REDUCE_BLOCK_H
+from .node_sync import NodeSync, launch_wait_apart
+from .routing import route_tokens
+from ._rank_rows_kernels import (_expand_rank_rows_kernel, _first_route_per_rank_kernel,
+                                 _reduce_rank_rows_by_source_kernel, _reduce_rank_rows_by_token_kernel,
+                                 _stamp_rank_rows_kernel)
+
+# Tokens per program of the two small send-half kernels (their work is K x K compares per token).
+BLOCK_TOKENS = 32
+
+
+def _check_rank_layout(cfg: A2AConfig, layout: Layout) -> tuple[int, int]:
+    check.config(cfg)
+    check.layout(layout, cfg)
+    if not cfg.rank_rows or not layout.rank_rows:
+        check.fail("cfg", "dispatch_rows='rank' (per-rank rows)", f"dispatch_rows={cfg.dispatch_rows!r}")
+    return layout.world_size, layout.num_local_experts
+
+
+def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: torch.Tensor,
+                         out_rank_slot: torch.Tensor, scratch: torch.Tensor, bound_m: torch.Tensor | None = None,
+                         abort: bool = False) -> None:
+    """Rows per destination rank and the row each route opens.
+
+    Args:
+        indices: `[T, K]` int32/int64, contiguous, -1 = not routed (as `route_tokens`; out-of-range values
+            are dead here and reported by the routing of the routes).
+        out_rank_rows: `[W]` int32 (any stride: this rank's count row's last W ints): rows to each rank.
+        out_rank_slot: `[T, K]` int32, contiguous: for the first live route of token t to rank r, the row of
+            (t, r) in the rank-major send order (`psum_excl(rank_rows)[r]` + earlier tokens to r); -1 for
+            every other route.
+        scratch: `[T, K]` int32, contiguous: the ranks of the first routes (a buffer of the caller's, so the
+            launches can be remembered).
+        bound_m, abort: as `route_tokens`.
+    No host sync; CUDA-graph safe. Two or three launches."""
+    check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
+    T, K = indices.shape
+    for name, t in (("out_rank_slot", out_rank_slot), ("scratch", scratch)):
+        check.tensor(name, t, dtypes=(torch.int32,), shape=(T, K), device=indices.device, strides="contiguous")
+    if T:
+        _FIRST.launch(None, (ceil_div(T, BLOCK_TOKENS),), indices, scratch, T, layout.num_experts,
+                      K=K, K_PAD=next_power_of_2(K), L=layout.num_local_experts, BLOCK_T=BLOCK_TOKENS, num_warps=4)
+    route_tokens(scratch, layout.world_size, out_counts=out_rank_rows, out_route_slot=out_rank_slot, bound_m=bound_m,
+                 abort=abort)
+
+
+def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, rank_slot: torch.Tensor, counts: torch.Tensor,
+                    weights: torch.Tensor | None, send_base: torch.Tensor, send_offset_bytes: int, cfg: A2AConfig,
+                    layout: Layout) -> None:
+    """Write the metadata of every row this rank sends (`A2AConfig.rank_meta_offset_bytes`): per k, the
+    local expert of route k when it goes to the row's rank (else -1) and its position among this rank's
+    routes to that expert; with `cfg.combine_rows == "rank"` also the K weights.
+
+    Args:
+        indices, route_slot: `[T, K]` as given to and returned by `route_tokens` (expert-major slots).
+        rank_slot: `[T, K]` int32 from `route_tokens_by_rank`.
+        counts: `[E]` int32, this rank's count row (any stride).
+        weights: `[T, K]` float32 (any strides) when `cfg.combine_rows == "rank"`, else None.
+        send_base, send_offset_bytes: the byte address space and the send buffer's offset in it.
+    No host sync; CUDA-graph safe."""
+    W, L = _check_rank_layout(cfg, layout)
+    T, K = indices.shape
+    with_weights = cfg.combine_rows == "rank"
+    if with_weights:
+        check.tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=indices.device, strides="any")
+    elif weights is not None:
+        check.fail("weights", "None (combine_rows='route': the weights stay home)", "a tensor")
+    if T == 0:
+        return
+    E = layout.num_experts
+    _STAMP.launch(None, (ceil_div(T, BLOCK_TOKENS),), indices, route_slot, rank_slot, counts,
+                  weights if with_weights else counts, send_base, send_offset_bytes, T, E, counts.stride(0),
+                  weights.stride(0) if with_weights else 0, weights.stride(1) if with_weights else 0,
+                  K=K, K_PAD=next_power_of_2(K), L=L, E_PAD=next_power_of_2(E), BLOCK_T=BLOCK_TOKENS,
+                  SD_BYTES=cfg.dispatch_stride_bytes, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
+                  HAS_WEIGHTS=with_weights, num_warps=4)
+
+
+def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Tensor,
+                     out_expert_x_scale: torch.Tensor | None, counts: torch.Tensor, rank_rows: torch.Tensor,
+                     rank: int, base: torch.Tensor, peer_send_bytes: torch.Tensor, cfg: A2AConfig, layout: Layout,
+                     node: NodeSync | None = None, copy_bytes: int | None = None,
+                     out_source_ranges: torch.Tensor | None = None) -> None:
+    """The receive half of per-rank dispatch rows: `unpack_tokens_by_expert`'s outputs (same rows, same
+    order, `reference.dispatch`), each received row read once and written to every expert row it names.
+
+    Args: as `dispatch.unpack_tokens_by_expert` (scales `[R, num_scales]`), plus `rank_rows`: `[W, W]`
+    int32, row s = rows source s sends to each rank (the count rows' last W ints). Every source must be on
+    this node (`peer_send_bytes[s] >= 0`). No host sync; CUDA-graph safe."""
+    launch_wait_apart(node, "dispatch_recv", base)
+    W, L = _check_rank_layout(cfg, layout)
+    E = layout.num_experts
+    check.tensor("out_expert_x", out_expert_x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
+    device, R = out_expert_x.device, out_expert_x.shape[0]
+    check.tensor("out_expert_num_tokens", out_expert_num_tokens, dtypes=(torch.int32,), shape=(L,), device=device)
+    if cfg.has_scales:
+        check.tensor("out_expert_x_scale", out_expert_x_scale, dtypes=(torch.float32,), shape=(R, cfg.num_scales),
+                     device=device, strides="any")
+    elif out_expert_x_scale is not None:
+        check.fail("out_expert_x_scale", "None (this config has no scales)", "a tensor")
+    check.counts(counts, W, E, device)
+    check.tensor("rank_rows", rank_rows, dtypes=(torch.int32,), shape=(W, W), device=device, host_ok=True)
+    check.integer("rank", rank, 0, W)
+    check.peer_table("peer_send_bytes", peer_send_bytes, W, device)
+    if out_source_ranges is not None:
+        check.tensor("out_source_ranges", out_source_ranges, dtypes=(torch.int64,), shape=(L, W), device=device,
+                     strides="contiguous")
+    out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
+    word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, base.data_ptr(),
+                                               cfg.dispatch_stride_bytes)
+    align = launch.align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, base.data_ptr())
+    x_words = launch.as_words(out_expert_x, word_dtype)
+    row_words = cfg.x_bytes // word_bytes
+    copy_words = row_words if copy_bytes is None else min(row_words, ceil_div(copy_bytes, word_bytes))
+    block_w = launch.chunk_words(copy_words, word_bytes)
+    scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
+    stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
+    grid, block_r = launch.persistent_grid(device, layout)
+    sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
+    from ..protocol.words import Flag, flag_word
+    _EXPAND.launch(
+        None, grid, out_expert_num_tokens, x_words, scale_i32, counts, rank_rows, base, peer_send_bytes, rank, R,
+        counts.stride(0), rank_rows.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=cfg.experts_per_token,
+        K_PAD=next_power_of_2(cfg.experts_per_token), PAD=cfg.expert_padding, X_WORDS=copy_words, S=cfg.num_scales,
+        SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
+        SD_BYTES=cfg.dispatch_stride_bytes, WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_R=block_r,
+        BLOCK_W=block_w, HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity,
+        CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED), ABORT_WORD=flag_word(Flag.ABORTED),
+        out_ranges_ptr=out_source_ranges, HAS_RANGES=out_source_ranges is not None,
+        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args)
+
+
+def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, rank_rows: torch.Tensor, rank: int,
+                               base: torch.Tensor, peer_send_bytes: torch.Tensor, peer_recv_bytes: torch.Tensor,
+                               cfg: A2AConfig, layout: Layout, node: NodeSync | None = None) -> None:
+    """The combine send half with `combine_rows="rank"`: for every row this rank received, the sum over its
+    k whose expert is here of `w_k * expert_y[row of (l_k, pos_k)]`, in fp32 in k order, rounded once to
+    out_dtype, into the home's recv buffer (combine region) at the slot of the row it sent.
+
+    Args: `expert_y` as `combine.pack_combine_by_source`; `counts`, `rank_rows`, `peer_send_bytes` as
+    `expand_rank_rows` (the rows' metadata and weights are read again from the senders' buffers, untouched
+    until this call's combine ends); `peer_recv_bytes`: `[W]` int64, node peers' recv buffers from `base`.
+    No host sync; CUDA-graph safe."""
+    launch_wait_apart(node, "combine_send", base)
+    W, L = _check_rank_layout(cfg, layout)
+    if cfg.combine_rows != "rank":
+        check.fail("cfg", "combine_rows='rank'", repr(cfg.combine_rows))
+    check.tensor("expert_y", expert_y, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
+    device, R = expert_y.device, expert_y.shape[0]
+    check.counts(counts, W, layout.num_experts, device)
+    check.tensor("rank_rows", rank_rows, dtypes=(torch.int32,), shape=(W, W), device=device, host_ok=True)
+    check.integer("rank", rank, 0, W)
+    check.peer_table("peer_send_bytes", peer_send_bytes, W, device)
+    check.peer_table("peer_recv_bytes", peer_recv_bytes, W, device)
+    H, item = cfg.hidden_dim, cfg.out_itemsize
+    grid, block_r = launch.persistent_grid(device, layout)
+    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 4 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
+    sync_args = {} if node is None else node.kernel_args("combine_send", device)
+    _BY_SOURCE.launch(
+        None, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, rank, R,
+        counts.stride(0), rank_rows.stride(0), expert_y.stride(0) if R else H,
+        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=cfg.experts_per_token,
+        K_PAD=next_power_of_2(cfg.experts_per_token), PAD=cfg.expert_padding, H=H,
+        META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
+        SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, ITEM_BYTES=item,
+        BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity,
+        num_warps=launch.num_warps(block_r * block_h, item), **sync_args)
+
+
+def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor, recv_base: torch.Tensor,
+                              recv_offset_bytes: int, cfg: A2AConfig, accumulate: bool = False,
+                              bound_m: torch.Tensor | None = None, node: NodeSync | None = None) -> None:
+    """The combine recv half with `combine_rows="rank"`: `out_tokens[t] = (old +) sum of the token's rows`
+    (one per rank it was sent to, the row at `recv + rank_slot * Sc`), in ascending rank order, fp32, cast
+    once (`reference.combine_reduced_at_sender`). Tokens t >= bound_m untouched. No host sync; CUDA-graph safe."""
+    launch_wait_apart(node, "combine_recv", recv_base)
+    check.config(cfg)
+    check.tensor("out_tokens", out_tokens, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
+    device = out_tokens.device
+    T, K, H = out_tokens.shape[0], cfg.experts_per_token, cfg.hidden_dim
+    check.tensor("rank_slot", rank_slot, dtypes=(torch.int32,), shape=(T, K), device=device, strides="contiguous")
+    check.tensor("recv_base", recv_base, dtypes=(torch.uint8,), shape=(None,), device=device)
+    check.integer("recv_offset_bytes", recv_offset_bytes)
+    check.bound_m(bound_m, device)
+    item = cfg.out_itemsize
+    if recv_offset_bytes % item or recv_base.data_ptr() % item:
+        check.fail("recv_offset_bytes", f"recv_base + it aligned to out itemsize {item}", str(recv_offset_bytes))
+    if T == 0 and node is None:
+        return
+    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H)
+    block_t = launch.tokens_per_program(device, T)
+    sync_args = {} if node is None else node.kernel_args("combine_recv", device)
+    _BY_TOKEN.launch(
+        None, (max(1, ceil_div(T, block_t)), ceil_div(H, block_h)), out_tokens, rank_slot, recv_base,
+        bound_m if bound_m is not None else rank_slot, recv_offset_bytes, T, out_tokens.stride(0),
+        K=K, K_PAD=next_power_of_2(K), MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes,
+        ITEM_BYTES=item, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
+        num_warps=launch.num_warps(block_t * block_h, item), **sync_args)
+
+
+_FIRST = launch.LaunchCache(_first_route_per_rank_kernel)
+_STAMP = launch.LaunchCache(_stamp_rank_rows_kernel)
+_EXPAND = launch.LaunchCache(_expand_rank_rows_kernel)
+_BY_SOURCE = launch.LaunchCache(_reduce_rank_rows_by_source_kernel)
+_BY_TOKEN = launch.LaunchCache(_reduce_rank_rows_by_token_kernel)
+
+__all__ = ["route_tokens_by_rank", "stamp_rank_rows", "expand_rank_rows", "reduce_rank_rows_by_source",
+           "reduce_rank_rows_by_token"]
