@@ -11,6 +11,8 @@ exact wherever the result is determined:
   once, so compiled kernels may differ from it only by FMA contraction (`acc + w * y` fused on the GPU:
   a few fp32 ulps, at most one ulp after the cast to bf16 / fp16). The bound is therefore 0 ulps for
   results computed on the CPU (the Triton interpreter rounds every operation) and 1 ulp on a GPU.
+  With `cfg.combine_fp8` the sum is held against `reference.combine_fp8` (every expert output row through
+  fp8 blocks and back, then the same sum), with the same bound.
 
 A rank function records a call with `record_call` after filling its outputs with `fill_sentinel`;
 `tests/test_oracle.py` mutates correct results (one dropped route, two swapped rows, a written padding
@@ -117,7 +119,8 @@ def check_call(cfg: A2AConfig, inputs: list, got: dict, max_ulps: int | None = N
     if not counts_ok:
         return problems  # the rows are laid out by the counts: the combine has nothing to compare against
     ys = [toy_expert(ex, exs, cfg) for _, ex, exs in ref]
-    outs = reference.combine(cfg, indices, weights, ys, None if olds[0] is None else olds)
+    combine = reference.combine_fp8 if cfg.combine_fp8 else reference.combine
+    outs = combine(cfg, indices, weights, ys, None if olds[0] is None else olds)
     for r, call in got.items():
         bound = default_max_ulps(call["device"]) if max_ulps is None else max_ulps
         problems += combine_problems(call["out"].cpu(), outs[r], bound, f"{where}rank {r}")

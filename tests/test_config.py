@@ -179,3 +179,35 @@ def test_hash_is_cached_per_config_and_left_out_of_pickles():
     out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=120,
                          env={**os.environ, "PYTHONHASHSEED": seed})
     assert out.stdout.decode().strip() == "hit", out.stderr.decode()[-2000:]
+
+
+def test_combine_fp8_sizes_the_combine_slots_and_is_validated():
+    import dataclasses
+
+    from moe_a2a import fingerprint, reference
+
+    bf16 = A2AConfig(in_dtype=torch.float8_e4m3fn)                     # DeepSeek-V3 decode
+    fp8 = dataclasses.replace(bf16, combine_fp8=True)
+    assert not bf16.combine_fp8 and bf16.combine_num_scales == 0
+    assert bf16.combine_scale_offset_bytes == bf16.combine_stride_bytes == 7168 * 2  # unchanged without it
+    # fp8 bytes at [0, H), 56 fp32 scales from round_up(H, 16): reference.row_bytes' fp8 combine row.
+    assert (fp8.combine_payload_bytes, fp8.combine_num_scales, fp8.combine_scale_offset_bytes) == (7168, 56, 7168)
+    assert fp8.combine_stride_bytes == 7168 + 224 == reference.row_bytes(bf16, reference.Wire(combine_fp8=True))[
+        "combine"]
+    assert fp8.y_bytes == bf16.y_bytes == 7168 * 2                      # expert_y stays out_dtype
+    assert fp8.dispatch_stride_bytes == bf16.dispatch_stride_bytes
+    odd = A2AConfig(hidden_dim=200, out_dtype=torch.float32, combine_fp8=True)
+    assert (odd.combine_scale_offset_bytes, odd.combine_stride_bytes) == (208, 224)
+    # Every buffer that holds combine rows shrinks with it (the layout carries the stride).
+    lay, lay8 = bf16.layout(8, 4), fp8.layout(8, 4)
+    assert lay8.combine_stride_bytes == fp8.combine_stride_bytes
+    assert lay8.send_bytes < lay.send_bytes and lay8.recv_bytes < lay.recv_bytes
+    assert fp8 != bf16 and hash(fp8) != hash(bf16)                      # launch keys tell them apart
+    # Ranks that disagree on it are refused at bootstrap, naming the field.
+    fps = [fingerprint.of(c, node_group=4, transport="shm", buffers="auto", proxies=1, device="cpu")
+           for c in (bf16, fp8)]
+    with pytest.raises(ValueError, match="combine_fp8: False on rank 0; True on rank 1"):
+        fingerprint.check(fps, ["h", "h"], 0)
+    for bad in (1, 0, "yes", None):
+        with pytest.raises(ValueError, match="combine_fp8 must be a bool"):
+            A2AConfig(combine_fp8=bad)

@@ -25,6 +25,7 @@ def _f32_to_bf16_rtne(x):
 @triton.jit(do_not_specialize=["num_y_rows"], repr=launch.compiled_as(launch.COMBINE_SYMBOL))
 def _pack_combine_by_source_kernel(
     expert_y_ptr,        # in: (R, Y_WORDS) words, row stride `stride_y_r`: expert outputs, dispatch rows
+                         #     (FP8: (R, H) out_dtype elements)
     counts_ptr,          # in: (W, E) int32: the routing matrix of this call's dispatch
     base_ptr,            # out: uint8, byte address space of the staging area and peers' recv buffers
     peer_recv_bytes_ptr,  # in: (W,) int64: home s's recv buffer - base (same node), -1 = remote home
@@ -42,6 +43,11 @@ def _pack_combine_by_source_kernel(
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
     COMBINE_RECV_BYTES: tl.constexpr,   # where a home's recv buffer keeps combine rows
     CAPACITY: tl.constexpr,             # A2AConfig.expert_capacity (0: compact rows)
+    # fp8 rows (A2AConfig.combine_fp8): expert_y_ptr is then out_dtype elements, Y_WORDS = H, WORD_BYTES = 1,
+    # ALIGN_WORDS in bytes; each row is quantised into its slot (`_details.fp8_quantize_rows`), G groups of
+    # Q_BLOCK elements per step, the scales at SCALE_OFFSET_BYTES.
+    FP8: tl.constexpr = False, G: tl.constexpr = 1, Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0,
+    FP8_VIA_BITS: tl.constexpr = False,  # the interpreter: fp8 bytes by integer encoding
     # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
     failed_ptr=None, counter_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None,
     sync_bytes=0, node_first=0, timeout_ns=0, max_spins=0,
@@ -60,7 +66,8 @@ def _pack_combine_by_source_kernel(
       same-node s: peer_recv[s] + COMBINE_RECV_BYTES + (send_offsets_s[rank] + b) * Sc   (the slot of its
                    dispatch send, in the combine region of its recv buffer)
       remote s:    stage + (psum_excl(n)[s] + b) * Sc               (plan.combine_stage_offsets)
-    Moves y_bytes in and out per received row. With NODE_SYNC the last program to finish tells every
+    Moves y_bytes in and out per received row (FP8: reads y_bytes, writes H + 4 * ceil(H / Q_BLOCK)).
+    With NODE_SYNC the last program to finish tells every
     same-node home that its rows of this epoch are in place (after a failed wait: nothing moves) and,
     with remote peers, raises COMBINE_SEND_READY for the proxy, after waiting (prologue) until the
     proxy's writes out of the staging area for the previous call completed."""
@@ -98,7 +105,11 @@ def _pack_combine_by_source_kernel(
         is_row = is_row & (y_row < num_y_rows)
         dst_words = tl.multiple_of(dst_bytes // WORD_BYTES, ALIGN_WORDS)
         src_words = y_row * stride_y_r
-        d.copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
+        if FP8:  # words are bytes
+            d.fp8_quantize_rows(expert_y_ptr, src_words, base_ptr, dst_words, is_row, Y_WORDS, SCALE_OFFSET_BYTES,
+                                BLOCK_R, G, Q_BLOCK, FP8_VIA_BITS)
+        else:
+            d.copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
     if NODE_SYNC:
         if d.node_arrive(counter_ptr, USE_PTX):
             if tl.load(failed_ptr, volatile=True) == 0:
@@ -126,12 +137,16 @@ def _reduce_combined_tokens_kernel(
     MAX_SLOTS: tl.constexpr,       # T*K slots in the recv buffer: a bad slot is skipped, never read
     H: tl.constexpr,               # constexpr: the tail mask of the last chunk is then provable
     SC_BYTES: tl.constexpr,
-    ITEM_BYTES: tl.constexpr,      # out_dtype itemsize
+    ITEM_BYTES: tl.constexpr,      # out_dtype itemsize (FP8: 1, offsets in bytes)
     ALIGN_ELEMS: tl.constexpr,     # row starts are multiples of this many elements (16 B when proven)
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_BOUND_M: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    # fp8 rows (A2AConfig.combine_fp8): slots hold fp8 bytes and fp32 scales (at SCALE_OFFSET_BYTES), read
+    # and dequantised by `_details.fp8_load_dequantized` before the weighted sum.
+    FP8: tl.constexpr = False, Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0,
+    FP8_VIA_BITS: tl.constexpr = False,
     # Same-node synchronisation and proxy flags (node_sync.py, NodeSync.kernel_args), only with NODE_SYNC:
     failed_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None, sync_bytes=0, node_first=0,
     timeout_ns=0, max_spins=0,
@@ -148,7 +163,8 @@ def _reduce_combined_tokens_kernel(
     Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)): one program per BLOCK_T tokens x BLOCK_H hidden
     elements.
 
-    Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs) and writes one.
+    Reads up to K rows of BLOCK_H*itemsize bytes per token (its expert outputs; FP8: BLOCK_H bytes and
+    their scales) and writes one.
     Tokens t >= bound_m are not touched; masked routes (slot -1) are skipped, their weight unread."""
     if NODE_SYNC:
         ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
@@ -185,7 +201,11 @@ def _reduce_combined_tokens_kernel(
         else:
             row_bytes = recv_bytes + slot * SC_BYTES
         row = tl.multiple_of(row_bytes // ITEM_BYTES, ALIGN_ELEMS)
-        y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has_slot[:, None], other=0.0)
+        if FP8:  # fp32(q) * scale, one rounding, as reference.combine_fp8
+            y = d.fp8_load_dequantized(base_ptr, row, cols, mask & has_slot[:, None], SCALE_OFFSET_BYTES, Q_BLOCK,
+                                       FP8_VIA_BITS)
+        else:
+            y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has_slot[:, None], other=0.0)
         acc = tl.where(has_slot[:, None], acc + w[:, None] * y.to(tl.float32), acc)
     if y_ty == tl.bfloat16:
         tl.store(out_ptrs, _f32_to_bf16_rtne(acc), mask=mask)

@@ -478,3 +478,91 @@ def live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M
     if HAS_BOUND_M:
         num_live = tl.minimum(tl.load(bound_m_ptr).to(tl.int64), num_tokens)
     return tokens, tokens < num_live
+
+
+# ================================================================================================
+# fp8 combine rows (A2AConfig.combine_fp8): quantise rows into slots, load and dequantise chunks
+#
+# A slot holds H fp8 e4m3 bytes at [0, H) and ceil(H / Q_BLOCK) fp32 scales from SCALE_OFFSET_BYTES
+# (`A2AConfig.combine_scale_offset_bytes`); the math is `reference.quantize_fp8_blocks` /
+# `dequantize_fp8_blocks` (the formula of `fp8_block_quantize`, no power-of-two scales). Combine pack and
+# reduce use these; so may any kernel that writes or reads such slots (a sender-side reduce).
+# ================================================================================================
+@triton.jit
+def fp8_e4m3_load(ptr, offs, mask, FP8_VIA_BITS: tl.constexpr):
+    """The e4m3fn bytes at `ptr + offs` (`ptr`: uint8) as fp32 (exact; masked elements 0). The decode
+    twin of `fp8_e4m3_store`: on a GPU the native conversion; with FP8_VIA_BITS (the interpreter, whose
+    fp8 casts are not to be trusted with subnormals) the same values from integer arithmetic."""
+    if FP8_VIA_BITS:
+        c = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint32)
+        sign = (c & 0x80) << 24
+        e = (c >> 3) & 0xF
+        m = c & 0x7
+        # Normal (e > 0): 2**(e - 7) * (1 + m/8): rebias the exponent from 7 to 127, mantissa on top.
+        normal = sign | ((e + 120) << 23) | (m << 20)
+        bits = tl.where((c & 0x7F) == 0x7F, sign | 0x7FC00000, normal)  # e4m3fn has no inf: S.1111.111 is NaN
+        value = bits.to(tl.float32, bitcast=True)
+        # Subnormal (e == 0): m * 2**-9, exact in fp32; the sign kept (0x80 is -0.0).
+        sub = m.to(tl.float32) * 0.001953125
+        sub = tl.where(sign != 0, -sub, sub)
+        return tl.where(e == 0, sub, value)
+    else:
+        return tl.load(ptr.to(tl.pointer_type(tl.float8e4nv)) + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def fp8_quantize_rows(
+    src_ptr,             # (R, H) element pointer (bf16 / fp16 / fp32): the rows to quantise
+    src_elems,           # [BLOCK_R] int64: where each row starts, elements from src_ptr
+    dst_ptr,             # uint8: byte address space of the slots
+    dst_bytes,           # [BLOCK_R] int64: where each row's slot starts, bytes from dst_ptr (a multiple of 4)
+    is_row,              # [BLOCK_R] int1: rows to write (the others are neither read nor written)
+    H: tl.constexpr,
+    SCALE_OFFSET_BYTES: tl.constexpr,  # where a slot's fp32 scales start (a multiple of 4)
+    BLOCK_R: tl.constexpr,
+    G: tl.constexpr,                   # scale groups per step (a power of two): the tile is [BLOCK_R * G, Q_BLOCK]
+    Q_BLOCK: tl.constexpr,             # elements per scale (a power of two; 128 for the combine)
+    FP8_VIA_BITS: tl.constexpr,
+):
+    """Quantise H elements of every row i with is_row[i] into its slot: fp8 bytes at dst_bytes[i] + [0, H),
+    one fp32 scale per Q_BLOCK elements at dst_bytes[i] + SCALE_OFFSET_BYTES (`fp8_block_quantize` without
+    ROUND_SCALE: bitwise `reference.quantize_fp8_blocks`). Tile row j holds row j // G, group g0 + j % G,
+    so each group's amax is one row reduction. Reads H * itemsize and writes H + 4 * ceil(H / Q_BLOCK)
+    bytes per row; the padding bytes of the slot are not written."""
+    NUM_SCALES: tl.constexpr = (H + Q_BLOCK - 1) // Q_BLOCK
+    N: tl.constexpr = BLOCK_R * G
+    src_rep = tl.reshape(tl.broadcast_to(src_elems[:, None], (BLOCK_R, G)), (N,))
+    dst_rep = tl.reshape(tl.broadcast_to(dst_bytes[:, None], (BLOCK_R, G)), (N,))
+    ok_rep = tl.reshape(tl.broadcast_to(is_row.to(tl.int32)[:, None], (BLOCK_R, G)), (N,)) != 0
+    lane = tl.arange(0, N) % G
+    elem = tl.arange(0, Q_BLOCK)
+    scale_ptr = dst_ptr.to(tl.pointer_type(tl.float32))
+    for g0 in range(0, NUM_SCALES, G):
+        group = g0 + lane
+        cols = group[:, None] * Q_BLOCK + elem[None, :]
+        mask = ok_rep[:, None] & (cols < H)
+        x = tl.load(src_ptr + src_rep[:, None] + cols, mask=mask, other=0.0).to(tl.float32)
+        q, scale = fp8_block_quantize(x, False)
+        fp8_e4m3_store(dst_ptr, dst_rep[:, None] + cols, q, mask, FP8_VIA_BITS)
+        tl.store(scale_ptr + (dst_rep + SCALE_OFFSET_BYTES) // 4 + group, scale, mask=ok_rep & (group < NUM_SCALES))
+
+
+@triton.jit
+def fp8_load_dequantized(
+    base_ptr,            # uint8: byte address space of the slots
+    row_bytes,           # [N] int64: where each slot starts, bytes from base_ptr (a multiple of 4)
+    cols,                # [C] int: the elements of the row to load (a chunk)
+    mask,                # [N, C] int1: elements to load (the others are 0)
+    SCALE_OFFSET_BYTES: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    FP8_VIA_BITS: tl.constexpr,
+):
+    """[N, C] fp32: elements `cols` of the fp8 slots at base_ptr + row_bytes, dequantised as
+    `reference.dequantize_fp8_blocks` does: fp32(q) * scale of the element's block (one fp32 rounding).
+    Reads C fp8 bytes per row and the scales of the chunk's blocks (gathered per element; they are a few
+    cache lines)."""
+    q = fp8_e4m3_load(base_ptr, row_bytes[:, None] + cols[None, :], mask, FP8_VIA_BITS)
+    scale_words = (row_bytes + SCALE_OFFSET_BYTES) // 4
+    scale = tl.load(base_ptr.to(tl.pointer_type(tl.float32)) + scale_words[:, None] + (cols // Q_BLOCK)[None, :],
+                    mask=mask, other=0.0)
+    return q * scale

@@ -10,12 +10,17 @@
 - `reduce_combined_tokens` (home side): out[t] = sum_k weights[t, k] * row(route_slot[t, k]),
   accumulated in fp32 in k order (the old out[t] first when accumulating) and cast once, like
   `reference.combine`. Deterministic: each output element is owned by one program, no atomics.
+
+With `cfg.combine_fp8` the pack quantises each row into its slot instead of copying it (fp8 e4m3 bytes,
+then one fp32 scale per 128 elements at `cfg.combine_scale_offset_bytes`) and the reduce dequantises
+each row it reads (fp32(q) * scale) before the same weighted sum: `reference.combine_fp8`, bitwise in
+the interpreter. Slots are `cfg.combine_stride_bytes` apart either way, so nothing else changes.
 """
 from __future__ import annotations
 
 import torch
 
-from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
+from ..config import COMBINE_FP8_BLOCK, A2AConfig, Layout, ceil_div, next_power_of_2
 from . import _checks as check
 from . import _launch as launch
 from .node_sync import NodeSync, launch_wait_apart
@@ -23,6 +28,9 @@ from ._combine_kernels import _pack_combine_by_source_kernel, _reduce_combined_t
 
 # Hidden elements per program of the reduce: 1024 bf16 = 2 KB per route row per program.
 MAX_REDUCE_BLOCK_H = 1024
+# fp8 pack on a GPU: elements of expert_y quantised per step of a tile (BLOCK_R rows x G scale groups), in
+# fp32 registers: 4096 = 16 per thread at 8 warps (not tuned on a GPU). The interpreter takes whole chunks.
+MAX_FP8_TILE_ELEMS = 4096
 
 
 def pack_combine_by_source(
@@ -40,7 +48,7 @@ def pack_combine_by_source(
 
     Args:
         expert_y: `[R, H]` cfg.out_dtype, last stride 1, rows as `unpack_tokens_by_expert` laid them out
-            (padding rows are not read).
+            (padding rows are not read). With cfg.combine_fp8 each row is quantised into its slot.
         counts: `[W, E]` int32, the same routing matrix as the dispatch of this call (device or
             pinned host memory).
         rank: this rank.
@@ -68,14 +76,30 @@ def pack_combine_by_source(
     check.peer_table("peer_recv_bytes", peer_recv_bytes, W, device)
     check.integer("stage_bytes", stage_bytes)
 
-    y_row_bytes = expert_y.stride(0) * expert_y.element_size() if R else 0
-    word_bytes, word_dtype = launch.word_bytes(cfg.y_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes,
-                                               base.data_ptr(), cfg.combine_stride_bytes)
-    align = launch.align_words(word_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes, base.data_ptr())
-    y_words = launch.as_words(expert_y, word_dtype)
-    row_words = cfg.y_bytes // word_bytes
-    block_w = launch.chunk_words(row_words, word_bytes)
     grid, block_r = launch.persistent_grid(device, layout)
+    fp8_args = {}
+    if cfg.combine_fp8:
+        # expert_y is read in elements, the slots written in bytes; a step is G whole scale groups (the
+        # tile holds one row per (row, group)), as many bytes of expert_y as a copy chunk.
+        if stage_bytes % 4 or base.data_ptr() % 4:  # the fp32 scales are stored as words
+            check.fail("stage_bytes", "a multiple of 4 from a 4-byte aligned base", str(stage_bytes))
+        word_bytes, y_words, row_words = 1, expert_y, cfg.hidden_dim
+        align = launch.align_words(1, stage_bytes, base.data_ptr())
+        block_w = max(COMBINE_FP8_BLOCK, launch.chunk_words(row_words, expert_y.element_size()))
+        if device.type == "cuda":
+            block_w = max(COMBINE_FP8_BLOCK, min(block_w, MAX_FP8_TILE_ELEMS // block_r))
+        fp8_args = dict(FP8=True, G=block_w // COMBINE_FP8_BLOCK, Q_BLOCK=COMBINE_FP8_BLOCK,
+                        SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=device.type != "cuda")
+        warps = launch.num_warps(block_r * block_w, expert_y.element_size())
+    else:
+        y_row_bytes = expert_y.stride(0) * expert_y.element_size() if R else 0
+        word_bytes, word_dtype = launch.word_bytes(cfg.y_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes,
+                                                   base.data_ptr(), cfg.combine_stride_bytes)
+        align = launch.align_words(word_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes, base.data_ptr())
+        y_words = launch.as_words(expert_y, word_dtype)
+        row_words = cfg.y_bytes // word_bytes
+        block_w = launch.chunk_words(row_words, word_bytes)
+        warps = launch.num_warps(block_r * block_w, word_bytes)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _PACK_COMBINE.launch(
         key, grid, y_words, counts, base, peer_recv_bytes, stage_bytes, rank, R,
@@ -85,7 +109,7 @@ def pack_combine_by_source(
         COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, CAPACITY=layout.expert_capacity,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align,
         BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_E=min(next_power_of_2(E), 256),
-        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args,
+        num_warps=warps, **fp8_args, **sync_args,
     )
 
 
@@ -107,7 +131,8 @@ def reduce_combined_tokens(
     Args:
         out_tokens: `[T, H]` cfg.out_dtype, last stride 1: out (and the first addend when accumulate).
         route_slot: `[T, K]` int32/int64, the dispatch send slots (`-1` = not routed); the expert
-            output of route (t, k) is the row at `recv + route_slot[t, k] * cfg.combine_stride_bytes`.
+            output of route (t, k) is the row at `recv + route_slot[t, k] * cfg.combine_stride_bytes`
+            (with cfg.combine_fp8: fp8 bytes and fp32 scales, dequantised before the sum).
         weights: `[T, K]` float32 (any strides); weights of masked routes are not read.
         recv_base: 1-D uint8 tensor, base of the byte address space.
         recv_offset_bytes: offset of this rank's recv buffer from recv_base.
@@ -147,17 +172,25 @@ def reduce_combined_tokens(
     split = check.split("remote_recv_offset_bytes", remote_recv_offset_bytes, node_slots, device)
     remote = remote_recv_offset_bytes if split else recv_offset_bytes
     item = cfg.out_itemsize
-    # Rows are read as out_dtype elements at base + offset: both must be element-aligned.
+    # Rows are read as out_dtype elements at base + offset (fp8: the scales as fp32 words): both must be
+    # aligned to them.
+    need = 4 if cfg.combine_fp8 else item
+    what = "4 (the fp8 rows' fp32 scales)" if cfg.combine_fp8 else f"out itemsize {item}"
     for name, off in (("recv_offset_bytes", recv_offset_bytes), ("remote_recv_offset_bytes", remote)):
-        if off % item:
-            check.fail(name, f"a multiple of out itemsize {item}", str(off))
-    if recv_base.data_ptr() % item:
-        check.fail("recv_base", f"data_ptr aligned to {item} bytes", hex(recv_base.data_ptr()))
+        if off % need:
+            check.fail(name, f"a multiple of {what}", str(off))
+    if recv_base.data_ptr() % need:
+        check.fail("recv_base", f"data_ptr aligned to {need} bytes", hex(recv_base.data_ptr()))
     if T == 0 and node is None:
         return
 
     align = launch.align_words(item, out_tokens.data_ptr(), out_tokens.stride(0) * item, recv_base.data_ptr(),
                                recv_offset_bytes, remote)
+    fp8_args = {}
+    if cfg.combine_fp8:  # rows addressed in bytes
+        align = launch.align_words(1, recv_base.data_ptr(), recv_offset_bytes, remote)
+        fp8_args = dict(FP8=True, Q_BLOCK=COMBINE_FP8_BLOCK, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes,
+                        FP8_VIA_BITS=device.type != "cuda")
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H)
     block_t = launch.tokens_per_program(device, T)
     grid = (max(1, ceil_div(T, block_t)), ceil_div(H, block_h))
@@ -169,9 +202,10 @@ def reduce_combined_tokens(
         key, grid, out_tokens, route_slot, weights, recv_base, bound_m if bound_m is not None else route_slot,
         recv_offset_bytes, T,
         out_tokens.stride(0), route_slot.stride(0), route_slot.stride(1), weights.stride(0), weights.stride(1),
-        K=K, MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes, ITEM_BYTES=item,
-        ALIGN_ELEMS=align, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
-        num_warps=launch.num_warps(block_t * block_h, item), **sync_args,
+        K=K, MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes,
+        ITEM_BYTES=1 if cfg.combine_fp8 else item, ALIGN_ELEMS=align, BLOCK_T=block_t, BLOCK_H=block_h,
+        HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
+        num_warps=launch.num_warps(block_t * block_h, item), **fp8_args, **sync_args,
     )
 
 
