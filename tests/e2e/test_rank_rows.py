@@ -1,0 +1,154 @@
+"""Per-rank rows (`A2AConfig(dispatch_rows="rank", combine_rows=...)`) end to end: LocalCluster ranks on one
+node (real processes, shared memory), kernels in the interpreter, against reference.py: the dispatch output is
+`reference.dispatch`'s bit for bit, the combine `reference.combine` (route rows back) or
+`reference.combine_reduced_at_sender` (reduced at the experts' rank), for random routings with -1 routes,
+duplicated experts, skew, bound_m, accumulate, fixed expert capacity and fp8 payloads."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_a2a import LocalCluster, reference
+from moe_a2a.config import A2AConfig
+
+from ..conftest import TEST_DEVICE
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+T, K, H = 6, 3, 40
+
+
+def _cfg(world: int, combine_rows: str, **kw) -> A2AConfig:
+    return A2AConfig(max_num_tokens=T, num_experts=2 * world, experts_per_token=K, hidden_dim=H,
+                     dispatch_rows="rank", combine_rows=combine_rows, **kw)
+
+
+def _inputs(cfg: A2AConfig, world: int, seed: int, skew: bool, tokens: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    E = cfg.num_experts
+    xs, scales, idxs, ws = [], [], [], []
+    for s in range(world):
+        n = tokens[s]
+        x = torch.randn(n, H, generator=g)
+        xs.append(x.to(cfg.in_dtype))
+        scales.append(torch.rand(n, cfg.num_scales, generator=g) + 0.5 if cfg.has_scales else None)
+        hi = 2 if skew else E  # skew: every route to the experts of rank 0
+        idx = torch.randint(-1, hi, (n, K), generator=g, dtype=torch.int32)
+        if n:
+            idx[0] = torch.tensor([hi - 1, hi - 1, -1][:K])  # a duplicated expert and a dead route
+        idxs.append(idx)
+        ws.append(torch.rand(n, K, generator=g))
+    return xs, scales, idxs, ws
+
+
+def _call(a2a, rank, cfg, xs, scales, idxs, ws, bound, accumulate):
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    bound_m = None if bound is None else torch.tensor([bound[rank]], dtype=torch.int32)
+    kw = {"weights": ws[rank]} if cfg.combine_rows == "rank" else {}
+    a2a.dispatch(num, ex, exs, xs[rank], scales[rank], idxs[rank], bound_m=bound_m, **kw)
+    g = torch.Generator().manual_seed(100 + rank)
+    y = torch.randn(ex.shape[0], H, generator=g).to(cfg.out_dtype)  # any expert output: rows are not read past n
+    out = torch.randn(xs[rank].shape[0], H, generator=g).to(cfg.out_dtype)
+    old = out.clone()
+    a2a.combine(out, idxs[rank], ws[rank], y, accumulate=accumulate)
+    return num.clone(), ex.clone(), None if exs is None else exs.clone(), y, old, out
+
+
+def _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate):
+    live = [idx.clone() for idx in idxs]
+    if bound is not None:
+        for s in range(world):
+            live[s][bound[s]:] = -1
+    ref = reference.dispatch(cfg, xs, scales if cfg.has_scales else None, live)
+    for r in range(world):
+        num, ex, exs, *_ = results[r]
+        n, rex, rexs = ref[r]
+        assert torch.equal(num, n), (r, num, n)
+        rows = rex.shape[0]
+        if cfg.expert_capacity:  # rows past an expert's count are not written: compare the counted ones
+            for l in range(len(n)):
+                c = cfg.expert_capacity
+                assert torch.equal(ex[l * c: l * c + int(n[l])].view(torch.uint8),
+                                   rex[l * c: l * c + int(n[l])].view(torch.uint8)), (r, l)
+        else:
+            assert torch.equal(ex[:rows].view(torch.uint8), rex.view(torch.uint8)), r
+            if cfg.has_scales:
+                assert torch.equal(exs[:rows], rexs), r
+    ys = [res[3] for res in results]
+    olds = [res[4] for res in results] if accumulate else None
+    if cfg.combine_rows == "rank":
+        want = reference.combine_reduced_at_sender(cfg, live, ws, ys, olds)
+    else:
+        want = reference.combine(cfg, live, ws, ys, olds)
+    for r in range(world):
+        out = results[r][5]
+        n_live = xs[r].shape[0] if bound is None else bound[r]
+        assert torch.equal(out[:n_live], want[r][:n_live]), (r, (out[:n_live].float() - want[r][:n_live].float()).abs().max())
+        assert torch.equal(out[n_live:], results[r][4][n_live:]), r  # tokens past bound_m untouched
+
+
+CONFIGS = {
+    "W2-route-combine": (2, dict(combine_rows="route")),
+    "W2-sender-reduce": (2, dict(combine_rows="rank")),
+    "W4-sender-reduce-fp8-capacity": (4, dict(combine_rows="rank", in_dtype=torch.float8_e4m3fn,
+                                              expert_capacity=T * 4 * K)),
+    "W3-route-combine-pad": (3, dict(combine_rows="route", expert_padding=4)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def cluster(request):
+    world, kw = CONFIGS[request.param]
+    cfg = _cfg(world, **kw)
+    with LocalCluster(cfg, world_size=world, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        yield cl, cfg, world
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**16), skew=st.booleans(), accumulate=st.booleans(), data=st.data())
+def test_rank_rows_match_reference(cluster, seed, skew, accumulate, data):
+    cl, cfg, world = cluster
+    tokens = data.draw(st.lists(st.integers(0, T), min_size=world, max_size=world))
+    bound = data.draw(st.one_of(st.none(), st.just([data.draw(st.integers(0, n)) for n in tokens])))
+    xs, scales, idxs, ws = _inputs(cfg, world, seed, skew, tokens)
+    results = cl.run(_call, cfg, xs, scales, idxs, ws, bound, accumulate)
+    _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate)
+
+
+def _bad_then_good(a2a, rank, cfg):
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    x = torch.randn(2, H).to(cfg.in_dtype)
+    idx = torch.tensor([[0, 1, 2], [3, -1, 0]], dtype=torch.int32)[:, :K]
+    w = torch.rand(2, K)
+    try:  # rank 1 forgets the weights: the call aborts on every rank, the next works
+        a2a.dispatch(num, ex, exs, x, None, idx, weights=None if rank == 1 else w)
+        seen = "none"
+    except Exception as exc:  # noqa: BLE001 - the test looks at what each rank got
+        seen = f"{type(exc).__name__}: {exc}"
+    a2a.dispatch(num, ex, exs, x, None, idx, weights=w)
+    a2a.combine(torch.zeros(2, H, dtype=cfg.out_dtype), idx, w, ex.to(cfg.out_dtype))
+    return seen
+
+
+def test_missing_weights_abort_the_call_on_every_rank():
+    cfg = _cfg(2, "rank")
+    with LocalCluster(cfg, world_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        seen = cl.run(_bad_then_good, cfg)
+    assert "ValueError: weights: cfg.combine_rows='rank'" in seen[1]
+    assert "CallAborted" in seen[0] and "rank 1" in seen[0]
+
+
+def test_config_and_topology_refusals():
+    with pytest.raises(ValueError, match="combine_rows='rank' needs dispatch_rows='rank'"):
+        A2AConfig(combine_rows="rank")
+    with pytest.raises(ValueError, match="dispatch_rows must be 'route' or 'rank'"):
+        A2AConfig(dispatch_rows="token")
+    cfg = _cfg(2, "route")
+    assert cfg.dispatch_stride_bytes == cfg.rank_meta_offset_bytes + 32  # 2K int32, padded to 16
+    assert _cfg(2, "rank").rank_meta_bytes == 48                           # and K weights
+    assert cfg.layout(2).routing_row_bytes == 4 * (cfg.num_experts + 2)    # E counts + W rows per rank
+    with pytest.raises(RuntimeError, match="dispatch_rows='rank' needs every rank on one node"):
+        with LocalCluster(cfg, world_size=2, node_size=1, transport="shm", device=TEST_DEVICE, timeout_s=30):
+            pass
