@@ -264,6 +264,8 @@ def _reduce_rank_rows_by_source_kernel(
     K_PAD: tl.constexpr, PAD: tl.constexpr, H: tl.constexpr, META_OFFSET_BYTES: tl.constexpr,
     SD_BYTES: tl.constexpr, SC_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr, ITEM_BYTES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAPACITY: tl.constexpr,
+    FP8: tl.constexpr = False,  # A2AConfig.combine_fp8: rows as fp8 e4m3 + fp32 scales per Q_BLOCK
+    Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0, FP8_VIA_BITS: tl.constexpr = False,
     # Same-node synchronisation (NodeSync.kernel_args("combine_send")), only with NODE_SYNC:
     failed_ptr=None, counter_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None,
     sync_bytes=0, node_first=0, timeout_ns=0, max_spins=0,
@@ -304,7 +306,8 @@ def _reduce_rank_rows_by_source_kernel(
         rows = tl.where(rows < num_y_rows, rows, -1)
         w = tl.load(base_f32 + meta[:, None] + 2 * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
                     other=0.0)
-        dst = (_pick(recv, src, W_PAD) + j * SC_BYTES) // ITEM_BYTES
+        dst_b = _pick(recv, src, W_PAD) + j * SC_BYTES
+        dst = dst_b // ITEM_BYTES
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             mask = is_row[:, None] & (cols < H)[None, :]
@@ -315,7 +318,15 @@ def _reduce_rank_rows_by_source_kernel(
                 y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :],
                             mask=mask & (y_row >= 0)[:, None], other=0.0)
                 acc = tl.where((y_row >= 0)[:, None], acc + wk[:, None] * y.to(tl.float32), acc)
-            if y_ty == tl.bfloat16:
+            if FP8:  # the fp32 partial quantised in blocks of Q_BLOCK (BLOCK_H is whole blocks)
+                G: tl.constexpr = BLOCK_H // Q_BLOCK
+                q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False)
+                d.fp8_e4m3_store(base_ptr, dst_b[:, None] + cols[None, :], tl.reshape(q, (BLOCK_R, BLOCK_H)), mask,
+                                 FP8_VIA_BITS)
+                group = h0 // Q_BLOCK + tl.arange(0, G)
+                tl.store(base_f32 + ((dst_b + SCALE_OFFSET_BYTES) // 4)[:, None] + group[None, :],
+                         tl.reshape(scale, (BLOCK_R, G)), mask=is_row[:, None] & (group < (H + Q_BLOCK - 1) // Q_BLOCK)[None, :])
+            elif y_ty == tl.bfloat16:
                 tl.store(base_y + dst[:, None] + cols[None, :], _f32_to_bf16_rtne(acc), mask=mask)
             else:
                 tl.store(base_y + dst[:, None] + cols[None, :], acc.to(y_ty), mask=mask)
@@ -343,6 +354,8 @@ def _reduce_rank_rows_by_token_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, MAX_SLOTS: tl.constexpr, H: tl.constexpr, SC_BYTES: tl.constexpr,
     ITEM_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BOUND_M: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    FP8: tl.constexpr = False, Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0,
+    FP8_VIA_BITS: tl.constexpr = False,  # A2AConfig.combine_fp8: dequantise the rows
     # Same-node synchronisation (NodeSync.kernel_args("combine_recv")), only with NODE_SYNC:
     failed_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None, sync_bytes=0, node_first=0,
     timeout_ns=0, max_spins=0,
@@ -381,9 +394,13 @@ def _reduce_rank_rows_by_token_kernel(
     for i in range(K):
         s = tl.min(tl.where(kk[None, :] == i, slot, _NO_SLOT), axis=1).to(tl.int64)
         has = s < _NO_SLOT
-        row = (recv_bytes + s * SC_BYTES) // ITEM_BYTES
-        y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has[:, None], other=0.0)
-        acc = tl.where(has[:, None], acc + y.to(tl.float32), acc)
+        if FP8:
+            y = d.fp8_load_dequantized(base_ptr, recv_bytes + s * SC_BYTES, cols, mask & has[:, None],
+                                       SCALE_OFFSET_BYTES, Q_BLOCK, FP8_VIA_BITS)
+        else:
+            row = (recv_bytes + s * SC_BYTES) // ITEM_BYTES
+            y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has[:, None], other=0.0).to(tl.float32)
+        acc = tl.where(has[:, None], acc + y, acc)
     if y_ty == tl.bfloat16:
         tl.store(out_ptrs, _f32_to_bf16_rtne(acc), mask=mask)
     else:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import A2AConfig, Layout, ceil_div, next_power_of_2
+from ..config import COMBINE_FP8_BLOCK, A2AConfig, Layout, ceil_div, next_power_of_2
 from . import _checks as check
 from . import _launch as launch
 from .combine import MAX_REDUCE_BLOCK_H
@@ -38,6 +38,14 @@ from ._rank_rows_kernels import (_expand_rank_rows_kernel, _first_route_per_rank
 
 # Tokens per program of the two small send-half kernels (their work is K x K compares per token).
 BLOCK_TOKENS = 32
+
+
+def _fp8_args(cfg: A2AConfig, device: torch.device) -> dict:
+    """Kernel arguments of fp8 combine rows (`A2AConfig.combine_fp8`; `_details.py`'s fp8 helpers)."""
+    if not cfg.combine_fp8:
+        return {}
+    return dict(FP8=True, Q_BLOCK=COMBINE_FP8_BLOCK, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes,
+                FP8_VIA_BITS=device.type != "cuda")
 
 
 def _check_rank_layout(cfg: A2AConfig, layout: Layout) -> tuple[int, int]:
@@ -187,6 +195,9 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     H, item = cfg.hidden_dim, cfg.out_itemsize
     grid, block_r = launch.persistent_grid(device, layout)
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 4 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
+    fp8 = _fp8_args(cfg, device)
+    if fp8:  # whole quantisation blocks per chunk
+        block_h = max(block_h, COMBINE_FP8_BLOCK)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _BY_SOURCE.launch(
         None, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, rank, R,
@@ -196,7 +207,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, ITEM_BYTES=item,
         BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity,
-        num_warps=launch.num_warps(block_r * block_h, item), **sync_args)
+        num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args)
 
 
 def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor, recv_base: torch.Tensor,
@@ -227,7 +238,7 @@ def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor,
         bound_m if bound_m is not None else rank_slot, recv_offset_bytes, T, out_tokens.stride(0),
         K=K, K_PAD=next_power_of_2(K), MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes,
         ITEM_BYTES=item, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
-        num_warps=launch.num_warps(block_t * block_h, item), **sync_args)
+        num_warps=launch.num_warps(block_t * block_h, item), **_fp8_args(cfg, device), **sync_args)
 
 
 _FIRST = launch.LaunchCache(_first_route_per_rank_kernel)

@@ -21,8 +21,9 @@ T, K, H = 6, 3, 40
 
 
 def _cfg(world: int, combine_rows: str, **kw) -> A2AConfig:
-    return A2AConfig(max_num_tokens=T, num_experts=2 * world, experts_per_token=K, hidden_dim=H,
-                     dispatch_rows="rank", combine_rows=combine_rows, **kw)
+    kw = {"hidden_dim": H, **kw}
+    return A2AConfig(max_num_tokens=T, num_experts=2 * world, experts_per_token=K, dispatch_rows="rank",
+                     combine_rows=combine_rows, **kw)
 
 
 def _inputs(cfg: A2AConfig, world: int, seed: int, skew: bool, tokens: list[int]):
@@ -31,7 +32,7 @@ def _inputs(cfg: A2AConfig, world: int, seed: int, skew: bool, tokens: list[int]
     xs, scales, idxs, ws = [], [], [], []
     for s in range(world):
         n = tokens[s]
-        x = torch.randn(n, H, generator=g)
+        x = torch.randn(n, cfg.hidden_dim, generator=g)
         xs.append(x.to(cfg.in_dtype))
         scales.append(torch.rand(n, cfg.num_scales, generator=g) + 0.5 if cfg.has_scales else None)
         hi = 2 if skew else E  # skew: every route to the experts of rank 0
@@ -49,8 +50,8 @@ def _call(a2a, rank, cfg, xs, scales, idxs, ws, bound, accumulate):
     kw = {"weights": ws[rank]} if cfg.combine_rows == "rank" else {}
     a2a.dispatch(num, ex, exs, xs[rank], scales[rank], idxs[rank], bound_m=bound_m, **kw)
     g = torch.Generator().manual_seed(100 + rank)
-    y = torch.randn(ex.shape[0], H, generator=g).to(cfg.out_dtype)  # any expert output: rows are not read past n
-    out = torch.randn(xs[rank].shape[0], H, generator=g).to(cfg.out_dtype)
+    y = torch.randn(ex.shape[0], cfg.hidden_dim, generator=g).to(cfg.out_dtype)  # any expert output: rows are not read past n
+    out = torch.randn(xs[rank].shape[0], cfg.hidden_dim, generator=g).to(cfg.out_dtype)
     old = out.clone()
     a2a.combine(out, idxs[rank], ws[rank], y, accumulate=accumulate)
     return num.clone(), ex.clone(), None if exs is None else exs.clone(), y, old, out
@@ -79,7 +80,9 @@ def _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate):
     ys = [res[3] for res in results]
     olds = [res[4] for res in results] if accumulate else None
     if cfg.combine_rows == "rank":
-        want = reference.combine_reduced_at_sender(cfg, live, ws, ys, olds)
+        want = reference.combine_reduced_at_sender(cfg, live, ws, ys, olds, fp8=cfg.combine_fp8)
+    elif cfg.combine_fp8:
+        want = reference.combine_fp8(cfg, live, ws, ys, olds)
     else:
         want = reference.combine(cfg, live, ws, ys, olds)
     for r in range(world):
@@ -95,6 +98,8 @@ CONFIGS = {
     "W4-sender-reduce-fp8-capacity": (4, dict(combine_rows="rank", in_dtype=torch.float8_e4m3fn,
                                               expert_capacity=T * 4 * K)),
     "W3-route-combine-pad": (3, dict(combine_rows="route", expert_padding=4)),
+    "W2-sender-reduce-fp8-combine": (2, dict(combine_rows="rank", combine_fp8=True)),
+    "W2-route-fp8-combine": (2, dict(combine_rows="route", combine_fp8=True, hidden_dim=200)),
 }
 
 
