@@ -1,5 +1,5 @@
-"""The `moe-a2a` command: `doctor` (is this host ready?), `demo` (a checked local cluster) and `bench`
-(benchmarks)."""
+"""The `moe-a2a` command: `doctor` (is this host ready?), `demo` (a checked local cluster), `sizes` (the
+buffers one rank holds for given sizes) and `bench` (benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -62,6 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=t.positive_float, default=60.0, help="seconds before any wait gives up")
     demo.set_defaults(error=demo.error)
 
+    sizes = sub.add_parser(
+        "sizes", help="bytes one rank's instance holds (send, recv, segment; GPU and host memory) for given "
+                      "sizes, beside the DeepEP facade's get_low_latency_rdma_size_hint",
+        description="One rank's buffers for an A2AConfig of these sizes (runtime/traffic.py: buffer_bytes) per "
+                    "placement, and what moe_a2a.compat's Buffer.get_low_latency_rdma_size_hint(tokens, hidden, "
+                    "world, experts) returns for the same shapes (the facade's instances: two bf16 and two fp8, "
+                    "top-k 8; not DeepEP's own formula). Nothing is allocated.")
+    sizes.add_argument("--tokens", type=t.positive_int, default=128, help="max tokens per rank per call (default 128)")
+    sizes.add_argument("--hidden", type=t.positive_int, default=7168, help="hidden size H (default 7168)")
+    sizes.add_argument("--experts", type=t.positive_int, default=256,
+                       help="experts E, divisible by --world (default 256)")
+    sizes.add_argument("--topk", type=t.positive_int, default=8, help="experts per token K (default 8)")
+    sizes.add_argument("--world", type=t.positive_int, default=8, help="ranks W (default 8)")
+    sizes.add_argument("--node-size", type=t.positive_int, default=None,
+                       help="ranks per node, divides --world (default: every rank on one node)")
+    sizes.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"],
+                       help="dispatch payload: bf16, or fp8 e4m3 with an fp32 scale per 128 (default bf16); "
+                            "the combine is bf16")
+    sizes.add_argument("--json", action="store_true", help="print the report as JSON")
+    sizes.set_defaults(error=sizes.error)
+
     bench = sub.add_parser("bench", help="benchmarks (see `moe-a2a bench --help`)",
                            description=bench_doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +116,48 @@ def _run_doctor(args) -> int:
     return doctor.run(args)
 
 
+def _mib(n: int) -> str:
+    return f"{n:>15,} B  {n / 2**20:>10.1f} MiB"
+
+
+def _run_sizes(args) -> int:
+    import json
+
+    import torch
+
+    from .compat.deep_ep import Buffer
+    from .config import A2AConfig
+    from .runtime.traffic import sizes_report
+
+    node = args.node_size or args.world
+    if args.world % node:
+        args.error(f"--node-size {node} must divide --world {args.world}")
+    cfg = A2AConfig(max_num_tokens=args.tokens, num_experts=args.experts, experts_per_token=args.topk,
+                    hidden_dim=args.hidden, in_dtype=torch.float8_e4m3fn if args.dtype == "fp8" else torch.bfloat16,
+                    out_dtype=torch.bfloat16)
+    rep = sizes_report(cfg, args.world, node)
+    # The facade's own instances for these shapes (compat/_slots.instance_bytes), not DeepEP's formula.
+    rep["deep_ep_facade_hint_bytes"] = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, args.world,
+                                                                             args.experts)
+    if args.json:
+        print(json.dumps(rep, indent=1))
+        return 0
+    rows = rep["rows"]
+    print(f"moe-a2a sizes: {args.world} ranks, {node} per node; {cfg}")
+    print(f"  rows: dispatch {rows['dispatch_stride_bytes']} B, combine {rows['combine_stride_bytes']} B, count row "
+          f"{rows['count_row_bytes']} B; private rows per sender {rows['private_rows']}")
+    first = next(iter(rep["placements"].values()))
+    print(f"  send buffer  {_mib(first['send_bytes'])}\n  recv buffer  {_mib(first['recv_bytes'])}")
+    print("  one rank, per placement (AllToAll(buffers=...); on a GPU):")
+    for name, b in rep["placements"].items():
+        print(f"    {name:<7} GPU {_mib(b['device_bytes'])}   host (segment) {_mib(b['host_bytes'])}")
+    print(f"  DeepEP facade: Buffer.get_low_latency_rdma_size_hint({args.tokens}, {args.hidden}, {args.world}, "
+          f"{args.experts}) = {_mib(rep['deep_ep_facade_hint_bytes']).strip()}\n"
+          f"    (moe_a2a.compat's own instances for these shapes: two bf16 and two fp8, top-k 8, capacity "
+          f"tokens x world per expert; not DeepEP's formula)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # a bad flag: one argparse line, exit 2
     try:
@@ -102,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_doctor(args)
         if args.command == "demo":
             return _run_demo(args)
+        if args.command == "sizes":
+            return _run_sizes(args)
         from .bench.main import run_args
 
         return run_args(args)

@@ -122,6 +122,7 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
         gc.replay()
     torch.cuda.synchronize()
     result["trace"] = a2a.trace(latest=True)
+    result["trace"]["bytes"] = a2a.bytes_last_call()  # the traced call's bytes (its inputs: set 0), beside its stamps
     a2a.set_tracing(False)
     return result
 

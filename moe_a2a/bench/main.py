@@ -92,7 +92,8 @@ PROXY_SPANS = {"private_post": ("send_ready_seen", "private_posted"),
 
 def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False):
     """Per-phase latency of dispatch/combine halves on one rank (events on GPU, wall clock on CPU); with
-    `trace_proxy`, also the proxy's spans of every timed call (`PROXY_SPANS`, µs)."""
+    `trace_proxy`, also the proxy's spans of every timed call (`PROXY_SPANS`, µs). Returns (those stats,
+    the rank's `bytes_last_call()` of the last timed call)."""
     import torch
 
     from .demo import make_inputs
@@ -145,7 +146,8 @@ def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False):
                         times.setdefault("proxy." + name, []).append((ev[b] - ev[a]) / 1e3)
         if trace_proxy and it == warmup - 1:
             a2a.set_tracing(True)
-    return {p: _stats(v) for p, v in times.items()}
+    # After the last call no peer starts another, so its count rows are still in place (`bytes_last_call`).
+    return {p: _stats(v) for p, v in times.items()}, a2a.bytes_last_call()
 
 
 def _cluster_setup(args):
@@ -188,14 +190,17 @@ def run_e2e(args) -> int:
     device, cfg = _cluster_setup(args)
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
                       timeout_s=args.timeout, proxies=args.proxies or "auto", buffers=args.buffers) as cl:
-        res = cl.run(_e2e_rank, args.iters, args.warmup, 0, args.trace_proxy)
+        res, nbytes = (list(col) for col in zip(*cl.run(_e2e_rank, args.iters, args.warmup, 0, args.trace_proxy)))
     print(f"end to end, {args.world} ranks ({args.node} per node), transport {args.transport}, {device}: {cfg}")
     print(f"{'phase':<16}" + "".join(f"{'rank ' + str(r):>12}" for r in range(args.world)) + "   (median µs)")
     for p in res[0]:
         print(f"{p:<16}" + "".join(f"{r[p]['median']:>12.1f}" for r in res))
+    print("bytes sent in the last call, node-local + remote (runtime/traffic.py):")
+    for ph in ("dispatch", "combine"):
+        print(f"{ph:<16}" + "".join(f"{b[ph]['node_sent'] + b[ph]['remote_sent']:>12}" for b in nbytes))
     _write(args.json, {"config": str(cfg), "world": args.world, "node": args.node, "transport": args.transport,
                        "proxies": args.proxies or "auto", "buffers": args.buffers, "device": device,
-                       "per_rank": res})
+                       "per_rank": res, "bytes_per_rank": nbytes})
     if args.png:
         _plot_e2e(res, args.png, f"{args.world} ranks ({args.node} per node), {args.transport}, {device}")
     return 0
@@ -244,6 +249,7 @@ def _timeline_rank(a2a, rank, seed):
         a2a.combine(out, idx, w, y, do_send=False)
         traces.append(a2a.trace())
     a2a.set_tracing(False)
+    traces[-1]["bytes"] = a2a.bytes_last_call()  # the traced call's bytes, beside its timestamps
     return traces[-1]
 
 
@@ -310,7 +316,8 @@ def run_timeline(args) -> int:
              f"T={cfg.max_num_tokens} H={cfg.hidden_dim} K={cfg.experts_per_token} E={cfg.num_experts}")
     for t in traces:
         spans = {k: round((b - a) / 1e3, 1) for k, (a, b) in t["model"].items()}
-        print(f"rank {t['rank']}: model halves µs {spans}")
+        sent = {ph: b["node_sent"] + b["remote_sent"] for ph, b in t["bytes"].items()}
+        print(f"rank {t['rank']}: model halves µs {spans}; bytes sent {sent}")
     if args.png:
         plot_timeline(traces, args.png, title)
     _write(args.json, {"config": str(cfg), "device": device, "traces": traces})

@@ -93,6 +93,17 @@ def test_e2e_bench_writes_json_and_png(tmp_path):
         assert set(rank) == {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "total"}
         assert all(rank[p]["n"] == 2 and rank[p]["min"] > 0 for p in rank)
     assert out_png.stat().st_size > 10_000
+    # the last call's bytes per rank (runtime/traffic.py): two simulated nodes, so every byte is remote, and
+    # at least a count row (4 bytes per expert) goes each way; what one rank sends the other receives
+    nbytes, experts = data["bytes_per_rank"], 8 * 2  # bench e2e's CPU sizes: 8 experts per rank
+    assert len(nbytes) == 2
+    for b in nbytes:
+        assert set(b) == {"dispatch", "combine"}
+        assert all(b[ph]["node_sent"] == b[ph]["node_received"] == 0 for ph in b)
+        assert b["dispatch"]["remote_sent"] >= 4 * experts and b["dispatch"]["remote_received"] >= 4 * experts
+    for ph in ("dispatch", "combine"):
+        assert nbytes[0][ph]["remote_sent"] == nbytes[1][ph]["remote_received"]
+        assert nbytes[1][ph]["remote_sent"] == nbytes[0][ph]["remote_received"]
 
 
 @pytest.mark.slow
@@ -103,3 +114,19 @@ def test_e2e_bench_runs_with_two_proxies_per_rank(tmp_path):
                        "--proxies", "2", "--json", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
     assert data["proxies"] == 2 and len(data["per_rank"]) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_timeline_json_carries_the_traced_calls_bytes(tmp_path, capsys):
+    out_json = tmp_path / "timeline.json"
+    assert bench_main(["timeline", "--world", "2", "--node", "2", "--device", "cpu", "--png", str(tmp_path / "t.png"),
+                       "--json", str(out_json)]) == 0
+    traces = json.loads(out_json.read_text())["traces"]
+    assert [t["rank"] for t in traces] == [0, 1]
+    for t in traces:  # one node: the count row and rows go to the node peer, nothing remote
+        b = t["bytes"]
+        assert b["dispatch"]["node_sent"] >= 4 * 16 and b["dispatch"]["remote_sent"] == 0
+        assert b["combine"]["remote_sent"] == b["combine"]["remote_received"] == 0
+    assert traces[0]["bytes"]["combine"]["node_sent"] == traces[1]["bytes"]["combine"]["node_received"]
+    assert "bytes sent" in capsys.readouterr().out
