@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..config import COMBINE_FP8_BLOCK, A2AConfig, Layout, ceil_div, next_power_of_2
+from ..protocol.words import Flag, flag_word
 from . import _checks as check
 from . import _launch as launch
 from .combine import MAX_REDUCE_BLOCK_H
@@ -38,6 +39,11 @@ from ._rank_rows_kernels import (_expand_rank_rows_kernel, _first_route_per_rank
 
 # Tokens per program of the two small send-half kernels (their work is K x K compares per token).
 BLOCK_TOKENS = 32
+
+
+def _key(first: torch.Tensor, *rest):
+    """The remembered-launch key of a launcher's arguments (`_launch.LaunchCache`): CUDA launches only."""
+    return launch.key(first, *rest) if isinstance(first, torch.Tensor) and first.is_cuda else None
 
 
 def _fp8_args(cfg: A2AConfig, device: torch.device) -> dict:
@@ -72,15 +78,21 @@ def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: t
             launches can be remembered).
         bound_m, abort: as `route_tokens`.
     No host sync; CUDA-graph safe. Two or three launches."""
-    check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
+    key = _key(indices, layout, out_rank_rows, out_rank_slot, scratch, bound_m, bool(abort))
+    if key is None or not _FIRST.hit(key):
+        check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
+        _first_route_per_rank(indices, layout, out_rank_slot, scratch, key)
+    route_tokens(scratch, layout.world_size, out_counts=out_rank_rows, out_route_slot=out_rank_slot, bound_m=bound_m,
+                 abort=abort)
+
+
+def _first_route_per_rank(indices, layout, out_rank_slot, scratch, key) -> None:
     T, K = indices.shape
     for name, t in (("out_rank_slot", out_rank_slot), ("scratch", scratch)):
         check.tensor(name, t, dtypes=(torch.int32,), shape=(T, K), device=indices.device, strides="contiguous")
-    if T:
-        _FIRST.launch(None, (ceil_div(T, BLOCK_TOKENS),), indices, scratch, T, layout.num_experts,
-                      K=K, K_PAD=next_power_of_2(K), L=layout.num_local_experts, BLOCK_T=BLOCK_TOKENS, num_warps=4)
-    route_tokens(scratch, layout.world_size, out_counts=out_rank_rows, out_route_slot=out_rank_slot, bound_m=bound_m,
-                 abort=abort)
+    # T = 0 launches too (nothing to do): a remembered launch then needs no second path
+    _FIRST.launch(key, (max(1, ceil_div(T, BLOCK_TOKENS)),), indices, scratch, T, layout.num_experts,
+                  K=K, K_PAD=next_power_of_2(K), L=layout.num_local_experts, BLOCK_T=BLOCK_TOKENS, num_warps=4)
 
 
 def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, rank_slot: torch.Tensor, counts: torch.Tensor,
@@ -97,6 +109,9 @@ def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, rank_slot: 
         weights: `[T, K]` float32 (any strides) when `cfg.combine_rows == "rank"`, else None.
         send_base, send_offset_bytes: the byte address space and the send buffer's offset in it.
     No host sync; CUDA-graph safe."""
+    key = _key(indices, route_slot, rank_slot, counts, weights, send_base, send_offset_bytes, cfg, layout)
+    if key is not None and _STAMP.hit(key):
+        return
     W, L = _check_rank_layout(cfg, layout)
     T, K = indices.shape
     with_weights = cfg.combine_rows == "rank"
@@ -104,10 +119,8 @@ def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, rank_slot: 
         check.tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=indices.device, strides="any")
     elif weights is not None:
         check.fail("weights", "None (combine_rows='route': the weights stay home)", "a tensor")
-    if T == 0:
-        return
     E = layout.num_experts
-    _STAMP.launch(None, (ceil_div(T, BLOCK_TOKENS),), indices, route_slot, rank_slot, counts,
+    _STAMP.launch(key, (max(1, ceil_div(T, BLOCK_TOKENS)),), indices, route_slot, rank_slot, counts,
                   weights if with_weights else counts, send_base, send_offset_bytes, T, E, counts.stride(0),
                   weights.stride(0) if with_weights else 0, weights.stride(1) if with_weights else 0,
                   K=K, K_PAD=next_power_of_2(K), L=L, E_PAD=next_power_of_2(E), BLOCK_T=BLOCK_TOKENS,
@@ -127,6 +140,10 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
     int32, row s = rows source s sends to each rank (the count rows' last W ints). Every source must be on
     this node (`peer_send_bytes[s] >= 0`). No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "dispatch_recv", base)
+    key = _key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank_rows, rank, base, peer_send_bytes,
+               cfg, layout, node, copy_bytes, out_source_ranges)
+    if key is not None and _EXPAND.hit(key):
+        return
     W, L = _check_rank_layout(cfg, layout)
     E = layout.num_experts
     check.tensor("out_expert_x", out_expert_x, dtypes=(cfg.in_dtype,), shape=(None, cfg.hidden_dim))
@@ -156,9 +173,8 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
     stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
     grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
-    from ..protocol.words import Flag, flag_word
     _EXPAND.launch(
-        None, grid, out_expert_num_tokens, x_words, scale_i32, counts, rank_rows, base, peer_send_bytes, rank, R,
+        key, grid, out_expert_num_tokens, x_words, scale_i32, counts, rank_rows, base, peer_send_bytes, rank, R,
         counts.stride(0), rank_rows.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=cfg.experts_per_token,
         K_PAD=next_power_of_2(cfg.experts_per_token), PAD=cfg.expert_padding, X_WORDS=copy_words, S=cfg.num_scales,
@@ -182,6 +198,9 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     until this call's combine ends); `peer_recv_bytes`: `[W]` int64, node peers' recv buffers from `base`.
     No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "combine_send", base)
+    key = _key(expert_y, counts, rank_rows, rank, base, peer_send_bytes, peer_recv_bytes, cfg, layout, node)
+    if key is not None and _BY_SOURCE.hit(key):
+        return
     W, L = _check_rank_layout(cfg, layout)
     if cfg.combine_rows != "rank":
         check.fail("cfg", "combine_rows='rank'", repr(cfg.combine_rows))
@@ -200,7 +219,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         block_h = max(block_h, COMBINE_FP8_BLOCK)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _BY_SOURCE.launch(
-        None, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, rank, R,
+        key, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, rank, R,
         counts.stride(0), rank_rows.stride(0), expert_y.stride(0) if R else H,
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=cfg.experts_per_token,
         K_PAD=next_power_of_2(cfg.experts_per_token), PAD=cfg.expert_padding, H=H,
@@ -217,6 +236,9 @@ def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor,
     (one per rank it was sent to, the row at `recv + rank_slot * Sc`), in ascending rank order, fp32, cast
     once (`reference.combine_reduced_at_sender`). Tokens t >= bound_m untouched. No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "combine_recv", recv_base)
+    key = _key(out_tokens, rank_slot, recv_base, recv_offset_bytes, cfg, accumulate, bound_m, node)
+    if key is not None and _BY_TOKEN.hit(key):
+        return
     check.config(cfg)
     check.tensor("out_tokens", out_tokens, dtypes=(cfg.out_dtype,), shape=(None, cfg.hidden_dim))
     device = out_tokens.device
@@ -234,7 +256,7 @@ def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor,
     block_t = launch.tokens_per_program(device, T)
     sync_args = {} if node is None else node.kernel_args("combine_recv", device)
     _BY_TOKEN.launch(
-        None, (max(1, ceil_div(T, block_t)), ceil_div(H, block_h)), out_tokens, rank_slot, recv_base,
+        key, (max(1, ceil_div(T, block_t)), ceil_div(H, block_h)), out_tokens, rank_slot, recv_base,
         bound_m if bound_m is not None else rank_slot, recv_offset_bytes, T, out_tokens.stride(0),
         K=K, K_PAD=next_power_of_2(K), MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes,
         ITEM_BYTES=item, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
