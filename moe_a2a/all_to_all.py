@@ -261,7 +261,9 @@ class AllToAll:
             out_expert_x: `[>= max_dispatch_rows, H]` in_dtype; expert l's rows start at
                 `sum_{j<l} round_up(n_j, expert_padding)`, ordered by (source rank, token, k);
                 padding rows untouched. Valid after the receive half.
-            out_expert_x_scale: `[>= max_dispatch_rows, num_scales]` float32, or None without scales.
+            out_expert_x_scale: `[>= max_dispatch_rows, num_scales]` float32 (any strides), or None without
+                scales. With `expert_capacity` C also `[L, C, num_scales]` float32 of any strides: row l*C + c's
+                scales go to `[l, c, :]` (e.g. DeepEP's column-major layout, written by the unpack itself).
             x: `[T, H]` in_dtype, T <= max_num_tokens.  x_scale: `[T, num_scales]` float32 or None.
             indices: `[T, K]` int32/int64 expert ids, `-1` = not routed.
             bound_m: optional 1-element int32 tensor on the device: live tokens (CUDA graphs).
@@ -473,28 +475,33 @@ class AllToAll:
             indices = kept
         on_gpu = self.device.type == "cuda"
         rows, staged = slot, {}
-        if self.with_proxy:
+        if self.with_proxy:  # a remote peer's first P rows (routes, or per-rank rows) are staged privately
             rows = self._send_row[: x.shape[0]]
             staged = {"out_send_row": rows, "private_stage": (self.layout, self.rank)}
+        by_rank = self.cfg.rank_rows
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=w.own_counts, out_route_slot=slot,
                              bound_m=bound_m, epoch=w.node.epoch, bad_index=w.bad_index if on_gpu else None,
                              ready=w.route_ready if self.with_proxy else None, abort=abort,
-                             bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"], **staged)
+                             bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"],
+                             **({} if by_rank else staged))
+        if by_rank:  # one row per (token, rank): its slot (or private staging row), then its metadata; the
+            # pack's count-row copy and publish come last, so the rows' metadata is in place when peers read it
+            T = x.shape[0]
+            opened = self._rank_slot[:T]
+            rank_rows.route_tokens_by_rank(indices, self.layout, w.rank_rows[self.rank], opened,
+                                           self._rank_scratch[:T], bound_m=bound_m, abort=abort,
+                                           **w.rank_split["route"], **staged)
+            if not self.with_proxy:
+                rows = opened
+            rank_rows.stamp_rank_rows(indices, slot, rows, w.own_counts, weights, w.base, w.send_offset_bytes,
+                                      self.cfg, self.layout, **w.rank_split["pack"])
         if self.with_proxy:  # the proxy posts the private writes this plans once the pack says SEND_READY
             write_plan.plan_private_writes(w.counts, w.write_tables, w.node.epoch, w.flags, self.rank,
                                            self.layout, w.base, w.stage_send_offset_bytes)
-        if self.cfg.rank_rows:  # one row per (token, rank): its slot, then its metadata (the pack's count row
-            # copy and publish come last, so the rows' metadata is in place when peers read it)
-            T = x.shape[0]
-            rows = self._rank_slot[:T]
-            rank_rows.route_tokens_by_rank(indices, self.layout, w.rank_rows[self.rank], rows,
-                                           self._rank_scratch[:T], bound_m=bound_m, abort=abort)
-            rank_rows.stamp_rank_rows(indices, slot, rows, w.own_counts, weights, w.base, w.send_offset_bytes,
-                                      self.cfg, self.layout)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, rows, w.base, w.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=w.node, quantize=quantize,
                                                max_slots=self.layout.max_routes + self.layout.private_stage_rows,
-                                               **w.split["pack"])
+                                               **(w.rank_split if by_rank else w.split)["pack"])
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False, out_source_ranges=None) -> None:
@@ -502,12 +509,13 @@ class AllToAll:
         if self.with_proxy:  # once every count row is in: the remainder and combine writes for the proxy
             self._status.host_wait("dispatch_plan", self.epoch)
             write_plan.plan_remainder_and_combine_writes(w.counts, w.write_tables, w.node, w.base,
-                                                         w.stage_recv_offset_bytes, self.rank, self.layout)
+                                                         w.stage_recv_offset_bytes, self.rank, self.layout,
+                                                         combine_rank=self.cfg.combine_rows == "rank")
         self._status.host_wait("dispatch_recv", self.epoch)
         aborted = self._status.aborted_sources(self.epoch)
         if self.cfg.rank_rows:
             rank_rows.expand_rank_rows(out_num, out_x, out_x_scale, w.counts, w.rank_rows, self.rank, w.base,
-                                       w.peer_send_bytes, self.cfg, self.layout, node=w.node,
+                                       w.peer_send_bytes, w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,
                                        copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges)
         else:
             self._unpack(out_num, out_x, out_x_scale, out_source_ranges)
@@ -547,8 +555,10 @@ class AllToAll:
         w = self._w
         self._status.host_wait("combine_send", self.epoch)
         if self.cfg.combine_rows == "rank":
-            rank_rows.reduce_rank_rows_by_source(expert_y, w.counts, w.rank_rows, self.rank, w.base, w.peer_send_bytes,
-                                                 w.peer_recv_bytes, self.cfg, self.layout, node=w.node)
+            rank_rows.reduce_rank_rows_by_source(
+                expert_y, w.counts, w.rank_rows, self.rank, w.base, w.peer_send_bytes, w.peer_recv_bytes,
+                w.stage_recv_offset_bytes, w.stage_send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg,
+                self.layout, node=w.node)
             self._state = _COMBINE_SENT
             return
         combine_kernels.pack_combine_by_source(
@@ -567,7 +577,8 @@ class AllToAll:
             rank_rows.reduce_rank_rows_by_token(out_tokens, self._rank_slot[: self._T], w.base,
                                                 w.recv_offset_bytes + self.layout.combine_recv_offset_bytes, self.cfg,
                                                 accumulate=accumulate,
-                                                bound_m=bound_m if bound_m is not None else self._bound_m, node=w.node)
+                                                bound_m=bound_m if bound_m is not None else self._bound_m, node=w.node,
+                                                **w.rank_split["reduce"])
             self._state = _IDLE
             return
         combine_kernels.reduce_combined_tokens(

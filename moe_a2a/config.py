@@ -118,7 +118,7 @@ class A2AConfig:
             (token, destination rank), carrying after its scales the token's K (local expert, position)
             pairs for that rank (`rank_meta_offset_bytes`); the receiver expands it into the slot of every
             local expert it was routed to, so the dispatch output is the same (`reference.dispatch_per_rank`).
-            Every rank on one node (the cross-node path carries route rows only, for now).
+            Not with shrink mode (`AllToAll(rank_mask=)`), for now.
         combine_rows: "route" (default): one expert-output row per route, summed at the token's home rank
             (`reference.combine`). "rank" (needs dispatch_rows="rank"): the expert's rank sums, in fp32 in k
             order, the weighted outputs of its experts for each token and sends one row per (token, rank);

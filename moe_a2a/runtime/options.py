@@ -101,10 +101,9 @@ def plan(cfg: A2AConfig, group, node_group, transport: str, device, timeout_s: f
                          f"run on {len(set(hosts))} hosts {sorted(set(hosts))}")
     layout = cfg.layout(world_size, wiring.node_size(node_group, hosts, world_size))
     check_fits_in_memory(layout, ranks=1, host_staged=device.type != "cuda")
-    if cfg.rank_rows and (layout.node_size < world_size or rank_mask is not None):  # alike on every rank
-        raise ValueError(f"cfg.dispatch_rows='rank' needs every rank on one node and no rank_mask (the proxy's "
-                         f"write plans and the shrink masks count route rows, for now); got node size "
-                         f"{layout.node_size} of {world_size} ranks" + (", shrink mode" if rank_mask is not None else ""))
+    if cfg.rank_rows and rank_mask is not None:  # alike on every rank
+        raise ValueError("cfg.dispatch_rows='rank' with rank_mask (shrink mode): the masks drop routes and the "
+                         "rows of masked ranks, which per-rank rows do not follow yet; use dispatch_rows='route'")
     remote_shrink = rank_mask is not None and layout.node_size < world_size  # every rank has the same layout
     if remote_shrink and layout.private_rows < cfg.max_routes:
         raise ValueError(f"rank_mask (shrink mode) with remote peers needs cfg.max_private_tokens >= "

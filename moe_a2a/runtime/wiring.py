@@ -291,6 +291,16 @@ class Wiring:
                 "pack": {"remote_send_offset_bytes": self.stage_send_offset_bytes, "node_slots": self.node_slots},
                 "reduce": {"remote_recv_offset_bytes": self.stage_recv_offset_bytes + lay.combine_recv_offset_bytes,
                            "node_slots": self.node_slots}}
+        # Per-rank rows: their own node range (rows of this node's ranks), for the pack and, with rows reduced
+        # at the sender, the reduce; the route slots' range above still serves a route-row combine.
+        self.rank_split = {"route": {}, "pack": {}, "reduce": {}}
+        if self.buffers.split_by_node and lay.rank_rows:
+            first = lay.node_of(r) * lay.node_size
+            self.rank_node_slots = torch.zeros(2, dtype=torch.int32, device=dev)
+            self.rank_split = {
+                "route": {"out_node_slots": self.rank_node_slots, "node_experts": (first, first + lay.node_size)},
+                "pack": {**self.split["pack"], "node_slots": self.rank_node_slots},
+                "reduce": {**self.split["reduce"], "node_slots": self.rank_node_slots}}
         tables = {name: torch.full((W,), -1, dtype=torch.int64) for name in ("send", "recv", "sync")}
         for p in send_at:
             tables["send"][p], tables["recv"][p], tables["sync"][p] = send_at[p] - lo, recv_at[p] - lo, sync_at[p] - lo

@@ -63,6 +63,30 @@ def _rank_row_tile(tile, num_rows, n, dense, W_PAD: tl.constexpr, BLOCK_R: tl.co
 
 
 @triton.jit
+def _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, W: tl.constexpr, W_PAD: tl.constexpr, P: tl.constexpr,
+                     HEADER_ROWS: tl.constexpr, PRIVATE_OFFSET_BYTES: tl.constexpr, SD_BYTES: tl.constexpr):
+    """Where source s's rows for this rank are, [W_PAD] int64 each: row j at first[s] + j*Sd for j < split[s],
+    else at rest[s] + j*Sd. A node peer's are in its send buffer (from its rank-major offset off[s]); a remote
+    one's in this rank's recv buffer, its private slot then its remainder run (`unpack_tokens_by_expert`'s
+    geometry, with rows per (token, rank) in place of routes)."""
+    s_idx = tl.arange(0, W_PAD)
+    peer = tl.load(peer_send_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
+    pull = peer >= 0
+    rest = tl.maximum(n - P, 0)
+    remainder_row = W * (HEADER_ROWS + P) + tl.cumsum(rest, axis=0) - rest
+    first = tl.where(pull, peer + off * SD_BYTES,
+                     recv_bytes + PRIVATE_OFFSET_BYTES + (s_idx.to(tl.int64) * (HEADER_ROWS + P) + HEADER_ROWS) * SD_BYTES)
+    return first, recv_bytes + (remainder_row - P) * SD_BYTES, tl.where(pull, 1 << 62, P)
+
+
+@triton.jit
+def _row_bytes(src, j, first, rest, split, W_PAD: tl.constexpr, SD_BYTES: tl.constexpr):
+    """[BLOCK_R] int64: where row j of source src is (`_rank_row_places`)."""
+    at = tl.where(j < _pick(split, src, W_PAD), _pick(first, src, W_PAD), _pick(rest, src, W_PAD))
+    return at + j * SD_BYTES
+
+
+@triton.jit
 def _pick(table, src, W_PAD: tl.constexpr):
     """table[src] for a [BLOCK_R] vector of sources (a one-hot sum over the W_PAD entries)."""
     return tl.sum(tl.where(src[:, None] == tl.arange(0, W_PAD)[None, :], table[None, :], 0), axis=1)
@@ -111,7 +135,7 @@ def _first_route_per_rank_kernel(
 def _stamp_rank_rows_kernel(
     indices_ptr,      # (T, K) int32/int64, contiguous
     route_slot_ptr,   # (T, K) int32, contiguous: each route's expert-major slot (-1: dead), from route_tokens
-    rank_slot_ptr,    # (T, K) int32, contiguous: the row a route opens (-1: it opens none)
+    send_row_ptr,     # (T, K) int32, contiguous: the send row a route opens (-1: it opens none)
     counts_ptr,       # (E,) int32, stride `stride_counts`: this rank's count row (route_tokens' counts)
     weights_ptr,      # (T, K) float32, strides (stride_w_t, stride_w_k) (HAS_WEIGHTS)
     base_ptr,         # uint8: byte address space of the send buffer
@@ -119,6 +143,8 @@ def _stamp_rank_rows_kernel(
     num_tokens, num_experts, stride_counts, stride_w_t, stride_w_k,
     K: tl.constexpr, K_PAD: tl.constexpr, L: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SD_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    # Only remote rows staged (SPLIT): rows outside [node_slots[0], node_slots[1]) are at remote_send_bytes.
+    node_slots_ptr=None, remote_send_bytes=0, SPLIT: tl.constexpr = False,
 ):
     """Grid: cdiv(T, BLOCK_T). Into every row a token opens (the row of (t, rank r)), after the scales: for
     each k, the local expert of route k when it goes to r (else -1), its position among this rank's routes
@@ -133,7 +159,7 @@ def _stamp_rank_rows_kernel(
     pos = slot - tl.reshape(tl.gather(first, flat, 0), (BLOCK_T, K_PAD))
     dest = tl.where(live, expert // L, -1)
     local = expert - (expert // L) * L
-    opens = tl.load(rank_slot_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
+    opens = tl.load(send_row_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
     if HAS_WEIGHTS:
         w = tl.load(weights_ptr + tokens[:, None] * stride_w_t + kk[None, :] * stride_w_k, mask=m, other=0.0)
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
@@ -141,7 +167,11 @@ def _stamp_rank_rows_kernel(
     for k in range(K):
         row = _column(opens, kk, k).to(tl.int64)
         dk = _column(dest, kk, k)
-        meta = (send_bytes + row * SD_BYTES + META_OFFSET_BYTES) // 4
+        at = send_bytes
+        if SPLIT:  # as the pack: this node's rows stay in device memory, the others are staged
+            at = tl.where((row >= tl.load(node_slots_ptr)) & (row < tl.load(node_slots_ptr + 1)), send_bytes,
+                          remote_send_bytes)
+        meta = (at + row * SD_BYTES + META_OFFSET_BYTES) // 4
         mask = (row >= 0)[:, None] & (kk[None, :] < K)
         mine = live & (dest == dk[:, None])
         tl.store(base_i32 + meta[:, None] + kk[None, :], tl.where(mine, local, -1), mask=mask)
@@ -161,11 +191,13 @@ def _expand_rank_rows_kernel(
     counts_ptr,          # (W, E) int32, row stride stride_counts_w: per-expert route counts
     rank_rows_ptr,       # (W, W) int32, row stride stride_rank_rows_w: rows per destination rank
     base_ptr,            # uint8: byte address space of the node peers' send buffers
-    peer_send_bytes_ptr,  # (W,) int64: peer s's send buffer - base (every source is on this node)
+    peer_send_bytes_ptr,  # (W,) int64: peer s's send buffer - base (same node), -1 = remote source
+    recv_bytes,          # this rank's recv buffer - base (remote sources' rows: private slots, remainder runs)
     rank, num_out_rows,
     stride_counts_w, stride_rank_rows_w, stride_out_x_r, stride_out_scale_r, stride_out_scale_s,
     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, K: tl.constexpr,
     K_PAD: tl.constexpr, PAD: tl.constexpr, X_WORDS: tl.constexpr, S: tl.constexpr,
+    P: tl.constexpr, HEADER_ROWS: tl.constexpr, PRIVATE_OFFSET_BYTES: tl.constexpr,
     SCALE_OFFSET_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr, SD_BYTES: tl.constexpr,
     WORD_BYTES: tl.constexpr, ALIGN_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_SCALES: tl.constexpr, CAPACITY: tl.constexpr, CAPACITY_WORD: tl.constexpr, ABORT_WORD: tl.constexpr,
@@ -213,8 +245,8 @@ def _expand_rank_rows_kernel(
     out_start = tl.reshape(out_start, (NPAIR,))
     fit = tl.reshape(fit, (NPAIR,))
     n, off, dense = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD)
-    peer = tl.load(peer_send_bytes_ptr + tl.arange(0, W_PAD), mask=tl.arange(0, W_PAD) < W, other=0)
-    first_bytes = peer + off * SD_BYTES
+    first, rest, split = _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, W, W_PAD, P, HEADER_ROWS,
+                                          PRIVATE_OFFSET_BYTES, SD_BYTES)
     num_rows = tl.where(ok, tl.sum(n, axis=0), 0)
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty
@@ -223,7 +255,7 @@ def _expand_rank_rows_kernel(
     kk = tl.arange(0, K_PAD)
     for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
         is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
-        src_bytes = _pick(first_bytes, src, W_PAD) + j * SD_BYTES
+        src_bytes = _row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES)
         rows = _expert_rows(base_i32, (src_bytes + META_OFFSET_BYTES) // 4, is_row, src, kk, out_start, fit, K, L,
                             W_PAD, BLOCK_R, K_PAD)
         rows = tl.where(rows < num_out_rows, rows, -1)
@@ -256,12 +288,15 @@ def _reduce_rank_rows_by_source_kernel(
     counts_ptr,          # (W, E) int32
     rank_rows_ptr,       # (W, W) int32
     base_ptr,            # uint8: byte address space of the node peers' send and recv buffers
-    peer_send_bytes_ptr,  # (W,) int64: peer s's send buffer - base (the rows' metadata and weights)
-    peer_recv_bytes_ptr,  # (W,) int64: peer s's recv buffer - base (where its reduced rows land)
+    peer_send_bytes_ptr,  # (W,) int64: peer s's send buffer - base (the rows' metadata and weights), -1 = remote
+    peer_recv_bytes_ptr,  # (W,) int64: peer s's recv buffer - base (where its reduced rows land), -1 = remote
+    recv_bytes,          # this rank's recv buffer - base: remote sources' rows (their metadata) are there
+    stage_bytes,         # this rank's combine staging area - base: rows for remote homes, source-major
     rank, num_y_rows,
     stride_counts_w, stride_rank_rows_w, stride_y_r,
     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, K: tl.constexpr,
     K_PAD: tl.constexpr, PAD: tl.constexpr, H: tl.constexpr, META_OFFSET_BYTES: tl.constexpr,
+    P: tl.constexpr, HEADER_ROWS: tl.constexpr, PRIVATE_OFFSET_BYTES: tl.constexpr,
     SD_BYTES: tl.constexpr, SC_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr, ITEM_BYTES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAPACITY: tl.constexpr,
     FP8: tl.constexpr = False,  # A2AConfig.combine_fp8: rows as fp8 e4m3 + fp32 scales per Q_BLOCK
@@ -290,9 +325,17 @@ def _reduce_rank_rows_by_source_kernel(
     num_rows = tl.sum(n, axis=0)
     if NODE_SYNC:
         num_rows = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_rows, 0)
+    first, rest, split = _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, W, W_PAD, P, HEADER_ROWS,
+                                          PRIVATE_OFFSET_BYTES, SD_BYTES)
     s_idx = tl.arange(0, W_PAD)
-    send = tl.load(peer_send_bytes_ptr + s_idx, mask=s_idx < W, other=0) + off * SD_BYTES
-    recv = tl.load(peer_recv_bytes_ptr + s_idx, mask=s_idx < W, other=0) + COMBINE_RECV_BYTES + off * SC_BYTES
+    home = tl.load(peer_recv_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
+    # A node home's reduced rows go to its combine region at its rows' slots; a remote home's are staged
+    # source-major for the proxy's combine write (`plan.combine_stage_offsets`, rows per (token, rank)).
+    back = tl.where(home >= 0, home + COMBINE_RECV_BYTES + off * SC_BYTES, stage_bytes + dense * SC_BYTES)
+    if HAS_PROXY:  # the proxy's combine writes of the previous call are out of the staging area
+        num_rows = tl.where(d.node_wait(base_ptr, 0, epoch_ptr, failed_ptr, flags_ptr, 0, timeout_ns, max_spins, 0,
+                                        1, True, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX,
+                                        KERNEL_WAIT), num_rows, 0)
 
     y_ty: tl.constexpr = expert_y_ptr.dtype.element_ty
     base_y = base_ptr.to(tl.pointer_type(y_ty))
@@ -301,12 +344,12 @@ def _reduce_rank_rows_by_source_kernel(
     kk = tl.arange(0, K_PAD)
     for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
         is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
-        meta = (_pick(send, src, W_PAD) + j * SD_BYTES + META_OFFSET_BYTES) // 4
+        meta = (_row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES) + META_OFFSET_BYTES) // 4
         rows = _expert_rows(base_i32, meta, is_row, src, kk, out_start, fit, K, L, W_PAD, BLOCK_R, K_PAD)
         rows = tl.where(rows < num_y_rows, rows, -1)
         w = tl.load(base_f32 + meta[:, None] + 2 * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
                     other=0.0)
-        dst_b = _pick(recv, src, W_PAD) + j * SC_BYTES
+        dst_b = _pick(back, src, W_PAD) + j * SC_BYTES
         dst = dst_b // ITEM_BYTES
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -356,6 +399,8 @@ def _reduce_rank_rows_by_token_kernel(
     ACCUMULATE: tl.constexpr,
     FP8: tl.constexpr = False, Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0,
     FP8_VIA_BITS: tl.constexpr = False,  # A2AConfig.combine_fp8: dequantise the rows
+    # Only remote rows staged (SPLIT): rows outside [node_slots[0], node_slots[1]) are read at remote_recv_bytes.
+    node_slots_ptr=None, remote_recv_bytes=0, SPLIT: tl.constexpr = False,
     # Same-node synchronisation (NodeSync.kernel_args("combine_recv")), only with NODE_SYNC:
     failed_ptr=None, epoch_ptr=None, flags_ptr=None, peer_sync_bytes_ptr=None, sync_bytes=0, node_first=0,
     timeout_ns=0, max_spins=0,
@@ -391,14 +436,21 @@ def _reduce_rank_rows_by_token_kernel(
         acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    if SPLIT:
+        node_slot_lo = tl.load(node_slots_ptr)
+        node_slot_hi = tl.load(node_slots_ptr + 1)
     for i in range(K):
         s = tl.min(tl.where(kk[None, :] == i, slot, _NO_SLOT), axis=1).to(tl.int64)
         has = s < _NO_SLOT
-        if FP8:
-            y = d.fp8_load_dequantized(base_ptr, recv_bytes + s * SC_BYTES, cols, mask & has[:, None],
-                                       SCALE_OFFSET_BYTES, Q_BLOCK, FP8_VIA_BITS)
+        if SPLIT:  # rows of this node's ranks were pushed into device memory, the others' staged
+            at = tl.where((s >= node_slot_lo) & (s < node_slot_hi), recv_bytes, remote_recv_bytes) + s * SC_BYTES
         else:
-            row = (recv_bytes + s * SC_BYTES) // ITEM_BYTES
+            at = recv_bytes + s * SC_BYTES
+        if FP8:
+            y = d.fp8_load_dequantized(base_ptr, at, cols, mask & has[:, None], SCALE_OFFSET_BYTES, Q_BLOCK,
+                                       FP8_VIA_BITS)
+        else:
+            row = at // ITEM_BYTES
             y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has[:, None], other=0.0).to(tl.float32)
         acc = tl.where(has[:, None], acc + y, acc)
     if y_ty == tl.bfloat16:

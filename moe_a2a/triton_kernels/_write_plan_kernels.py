@@ -60,11 +60,16 @@ def _plan_private_writes_kernel(
     STAGE_HEADER_BYTES: tl.constexpr,  # Layout.private_stage_header_offset_bytes(0)
     SLOT_BYTES: tl.constexpr,          # Layout.private_slot_bytes
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HEADERS: tl.constexpr,
+    RANK_ROWS: tl.constexpr = False,   # per-rank rows: the rows to each peer are the count row's last W ints
 ):
     """Grid (1,): the private write to every remote peer (`plan.private_writes`): one source range, the
     peer's slot of the private staging region, whose header gets this rank's count row here (with HEADERS)
-    and whose rows the pack fills (`route_tokens(out_send_row=)`)."""
-    n = _routes_row(counts_ptr, stride_counts_w, rank, W, L, W_PAD, L_PAD)
+    and whose rows the pack fills (`route_tokens(out_send_row=)`). E is the count row's length
+    (`Layout.count_row_ints`: with per-rank rows the experts' counts, then W rows per rank)."""
+    if RANK_ROWS:
+        n = _routes_row(counts_ptr + (E - W), stride_counts_w, rank, W, 1, W_PAD, 1)
+    else:
+        n = _routes_row(counts_ptr, stride_counts_w, rank, W, L, W_PAD, L_PAD)
     peer = tl.arange(0, W_PAD)
     remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
     index = tl.where(peer >= node_first + NODE, peer - NODE, peer).to(tl.int64)  # Layout.private_stage_index
@@ -110,6 +115,8 @@ def _plan_remainder_and_combine_writes_kernel(
     PROXY_WAIT_WORD: tl.constexpr, SIGNAL_WORD: tl.constexpr, ERROR_WORD: tl.constexpr, STATUS_WORD: tl.constexpr,
     BAD_COUNTS_WORD: tl.constexpr,
     SPIN: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
+    RANK_ROWS: tl.constexpr = False,    # per-rank rows: a count row ends with W rows per rank (at int W*L), and
+    COMBINE_RANK: tl.constexpr = False,  # the dispatch moves those rows; COMBINE_RANK: the combine too
 ):
     """Grid (1,), four warps: once the proxy says every private write has landed (COUNT_ROWS_READY),
     one pass over the W count rows, BLOCK_S at a time as [BLOCK_S, W, L] tiles: the remote sources' rows
@@ -148,10 +155,27 @@ def _plan_remainder_and_combine_writes_kernel(
             bad_source = tl.minimum(bad_source, tl.min(tl.where(bad, s1, W_PAD), axis=0))
             routes = tl.sum(tl.maximum(c, 0).to(tl.int64), axis=2)   # [BLOCK_S, W_PAD]: routes[s, d]
             s2 = s1[:, None]
-            n += tl.sum(tl.where(s2 == rank, routes, 0), axis=0)
-            before += tl.sum(tl.where(s2 < rank, tl.maximum(routes - P, 0), 0), axis=0)
-            to_me = tl.sum(tl.where(d2 == rank, routes, 0), axis=1)  # [BLOCK_S]
-            below = tl.sum(tl.where(d2 < rank, routes, 0), axis=1)
+            sent = routes  # rows each source sends each rank in the dispatch (and back in the combine)
+            back = routes
+            if RANK_ROWS:  # the count row's last W ints: rows per (token, rank), copied and checked alike
+                m2 = (s2 < W) & (d2 < W)
+                rr = tl.load(counts_ptr + s2.to(tl.int64) * stride_counts_w + W * L + d2,
+                             mask=m2 & ~((s2 < node_first) | (s2 >= node_first + NODE)), other=0)
+                remote2 = (s2 < node_first) | (s2 >= node_first + NODE)
+                rr += tl.load(headers + s2.to(tl.int64) * SLOT_WORDS + W * L + d2, mask=m2 & remote2, other=0)
+                tl.store(counts_ptr + s2.to(tl.int64) * stride_counts_w + W * L + d2, rr, mask=m2 & remote2)
+                lo_r = tl.min(tl.where(m2, rr, 0), axis=1)
+                hi_r = tl.max(tl.where(m2, rr, -1), axis=1)
+                total_r = tl.sum(tl.where(m2, rr, 0).to(tl.int64), axis=1)
+                bad = bad | ((s1 < W) & ~((lo_r == -1) & (hi_r == -1)) & ((lo_r < 0) | (total_r > MAX_ROUTES)))
+                bad_source = tl.minimum(bad_source, tl.min(tl.where(bad, s1, W_PAD), axis=0))
+                sent = tl.maximum(rr, 0).to(tl.int64)
+                if COMBINE_RANK:
+                    back = sent
+            n += tl.sum(tl.where(s2 == rank, sent, 0), axis=0)
+            before += tl.sum(tl.where(s2 < rank, tl.maximum(sent - P, 0), 0), axis=0)
+            to_me = tl.sum(tl.where(d2 == rank, back, 0), axis=1)  # [BLOCK_S]
+            below = tl.sum(tl.where(d2 < rank, back, 0), axis=1)
             row_of = s2 == d2                                       # block row i is source s0 + i
             n_src += tl.sum(tl.where(row_of, to_me[:, None], 0), axis=0)
             first += tl.sum(tl.where(row_of, below[:, None], 0), axis=0)

@@ -19,8 +19,10 @@ there"), so nothing here uses atomics and every output is the same run to run.
   its experts' outputs, in fp32 in k order, rounded once, into the home's recv buffer at its row's slot.
 - `reduce_rank_rows_by_token` (combine recv): per token the sum of its rows in ascending rank order.
 
-Every source is on this node (the cross-node write plans count route rows: `runtime.options` refuses
-per-rank rows with remote peers, for now).
+Across nodes the rows take the route rows' paths (docs/protocol.md): a remote peer's first P rows in the
+private write behind the count row (which carries the W rows per rank), the rest in the remainder write;
+the write plans count rows per rank (`write_plan`, `RANK_ROWS`), and with `combine_rows="rank"` the combine
+writes too. Shrink mode is refused with per-rank rows (its masks drop routes, not rows), for now.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def _check_rank_layout(cfg: A2AConfig, layout: Layout) -> tuple[int, int]:
 
 def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: torch.Tensor,
                          out_rank_slot: torch.Tensor, scratch: torch.Tensor, bound_m: torch.Tensor | None = None,
-                         abort: bool = False) -> None:
+                         abort: bool = False, **routing_args) -> None:
     """Rows per destination rank and the row each route opens.
 
     Args:
@@ -76,14 +78,15 @@ def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: t
             every other route.
         scratch: `[T, K]` int32, contiguous: the ranks of the first routes (a buffer of the caller's, so the
             launches can be remembered).
-        bound_m, abort: as `route_tokens`.
+        bound_m, abort: as `route_tokens`; `routing_args`: its `out_node_slots` / `node_experts` (here this
+            node's ranks) and `out_send_row` / `private_stage` (remote peers' first rows staged privately).
     No host sync; CUDA-graph safe. Two or three launches."""
-    key = _key(indices, layout, out_rank_rows, out_rank_slot, scratch, bound_m, bool(abort))
+    key = _key(indices, layout, out_rank_rows, out_rank_slot, scratch, bound_m, bool(abort))  # (the first launch's)
     if key is None or not _FIRST.hit(key):
         check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
         _first_route_per_rank(indices, layout, out_rank_slot, scratch, key)
     route_tokens(scratch, layout.world_size, out_counts=out_rank_rows, out_route_slot=out_rank_slot, bound_m=bound_m,
-                 abort=abort)
+                 abort=abort, **routing_args)
 
 
 def _first_route_per_rank(indices, layout, out_rank_slot, scratch, key) -> None:
@@ -95,53 +98,65 @@ def _first_route_per_rank(indices, layout, out_rank_slot, scratch, key) -> None:
                   K=K, K_PAD=next_power_of_2(K), L=layout.num_local_experts, BLOCK_T=BLOCK_TOKENS, num_warps=4)
 
 
-def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, rank_slot: torch.Tensor, counts: torch.Tensor,
+def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, send_row: torch.Tensor, counts: torch.Tensor,
                     weights: torch.Tensor | None, send_base: torch.Tensor, send_offset_bytes: int, cfg: A2AConfig,
-                    layout: Layout) -> None:
+                    layout: Layout, remote_send_offset_bytes: int | None = None,
+                    node_slots: torch.Tensor | None = None) -> None:
     """Write the metadata of every row this rank sends (`A2AConfig.rank_meta_offset_bytes`): per k, the
     local expert of route k when it goes to the row's rank (else -1) and its position among this rank's
     routes to that expert; with `cfg.combine_rows == "rank"` also the K weights.
 
     Args:
         indices, route_slot: `[T, K]` as given to and returned by `route_tokens` (expert-major slots).
-        rank_slot: `[T, K]` int32 from `route_tokens_by_rank`.
+        send_row: `[T, K]` int32, the row each route opens in the send buffer (-1: none), from
+            `route_tokens_by_rank`: its slot, or with remote peers its send row (`route_tokens(out_send_row=)`),
+            the row the pack writes (`pack_tokens_by_expert(route_slot=send_row)`).
         counts: `[E]` int32, this rank's count row (any stride).
         weights: `[T, K]` float32 (any strides) when `cfg.combine_rows == "rank"`, else None.
         send_base, send_offset_bytes: the byte address space and the send buffer's offset in it.
+        remote_send_offset_bytes, node_slots: only remote rows staged, as the pack's (both or neither).
     No host sync; CUDA-graph safe."""
-    key = _key(indices, route_slot, rank_slot, counts, weights, send_base, send_offset_bytes, cfg, layout)
+    key = _key(indices, route_slot, send_row, counts, weights, send_base, send_offset_bytes, cfg, layout,
+               remote_send_offset_bytes, node_slots)
     if key is not None and _STAMP.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
     T, K = indices.shape
+    device = indices.device
     with_weights = cfg.combine_rows == "rank"
     if with_weights:
-        check.tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=indices.device, strides="any")
+        check.tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=device, strides="any")
     elif weights is not None:
         check.fail("weights", "None (combine_rows='route': the weights stay home)", "a tensor")
+    for name, t in (("route_slot", route_slot), ("send_row", send_row)):
+        check.tensor(name, t, dtypes=(torch.int32,), shape=(T, K), device=device, strides="contiguous")
+    split = {}
+    if check.split("remote_send_offset_bytes", remote_send_offset_bytes, node_slots, device):
+        split = dict(node_slots_ptr=node_slots, remote_send_bytes=remote_send_offset_bytes, SPLIT=True)
     E = layout.num_experts
-    _STAMP.launch(key, (max(1, ceil_div(T, BLOCK_TOKENS)),), indices, route_slot, rank_slot, counts,
+    _STAMP.launch(key, (max(1, ceil_div(T, BLOCK_TOKENS)),), indices, route_slot, send_row, counts,
                   weights if with_weights else counts, send_base, send_offset_bytes, T, E, counts.stride(0),
                   weights.stride(0) if with_weights else 0, weights.stride(1) if with_weights else 0,
                   K=K, K_PAD=next_power_of_2(K), L=L, E_PAD=next_power_of_2(E), BLOCK_T=BLOCK_TOKENS,
                   SD_BYTES=cfg.dispatch_stride_bytes, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
-                  HAS_WEIGHTS=with_weights, num_warps=4)
+                  HAS_WEIGHTS=with_weights, num_warps=4, **split)
 
 
 def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Tensor,
                      out_expert_x_scale: torch.Tensor | None, counts: torch.Tensor, rank_rows: torch.Tensor,
-                     rank: int, base: torch.Tensor, peer_send_bytes: torch.Tensor, cfg: A2AConfig, layout: Layout,
-                     node: NodeSync | None = None, copy_bytes: int | None = None,
+                     rank: int, base: torch.Tensor, peer_send_bytes: torch.Tensor, recv_bytes: int, cfg: A2AConfig,
+                     layout: Layout, node: NodeSync | None = None, copy_bytes: int | None = None,
                      out_source_ranges: torch.Tensor | None = None) -> None:
     """The receive half of per-rank dispatch rows: `unpack_tokens_by_expert`'s outputs (same rows, same
     order, `reference.dispatch`), each received row read once and written to every expert row it names.
 
-    Args: as `dispatch.unpack_tokens_by_expert` (scales `[R, num_scales]`), plus `rank_rows`: `[W, W]`
-    int32, row s = rows source s sends to each rank (the count rows' last W ints). Every source must be on
-    this node (`peer_send_bytes[s] >= 0`). No host sync; CUDA-graph safe."""
+    Args: as `dispatch.unpack_tokens_by_expert` (scales `[R, num_scales]`; a node peer's rows are pulled from
+    its send buffer, a remote source's are in this rank's recv buffer at `recv_bytes`, its private slot then
+    its remainder run), plus `rank_rows`: `[W, W]` int32, row s = rows source s sends to each rank (the count
+    rows' last W ints). No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "dispatch_recv", base)
     key = _key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank_rows, rank, base, peer_send_bytes,
-               cfg, layout, node, copy_bytes, out_source_ranges)
+               recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges)
     if key is not None and _EXPAND.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -158,13 +173,14 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
     check.tensor("rank_rows", rank_rows, dtypes=(torch.int32,), shape=(W, W), device=device, host_ok=True)
     check.integer("rank", rank, 0, W)
     check.peer_table("peer_send_bytes", peer_send_bytes, W, device)
+    check.integer("recv_bytes", recv_bytes)
     if out_source_ranges is not None:
         check.tensor("out_source_ranges", out_source_ranges, dtypes=(torch.int64,), shape=(L, W), device=device,
                      strides="contiguous")
     out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
     word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, base.data_ptr(),
-                                               cfg.dispatch_stride_bytes)
-    align = launch.align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, base.data_ptr())
+                                               recv_bytes, layout.private_offset_bytes, cfg.dispatch_stride_bytes)
+    align = launch.align_words(word_bytes, out_expert_x.data_ptr(), out_row_bytes, base.data_ptr(), recv_bytes)
     x_words = launch.as_words(out_expert_x, word_dtype)
     row_words = cfg.x_bytes // word_bytes
     copy_words = row_words if copy_bytes is None else min(row_words, ceil_div(copy_bytes, word_bytes))
@@ -174,9 +190,10 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
     grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
     _EXPAND.launch(
-        key, grid, out_expert_num_tokens, x_words, scale_i32, counts, rank_rows, base, peer_send_bytes, rank, R,
-        counts.stride(0), rank_rows.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
-        W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=cfg.experts_per_token,
+        key, grid, out_expert_num_tokens, x_words, scale_i32, counts, rank_rows, base, peer_send_bytes, recv_bytes,
+        rank, R, counts.stride(0), rank_rows.stride(0), x_words.stride(0) if R else row_words, stride_scale[0],
+        stride_scale[1], P=layout.private_rows, HEADER_ROWS=layout.header_rows,
+        PRIVATE_OFFSET_BYTES=layout.private_offset_bytes, W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=cfg.experts_per_token,
         K_PAD=next_power_of_2(cfg.experts_per_token), PAD=cfg.expert_padding, X_WORDS=copy_words, S=cfg.num_scales,
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
         SD_BYTES=cfg.dispatch_stride_bytes, WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_R=block_r,
@@ -188,17 +205,22 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
 
 def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, rank_rows: torch.Tensor, rank: int,
                                base: torch.Tensor, peer_send_bytes: torch.Tensor, peer_recv_bytes: torch.Tensor,
-                               cfg: A2AConfig, layout: Layout, node: NodeSync | None = None) -> None:
+                               recv_bytes: int, stage_bytes: int, cfg: A2AConfig, layout: Layout,
+                               node: NodeSync | None = None) -> None:
     """The combine send half with `combine_rows="rank"`: for every row this rank received, the sum over its
     k whose expert is here of `w_k * expert_y[row of (l_k, pos_k)]`, in fp32 in k order, rounded once to
     out_dtype, into the home's recv buffer (combine region) at the slot of the row it sent.
 
-    Args: `expert_y` as `combine.pack_combine_by_source`; `counts`, `rank_rows`, `peer_send_bytes` as
-    `expand_rank_rows` (the rows' metadata and weights are read again from the senders' buffers, untouched
-    until this call's combine ends); `peer_recv_bytes`: `[W]` int64, node peers' recv buffers from `base`.
+    Args: `expert_y` as `combine.pack_combine_by_source`; `counts`, `rank_rows`, `peer_send_bytes`, `recv_bytes`
+    as `expand_rank_rows` (the rows' metadata and weights are read again where the expand read them: node
+    peers' send buffers and this recv buffer are untouched until this call's combine ends);
+    `peer_recv_bytes`: `[W]` int64, node peers' recv buffers from `base` (-1: remote); `stage_bytes`: this
+    rank's combine staging area, where rows for remote home s go at row `sum_{s' < s} rows s' sent here`
+    (the combine write plan's source, `plan.combine_stage_offsets` in rows per (token, rank)).
     No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "combine_send", base)
-    key = _key(expert_y, counts, rank_rows, rank, base, peer_send_bytes, peer_recv_bytes, cfg, layout, node)
+    key = _key(expert_y, counts, rank_rows, rank, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,
+               cfg, layout, node)
     if key is not None and _BY_SOURCE.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -211,6 +233,8 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     check.integer("rank", rank, 0, W)
     check.peer_table("peer_send_bytes", peer_send_bytes, W, device)
     check.peer_table("peer_recv_bytes", peer_recv_bytes, W, device)
+    check.integer("recv_bytes", recv_bytes)
+    check.integer("stage_bytes", stage_bytes)
     H, item = cfg.hidden_dim, cfg.out_itemsize
     grid, block_r = launch.persistent_grid(device, layout)
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 4 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
@@ -219,8 +243,9 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         block_h = max(block_h, COMBINE_FP8_BLOCK)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _BY_SOURCE.launch(
-        key, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, rank, R,
-        counts.stride(0), rank_rows.stride(0), expert_y.stride(0) if R else H,
+        key, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,
+        rank, R, counts.stride(0), rank_rows.stride(0), expert_y.stride(0) if R else H,
+        P=layout.private_rows, HEADER_ROWS=layout.header_rows, PRIVATE_OFFSET_BYTES=layout.private_offset_bytes,
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=cfg.experts_per_token,
         K_PAD=next_power_of_2(cfg.experts_per_token), PAD=cfg.expert_padding, H=H,
         META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
@@ -231,12 +256,17 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
 
 def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor, recv_base: torch.Tensor,
                               recv_offset_bytes: int, cfg: A2AConfig, accumulate: bool = False,
-                              bound_m: torch.Tensor | None = None, node: NodeSync | None = None) -> None:
+                              bound_m: torch.Tensor | None = None, node: NodeSync | None = None,
+                              remote_recv_offset_bytes: int | None = None,
+                              node_slots: torch.Tensor | None = None) -> None:
     """The combine recv half with `combine_rows="rank"`: `out_tokens[t] = (old +) sum of the token's rows`
     (one per rank it was sent to, the row at `recv + rank_slot * Sc`), in ascending rank order, fp32, cast
-    once (`reference.combine_reduced_at_sender`). Tokens t >= bound_m untouched. No host sync; CUDA-graph safe."""
+    once (`reference.combine_reduced_at_sender`). Tokens t >= bound_m untouched. `remote_recv_offset_bytes`,
+    `node_slots`: only remote rows staged, as `combine.reduce_combined_tokens` (slots of this node's ranks,
+    from `route_tokens_by_rank`'s node range). No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "combine_recv", recv_base)
-    key = _key(out_tokens, rank_slot, recv_base, recv_offset_bytes, cfg, accumulate, bound_m, node)
+    key = _key(out_tokens, rank_slot, recv_base, recv_offset_bytes, cfg, accumulate, bound_m, node,
+               remote_recv_offset_bytes, node_slots)
     if key is not None and _BY_TOKEN.hit(key):
         return
     check.config(cfg)
@@ -255,6 +285,9 @@ def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor,
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H)
     block_t = launch.tokens_per_program(device, T)
     sync_args = {} if node is None else node.kernel_args("combine_recv", device)
+    if check.split("remote_recv_offset_bytes", remote_recv_offset_bytes, node_slots, device):
+        sync_args = {**sync_args, "node_slots_ptr": node_slots, "remote_recv_bytes": remote_recv_offset_bytes,
+                     "SPLIT": True}
     _BY_TOKEN.launch(
         key, (max(1, ceil_div(T, block_t)), ceil_div(H, block_h)), out_tokens, rank_slot, recv_base,
         bound_m if bound_m is not None else rank_slot, recv_offset_bytes, T, out_tokens.stride(0),

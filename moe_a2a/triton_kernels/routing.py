@@ -103,7 +103,8 @@ def route_tokens(
         out_send_row: optional `[num_tokens, num_topk]` int32, contiguous, with `private_stage = (layout,
             rank)`: the row each route is packed into (`pack_tokens_by_expert(max_slots=)`): its slot, but
             for the first `layout.private_rows` routes to each remote rank their row in that rank's slot
-            of the send buffer's private staging region (`plan.private_stage_rows`), -1 for dead routes.
+            of the send buffer's private staging region (`plan.private_stage_rows`), -1 for dead routes. With
+            per-rank rows (`layout.rank_rows`) `indices` may hold ranks (`num_experts = layout.world_size`).
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -161,10 +162,13 @@ def route_tokens(
         check.tensor("out_send_row", out_send_row, dtypes=(torch.int32,), shape=(T, K), device=device,
                      strides="contiguous")
         lay, rank = private_stage
-        if lay.num_experts != num_experts or not 0 <= rank < lay.world_size:
-            check.fail("private_stage", f"a layout of {num_experts} experts and one of its ranks", str(private_stage))
+        # Per-rank rows route over ranks (num_experts = W "experts", one per rank): a rank's run is its one bin.
+        by_rank = lay.rank_rows and num_experts == lay.world_size
+        if (lay.num_experts != num_experts and not by_rank) or not 0 <= rank < lay.world_size:
+            check.fail("private_stage", f"a layout of {num_experts} experts (or ranks, with per-rank rows) and one "
+                       f"of its ranks", str(private_stage))
         slots_args = dict(send_row_ptr=out_send_row, sr_node_first=lay.node_of(rank) * lay.node_size,
-                          SR_L=lay.num_local_experts, SR_NODE=lay.node_size, SR_P=lay.private_rows,
+                          SR_L=1 if by_rank else lay.num_local_experts, SR_NODE=lay.node_size, SR_P=lay.private_rows,
                           SR_HR=lay.header_rows, SR_FIRST=lay.max_routes, SEND_ROWS=True)
     else:
         slots_args = {}

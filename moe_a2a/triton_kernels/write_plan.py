@@ -66,7 +66,7 @@ def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch:
     if _PRIVATE.hit(key):
         return
     _check(counts, write_tables, lay)
-    W, L, E = lay.world_size, lay.num_local_experts, lay.num_experts
+    W, L, E = lay.world_size, lay.num_local_experts, lay.count_row_ints  # the whole count row travels
     if base is not None:
         check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=counts.device, host_ok=True)
         check.integer("send_bytes", send_bytes, 0)
@@ -79,11 +79,12 @@ def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch:
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         STAGE_HEADER_BYTES=lay.private_stage_header_offset_bytes(0), SLOT_BYTES=lay.private_slot_bytes,
         E=E, E_PAD=e_pad, BLOCK_P=max(1, min(next_power_of_2(max(W - lay.node_size, 1)), 4096 // e_pad)),
-        HEADERS=base is not None, num_warps=4)
+        HEADERS=base is not None, RANK_ROWS=lay.rank_rows, num_warps=4)
 
 
 def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.Tensor, node: NodeSync,
-                                      base: torch.Tensor, recv_bytes: int, rank: int, lay: Layout) -> None:
+                                      base: torch.Tensor, recv_bytes: int, rank: int, lay: Layout,
+                                      combine_rank: bool = False) -> None:
     """Wait (on the device, unless the host waited: `node.kernel_waits`) until `Flag.COUNT_ROWS_READY`
     reaches this call's epoch; copy the remote sources' count rows from their private-slot headers (in the
     recv buffer at `base[recv_bytes:]`) into `counts`; check every row; write the REMAINDER and COMBINE
@@ -92,11 +93,16 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
     count row (`Flag.BAD_COUNTS`: the host raises at its next call).
 
     Args:
-        counts: `[W, E]` int32, this rank's routing area: its own and its node peers' rows are final.
+        counts: `[W, E]` int32, this rank's routing area: its own and its node peers' rows are final. With
+            per-rank rows (`lay.rank_rows`) each row runs on with its W rows per rank (same row stride): they
+            are copied and checked too, and the remainder writes count them.
+        combine_rank: the combine sends one row per (token, rank) back (`A2AConfig.combine_rows="rank"`):
+            the combine writes count rows per rank, not routes.
         write_tables: `[WriteTable.NUM_TABLES, W, 4]` int64.
         base: 1-D uint8 tensor: the byte address space the recv buffer is in (`recv_bytes` from its start).
     Asynchronous on a GPU and safe in a CUDA graph; one program."""
-    key = (launch.tensor_key(counts), launch.tensor_key(write_tables), node, base.data_ptr(), recv_bytes, rank, lay)
+    key = (launch.tensor_key(counts), launch.tensor_key(write_tables), node, base.data_ptr(), recv_bytes, rank, lay,
+           combine_rank)
     if _REST.hit(key):
         return
     _check(counts, write_tables, lay)
@@ -116,7 +122,7 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
         PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
         STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS),
         SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
-        num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
+        RANK_ROWS=lay.rank_rows, COMBINE_RANK=combine_rank, num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
 
 
 _PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)

@@ -1,5 +1,6 @@
 """Per-rank rows (`A2AConfig(dispatch_rows="rank", combine_rows=...)`) end to end: LocalCluster ranks on one
-node (real processes, shared memory), kernels in the interpreter, against reference.py: the dispatch output is
+node and as several (real processes, shared memory, real libfabric shm/tcp between the proxies; private and
+remainder writes, host-staged, split and memfd buffers), kernels in the interpreter, against reference.py: the dispatch output is
 `reference.dispatch`'s bit for bit, the combine `reference.combine` (route rows back) or
 `reference.combine_reduced_at_sender` (reduced at the experts' rank), for random routings with -1 routes,
 duplicated experts, skew, bound_m, accumulate, fixed expert capacity and fp8 payloads."""
@@ -92,22 +93,33 @@ def _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate):
         assert torch.equal(out[n_live:], results[r][4][n_live:]), r  # tokens past bound_m untouched
 
 
+# name: (world, node size, transport, buffers, config fields)
 CONFIGS = {
-    "W2-route-combine": (2, dict(combine_rows="route")),
-    "W2-sender-reduce": (2, dict(combine_rows="rank")),
-    "W4-sender-reduce-fp8-capacity": (4, dict(combine_rows="rank", in_dtype=torch.float8_e4m3fn,
-                                              expert_capacity=T * 4 * K)),
-    "W3-route-combine-pad": (3, dict(combine_rows="route", expert_padding=4)),
-    "W2-sender-reduce-fp8-combine": (2, dict(combine_rows="rank", combine_fp8=True)),
-    "W2-route-fp8-combine": (2, dict(combine_rows="route", combine_fp8=True, hidden_dim=200)),
+    "W2-route-combine": (2, 2, "shm", "auto", dict(combine_rows="route")),
+    "W2-sender-reduce": (2, 2, "shm", "auto", dict(combine_rows="rank")),
+    "W4-sender-reduce-fp8-capacity": (4, 4, "shm", "auto", dict(combine_rows="rank", in_dtype=torch.float8_e4m3fn,
+                                                                expert_capacity=T * 4 * K)),
+    "W3-route-combine-pad": (3, 3, "shm", "auto", dict(combine_rows="route", expert_padding=4)),
+    "W2-sender-reduce-fp8-combine": (2, 2, "shm", "auto", dict(combine_rows="rank", combine_fp8=True)),
+    "W2-route-fp8-combine": (2, 2, "shm", "auto", dict(combine_rows="route", combine_fp8=True, hidden_dim=200)),
+    # across nodes: private writes only (P large), remainders for most rows (P=1), every row a remainder (P=0)
+    "W4-N2-TCP-sender-reduce-P1": (4, 2, "tcp", "auto", dict(combine_rows="rank", max_private_tokens=1)),
+    "W2-N1-SHM-route-combine-staged-P0": (2, 1, "shm", "staged", dict(combine_rows="route", max_private_tokens=0)),
+    "W4-N2-SHM-sender-reduce-fp8-staged": (4, 2, "shm", "staged", dict(combine_rows="rank", combine_fp8=True,
+                                                                        in_dtype=torch.float8_e4m3fn,
+                                                                        max_private_tokens=2)),
+    "W2-N1-TCP-route-combine-memfd-PBIG": (2, 1, "tcp", "memfd", dict(combine_rows="route", max_private_tokens=100)),
 }
+# buffers='memfd' is the CPU stand-in of GPU buffers (as in test_all_to_all.py)
+CONFIGS = {k: v for k, v in CONFIGS.items() if TEST_DEVICE == "cpu" or v[3] != "memfd"}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def cluster(request):
-    world, kw = CONFIGS[request.param]
+    world, node, transport, buffers, kw = CONFIGS[request.param]
     cfg = _cfg(world, **kw)
-    with LocalCluster(cfg, world_size=world, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+    with LocalCluster(cfg, world_size=world, node_size=node, transport=transport, buffers=buffers,
+                      device=TEST_DEVICE, timeout_s=60) as cl:
         yield cl, cfg, world
 
 
@@ -154,6 +166,18 @@ def test_config_and_topology_refusals():
     assert cfg.dispatch_stride_bytes == cfg.rank_meta_offset_bytes + 32  # 2K int32, padded to 16
     assert _cfg(2, "rank").rank_meta_bytes == 48                           # and K weights
     assert cfg.layout(2).routing_row_bytes == 4 * (cfg.num_experts + 2)    # E counts + W rows per rank
-    with pytest.raises(RuntimeError, match="dispatch_rows='rank' needs every rank on one node"):
-        with LocalCluster(cfg, world_size=2, node_size=1, transport="shm", device=TEST_DEVICE, timeout_s=30):
-            pass
+    with LocalCluster(cfg, world_size=2, transport="shm", device=TEST_DEVICE, timeout_s=30) as cl:
+        seen = cl.run(_shrink_instance)
+    assert all("dispatch_rows='rank' with rank_mask" in s for s in seen), seen
+
+
+def _shrink_instance(a2a, rank):
+    from moe_a2a import AllToAll
+    from moe_a2a.runtime.shrink import RankMask
+
+    try:  # refused on every rank alike, after the configs were compared (a collective step)
+        AllToAll(a2a.cfg, group=a2a.group, device=a2a.device, timeout_s=10,
+                 rank_mask=RankMask(a2a.world_size, rank, a2a.device)).close()
+        return "accepted"
+    except ValueError as exc:
+        return str(exc)
