@@ -1,7 +1,7 @@
 """The DeepEP facade's cost against `AllToAll` fed pre-quantised input, decode sizes, one node.
 
     python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json] [--profile] [--interleave]
-                                          [--host-split]
+                                          [--host-split] [--deep-ep-scales]
 
 One rank per GPU (N <= the GPUs here, default all), T=128 tokens, H=7168, 288 experts, top-8; every rank
 routes at random. Per variant, eager (one dispatch + combine pair, CUDA events around it) and one CUDA
@@ -17,7 +17,10 @@ both alike): median and 10th / 90th percentiles, and of the gap paired round by 
 (`facade_minus_a2a_interleaved_eager_us`). `--host-split`: the host time of each half (a sync after
 each pair, so no launch-queue waits), 2 x reps pairs alternated, for the two variants and for
 `facade_instances_direct`, the facade's own `AllToAll` instances called with the arguments the facade gives
-them: facade_fp8 minus it is the facade's own Python.
+them: facade_fp8 minus it is the facade's own Python. `--deep-ep-scales`: a third variant,
+`a2a_prequantised_deep_ep_scales`, as `a2a_prequantised` but its unpack writes the scales straight into
+DeepEP's layout (a 3-D `out_expert_x_scale`, column-major per expert, TMA-aligned): that layout's cost in
+the unpack against row-major scale rows, in every mode asked for.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ T, H, E, K = 128, 7168, 288, 8
 
 
 def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bool, host_split: bool,
-          queue) -> None:
+          deep_ep_scales: bool, queue) -> None:
     import torch.distributed as dist
 
     from moe_a2a import A2AConfig, AllToAll
@@ -73,6 +76,16 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
         a2a.combine(out, idx, w, y)
 
     pairs = (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair))
+    if deep_ep_scales:
+        from moe_a2a.triton_kernels.scale_layout import column_major_scales
+
+        exs_deep_ep = column_major_scales(L, T * n, cfg.num_scales, torch.float32, dev)  # [L, C, S] column-major
+
+        def a2a_deep_ep_pair():
+            a2a.dispatch(num, ex, exs_deep_ep, xq, xs, idx)
+            a2a.combine(out, idx, w, y)
+
+        pairs += (("a2a_prequantised_deep_ep_scales", a2a_deep_ep_pair),)
     for name, pair in pairs:
         dist.barrier()
         eager = median_us(pair, reps)
@@ -127,6 +140,9 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
             "a2a_prequantised": (lambda: a2a.dispatch(num, ex, exs, xq, xs, idx),
                                  lambda _: a2a.combine(out, idx, w, y)),
         }
+        if deep_ep_scales:
+            halves["a2a_prequantised_deep_ep_scales"] = (lambda: a2a.dispatch(num, ex, exs_deep_ep, xq, xs, idx),
+                                                         lambda _: a2a.combine(out, idx, w, y))
         host = {name: ([], []) for name in halves}
         order = list(halves)
         dist.barrier()
@@ -145,7 +161,7 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
             results.setdefault(name, {})["host_us"] = {"dispatch": round(statistics.median(d_us), 1),
                                                        "combine": round(statistics.median(c_us), 1)}
     if profile:  # the kernels of one eager pair of each variant, by GPU time (where the difference goes)
-        for name, pair in (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair)):
+        for name, pair in pairs:
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(20):
@@ -168,6 +184,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also list each variant's kernels (torch profiler)")
     ap.add_argument("--interleave", action="store_true", help="also time eager pairs of the variants alternated")
     ap.add_argument("--host-split", action="store_true", help="also the host time of each half, per variant")
+    ap.add_argument("--deep-ep-scales", action="store_true",
+                    help="also AllToAll with its unpack writing the scales in DeepEP's layout (3-D out_expert_x_scale)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -177,7 +195,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, args.profile, args.interleave,
-                                             args.host_split, queue)) for r in range(args.ranks)]
+                                             args.host_split, args.deep_ep_scales, queue))
+             for r in range(args.ranks)]
     for p in procs:
         p.start()
     got = dict(queue.get(timeout=600) for _ in procs)

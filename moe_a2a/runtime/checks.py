@@ -131,9 +131,17 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
                          f"got {tuple(x.shape)} (use empty_dispatch_outputs())")
     if cfg.has_scales:
         check_tensor("out_expert_x_scale", xs, None, torch.float32, device, last_contig=False)
-        if xs.dim() != 2 or xs.shape[1] != cfg.num_scales or xs.shape[0] < lay.max_dispatch_rows:
-            raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {cfg.num_scales}], "
-                             f"got {tuple(xs.shape)}")
+        # [L, C, S] of any strides (e.g. DeepEP's column-major scales) too, with a capacity C (the unpack's;
+        # per-rank rows' expand takes [R, S] only).
+        C, S = lay.expert_capacity, cfg.num_scales
+        three_d = [lay.num_local_experts, C, S] if C and not lay.rank_rows else None
+        if xs.dim() == 3 and three_d is None:
+            why = "with dispatch_rows='rank'" if C else "without A2AConfig.expert_capacity"
+            raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {S}] (a 3-D one is not "
+                             f"taken {why}), got {tuple(xs.shape)}")
+        if list(xs.shape) != three_d and (xs.dim() != 2 or xs.shape[1] != S or xs.shape[0] < lay.max_dispatch_rows):
+            raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {S}]"
+                             + (f" or {three_d}" if three_d else "") + f", got {tuple(xs.shape)}")
     elif xs is not None:
         raise ValueError("out_expert_x_scale: this config has no scales; pass None")
 

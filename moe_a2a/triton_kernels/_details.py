@@ -416,6 +416,16 @@ def copy_row_columns(src_ptr, src_words, dst_ptr, dst_words, dst_col_stride, is_
         tl.store(dst_ptr + dst_words[:, None] + cols[None, :] * dst_col_stride, v, mask=mask)
 
 
+@triton.jit
+def expert_row_words(out_row, stride_e, stride_r, CAPACITY: tl.constexpr):
+    """Where output row `out_row` starts in a `[R, cols]` tensor (row stride `stride_r`) or, with CAPACITY C,
+    in an `[L, C, cols]` one of any strides: `(row // C) * stride_e + (row % C) * stride_r` (a 2-D tensor
+    passes stride_e = C * stride_r: the same address). For unpack's scale outputs (`copy_row_columns`)."""
+    if CAPACITY > 0:
+        return (out_row // CAPACITY) * stride_e + (out_row % CAPACITY) * stride_r
+    return out_row * stride_r
+
+
 # ================================================================================================
 # fp8 e4m3 block quantisation (the formula and why each step: quant.py's overview)
 # ================================================================================================

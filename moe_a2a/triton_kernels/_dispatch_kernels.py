@@ -181,7 +181,8 @@ def _unpack_tokens_by_expert_kernel(
     # outputs
     out_num_tokens_ptr,  # (L,) int32: rows per local expert
     out_x_ptr,           # (R, X_WORDS) words, row stride `stride_out_x_r`: expert-major rows
-    out_scale_ptr,       # (R, S) int32 (fp32 bits), strides (stride_out_scale_r, stride_out_scale_s)
+    out_scale_ptr,       # (R, S) int32 (fp32 bits), strides (stride_out_scale_r, stride_out_scale_s); with
+                         # CAPACITY also (L, CAPACITY, S), strides (stride_out_scale_e, _r, _s): any layout
     # inputs
     counts_ptr,          # (W, E) int32: row s = source s's routes per expert
     base_ptr,            # uint8: byte address space of this rank's recv buffer and peers' send buffers
@@ -190,7 +191,7 @@ def _unpack_tokens_by_expert_kernel(
     rank,
     num_out_rows,        # R: rows of out_expert_x (a row past it is dropped, never written)
     # strides, in elements
-    stride_counts_w, stride_out_x_r, stride_out_scale_r, stride_out_scale_s,
+    stride_counts_w, stride_out_x_r, stride_out_scale_r, stride_out_scale_s, stride_out_scale_e,
     # meta-parameters
     W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
     PAD: tl.constexpr,                  # expert_padding
@@ -216,6 +217,11 @@ def _unpack_tokens_by_expert_kernel(
     ABORT_AT_COMBINE: tl.constexpr = False,
     out_ranges_ptr=None,  # (L, W) int64, with HAS_RANGES: (begin << 32) | count per (local expert, source)
     HAS_RANGES: tl.constexpr = False,
+    # With Q_WORDS > 0: each row's payload words [Q_SCALE_WORD, Q_SCALE_WORD + Q_WORDS) (a fused fp8
+    # quantisation's scales, fp32 or UE8M0 words) also go to out_qscale_ptr, addressed as out_scale_ptr.
+    out_qscale_ptr=None,  # (R, Q_WORDS) or with CAPACITY (L, CAPACITY, Q_WORDS) 4-byte words, any strides
+    stride_out_qscale_r=0, stride_out_qscale_s=0, stride_out_qscale_e=0,
+    Q_SCALE_WORD: tl.constexpr = 0, Q_WORDS: tl.constexpr = 0,
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -295,5 +301,10 @@ def _unpack_tokens_by_expert_kernel(
         d.copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
         if HAS_SCALES:  # in the payload's tile shape (copy_row_columns says why)
             d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
-                               out_row * stride_out_scale_r, stride_out_scale_s, is_row, S, BLOCK_W)
+                               d.expert_row_words(out_row, stride_out_scale_e, stride_out_scale_r, CAPACITY),
+                               stride_out_scale_s, is_row, S, BLOCK_W)
+        if Q_WORDS > 0:  # a fused quantisation's scale words, out of the payload into a tensor of their own
+            d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
+                               d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY),
+                               stride_out_qscale_s, is_row, Q_WORDS, BLOCK_W)
 

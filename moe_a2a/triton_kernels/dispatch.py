@@ -72,7 +72,7 @@ def pack_tokens_by_expert(
             rest of the payload bytes are not written), in place of the bytes of x[t]. None: a copy.
         max_slots: slots `route_slot` may name (a slot outside `[0, max_slots)` is dropped, never written);
             default `cfg.max_routes`. Send rows (`route_tokens(out_send_row=)`) also name the private
-            staging rows after them: `layout.max_routes + layout.private_stage_rows`.
+            staging rows after them: `layout.send_rows + layout.private_stage_rows`.
 
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
@@ -173,6 +173,8 @@ def unpack_tokens_by_expert(
     node: NodeSync | None = None,
     copy_bytes: int | None = None,
     out_source_ranges: torch.Tensor | None = None,
+    quantize: "Fp8Quantize | dict | None" = None,
+    out_quantized_scale: torch.Tensor | None = None,
 ) -> None:
     """Copy every row sent to this rank into the expert-major dispatch output (`reference.dispatch`).
 
@@ -182,7 +184,9 @@ def unpack_tokens_by_expert(
             sum_{j<l} round_up(num_tokens[j], expert_padding), ordered by (source, token, k). Padding
             rows and rows past the received ones are not written; R >= layout.max_dispatch_rows
             guarantees room (a row past R is dropped, never written out of bounds).
-        out_expert_x_scale: `[R, num_scales]` float32 (any strides) when cfg.has_scales, else None.
+        out_expert_x_scale: `[R, num_scales]` float32 (any strides) when cfg.has_scales, else None. With
+            `cfg.expert_capacity` C it may also be `[L, C, num_scales]` float32 of any strides (row l*C + c's
+            scales go to `[l, c, :]`), e.g. DeepEP's column-major scale layout, written without a copy.
         counts: `[W, E]` int32, the routing matrix (row s = source s's routes per expert), on the
             device or pinned host memory. Must be validated (`plan.validate_counts`) beforehand.
         rank: this rank.
@@ -201,24 +205,48 @@ def unpack_tokens_by_expert(
         out_source_ranges: optional `[L, W]` int64, contiguous, out: `(begin << 32) | count` per (local
             expert l, source s): expert l's rows from s are its rows [begin, begin + count) (DeepEP's
             `layout_range`), begin = the rows of the sources before s.
+        quantize, out_quantized_scale: both or neither. `quantize` as the senders' pack was given it (a
+            fused fp8 quantisation, `quant.Fp8Quantize`): each row's scale words (from byte
+            `quantize.scale_offset_bytes` of its payload: fp32 scales, or UE8M0 codes four per int32) also
+            go to `out_quantized_scale`, `[R, n]` float32/int32 of any strides (n = scale_bytes(H) / 4) or, with
+            `cfg.expert_capacity`, `[L, C, n]` of any strides (DeepEP's column-major scales, no copy after).
+            Bit-exact; rows past the received ones are not written. `copy_bytes` may then stop at H.
 
     Every offset is computed on the device from `counts`: no host sync, CUDA-graph safe.
     """
     launch_wait_apart(node, "dispatch_recv", base)  # a kernel of its own when the words are in host memory
     key = None
     if isinstance(out_expert_x, torch.Tensor) and out_expert_x.is_cuda:
+        if isinstance(quantize, dict):  # hashable for the launch key (checked after a miss)
+            quantize = check_fused_quantize("quantize", quantize, cfg)
         key = launch.key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank, base, peer_send_bytes,
-                         recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges)
+                         recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, quantize, out_quantized_scale)
         if _UNPACK.hit(key):
             return
     W, L, E, device, R = check.expert_rows("out_expert_x", out_expert_x, cfg.in_dtype, cfg, layout)
     check.tensor("out_expert_num_tokens", out_expert_num_tokens, dtypes=(torch.int32,), shape=(L,),
                  device=device)
+    C = layout.expert_capacity
     if cfg.has_scales:
-        check.tensor("out_expert_x_scale", out_expert_x_scale, dtypes=(torch.float32,),
-                     shape=(R, cfg.num_scales), device=device, strides="any")
+        stride_scale = _scale_output("out_expert_x_scale", out_expert_x_scale, cfg.num_scales, (torch.float32,),
+                                     R, L, C, device)
     elif out_expert_x_scale is not None:
         check.fail("out_expert_x_scale", "None (this config has no scales)", "a tensor")
+    else:
+        stride_scale = (0, 0, 0)
+    quant_args = {}
+    if (quantize is None) != (out_quantized_scale is None):
+        given = "a tensor" if out_quantized_scale is not None else None
+        check.fail("out_quantized_scale", "given together with quantize (both or neither)",
+                   f"quantize={quantize!r}, out_quantized_scale={given}")
+    if quantize is not None:
+        quantize = check_fused_quantize("quantize", quantize, cfg)
+        q_words = quantize.scale_bytes(cfg.hidden_dim) // 4
+        stride_q = _scale_output("out_quantized_scale", out_quantized_scale, q_words, (torch.float32, torch.int32),
+                                 R, L, C, device)
+        quant_args = dict(out_qscale_ptr=out_quantized_scale.view(torch.int32), stride_out_qscale_r=stride_q[0],
+                          stride_out_qscale_s=stride_q[1], stride_out_qscale_e=stride_q[2],
+                          Q_SCALE_WORD=quantize.scale_offset_bytes // 4, Q_WORDS=q_words)
     check.counts(counts, W, E, device)
     check.integer("rank", rank, 0, W)
     check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
@@ -243,12 +271,11 @@ def unpack_tokens_by_expert(
     block_w = launch.chunk_words(copy_words, word_bytes)
     S = cfg.num_scales
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
-    stride_scale = out_expert_x_scale.stride() if cfg.has_scales else (0, 0)
     grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
     _UNPACK.launch(
         key, grid, out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
-        counts.stride(0), x_words.stride(0) if R else row_words, stride_scale[0], stride_scale[1],
+        counts.stride(0), x_words.stride(0) if R else row_words, *stride_scale,
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         PAD=cfg.expert_padding, P=layout.private_rows, PRIVATE_OFFSET_BYTES=layout.private_offset_bytes,
         HEADER_ROWS=layout.header_rows,
@@ -259,8 +286,22 @@ def unpack_tokens_by_expert(
         HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
         ABORT_WORD=flag_word(Flag.ABORTED),
         num_warps=launch.num_warps(block_r * block_w, word_bytes), out_ranges_ptr=out_source_ranges,
-        HAS_RANGES=out_source_ranges is not None, **sync_args,
+        HAS_RANGES=out_source_ranges is not None, **quant_args, **sync_args,
     )
+
+
+def _scale_output(name: str, t, cols: int, dtypes: tuple, R: int, L: int, C: int, device) -> tuple[int, int, int]:
+    """Check a scale output of unpack, `[R, cols]` or (with expert capacity C) `[L, C, cols]`, any strides;
+    return its strides in elements as `(row, column, expert)`: row l*C + c's column s is at
+    `l * expert + c * row + s * column` (a 2-D tensor's expert stride is C rows: the same address)."""
+    is_3d = isinstance(t, torch.Tensor) and t.dim() == 3
+    if is_3d and not C:
+        check.fail(name, f"a [{R}, {cols}] tensor (a 3-D [L, C, {cols}] one needs A2AConfig.expert_capacity C)",
+                   f"shape {list(t.shape)}")
+    check.tensor(name, t, dtypes=dtypes, shape=(L, C, cols) if is_3d else (R, cols), device=device, strides="any")
+    if is_3d:
+        return t.stride(1), t.stride(2), t.stride(0)
+    return t.stride(0), t.stride(1), C * t.stride(0)
 
 
 _PACK = launch.LaunchCache(_pack_tokens_by_expert_kernel)

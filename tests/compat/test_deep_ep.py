@@ -604,8 +604,9 @@ def test_profiler_names_one_dispatch_and_one_combine_symbol():
     names = sorted(compiled)
     assert [n for n in names if "dispatch" in n] == [_launch.DISPATCH_SYMBOL], names
     assert [n for n in names if "combine" in n] == [_launch.COMBINE_SYMBOL], names
-    assert compiled[_launch.DISPATCH_SYMBOL] == {"_pack_tokens_by_expert_kernel", "_unpack_tokens_by_expert_kernel"}
-    assert compiled[_launch.COMBINE_SYMBOL] == {"_pack_combine_by_source_kernel", "_reduce_combined_tokens_kernel"}
+    # (Other kernels of the same halves share them: per-rank rows' expand and reduces, `rank_rows.py`.)
+    assert {"_pack_tokens_by_expert_kernel", "_unpack_tokens_by_expert_kernel"} <= compiled[_launch.DISPATCH_SYMBOL]
+    assert {"_pack_combine_by_source_kernel", "_reduce_combined_tokens_kernel"} <= compiled[_launch.COMBINE_SYMBOL]
     # What the profiler shows: the symbols demangle to C++ names holding "::dispatch" / "::combine".
     import shutil
     import subprocess

@@ -5,14 +5,20 @@ torch-copy harness of `harness.py`, driven by `plan`'s writes.
 """
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moe_a2a import reference
 from moe_a2a.protocol import plan
+from moe_a2a.runtime.checks import check_dispatch_outputs
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
+from moe_a2a.triton_kernels.quant import Fp8Quantize
 
 from ..conftest import TEST_DEVICE, examples
 from .harness import FP8, POISON, Case, cases, live_indices, make_inputs, route_slots, run_dispatch, to_cpu
@@ -211,3 +217,259 @@ def test_pack_split_sends_the_node_slots_to_one_buffer_and_the_rest_to_the_other
         pack_tokens_by_expert(**args, remote_send_offset_bytes=remote)
 
 
+
+
+# ---- scales into a 3-D [L, C, S] output of any strides (expert_capacity C) -----------------------
+SCALE_POISON = 0x7FBADBAD  # an int32 fill (a NaN's bits): an element the unpack should not write keeps it
+
+
+def _scale_outputs(L: int, C: int, S: int, layout: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, storage)`: a `[L, C, S]` float32 view laid out as `layout` says, and its whole 1-D storage;
+    every element SCALE_POISON."""
+    shape = {"deep_ep": (L, S, -(-C // 4) * 4),  # DeepEP's: the transpose of [L, S, C4], C4 = C rounded up to 4
+             "contiguous": (L, C, S),            # plain row-major [L, C, S]
+             "scale_major": (S, L, C + 1)}[layout]  # [S, L, C] storage one element in: every stride differs
+    storage = torch.full((int(np.prod(shape)),), SCALE_POISON, dtype=torch.int32, device=device).view(torch.float32)
+    t = storage.view(shape)
+    out = {"deep_ep": lambda: t[:, :, :C].transpose(1, 2), "contiguous": lambda: t,
+           "scale_major": lambda: t[:, :, 1:].permute(1, 2, 0)}[layout]()
+    return out, storage
+
+
+def check_scales_3d(case: Case, layout: str, device: str = TEST_DEVICE) -> None:
+    """The unpack's 3-D scale output equals (bitwise) its 2-D one re-laid-out: rows below each expert's
+    count written at [l, c, :]; every other element of the tensor's storage untouched."""
+    cfg, world = case.cfg, case.world(device)
+    lay, C, S = world.layout, case.expert_capacity, case.cfg.num_scales
+    L = lay.num_local_experts
+    xs, scales, indices = make_inputs(case, payload="bytes")
+    got = run_dispatch(world, [x.to(device) for x in xs], [s.to(device) for s in scales], indices,
+                       list(case.bound_m))
+    for me in range(case.world_size):
+        # The arena still holds every rank's rows: unpack them again, the scales into the 3-D tensor.
+        out3, storage = _scale_outputs(L, C, S, layout, device)
+        num = torch.zeros(L, dtype=torch.int32, device=device)
+        ex = torch.full_like(got.expert_x[me].view(torch.uint8), POISON).view(cfg.in_dtype)
+        unpack_tokens_by_expert(num, ex, out3, got.counts, me, world.arena, world.peer_table(me, world.send_bytes),
+                                world.recv_bytes[me], cfg, lay)
+        assert torch.equal(num, got.num_tokens[me]), me
+        assert torch.equal(ex.view(torch.uint8), got.expert_x[me].view(torch.uint8)), me
+        want = got.expert_x_scale[me].reshape(L, C, S).cpu().view(torch.int32)   # the 2-D output's rows
+        live = (torch.arange(C)[None, :] < num.cpu()[:, None])[:, :, None].expand(L, C, S)  # rows received
+        got3 = out3.cpu().view(torch.int32)
+        assert torch.equal(got3[live], want[live]), me
+        # Every other element of the storage (rows past the count, the layout's padding) is untouched.
+        where = torch.arange(storage.numel()).as_strided(out3.shape, out3.stride(), out3.storage_offset())
+        untouched = torch.ones(storage.numel(), dtype=torch.bool)
+        untouched[where[live]] = False
+        assert bool((storage.cpu().view(torch.int32)[untouched] == SCALE_POISON).all()), me
+
+
+# (L, C, S): C not a multiple of 4 (DeepEP's layout pads the column stride), C = 1, S = 1.
+SCALE_3D_CASES = [
+    # W=2 all remote, top-k routing (at most 6 rows an expert): C=7, S=3.
+    pytest.param(Case(world_size=2, node_size=1, num_local_experts=3, experts_per_token=2, max_num_tokens=3,
+                      num_tokens=(3, 2), bound_m=(None, None), hidden_dim=40, in_dtype=FP8, scale_block=16,
+                      routing="topk", expert_capacity=7), id="W2-N1-L3-C7-S3"),
+    # W=4 over 2 nodes (pulled and proxied rows), one expert takes every route: C=W*T*K=24, S=9, bound_m.
+    pytest.param(Case(world_size=4, node_size=2, num_local_experts=2, experts_per_token=3, max_num_tokens=2,
+                      num_tokens=(2, 2, 1, 2), bound_m=(None, 1, None, None), hidden_dim=136, in_dtype=FP8,
+                      scale_block=16, routing="one_expert", max_private_tokens=1, expert_capacity=24),
+                 id="W4-N2-L2-C24-S9-ONE_EXPERT"),
+    # One rank, one token, top-1: C=1, S=1 (bf16 rows with one fp32 scale).
+    pytest.param(Case(world_size=1, node_size=1, num_local_experts=2, experts_per_token=1, max_num_tokens=1,
+                      num_tokens=(1,), bound_m=(None,), hidden_dim=24, in_dtype=torch.bfloat16, scale_block=32,
+                      expert_capacity=1), id="W1-L2-C1-S1"),
+    # Decode-shaped rows (H=7168 fp8 + 56 scales), C=5 (DeepEP's layout pads the column stride to 8).
+    pytest.param(Case(world_size=2, node_size=1, num_local_experts=2, experts_per_token=2, max_num_tokens=2,
+                      num_tokens=(2, 2), bound_m=(None, None), hidden_dim=7168, in_dtype=FP8, scale_block=128,
+                      routing="topk", expert_capacity=5), id="W2-H7168-C5-S56"),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["deep_ep", "contiguous", "scale_major"])
+@pytest.mark.parametrize("case", SCALE_3D_CASES)
+def test_unpack_scales_into_a_3d_output(case: Case, layout: str) -> None:
+    check_scales_3d(case, layout)
+
+
+@st.composite
+def capacity_cases(draw) -> Case:
+    """`cases()` with scales and a capacity that fits every route (C % 4 drawn: 0 to 3 past the worst)."""
+    case = draw(cases(max_world=4))
+    worst = case.world_size * case.max_num_tokens * case.experts_per_token
+    return dataclasses.replace(case, in_dtype=FP8, scale_block=draw(st.sampled_from([8, 16, 128])),
+                               expert_padding=1, expert_capacity=worst + draw(st.integers(0, 3)))
+
+
+@pytest.mark.timeout(180)
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=capacity_cases(), layout=st.sampled_from(["deep_ep", "contiguous", "scale_major"]))
+def test_unpack_scales_into_a_3d_output_drawn(case: Case, layout: str) -> None:
+    check_scales_3d(case, layout)
+
+
+@pytest.mark.gpu(reason="the 3-D scale output with compiled kernels")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", SCALE_3D_CASES)
+def test_unpack_scales_into_a_3d_output_gpu(case: Case) -> None:
+    check_scales_3d(case, "deep_ep", "cuda")
+
+
+# The words of a fused fp8 quantisation's scales out of each received row's payload (the facade's fp8 rows):
+# the unpack copies words, so the rows here are random bytes with "scales" at the Fp8Quantize's offset.
+QUANT_SCALE_CASES = [
+    # H=40 bf16 rows; fp32 scales of 16-element blocks (3 words) or UE8M0 (1 word) at byte 40; C=7.
+    pytest.param(Case(world_size=2, node_size=1, num_local_experts=3, experts_per_token=2, max_num_tokens=3,
+                      num_tokens=(3, 2), bound_m=(None, 1), hidden_dim=40, routing="topk", expert_capacity=7),
+                 Fp8Quantize(scale_offset_bytes=40, block=16), id="W2-H40-C7-FP32x3"),
+    pytest.param(Case(world_size=2, node_size=1, num_local_experts=3, experts_per_token=2, max_num_tokens=3,
+                      num_tokens=(3, 2), bound_m=(None, 1), hidden_dim=40, routing="topk", expert_capacity=7),
+                 Fp8Quantize(scale_offset_bytes=40, block=16, ue8m0=True), id="W2-H40-C7-UE8M0x1"),
+    # The facade's decode rows: H=7168, 56 fp32 scales (or 14 UE8M0 words) at byte 7168, pulled and
+    # proxied sources, C=6 (DeepEP's layout pads to 8); rows also carry a scale column (the token index).
+    pytest.param(Case(world_size=4, node_size=2, num_local_experts=1, experts_per_token=2, max_num_tokens=1,
+                      num_tokens=(1, 1, 1, 1), bound_m=(None,) * 4, hidden_dim=7168, scale_block=7168,
+                      routing="topk", expert_capacity=6),
+                 Fp8Quantize(scale_offset_bytes=7168, block=128), id="W4-N2-H7168-C6-FP32x56"),
+    pytest.param(Case(world_size=4, node_size=2, num_local_experts=1, experts_per_token=2, max_num_tokens=1,
+                      num_tokens=(1, 1, 1, 1), bound_m=(None,) * 4, hidden_dim=7168, scale_block=7168,
+                      routing="topk", expert_capacity=6),
+                 Fp8Quantize(scale_offset_bytes=7168, block=128, ue8m0=True), id="W4-N2-H7168-C6-UE8M0x14"),
+]
+
+
+def check_quantized_scales(case: Case, quantize: Fp8Quantize, layout: str, device: str = TEST_DEVICE) -> None:
+    """`unpack(quantize=, out_quantized_scale=)` writes each received row's scale words (bytes
+    [scale_offset_bytes, + scale_bytes) of its payload) to `[l, c, :]` of a 3-D output of any strides (or
+    row i of a 2-D one), bitwise; nothing else of the output's storage; the rows and scale column as without."""
+    cfg, world = case.cfg, case.world(device)
+    lay, C, H = world.layout, case.expert_capacity, cfg.hidden_dim
+    L, n, off = lay.num_local_experts, quantize.scale_bytes(H) // 4, quantize.scale_offset_bytes
+    xs, scales, indices = make_inputs(case, payload="bytes")
+    got = run_dispatch(world, [x.to(device) for x in xs], [s if s is None else s.to(device) for s in scales],
+                       indices, list(case.bound_m))
+    for me in range(case.world_size):
+        if layout == "2d":
+            storage = torch.full((L * C, n + 2), SCALE_POISON, dtype=torch.int32, device=device)
+            out = storage[:, 1:1 + n]
+            storage = storage.view(-1)
+        else:
+            out, storage = _scale_outputs(L, C, n, layout, device)
+            out, storage = out.view(torch.int32), storage.view(torch.int32)
+            if not quantize.ue8m0:
+                out = out.view(torch.float32)   # fp32 scales land in float32, UE8M0 words in int32
+        num = torch.zeros(L, dtype=torch.int32, device=device)
+        ex = torch.full_like(got.expert_x[me].view(torch.uint8), POISON).view(cfg.in_dtype)
+        exs = None if got.expert_x_scale[me] is None else torch.full_like(got.expert_x_scale[me], float("nan"))
+        unpack_tokens_by_expert(num, ex, exs, got.counts, me, world.arena, world.peer_table(me, world.send_bytes),
+                                world.recv_bytes[me], cfg, lay, quantize=quantize, out_quantized_scale=out)
+        assert torch.equal(num, got.num_tokens[me]), me
+        assert torch.equal(ex.view(torch.uint8), got.expert_x[me].view(torch.uint8)), me
+        if exs is not None:
+            assert torch.equal(exs.view(torch.int32), got.expert_x_scale[me].view(torch.int32)), me
+        rows = got.expert_x[me].view(torch.uint8).cpu()[:, off:off + 4 * n].contiguous().view(torch.int32)
+        want = rows.view(L, C, n)
+        live = (torch.arange(C)[None, :] < num.cpu()[:, None])[:, :, None].expand(L, C, n)
+        got3 = out.view(torch.int32).cpu().view(L, C, n) if layout == "2d" else out.view(torch.int32).cpu()
+        assert torch.equal(got3[live], want[live]), me
+        shape3 = (L, C, n)
+        strides3 = (C * out.stride(0), out.stride(0), out.stride(1)) if layout == "2d" else out.stride()
+        where = torch.arange(storage.numel()).as_strided(shape3, strides3, out.storage_offset())
+        untouched = torch.ones(storage.numel(), dtype=torch.bool)
+        untouched[where[live]] = False
+        assert bool((storage.cpu()[untouched] == SCALE_POISON).all()), me
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["deep_ep", "scale_major", "2d"])
+@pytest.mark.parametrize("case, quantize", QUANT_SCALE_CASES)
+def test_unpack_quantized_scales_out_of_the_payload(case: Case, quantize: Fp8Quantize, layout: str) -> None:
+    check_quantized_scales(case, quantize, layout)
+
+
+@pytest.mark.gpu(reason="the quantised scales' output with compiled kernels")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case, quantize", QUANT_SCALE_CASES)
+def test_unpack_quantized_scales_out_of_the_payload_gpu(case: Case, quantize: Fp8Quantize) -> None:
+    check_quantized_scales(case, quantize, "deep_ep", "cuda")
+
+
+@pytest.mark.timeout(60)
+def test_unpack_rejects_bad_quantized_scale_output() -> None:
+    case = Case(in_dtype=torch.bfloat16, hidden_dim=40, expert_capacity=8)
+    args = _unpack_args(case)
+    args["out_expert_x_scale"] = None
+    q = Fp8Quantize(scale_offset_bytes=40, block=16)   # 3 fp32 words
+    dev = args["base"].device
+    bads = [
+        (dict(quantize=q), "out_quantized_scale", "both or neither"),
+        (dict(out_quantized_scale=torch.zeros(3, 8, 3, device=dev)), "out_quantized_scale", "both or neither"),
+        (dict(quantize=q, out_quantized_scale=torch.zeros(3, 8, 4, device=dev)), "out_quantized_scale", "shape"),
+        (dict(quantize=q, out_quantized_scale=torch.zeros(3, 8, 3, dtype=torch.float64, device=dev)),
+         "out_quantized_scale", "dtype"),
+        (dict(quantize=Fp8Quantize(scale_offset_bytes=72, block=16), out_quantized_scale=torch.zeros(3, 8, 3,
+              device=dev)), "quantize", "within a row"),                            # scales past the payload
+    ]
+    for extra, name, match in bads:
+        with pytest.raises(ValueError, match=name) as err:
+            unpack_tokens_by_expert(**args, **extra)
+        assert re.search(match, str(err.value)), str(err.value)
+    no_cap = _unpack_args(Case(in_dtype=torch.bfloat16, hidden_dim=40))
+    no_cap["out_expert_x_scale"] = None
+    with pytest.raises(ValueError, match="out_quantized_scale.*needs A2AConfig.expert_capacity"):
+        unpack_tokens_by_expert(**no_cap, quantize=q, out_quantized_scale=torch.zeros(3, 8, 3, device=dev))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case, bad, match", [
+    # 3-D without expert_capacity: the rows are compact, there is no [L, C] to address.
+    (Case(in_dtype=FP8, scale_block=16), lambda a, L, C, S: torch.zeros(L, 4, S, device=a["base"].device),
+     "needs A2AConfig.expert_capacity"),
+    (Case(in_dtype=FP8, scale_block=16, expert_capacity=16),                   # C + 1 rows an expert
+     lambda a, L, C, S: torch.zeros(L, C + 1, S, device=a["base"].device), r"\[3, 16, 3\]"),
+    (Case(in_dtype=FP8, scale_block=16, expert_capacity=16),                   # a scale column short
+     lambda a, L, C, S: torch.zeros(L, C, S - 1, device=a["base"].device), "shape"),
+    (Case(in_dtype=FP8, scale_block=16, expert_capacity=16),                   # int32 (bits are fine 2-D too)
+     lambda a, L, C, S: torch.zeros(L, C, S, dtype=torch.int32, device=a["base"].device), "float32"),
+])
+def test_unpack_rejects_bad_3d_scales(case: Case, bad, match) -> None:
+    args = _unpack_args(case)
+    lay = args["layout"]
+    args["out_expert_x_scale"] = bad(args, lay.num_local_experts, lay.expert_capacity, case.cfg.num_scales)
+    with pytest.raises(ValueError, match="out_expert_x_scale") as err:
+        unpack_tokens_by_expert(**args)
+    assert re.search(match, str(err.value)), str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_dispatch_output_checks_take_3d_scales_only_with_a_capacity() -> None:
+    """`AllToAll.dispatch`'s boundary check (runtime/checks.py) agrees with the launcher's."""
+    dev = torch.device(TEST_DEVICE)
+    for C in (None, 6):
+        case = Case(in_dtype=FP8, scale_block=16, expert_capacity=C)
+        cfg, lay = case.cfg, case.cfg.layout(2)
+        L, S = lay.num_local_experts, cfg.num_scales
+        num = torch.zeros(L, dtype=torch.int32, device=dev)
+        ex = torch.zeros(lay.max_dispatch_rows, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev)
+        deep_ep = _scale_outputs(L, C or 4, S, "deep_ep", dev)[0]
+        if C:
+            check_dispatch_outputs(cfg, lay, dev, num, ex, deep_ep)
+            check_dispatch_outputs(cfg, lay, dev, num, ex, torch.zeros(lay.max_dispatch_rows, S, device=dev))
+            bads = [(torch.zeros(L, C, S + 1, device=dev), r"\[3, 6, 3\]"),
+                    (torch.zeros(L, C, S, dtype=torch.float64, device=dev), "dtype"),
+                    (torch.zeros(L, C, S, device=dev).unsqueeze(0), "got")]
+        else:
+            bads = [(deep_ep, "without A2AConfig.expert_capacity")]
+        for bad, match in bads:
+            with pytest.raises(ValueError, match="out_expert_x_scale") as err:
+                check_dispatch_outputs(cfg, lay, dev, num, ex, bad)
+            assert re.search(match, str(err.value)), str(err.value)
+    # Per-rank rows (their expand takes [R, S] scales only): refused at the boundary, not in the receive half.
+    cfg = dataclasses.replace(Case(in_dtype=FP8, scale_block=16, expert_capacity=6).cfg, dispatch_rows="rank")
+    lay = cfg.layout(2, 2)
+    num = torch.zeros(lay.num_local_experts, dtype=torch.int32, device=dev)
+    ex = torch.zeros(lay.max_dispatch_rows, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev)
+    with pytest.raises(ValueError, match="out_expert_x_scale.*not taken with dispatch_rows='rank'"):
+        check_dispatch_outputs(cfg, lay, dev, num, ex, _scale_outputs(lay.num_local_experts, 6, 3, "deep_ep", dev)[0])
