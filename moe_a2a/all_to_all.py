@@ -500,7 +500,7 @@ class AllToAll:
                                            self.layout, w.base, w.stage_send_offset_bytes)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, rows, w.base, w.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=w.node, quantize=quantize,
-                                               max_slots=self.layout.max_routes + self.layout.private_stage_rows,
+                                               max_slots=self.layout.send_rows + self.layout.private_stage_rows,
                                                **(w.rank_split if by_rank else w.split)["pack"])
         self._state = _DISPATCH_SENT
 

@@ -8,18 +8,20 @@ Units: names ending in `_bytes` are bytes; `*_rows` count token slots; everythin
 
 Buffers of one rank (slots are rows of `dispatch_stride_bytes` or `combine_stride_bytes`):
 
-    send buffer  dispatch: [T*K rows]  this rank's routes, expert-major (so each peer's run is contiguous)
+    send buffer  dispatch: [S rows]    this rank's routes, expert-major (so each peer's run is contiguous)
                            [(W-N)*(h+P) rows] private staging (N = node_size, h = header_rows): per remote
                            peer its count row then its first min(n, P) routes, sent as one range
-                 combine:  [W*T*K rows] expert outputs staged per (remote) source rank, source-major
+                 combine:  [W*C rows]  expert outputs staged per (remote) source rank, source-major
     recv buffer  dispatch: [W*P rows]  private region, slot s*P.. for source s
-                           [W*T*K rows] remainder region, source s at W*P + sum_{s'<s} max(0, n_s' - P)
-                 combine:  [T*K rows]  expert outputs of this rank's routes, at their dispatch send slot
+                           [W*S rows]  remainder region, source s at W*P + sum_{s'<s} max(0, n_s' - P)
+                 combine:  [C rows]    expert outputs of this rank's routes, at their dispatch send slot
                  sync area (used when all ranks share one node and wait on the GPU; else in the segment)
 
+S = `Layout.send_rows`: T*K routes, or T*min(K, W) with one row per (token, rank) (`dispatch_rows="rank"`);
+C = `Layout.combine_rows`: T*K, or T*min(K, W) with rows reduced at the experts' rank (`combine_rows="rank"`).
 The dispatch and combine regions never overlap, so no phase waits for every peer to finish the
 previous one (docs/protocol.md). The worst case "every route of every rank lands on one rank" fits:
-W*T*K rows (duplicates included).
+W*T*K expert rows (duplicates included) in the dispatch output.
 """
 from __future__ import annotations
 
@@ -343,6 +345,7 @@ class Layout:
     combine_stride_bytes: int
     expert_capacity: int = 0      # rows per local expert in the dispatch output; 0 = compact layout
     rank_rows: bool = False       # dispatch rows per (token, rank): count rows also carry W rows per rank
+    combine_rank_rows: bool = False  # combine rows per (token, rank), reduced at the experts' rank
 
     @classmethod
     def from_config(cls, cfg: "A2AConfig", world_size: int, node_size: int) -> "Layout":
@@ -358,12 +361,14 @@ class Layout:
             raise ValueError(f"node_size must be a positive divisor of world_size ({W}), got {ns!r}")
         # Default P: twice the average rows one sender sends to one rank (T*K/W), rounded up to 8
         # and capped at T*K, so most senders need no remainder write at uniform routing.
+        send_rows = cfg.max_num_tokens * (min(cfg.experts_per_token, W) if cfg.rank_rows else cfg.experts_per_token)
         if cfg.max_private_tokens is not None:
-            private = min(cfg.max_private_tokens, cfg.max_routes)
+            private = min(cfg.max_private_tokens, send_rows)
         else:
-            private = min(cfg.max_routes, round_up(ceil_div(2 * cfg.max_routes, W), 8))
+            private = min(send_rows, round_up(ceil_div(2 * cfg.max_routes, W), 8))
         return cls(W, ns, E, cfg.max_num_tokens, cfg.experts_per_token, cfg.expert_padding, private,
-                   cfg.dispatch_stride_bytes, cfg.combine_stride_bytes, cfg.expert_capacity or 0, cfg.rank_rows)
+                   cfg.dispatch_stride_bytes, cfg.combine_stride_bytes, cfg.expert_capacity or 0, cfg.rank_rows,
+                   cfg.combine_rows == "rank")
 
     @cached_property
     def num_local_experts(self) -> int:
@@ -372,6 +377,21 @@ class Layout:
     @cached_property
     def max_routes(self) -> int:
         return self.max_num_tokens * self.experts_per_token
+
+    @cached_property
+    def send_rows(self) -> int:
+        """Dispatch rows one rank sends at most (its send buffer's dispatch region; the most one source's
+        remainder run can hold): T*K routes, or with per-rank rows T*min(K, W) (a token reaches at most K
+        ranks, and at most every rank once)."""
+        return self.max_num_tokens * (min(self.experts_per_token, self.world_size) if self.rank_rows
+                                      else self.experts_per_token)
+
+    @cached_property
+    def combine_rows(self) -> int:
+        """Combine rows one rank receives at most, and sends back to one home at most: T*K route rows, or
+        with rows reduced at the experts' rank T*min(K, W)."""
+        return self.max_num_tokens * (min(self.experts_per_token, self.world_size) if self.combine_rank_rows
+                                      else self.experts_per_token)
 
     @cached_property
     def max_recv_routes(self) -> int:
@@ -430,11 +450,11 @@ class Layout:
 
     @cached_property
     def private_stage_offset_bytes(self) -> int:
-        return self.max_routes * self.dispatch_stride_bytes
+        return self.send_rows * self.dispatch_stride_bytes
 
     @cached_property
     def private_stage_rows(self) -> int:
-        """Dispatch rows of the private staging region; send rows run over [0, max_routes + this)."""
+        """Dispatch rows of the private staging region; send rows run over [0, send_rows + this)."""
         return self.private_stage_slots * self.private_slot_rows
 
     def private_stage_index(self, rank: int, peer: int) -> int:
@@ -459,7 +479,7 @@ class Layout:
 
     @cached_property
     def send_bytes(self) -> int:
-        return round_up(self.combine_stage_offset_bytes + self.max_recv_routes * self.combine_stride_bytes,
+        return round_up(self.combine_stage_offset_bytes + self.world_size * self.combine_rows * self.combine_stride_bytes,
                         PAGE_BYTES)
 
     @cached_property
@@ -467,7 +487,7 @@ class Layout:
         """Where expert outputs for this rank's routes land, in its recv buffer (slot = the route's
         dispatch send slot): after the dispatch regions, so a fast peer's combine rows never overwrite
         dispatch rows still being unpacked (no barrier between the phases)."""
-        return self.remainder_offset_bytes + self.max_recv_routes * self.dispatch_stride_bytes
+        return self.remainder_offset_bytes + self.world_size * self.send_rows * self.dispatch_stride_bytes
 
     @cached_property
     def recv_bytes(self) -> int:
@@ -510,7 +530,7 @@ class Layout:
     @cached_property
     def recv_sync_offset_bytes(self) -> int:
         """The sync area in the recv buffer (used when every rank is on one node and waits on the GPU)."""
-        return round_up(self.combine_recv_offset_bytes + self.max_routes * self.combine_stride_bytes,
+        return round_up(self.combine_recv_offset_bytes + self.combine_rows * self.combine_stride_bytes,
                         FLAG_SLOT_BYTES)
 
     # ---- the shared host segment of one rank (flags, error, routing, host-staged buffers) ----

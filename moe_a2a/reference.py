@@ -408,8 +408,9 @@ def combine_fp8(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: T
 class Wire:
     """How one call's rows travel (issue 32's three levers).
 
-    dispatch_rows: "route" = one row per live (token, k) (today); "rank" = one row per (token, destination
-        rank), carrying the token's K int32 expert ids (and its K fp32 weights when `combine_rows` is "rank").
+    dispatch_rows: "route" = one row per live (token, k); "rank" = one row per (token, destination rank),
+        carrying per k an int32 local expert (or -1) and an int32 position among the sender's routes to it
+        (and the K fp32 weights when `combine_rows` is "rank"): `A2AConfig.rank_meta_bytes`.
     combine_rows: "route" = one expert-output row per route, summed at the home rank (today); "rank" =
         reduced at the sender, one row per (token, rank) (needs dispatch_rows="rank": the weights travel
         with it).
@@ -437,17 +438,18 @@ WIRE_VARIANTS = {
 
 def row_bytes(cfg: A2AConfig, wire: Wire) -> dict[str, int]:
     """Bytes of one row on the wire, per phase, each part padded to ROW_ALIGN_BYTES (16):
-    dispatch: `cfg.dispatch_stride_bytes` (payload, scales), with per-rank rows plus the metadata
-    `round_up(4K [+ 4K weights], 16)`; combine: `cfg.combine_stride_bytes`, or in fp8
-    `round_up(H, 16) + round_up(4 * ceil(H / 128), 16)`."""
+    dispatch: payload and scales (`cfg.dispatch_stride_bytes` of a route-row config), with per-rank rows plus
+    the metadata `round_up(8K [+ 4K weights], 16)`; combine: `cfg.combine_stride_bytes` of a bf16-combine
+    config, or in fp8 `round_up(H, 16) + round_up(4 * ceil(H / 128), 16)`. `cfg`'s own wire fields are not
+    read: `wire` says how rows travel (for a config whose fields match, these equal its strides)."""
     K, H = cfg.experts_per_token, cfg.hidden_dim
-    dispatch = cfg.dispatch_stride_bytes
+    dispatch = cfg.rank_meta_offset_bytes  # payload and scales, each padded to 16
     if wire.dispatch_rows == "rank":
-        dispatch += round_up(4 * K + (4 * K if wire.combine_rows == "rank" else 0), ROW_ALIGN_BYTES)
+        dispatch += round_up(8 * K + (4 * K if wire.combine_rows == "rank" else 0), ROW_ALIGN_BYTES)
     if wire.combine_fp8:
         combine = round_up(H, ROW_ALIGN_BYTES) + round_up(4 * ceil_div(H, FP8_BLOCK), ROW_ALIGN_BYTES)
     else:
-        combine = cfg.combine_stride_bytes
+        combine = round_up(H * cfg.out_itemsize, ROW_ALIGN_BYTES)
     return {"dispatch": dispatch, "combine": combine}
 
 

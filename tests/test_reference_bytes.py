@@ -99,10 +99,10 @@ def test_hand_worked_rows_per_rank_duplicates_and_expansion():
     assert parts[1][1][0].tolist() == [1] and parts[1][1][1].tolist() == [[42.0]]
     b = R.bytes_per_phase(cfg, idx, node_size=1, wire=R.WIRE_VARIANTS["sender_reduced"])
     d = R.row_bytes(cfg, R.WIRE_VARIANTS["sender_reduced"])
-    assert d == {"dispatch": 16 + 16, "combine": 16}                   # 4 B payload -> 16; 2 ids + 2 weights
+    assert d == {"dispatch": 16 + 32, "combine": 16}                   # 4 B payload -> 16; 2 (expert, pos) + 2 weights
     # rank 0 keeps its t0 and sends rank 1's t0, t1 their partials; rank 1 sends t0 to rank 0, t1 to both
-    assert b[0] == {"dispatch": {"self": 32, "node": 0, "remote": 0}, "combine": {"self": 16, "node": 0, "remote": 32}}
-    assert b[1] == {"dispatch": {"self": 32, "node": 0, "remote": 64}, "combine": {"self": 16, "node": 0, "remote": 0}}
+    assert b[0] == {"dispatch": {"self": 48, "node": 0, "remote": 0}, "combine": {"self": 16, "node": 0, "remote": 32}}
+    assert b[1] == {"dispatch": {"self": 48, "node": 0, "remote": 96}, "combine": {"self": 16, "node": 0, "remote": 0}}
 
 
 @settings(max_examples=60, deadline=None)
@@ -142,7 +142,7 @@ def test_per_rank_dispatch_expands_to_the_reference_and_bytes_match_a_brute_forc
     # bytes: every (s, t, k) and every (s, t, rank) counted by hand
     for name, wire in R.WIRE_VARIANTS.items():
         size = R.row_bytes(cfg, wire)
-        meta = 4 * K * (2 if wire.combine_rows == "rank" else 1)
+        meta = 4 * K * (3 if wire.combine_rows == "rank" else 2)  # (local expert, position) per k [, weight]
         extra = -(-meta // 16) * 16 if wire.dispatch_rows == "rank" else 0
         assert size["dispatch"] == cfg.dispatch_stride_bytes + extra
         want = [{ph: {"self": 0, "node": 0, "remote": 0} for ph in ("dispatch", "combine")} for _ in range(W)]

@@ -138,7 +138,7 @@ def _rank_buffers(cfg: A2AConfig, lay, r: int, max_rows: int, device) -> RankBuf
     # length, because a same-node home receives its combine rows (T*K at most) at
     # `lay.combine_recv_offset_bytes`, behind the worst-case dispatch regions (16 GB at W=64 prefill).
     send_b = round_up(lay.combine_stage_offset_bytes + max_rows * cfg.combine_stride_bytes, PAGE_BYTES)
-    recv_b = round_up(lay.combine_recv_offset_bytes + lay.max_routes * cfg.combine_stride_bytes, PAGE_BYTES)
+    recv_b = round_up(lay.combine_recv_offset_bytes + lay.combine_rows * cfg.combine_stride_bytes, PAGE_BYTES)
     base = torch.zeros(2 * (send_b + recv_b), dtype=torch.uint8, device=device)
     send_off, recv_off = 0, send_b
     peer_send = torch.full((W,), -1, dtype=torch.int64)

@@ -132,15 +132,15 @@ def private_writes(row: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
 def private_stage_rows(row: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     """[T*K] int64: the send row of each expert-major send slot (what `route_tokens(out_send_row=)` gives a
     route in that slot): the slot itself, or, for the first min(n, P) routes to a remote peer, their row in
-    the peer's private staging slot (`lay.max_routes + index * private_slot_rows + header_rows + i`)."""
+    the peer's private staging slot (`lay.send_rows + index * private_slot_rows + header_rows + i`)."""
     P = lay.private_rows
     n = rank_counts(row, lay)
     off = np.cumsum(n) - n
-    out = np.arange(lay.max_routes, dtype=np.int64)
+    out = np.arange(lay.send_rows, dtype=np.int64)
     for d in remote_peer_array(lay, rank).tolist():
         k = min(int(n[d]), P)
         index = lay.private_stage_index(rank, d)
-        out[off[d]:off[d] + k] = lay.max_routes + index * lay.private_slot_rows + lay.header_rows + np.arange(k)
+        out[off[d]:off[d] + k] = lay.send_rows + index * lay.private_slot_rows + lay.header_rows + np.arange(k)
     return out
 
 

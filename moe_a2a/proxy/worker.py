@@ -91,7 +91,7 @@ def largest_write_bytes(lay) -> int:
     """The most bytes one write of this layout carries: a private write (the count row and the private
     rows) or every route to one peer (dispatch or combine rows)."""
     return max(lay.routing_row_bytes + lay.private_rows * lay.dispatch_stride_bytes,
-               lay.max_routes * max(lay.dispatch_stride_bytes, lay.combine_stride_bytes))
+               max(lay.send_rows * lay.dispatch_stride_bytes, lay.combine_rows * lay.combine_stride_bytes))
 
 
 class Proxy:

@@ -115,6 +115,7 @@ def _plan_remainder_and_combine_writes_kernel(
     PROXY_WAIT_WORD: tl.constexpr, SIGNAL_WORD: tl.constexpr, ERROR_WORD: tl.constexpr, STATUS_WORD: tl.constexpr,
     BAD_COUNTS_WORD: tl.constexpr,
     SPIN: tl.constexpr, USE_PTX: tl.constexpr, BACKOFF_NS: tl.constexpr,
+    MAX_RANK_ROWS: tl.constexpr = 0,    # Layout.send_rows: the most rows per (token, rank) a source sends
     RANK_ROWS: tl.constexpr = False,    # per-rank rows: a count row ends with W rows per rank (at int W*L), and
     COMBINE_RANK: tl.constexpr = False,  # the dispatch moves those rows; COMBINE_RANK: the combine too
 ):
@@ -167,7 +168,7 @@ def _plan_remainder_and_combine_writes_kernel(
                 lo_r = tl.min(tl.where(m2, rr, 0), axis=1)
                 hi_r = tl.max(tl.where(m2, rr, -1), axis=1)
                 total_r = tl.sum(tl.where(m2, rr, 0).to(tl.int64), axis=1)
-                bad = bad | ((s1 < W) & ~((lo_r == -1) & (hi_r == -1)) & ((lo_r < 0) | (total_r > MAX_ROUTES)))
+                bad = bad | ((s1 < W) & ~((lo_r == -1) & (hi_r == -1)) & ((lo_r < 0) | (total_r > MAX_RANK_ROWS)))
                 bad_source = tl.minimum(bad_source, tl.min(tl.where(bad, s1, W_PAD), axis=0))
                 sent = tl.maximum(rr, 0).to(tl.int64)
                 if COMBINE_RANK:

@@ -169,7 +169,7 @@ def route_tokens(
                        f"of its ranks", str(private_stage))
         slots_args = dict(send_row_ptr=out_send_row, sr_node_first=lay.node_of(rank) * lay.node_size,
                           SR_L=1 if by_rank else lay.num_local_experts, SR_NODE=lay.node_size, SR_P=lay.private_rows,
-                          SR_HR=lay.header_rows, SR_FIRST=lay.max_routes, SEND_ROWS=True)
+                          SR_HR=lay.header_rows, SR_FIRST=lay.send_rows, SEND_ROWS=True)
     else:
         slots_args = {}
     use_ptx = device.type == "cuda"

@@ -122,7 +122,7 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
         PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
         STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS),
         SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
-        RANK_ROWS=lay.rank_rows, COMBINE_RANK=combine_rank, num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
+        RANK_ROWS=lay.rank_rows, COMBINE_RANK=combine_rank, MAX_RANK_ROWS=lay.send_rows, num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
 
 
 _PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)
