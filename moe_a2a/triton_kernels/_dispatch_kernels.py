@@ -230,9 +230,10 @@ def _unpack_tokens_by_expert_kernel(
     routing (every token to one expert) spreads over all programs like a uniform one.
 
     Each program first builds the per-pair tables from counts (W*L int32 + the node peers' row
-    prefixes), then moves (x_bytes + 4*S) bytes per received row in and out. With NODE_SYNC every
-    program first waits until each same-node source published this epoch (its count row and its
-    packed send buffer); after a failed wait nothing is written."""
+    prefixes), then moves (x_bytes + 4*S) bytes per received row in and out (+ 4*Q_WORDS with a quantised
+    scales' output; they are payload words, also copied with the row unless copy_bytes stops short of them).
+    With NODE_SYNC every program first waits until each same-node source published this epoch (its count
+    row and its packed send buffer); after a failed wait nothing is written."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     ok = pid >= 0
