@@ -4,6 +4,7 @@ TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile).
     python3 -m tests.triton_kernels._compile_sm90 WORLD NODE     # the write-plan kernels
     python3 -m tests.triton_kernels._compile_sm90 pack           # dispatch pack (copy and fused fp8), quantize_fp8
     python3 -m tests.triton_kernels._compile_sm90 wait           # the separate wait, shrink mode's included
+    python3 -m tests.triton_kernels._compile_sm90 rank_rows      # per-rank rows' kernels, RANK_ROWS write plans
 """
 import inspect
 import sys
@@ -132,8 +133,86 @@ def main_wait() -> None:
     print("compiled", [k.name for k in kernels])
 
 
+def main_rank_rows() -> None:
+    """The kernels of per-rank rows (`rank_rows.py`) as AllToAll launches them: on one node and with a proxy,
+    node synchronisation, split buffers, fp8 payloads and fp8 combine rows; and the write plans counting rows
+    per rank (W=16 on two nodes)."""
+    from moe_a2a.triton_kernels import _rank_rows_kernels as rk
+
+    kernels = []
+    for W, node, fp8 in ((2, 2, False), (16, 8, True)):
+        cfg = A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=7168,
+                        in_dtype=torch.float8_e4m3fn, dispatch_rows="rank", combine_rows="rank", combine_fp8=fp8)
+        lay = cfg.layout(W, node)
+        L = lay.num_local_experts
+        shape = dict(W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L), K=8, K_PAD=8)
+        sync = dict(NODE_SYNC=True, HAS_PROXY=node < W, USE_PTX=True, NODE=node, NODE_PAD=next_power_of_2(node),
+                    KERNEL_WAIT=True)
+        ptrs = dict(failed_ptr="*i64", counter_ptr="*i32", epoch_ptr="*i64", flags_ptr="*i64",
+                    peer_sync_bytes_ptr="*i64", aborted_ptr="*i64", node_slots_ptr="*i32", counts_ptr="*i32",
+                    rank_rows_ptr="*i32", base_ptr="*u8", peer_send_bytes_ptr="*i64", peer_recv_bytes_ptr="*i64",
+                    indices_ptr="*i32", out_ptr="*i32", route_slot_ptr="*i32", send_row_ptr="*i32",
+                    weights_ptr="*fp32", out_num_tokens_ptr="*i32", out_x_ptr="*i32", out_scale_ptr="*i32",
+                    out_ranges_ptr="*i64", expert_y_ptr="*bf16", out_tokens_ptr="*bf16", rank_slot_ptr="*i32",
+                    bound_m_ptr="*i32")
+        fp8_args = dict(FP8=fp8, Q_BLOCK=128, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=False)
+        kernels += [
+            _compile(rk._first_route_per_rank_kernel, ptrs, dict(K=8, K_PAD=8, L=L, BLOCK_T=32)),
+            _compile(rk._stamp_rank_rows_kernel, ptrs,
+                     dict(K=8, K_PAD=8, L=L, E_PAD=256, BLOCK_T=32, SD_BYTES=cfg.dispatch_stride_bytes,
+                          META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, HAS_WEIGHTS=True, SPLIT=fp8)),
+            _compile(rk._expand_rank_rows_kernel, ptrs,
+                     dict(PAD=1, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, P=lay.private_rows,
+                          HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0,
+                          SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
+                          META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
+                          WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512, HAS_SCALES=True, CAPACITY=0,
+                          CAPACITY_WORD=1, ABORT_WORD=2, HAS_RANGES=True, **shape, **sync)),
+            _compile(rk._reduce_rank_rows_by_source_kernel, ptrs,
+                     dict(PAD=1, H=7168, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, P=lay.private_rows,
+                          HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0, SD_BYTES=cfg.dispatch_stride_bytes,
+                          SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
+                          ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, ABORT_BYTES=64, **fp8_args,
+                          **shape, **{k: v for k, v in sync.items() if k != "NODE_PAD"})),
+            _compile(rk._reduce_rank_rows_by_token_kernel, ptrs,
+                     dict(K=8, K_PAD=8, MAX_SLOTS=cfg.max_routes, H=7168, SC_BYTES=cfg.combine_stride_bytes,
+                          ITEM_BYTES=2, BLOCK_T=1, BLOCK_H=1024, HAS_BOUND_M=True, ACCUMULATE=True, SPLIT=fp8,
+                          ABORT_BYTES=64, **fp8_args, **sync)),
+        ]
+        if node < W:
+            wait, _, signal, status, _ = HALF_FLAGS["dispatch_plan"]
+            kernels += [
+                _compile(_write_plan_kernels._plan_remainder_and_combine_writes_kernel,
+                         dict(counts_ptr="*i32", base_ptr="*u8", epoch_ptr="*i64", failed_ptr="*i64", flags_ptr="*i64",
+                              remainder_ptr="*i64", combine_ptr="*i64"),
+                         dict(NODE=node, P=lay.private_rows, PRIVATE_SLOT_ROWS=lay.private_slot_rows,
+                              SLOT_WORDS=lay.private_slot_bytes // 4, DISPATCH_STRIDE_BYTES=lay.dispatch_stride_bytes,
+                              COMBINE_STRIDE_BYTES=lay.combine_stride_bytes,
+                              COMBINE_STAGE_BYTES=lay.combine_stage_offset_bytes,
+                              COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes, BLOCK_S=write_plan.BLOCK_S,
+                              MAX_ROUTES=lay.max_routes, MAX_RANK_ROWS=lay.send_rows, PROXY_WAIT_WORD=flag_word(wait),
+                              SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
+                              STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS), SPIN=True,
+                              USE_PTX=True, BACKOFF_NS=200, RANK_ROWS=True, COMBINE_RANK=True,
+                              **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")})),
+                _compile(_write_plan_kernels._plan_private_writes_kernel,
+                         dict(counts_ptr="*i32", epoch_ptr="*i64", table_ptr="*i64", remainder_writes_ptr="*i64",
+                              base_ptr="*u8"),
+                         dict(NODE=node, P=lay.private_rows, STRIDE_BYTES=lay.dispatch_stride_bytes,
+                              STAGE_HEADER_BYTES=lay.private_stage_header_offset_bytes(0),
+                              SLOT_BYTES=lay.private_slot_bytes, E=lay.count_row_ints,
+                              E_PAD=next_power_of_2(lay.count_row_ints), BLOCK_P=8, HEADERS=True, RANK_ROWS=True,
+                              **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")})),
+            ]
+    for k in kernels:
+        assert k.asm.get("cubin"), "no cubin"
+    print("compiled", [k.name for k in kernels])
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "pack":
+    if sys.argv[1] == "rank_rows":
+        main_rank_rows()
+    elif sys.argv[1] == "pack":
         main_pack()
     elif sys.argv[1] == "wait":
         main_wait()

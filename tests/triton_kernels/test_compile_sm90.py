@@ -1,4 +1,4 @@
-"""The write-plan kernels, the separate wait (shrink mode's too), dispatch pack (copy and fused fp8 quantisation) and quantize_fp8 compile for
+"""The write-plan kernels, the separate wait (shrink mode's too), the per-rank rows' kernels, dispatch pack (copy and fused fp8 quantisation) and quantize_fp8 compile for
 Hopper (sm_90) on a machine without a GPU.
 
 The interpreter runs Python semantics: a name bound inside one `if` and used after it, or a type that
@@ -44,6 +44,13 @@ def test_pack_and_quantize_kernels_compile_for_sm90():
 @pytest.mark.timeout(300)
 def test_separate_wait_compiles_for_sm90_plain_and_masking():
     _check(_compile("wait"))
+
+
+@pytest.mark.timeout(300)
+def test_rank_row_kernels_compile_for_sm90():
+    r = _compile("rank_rows")
+    _check(r)
+    assert _launch.DISPATCH_SYMBOL in r.stdout and _launch.COMBINE_SYMBOL in r.stdout, r.stdout
 
 
 def _check(r: subprocess.CompletedProcess) -> None:
