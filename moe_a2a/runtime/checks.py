@@ -71,7 +71,7 @@ def check_rank_mask(mask, rank: int, world_size: int) -> None:
                          f"got {mask!r}")
 
 
-def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) -> None:
+def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m, weights=None) -> None:
     """The send half's tensor contracts (indices checked on the host on a CPU only)."""
     check_tensor("x", x, None, cfg.in_dtype, device)
     if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
@@ -90,6 +90,13 @@ def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m) 
         raise ValueError("indices: must be contiguous")
     if bound_m is not None:
         check_tensor("bound_m", bound_m, (1,), torch.int32, device)
+    if cfg.combine_rows == "rank":  # the experts' rank applies the weights: they travel with the rows
+        if weights is None:
+            raise ValueError("weights: cfg.combine_rows='rank' reduces at the experts' rank, which needs the "
+                             "routes' weights with the dispatch: pass weights=[T, K] float32")
+        check_tensor("weights", weights, (T, cfg.experts_per_token), torch.float32, device)
+    elif weights is not None:
+        raise ValueError("weights: only with cfg.combine_rows='rank' (else the combine takes them); pass None")
     if device.type != "cuda":
         # CPU: the checks cost no device sync, so bad input is refused before anything is sent.
         # GPU: the routing kernel checks on the device; the combine's end says it (no host sync).
