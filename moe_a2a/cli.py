@@ -20,6 +20,7 @@ def demo_device(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import _util as t
+    from .bench.main import WIRE_NAMES
     from .bench.main import __doc__ as bench_doc
     from .bench.main import build_parser as build_bench_parser
 
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--iters", type=t.positive_int, default=None,
                       help="calls per rank (default 3 on CPU, 20 on GPU)")
     demo.add_argument("--timeout", type=t.positive_float, default=60.0, help="seconds before any wait gives up")
+    demo.add_argument("--wire", default="per_route", choices=WIRE_NAMES,
+                      help="how rows travel (reference.WIRE_VARIANTS: A2AConfig's dispatch_rows, combine_rows, "
+                           "combine_fp8; A2AConfig's docstring says where each works); default per_route")
     demo.set_defaults(error=demo.error)
 
     sizes = sub.add_parser(
@@ -103,7 +107,7 @@ def _run_demo(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from .bench.demo import run_demo
 
-    return run_demo(args.world_size, args.node_size, args.transport, args.device, args.iters, args.timeout)
+    return run_demo(args.world_size, args.node_size, args.transport, args.device, args.iters, args.timeout, args.wire)
 
 
 def _run_doctor(args) -> int:

@@ -12,7 +12,10 @@ exact wherever the result is determined:
   a few fp32 ulps, at most one ulp after the cast to bf16 / fp16). The bound is therefore 0 ulps for
   results computed on the CPU (the Triton interpreter rounds every operation) and 1 ulp on a GPU.
   With `cfg.combine_fp8` the sum is held against `reference.combine_fp8` (every expert output row through
-  fp8 blocks and back, then the same sum), with the same bound.
+  fp8 blocks and back, then the same sum), with the same bound. With `cfg.combine_rows="rank"` (the sum
+  reduced at the experts' rank) it is held against `reference.combine_reduced_at_sender(fp8=cfg.combine_fp8)`,
+  with the same bound: exact on the CPU; on a GPU an FMA in a partial sum may move that partial's one
+  rounding for the wire, which the one-ulp bound does not cover in general (not yet run on a GPU).
 
 A rank function records a call with `record_call` after filling its outputs with `fill_sentinel`;
 `tests/test_oracle.py` mutates correct results (one dropped route, two swapped rows, a written padding
@@ -119,8 +122,12 @@ def check_call(cfg: A2AConfig, inputs: list, got: dict, max_ulps: int | None = N
     if not counts_ok:
         return problems  # the rows are laid out by the counts: the combine has nothing to compare against
     ys = [toy_expert(ex, exs, cfg) for _, ex, exs in ref]
-    combine = reference.combine_fp8 if cfg.combine_fp8 else reference.combine
-    outs = combine(cfg, indices, weights, ys, None if olds[0] is None else olds)
+    olds = None if olds[0] is None else olds
+    if cfg.combine_rows == "rank":  # reduced at the experts' rank, with the weights the dispatch carried
+        outs = reference.combine_reduced_at_sender(cfg, indices, weights, ys, olds, fp8=cfg.combine_fp8)
+    else:
+        combine = reference.combine_fp8 if cfg.combine_fp8 else reference.combine
+        outs = combine(cfg, indices, weights, ys, olds)
     for r, call in got.items():
         bound = default_max_ulps(call["device"]) if max_ulps is None else max_ulps
         problems += combine_problems(call["out"].cpu(), outs[r], bound, f"{where}rank {r}")

@@ -18,13 +18,14 @@
 #                                                  from the checkout at $DEEPEP (default out/deepep; its commit
 #                                                  from $DEEPEP/COMMIT or git), with --shrink-test from 6 GPUs;
 #                                                  the facade's cost (graph, eager, host split) and its Python
-#   bash benchmarks/gpu/run.sh mps [node-local|deepep|protocol]
+#   bash benchmarks/gpu/run.sh mps [node-local|deepep|protocol|bytes]
 #                                                  several ranks on one GPU under MPS (started and stopped here):
 #                                                  the CUDA-graph tests with kernel waits (shrink mode in a graph
 #                                                  included) and the facade's shrink tests; DeepEP's low-latency
 #                                                  test with 2 and 8 processes (--shared-gpu), --shrink-test at 8;
 #                                                  the protocol's cost: graphs all on one node vs over the
-#                                                  emulated NIC, 2 / 4 / 8 ranks, decode and prefill
+#                                                  emulated NIC, 2 / 4 / 8 ranks, decode and prefill; issue 32's
+#                                                  wire variants (bytes and time), ~8 min
 #
 # Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
 # runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
@@ -36,9 +37,9 @@ suite=${1:-}
 part=${2:-all}
 case "$suite:$part" in
   quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more|emulated:all) ;;
-  compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep|mps:protocol) ;;
+  compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep|mps:protocol|mps:bytes) ;;
   *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more] | emulated" \
-          "| compat [tests|deepep|cost] | mps [node-local|deepep|protocol]" >&2; exit 2 ;;
+          "| compat [tests|deepep|cost] | mps [node-local|deepep|protocol|bytes]" >&2; exit 2 ;;
 esac
 RES=${OUT:+$OUT/$suite}
 RES=${RES:-docs/results/$suite}
@@ -212,6 +213,41 @@ mps:all|mps:protocol)
     if [ "$n" = "$w" ]; then t=auto; else t=emulated; fi
     step 240 moe-a2a bench e2e --graph --no-nccl --world "$w" --node "$n" --transport "$t" --iters 100 --warmup 10 \
          --json "$RES/e2e_graph_w${w}n${n}_${t}.json"
+  done
+  mps_stop
+  ;;&
+mps:all|mps:bytes)
+  # Issue 32's levers (reference.WIRE_VARIANTS: per-rank dispatch rows, the combine reduced at the experts'
+  # rank, fp8 combine rows), CUDA graphs under MPS, one preset and one variant per run: all five variants with
+  # 2 ranks on one node; per_route, per_rank_dispatch and sender_reduced_fp8 across simulated nodes over the
+  # emulated NIC (2 ranks as 2 x 1, 8 as 4 x 2; where the cross-node per-rank path is refused or fails, that
+  # step fails and the rest go on). Each JSON holds the bytes per rank and, at decode, the oracle's verdict on
+  # one replay; `python3 benchmarks/gpu/summarise_bytes.py $RES` tabulates them. ~15 s a step (the protocol
+  # part's runs: 24-33 s for both presets); a step not started BYTES_BUDGET_S (default 390) seconds after the
+  # first is skipped and counted as failed, so the part ends within ~8 minutes (last start + its 90 s limit).
+  plan=()
+  for p in decode prefill; do
+    for v in per_route per_rank_dispatch sender_reduced fp8_combine sender_reduced_fp8; do plan+=("2 2 $p $v"); done
+  done
+  for p in decode prefill; do for wn in "2 1" "8 4"; do
+    for v in per_route per_rank_dispatch sender_reduced_fp8; do plan+=("$wn $p $v"); done
+  done; done
+  echo "run.sh: mps bytes: ${#plan[@]} steps planned (world, ranks per node, preset, wire), in this order:" \
+    | tee -a "$RES/log.txt"
+  printf '  %s\n' "${plan[@]}" | tee -a "$RES/log.txt"
+  mps_start
+  budget=${BYTES_BUDGET_S:-390}
+  begin=$SECONDS
+  for s in "${plan[@]}"; do
+    read -r w n p v <<<"$s"
+    if [ "$n" = "$w" ]; then t=auto; else t=emulated; fi
+    if [ $((SECONDS - begin)) -ge "$budget" ]; then
+      echo "=== skipped: w$w n$n $p $v (past BYTES_BUDGET_S=$budget s)" | tee -a "$RES/log.txt"
+      failed=$((failed + 1))
+      continue
+    fi
+    step 90 moe-a2a bench e2e --graph --no-nccl --world "$w" --node "$n" --transport "$t" --preset "$p" \
+         --wire "$v" --iters 100 --warmup 10 --timeout 30 --json "$RES/e2e_bytes_w${w}n${n}_${p}_${v}.json"
   done
   mps_stop
   ;;

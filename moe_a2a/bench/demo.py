@@ -44,6 +44,24 @@ def make_inputs(cfg: A2AConfig, rank: int, num_tokens: int, seed: int, routing: 
     return x, x_scale, idx.to(torch.int32), w
 
 
+def wire_config(cfg: A2AConfig, wire: str) -> A2AConfig:
+    """`cfg` with the rows of `reference.WIRE_VARIANTS[wire]` (issue 32's levers: `dispatch_rows`,
+    `combine_rows`, `combine_fp8`)."""
+    import dataclasses
+
+    from ..reference import WIRE_VARIANTS
+
+    w = WIRE_VARIANTS[wire]
+    return dataclasses.replace(cfg, dispatch_rows=w.dispatch_rows, combine_rows=w.combine_rows,
+                               combine_fp8=w.combine_fp8)
+
+
+def rank_weights(cfg: A2AConfig, weights: torch.Tensor) -> dict:
+    """The dispatch's keyword for the routes' weights: `{"weights": weights}` when the combine is reduced at
+    the experts' rank (`combine_rows="rank"`: they travel with the rows), else none."""
+    return {"weights": weights} if cfg.combine_rows == "rank" else {}
+
+
 def rank_roundtrip(a2a, rank: int, num_tokens, seed: int, iters: int = 1, routing: str = "random",
                    split: bool = False):
     """Run `iters` dispatch+combine calls (fresh routing each) on one rank; return every call's
@@ -64,8 +82,9 @@ def rank_roundtrip(a2a, rank: int, num_tokens, seed: int, iters: int = 1, routin
         x, xs, idx, w = (t.to(dev) if t is not None else None for t in make_inputs(cfg, rank, T, seed + it, routing))
         out = torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
         fill_sentinel(ex, exs)  # rows the call must not write keep it (the oracle checks them)
+        kw = rank_weights(cfg, w)
         t0 = clock()
-        a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False)
+        a2a.dispatch(num, ex, exs, x, xs, idx, do_recv=False, **kw)
         t1 = clock()
         a2a.dispatch(num, ex, exs, x, xs, idx, do_send=False)
         t2 = clock()
@@ -93,7 +112,7 @@ def _resolved(a2a, rank):
 
 
 def run_demo(world_size: int = 4, node_size: int = 2, transport: str = "auto", device: str = "auto",
-             iters: int | None = None, timeout_s: float = 60.0) -> int:
+             iters: int | None = None, timeout_s: float = 60.0, wire: str = "per_route") -> int:
     from ..local import LocalCluster
 
     if device == "auto":
@@ -106,7 +125,9 @@ def run_demo(world_size: int = 4, node_size: int = 2, transport: str = "auto", d
         cfg = A2AConfig(max_num_tokens=16, num_experts=8 * world_size // 2, experts_per_token=4,
                         hidden_dim=96, in_dtype=torch.bfloat16, out_dtype=torch.bfloat16, expert_padding=4)
         iters = iters or 3
-    print(f"moe-a2a demo: {world_size} ranks, {node_size} per node, transport={transport}, device={device}")
+    cfg = wire_config(cfg, wire)
+    print(f"moe-a2a demo: {world_size} ranks, {node_size} per node, transport={transport}, device={device}, "
+          f"wire={wire}")
     print(f"  {cfg}")
     t0 = time.perf_counter()
     with LocalCluster(cfg, world_size=world_size, node_size=node_size, transport=transport, device=device,

@@ -58,11 +58,14 @@ def floor_us(cfg, world: int, nvlink_gbps: float = ASSUMED["nvlink_gbps"],
             "bytes": {"dispatch_hbm": hbm_d, "dispatch_nvlink": nvl_d, "combine_hbm": hbm_c, "combine_nvlink": nvl_c}}
 
 
-def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
-    """Per-half latency of CUDA-graph replays, then one traced graph call (kernel-side stamps)."""
+def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4, check: bool = False):
+    """Per-half latency of CUDA-graph replays, then one traced graph call (kernel-side stamps). With
+    `check`, one more replay of input set 0's graphs with the toy expert's output in `expert_y`, recorded for
+    the oracle (`result["checked"]`, `check_against_reference`'s per-rank entry)."""
     import torch
 
-    from .demo import make_inputs
+    from ..oracle import fill_sentinel, record_call, toy_expert
+    from .demo import make_inputs, rank_weights
 
     cfg, dev = a2a.cfg, a2a.device
     T = cfg.max_num_tokens
@@ -72,9 +75,9 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
     inputs = [tuple(t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, seed + i)) for i in range(sets)]
     outs = [torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev) for _ in range(sets)]
 
-    def dispatch(i):
-        x, xs, idx, _ = inputs[i]
-        a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound)
+    def dispatch(i):  # the weights travel with the rows when the experts' rank reduces (combine_rows="rank")
+        x, xs, idx, w = inputs[i]
+        a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound, **rank_weights(cfg, w))
 
     def combine(i):
         _, _, idx, w = inputs[i]
@@ -109,6 +112,15 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
     torch.cuda.synchronize()
     result = timed(lambda i: graphs[i][0].replay(), lambda i: graphs[i][1].replay())
     result.update(eager=eager, node_local=a2a.node_local)
+    if check:  # the captured calls, checked: padding keeps the sentinel, the combine sums the toy expert's rows
+        fill_sentinel(ex, exs)
+        graphs[0][0].replay()
+        y.copy_(toy_expert(ex, exs, cfg))
+        graphs[0][1].replay()
+        torch.cuda.synchronize()
+        x, xs, idx, w = inputs[0]
+        result["checked"] = {"calls": [record_call(cfg, x, xs, idx, w, num, ex, exs, outs[0])]}
+        y.zero_()
 
     # One more call, traced: the model's halves stamped on the stream inside the graphs.
     a2a.set_tracing(True)
@@ -128,30 +140,51 @@ def _graph_rank(a2a, rank, iters: int, warmup: int, seed: int, sets: int = 4):
 
 
 def run(world: int, node: int, presets: list[str], iters: int, warmup: int, timeout: float,
-        nccl: bool = True, proxies="auto", buffers: str = "auto", transport: str = "auto") -> dict:
+        nccl: bool = True, proxies="auto", buffers: str = "auto", transport: str = "auto",
+        wire: str = "per_route") -> dict:
+    """Both halves timed per preset (`presets`) over `wire` (a `reference.WIRE_VARIANTS` name). The decode
+    preset's graphs are also checked against the reference (one replay, `check_against_reference`): each
+    preset's `check` holds the problems found (empty: all good; prefill is not checked: hundreds of MB of
+    rows per rank to bring back and to recompute on the CPU). `bytes_per_rank`: each rank's traced graph
+    call (input set 0), `AllToAll.bytes_last_call()`."""
+    import time
+
     import torch
 
     from ..config import A2AConfig
     from ..local import LocalCluster
+    from ..oracle import check_against_reference
+    from .demo import wire_config
     from .kernels import PRESETS
 
     out = {"world": world, "node": node, "proxies": proxies, "buffers": buffers, "transport": transport,
-           "device": torch.cuda.get_device_name(0),
+           "wire": wire, "device": torch.cuda.get_device_name(0),
            "torch": torch.__version__, "presets": {}}
     for preset in presets:
-        cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+        start = time.perf_counter()
+        cfg = wire_config(A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16), wire)
         n_iters = iters if preset == "decode" else max(20, iters // 5)
+        check = preset == "decode"
         with LocalCluster(cfg, world_size=world, node_size=node, device="cuda", timeout_s=timeout,
                           proxies=proxies, buffers=buffers, transport=transport) as cl:
-            graph = cl.run(_graph_rank, n_iters, warmup, 0)
+            graph = cl.run(_graph_rank, n_iters, warmup, 0, 4, check)
         row = {"config": str(cfg), "graph": graph, "eager": [g.pop("eager") for g in graph],
-               "floor": floor_us(cfg, world)}
+               "floor": floor_us(cfg, world), "bytes_per_rank": [g["trace"]["bytes"] for g in graph]}
+        if check:
+            row["check"] = {"calls": 1, "problems": check_against_reference(cfg, [g.pop("checked") for g in graph])}
         if nccl:
             from .nccl import run as run_nccl
 
             row["nccl"] = run_nccl(world=world, preset=preset, iters=n_iters, warmup=warmup)
+        row["seconds"] = round(time.perf_counter() - start, 1)
         out["presets"][preset] = row
     return out
+
+
+def check_problems(res: dict) -> list[str]:
+    """Every problem the oracle found in a `run` result, prefixed with its preset."""
+    return [f"{preset}: {p}" for preset, row in res["presets"].items()
+            for p in (row.get("check") or {}).get("problems", [])]
 
 
 def _slowest_rank_median(rows: list[dict], key: str) -> float:
@@ -159,7 +192,8 @@ def _slowest_rank_median(rows: list[dict], key: str) -> float:
 
 
 def print_table(res: dict) -> None:
-    print(f"{res['world']} ranks ({res['node']} per node) on {res['device']}; µs, median per rank, slowest rank")
+    print(f"{res['world']} ranks ({res['node']} per node) on {res['device']}, wire {res.get('wire', 'per_route')}; "
+          f"µs, median per rank, slowest rank")
     print(f"{'preset':<9}{'half':<10}{'graph':>10}{'eager':>10}{'nccl':>10}{'floor*':>10}")
     for preset, row in res["presets"].items():
         for half in ("dispatch", "combine", "total"):
@@ -172,6 +206,13 @@ def print_table(res: dict) -> None:
                 vals = [r.get(key, {}).get("median") for r in row["nccl"]]
                 nccl = f"{max(vals):.1f}" if all(v is not None for v in vals) else "-"
             print(f"{preset:<9}{half:<10}{graph:>10.1f}{eager:>10.1f}{nccl:>10}{floor:>10.1f}")
+    for preset, row in res["presets"].items():
+        sent = [{ph: b[ph]["node_sent"] + b[ph]["remote_sent"] for ph in ("dispatch", "combine")}
+                for b in row.get("bytes_per_rank", [])]
+        check = row.get("check")
+        verdict = "not checked" if check is None else "matches the reference" if not check["problems"] else \
+            f"{len(check['problems'])} problem(s) against the reference: " + "; ".join(check["problems"][:3])
+        print(f"{preset}: bytes sent per rank (traced call) {sent}; {verdict}")
     a = next(iter(res["presets"].values()), {}).get("floor", {}).get("assumed", ASSUMED)
     print(f"* floor with NVLink {a['nvlink_gbps']:g} GB/s and a peer flag round trip of {a['peer_flag_rtt_us']:g} µs "
           f"({a['source']}): an estimate")

@@ -2,6 +2,7 @@
 
     moe-a2a bench kernels   --preset decode|prefill|both --world 64 --node 8     (GPU)
     moe-a2a bench e2e       --world 4 --node 2 --preset decode --transport shm    (LocalCluster)
+                            [--wire per_route|per_rank_dispatch|sender_reduced|fp8_combine|sender_reduced_fp8]
     moe-a2a bench timeline  one traced call drawn as a Gantt chart (GPU / proxy / wire lanes)
     moe-a2a bench nccl      the torch.distributed all_to_all_single baseline (moe_a2a.bench.nccl)
 
@@ -21,6 +22,11 @@ import time
 
 from ._util import nonneg_int, positive_float, positive_int, progress, refuse_without_cuda
 from ._util import write_json as _write
+
+
+# The names of reference.WIRE_VARIANTS (issue 32's levers), spelled here so that the parser needs no torch;
+# tests/bench/test_e2e_wire.py holds them to the reference's.
+WIRE_NAMES = ("per_route", "per_rank_dispatch", "sender_reduced", "fp8_combine", "sender_reduced_fp8")
 
 
 def _stats(samples: list[float]) -> dict:
@@ -90,15 +96,17 @@ PROXY_SPANS = {"private_post": ("send_ready_seen", "private_posted"),
                "combine_proxy": ("combine_send_seen", "combine_received")}
 
 
-def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False):
+def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False, check=True):
     """Per-phase latency of dispatch/combine halves on one rank (events on GPU, wall clock on CPU); with
-    `trace_proxy`, also the proxy's spans of every timed call (`PROXY_SPANS`, µs). Returns (those stats,
-    the rank's `bytes_last_call()` of the last timed call)."""
+    `trace_proxy`, also the proxy's spans of every timed call (`PROXY_SPANS`, µs). With `check`, first one
+    call through the toy expert, recorded for the oracle (`demo.rank_roundtrip`, input seed `seed + 4`).
+    Returns (those stats, the rank's `bytes_last_call()` of the last timed call, the checked call or None)."""
     import torch
 
-    from .demo import make_inputs
+    from .demo import make_inputs, rank_roundtrip, rank_weights
 
     cfg, dev = a2a.cfg, a2a.device
+    checked = rank_roundtrip(a2a, rank, cfg.max_num_tokens, seed + 4) if check else None
     num, ex, exs = a2a.empty_dispatch_outputs()
     sets = [tuple(t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, seed + i))
             for i in range(4)]
@@ -111,6 +119,7 @@ def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False):
     # one bar, rank 0's only, gone when done (and off when stderr is not a terminal)
     for it in progress(range(warmup + iters), desc="calls (rank 0)", disable=True if rank != 0 else None):
         x, xs, idx, w = sets[it % len(sets)]
+        kw = rank_weights(cfg, w)  # combine_rows="rank": the weights travel with the dispatch
         marks = []
 
         def mark():
@@ -122,7 +131,7 @@ def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False):
                 marks.append(time.perf_counter())
 
         mark()
-        a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound, do_recv=False)
+        a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound, do_recv=False, **kw)
         mark()
         a2a.dispatch(num, ex, exs, x, xs, idx, bound_m=bound, do_send=False)
         mark()
@@ -147,14 +156,15 @@ def _e2e_rank(a2a, rank, iters, warmup, seed, trace_proxy=False):
         if trace_proxy and it == warmup - 1:
             a2a.set_tracing(True)
     # After the last call no peer starts another, so its count rows are still in place (`bytes_last_call`).
-    return {p: _stats(v) for p, v in times.items()}, a2a.bytes_last_call()
+    return {p: _stats(v) for p, v in times.items()}, a2a.bytes_last_call(), checked
 
 
 def _cluster_setup(args):
     """(device, config) of a LocalCluster benchmark: the preset's sizes on a GPU; small ones on CPU,
-    where the kernels run in the Triton interpreter."""
+    where the kernels run in the Triton interpreter; rows as `args.wire` says (per route without one)."""
     import torch
 
+    from .demo import wire_config
     from .kernels import PRESETS
     from ..config import A2AConfig
 
@@ -164,11 +174,13 @@ def _cluster_setup(args):
         sizes = dict(max_num_tokens=16, num_experts=8 * args.world, experts_per_token=4, hidden_dim=128)
     else:
         sizes = PRESETS[args.preset]
-    return device, A2AConfig(**sizes, in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    cfg = A2AConfig(**sizes, in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+    return device, wire_config(cfg, getattr(args, "wire", "per_route"))
 
 
 def run_e2e(args) -> int:
     from ..local import LocalCluster
+    from ..oracle import check_against_reference
 
     if args.graph:
         from . import graph
@@ -177,33 +189,41 @@ def run_e2e(args) -> int:
             return rc
         presets = ["decode", "prefill"] if args.preset is None else [args.preset]
         res = graph.run(args.world, args.node, presets, args.iters, args.warmup, args.timeout, not args.no_nccl,
-                        proxies=args.proxies or "auto", buffers=args.buffers, transport=args.transport)
+                        proxies=args.proxies or "auto", buffers=args.buffers, transport=args.transport,
+                        wire=args.wire)
         graph.print_table(res)
         _write(args.json, res)
         if args.png:
             graph.plot_timeline(res, args.png)
-        return 0
+        return 1 if graph.check_problems(res) else 0
     args.preset = args.preset or "decode"
 
     if args.device == "cuda" and (rc := refuse_without_cuda("moe-a2a bench e2e --device cuda")):
         return rc
     device, cfg = _cluster_setup(args)
+    check = device == "cpu" or args.preset == "decode"  # as --graph: prefill's rows are too many to bring back
     with LocalCluster(cfg, world_size=args.world, node_size=args.node, transport=args.transport, device=device,
                       timeout_s=args.timeout, proxies=args.proxies or "auto", buffers=args.buffers) as cl:
-        res, nbytes = (list(col) for col in zip(*cl.run(_e2e_rank, args.iters, args.warmup, 0, args.trace_proxy)))
-    print(f"end to end, {args.world} ranks ({args.node} per node), transport {args.transport}, {device}: {cfg}")
+        res, nbytes, checked = (list(col) for col in zip(*cl.run(_e2e_rank, args.iters, args.warmup, 0,
+                                                                  args.trace_proxy, check)))
+    problems = check_against_reference(cfg, checked) if check else []
+    print(f"end to end, {args.world} ranks ({args.node} per node), transport {args.transport}, wire {args.wire}, "
+          f"{device}: {cfg}")
     print(f"{'phase':<16}" + "".join(f"{'rank ' + str(r):>12}" for r in range(args.world)) + "   (median µs)")
     for p in res[0]:
         print(f"{p:<16}" + "".join(f"{r[p]['median']:>12.1f}" for r in res))
     print("bytes sent in the last call, node-local + remote (runtime/traffic.py):")
     for ph in ("dispatch", "combine"):
         print(f"{ph:<16}" + "".join(f"{b[ph]['node_sent'] + b[ph]['remote_sent']:>12}" for b in nbytes))
+    verdict = "not checked (prefill)" if not check else "matches" if not problems else "MISMATCH"
+    print("one call through the toy expert against reference.py: " + "\n  ".join([verdict, *problems]))
     _write(args.json, {"config": str(cfg), "world": args.world, "node": args.node, "transport": args.transport,
-                       "proxies": args.proxies or "auto", "buffers": args.buffers, "device": device,
-                       "per_rank": res, "bytes_per_rank": nbytes})
+                       "wire": args.wire, "proxies": args.proxies or "auto", "buffers": args.buffers, "device": device,
+                       "per_rank": res, "bytes_per_rank": nbytes,
+                       "check": {"calls": 1, "problems": problems} if check else None})
     if args.png:
-        _plot_e2e(res, args.png, f"{args.world} ranks ({args.node} per node), {args.transport}, {device}")
-    return 0
+        _plot_e2e(res, args.png, f"{args.world} ranks ({args.node} per node), {args.transport}, {args.wire}, {device}")
+    return 1 if problems else 0
 
 
 def _plot_e2e(res: list[dict], path: str, title: str) -> None:
@@ -379,6 +399,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="GPU: CUDA-graph replay, eager, the NCCL baseline and the floor side by side, at decode "
                         "and prefill (--preset picks one), one rank per GPU where there are several")
     e.add_argument("--no-nccl", action="store_true", help="with --graph: skip the NCCL baseline")
+    e.add_argument("--wire", default="per_route", choices=WIRE_NAMES,
+                   help="how rows travel (reference.WIRE_VARIANTS, issue 32): per-rank dispatch rows, the combine "
+                        "reduced at the experts' rank, fp8 combine rows (A2AConfig's dispatch_rows, combine_rows, "
+                        "combine_fp8); default per_route")
     e.add_argument("--trace-proxy", action="store_true",
                    help="without --graph: also the proxy's own spans of every timed call (posting, planned "
                         "writes), to compare with benchmarks/proxy.py")
