@@ -42,12 +42,12 @@ BATCHES, PAIRS = 20, 1000
 def launches_stubbed(instances):
     """The kernel launchers `AllToAll` calls, its host waits and the CPU-only index check as no-ops."""
     from moe_a2a import all_to_all
-    from moe_a2a.compat import _slots
     from moe_a2a.runtime.status import Status
 
-    modules = (all_to_all.routing, all_to_all.dispatch_kernels, all_to_all.combine_kernels, _slots)
+    modules = (all_to_all.routing, all_to_all.dispatch_kernels, all_to_all.combine_kernels, all_to_all.rank_rows)
     names = ("route_tokens", "validate_indices", "pack_tokens_by_expert", "unpack_tokens_by_expert",
-             "pack_combine_by_source", "reduce_combined_tokens", "scales_to_column_major")
+             "pack_combine_by_source", "reduce_combined_tokens", "route_tokens_by_rank", "stamp_rank_rows",
+             "expand_rank_rows", "reduce_rank_rows_by_source", "reduce_rank_rows_by_token")
     saved = [(m, n, getattr(m, n)) for m in modules for n in names if hasattr(m, n)]
     for m, n, _ in saved:
         setattr(m, n, lambda *a, **k: None)
@@ -114,7 +114,7 @@ def main() -> None:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     from moe_a2a import A2AConfig, AllToAll
-    from moe_a2a.compat import Buffer, _slots
+    from moe_a2a.compat import Buffer
 
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
@@ -145,9 +145,7 @@ def main() -> None:
         instances = [i for slot in buf._slots for i in slot.instances.values()]
         for i in instances:
             i.dispatch = i.combine = lambda *a, **k: None
-        copy, _slots.scales_to_column_major = _slots.scales_to_column_major, lambda *a, **k: None
         timed({"facade": facade_pair})
-        _slots.scales_to_column_major = copy
         for i in instances:  # the real halves again
             del i.dispatch, i.combine
         with launches_stubbed(instances + [a2a]):

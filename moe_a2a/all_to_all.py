@@ -87,6 +87,7 @@ class AllToAll:
         self._state, self.epoch = _IDLE, 0
         self._abort_scratch = None
         self._checked_quantize = None  # (the last `quantize` given to dispatch, as checked: `check_quantize`)
+        self._quantize = None  # the current call's (its receive half may write its scales apart)
         self._watch_lock = threading.Lock()
         self._w = Wiring(p.layout, p.group, p.rank, p.device, p.transport, p.nics, p.num_proxies, p.buffers,
                          p.gpu_wait, p.timeout_s, local_only=p.local_only,
@@ -253,7 +254,7 @@ class AllToAll:
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, x, x_scale, indices,
                  bound_m=None, do_send: bool = True, do_recv: bool = True, *, quantize=None,
-                 out_source_ranges=None, weights=None) -> None:
+                 out_source_ranges=None, weights=None, out_quantized_scale=None) -> None:
         """Send every token to the ranks hosting its experts; receive this rank's tokens expert-major.
 
         Args:
@@ -280,6 +281,11 @@ class AllToAll:
             out_source_ranges: optional `[L, W]` int64 (contiguous), written by the receive half:
                 `(begin << 32) | count` per (local expert l, source rank s): expert l's rows from s are
                 its rows [begin, begin + count) (DeepEP's `layout_range`; in the unpack's launch).
+            out_quantized_scale: optional, with a `quantize`d call: its scales in a tensor of their own,
+                written by the receive half's unpack: `[>= max_dispatch_rows, n]` or, with `expert_capacity` C,
+                `[L, C, n]`, any strides (e.g. DeepEP's column-major layout), n = `quantize.scale_bytes(H) / 4`
+                words, float32 (fp32 scales) or int32 (UE8M0 codes, four per word); the rows then get only the
+                fp8 bytes [0, H). Not with `dispatch_rows="rank"`.
             weights: `[T, K]` float32, the routes' weights: required with `cfg.combine_rows="rank"` (they
                 travel with the rows, and the experts' rank applies them; `combine`'s `weights` are then
                 checked but not read), None otherwise.
@@ -298,21 +304,21 @@ class AllToAll:
                 quantize, self._checked_quantize = check_quantize(self.cfg, quantize, self._checked_quantize)
                 if do_recv:
                     check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
-                                           out_expert_x_scale, out_source_ranges)
+                                           out_expert_x_scale, out_source_ranges, out_quantized_scale, quantize)
             except ValueError as exc:
                 self._abort_call(exc)  # raises exc, once the call is void on every rank
         elif do_recv:
             self._expect(_DISPATCH_SENT, "dispatch(do_recv=True)")
             # Nothing is lost: the send half is done, a corrected receive may follow.
             check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
-                                           out_expert_x_scale, out_source_ranges)
+                                   out_expert_x_scale, out_source_ranges, out_quantized_scale, self._quantize)
         try:
             if do_send:
                 self._tracer.run("dispatch_send", self.epoch, self._dispatch_send, x, x_scale, indices, bound_m,
                                  quantize, False, weights)
             if do_recv:
                 self._tracer.run("dispatch_recv", self.epoch, self._dispatch_recv, out_expert_num_tokens,
-                                 out_expert_x, out_expert_x_scale, False, out_source_ranges)
+                                 out_expert_x, out_expert_x_scale, False, out_source_ranges, out_quantized_scale)
         except (CallAborted, CapacityExceeded):  # the call ended on every rank: the instance stays usable
             raise
         except BaseException as exc:
@@ -467,6 +473,7 @@ class AllToAll:
         self._T, self._bound_m = x.shape[0], bound_m
         # A quantised call's rows hold fp8 bytes and scales only: the unpack copies just those.
         self._copy_bytes = None if quantize is None else quantize.row_bytes(self.cfg.hidden_dim)
+        self._quantize = quantize
         self._status.host_wait("dispatch_send", self.epoch)
         slot = self.route_slot[: x.shape[0]]
         if self.rank_mask is not None:  # routes to masked ranks' experts are not sent
@@ -504,7 +511,8 @@ class AllToAll:
                                                **(w.rank_split if by_rank else w.split)["pack"])
         self._state = _DISPATCH_SENT
 
-    def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False, out_source_ranges=None) -> None:
+    def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False, out_source_ranges=None,
+                       out_quantized_scale=None) -> None:
         w = self._w
         if self.with_proxy:  # once every count row is in: the remainder and combine writes for the proxy
             self._status.host_wait("dispatch_plan", self.epoch)
@@ -518,18 +526,20 @@ class AllToAll:
                                        w.peer_send_bytes, w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,
                                        copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges)
         else:
-            self._unpack(out_num, out_x, out_x_scale, out_source_ranges)
+            self._unpack(out_num, out_x, out_x_scale, out_source_ranges, out_quantized_scale)
         self._state = _DISPATCH_DONE
         if aborting:
             return
         self._after_unpack(aborted)
 
-    def _unpack(self, out_num, out_x, out_x_scale, out_source_ranges) -> None:
+    def _unpack(self, out_num, out_x, out_x_scale, out_source_ranges, out_quantized_scale=None) -> None:
         w = self._w
+        split = out_quantized_scale is not None  # the scales to a tensor of their own: the rows get the fp8 bytes
         dispatch_kernels.unpack_tokens_by_expert(
             out_num, out_x, out_x_scale, w.counts, self.rank, w.base, w.peer_send_bytes,
             w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,  # remote sources' rows
-            copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges)
+            copy_bytes=self.cfg.hidden_dim if split else self._copy_bytes, out_source_ranges=out_source_ranges,
+            quantize=self._quantize if split else None, out_quantized_scale=out_quantized_scale)
 
     def _after_unpack(self, aborted) -> None:
         # CPU kernels have run: an expert over capacity is known now (a GPU says it at the end of combine).

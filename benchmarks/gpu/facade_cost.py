@@ -77,7 +77,7 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
 
     pairs = (("facade_fp8", facade_pair), ("a2a_prequantised", a2a_pair))
     if deep_ep_scales:
-        from moe_a2a.triton_kernels.scale_layout import column_major_scales
+        from moe_a2a.compat._slots import column_major_scales
 
         exs_deep_ep = column_major_scales(L, T * n, cfg.num_scales, torch.float32, dev)  # [L, C, S] column-major
 
@@ -130,7 +130,8 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
             buf._next ^= 1
             turn["slot"] = slot
             slot.instances[True].dispatch(slot.num, slot.ex, slot.exs, x, buf._token_ids[T], idx, quantize=quantize,
-                                          out_source_ranges=slot.layout_range)
+                                          out_source_ranges=slot.layout_range,
+                                          out_quantized_scale=slot.recv_x[True, False][1])
 
         halves = {
             "facade_fp8": (lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[2],

@@ -15,7 +15,7 @@ slots, their call's state machine, and the instances' sizes):
   instance, so `use_fp8` may change from call to call and the extra memory is the fp8 instances' send
   and receive rows, not a second set of outputs. The fp8 `recv_x` of an fp8 call is a view of the received
   rows (`[L, C, H]`, row stride 2H bytes); its scales are in DeepEP's layout (`[L, C, S]`, column-major per
-  expert, TMA-aligned: `triton_kernels/scale_layout.py` copies them out of the rows at each fp8 receive).
+  expert, TMA-aligned: the receive's unpack writes them there, `AllToAll.dispatch(out_quantized_scale=)`).
   (Shrink mode sends fp8 calls in bf16 rows: its instances are all made at construction, when no fp8 call
   has been seen.)
 - **calls of other sizes within the Buffer's bounds.** Fewer top-k are padded to what the instances take;
@@ -195,7 +195,8 @@ class LowLatencyMode(LowLatencySets):
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
         try:
             slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
-                              do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range)
+                              do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
+                              out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
         except BaseException:
             slot.free()
             raise
@@ -344,7 +345,8 @@ class LowLatencyMode(LowLatencySets):
         if not self.enable_shrink:
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
                                                       self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
-                                                      out_source_ranges=slot.layout_range))
+                                                      out_source_ranges=slot.layout_range,
+                                                      out_quantized_scale=slot.quantized_scales()))
             slot.state = _DISPATCHED
             return None
         if self._again is None:  # one set for both slots (shrink mode's instances share a config)

@@ -23,13 +23,33 @@ import torch
 from ..all_to_all import AllToAll
 from ..config import A2AConfig, ceil_div, round_up
 from ..triton_kernels.quant import Fp8Quantize
-from ..triton_kernels.scale_layout import column_major_scales, scales_to_column_major
 
 FP8_BLOCK = 128  # elements per fp8 scale, as DeepEP's
 
 # A slot's call, from its dispatch to its combine (the AllToAll instance is between calls in FREE and
 # COMBINED; a handle of a COMBINED call may be combined again).
 FREE, DISPATCH_SENT, DISPATCHED, COMBINE_SENT, COMBINED = range(5)
+
+
+def tma_aligned_tokens(num_tokens: int) -> int:
+    """The token stride of a scale column: `num_tokens` rounded up to 16 bytes of 4-byte words (DeepGEMM's
+    `get_tma_aligned_size`; DeepEP's C is a multiple of 4 already)."""
+    return round_up(num_tokens, 4)
+
+
+def column_major_scales(num_experts: int, num_tokens: int, num_scales: int, dtype: torch.dtype,
+                        device) -> torch.Tensor:
+    """An `[L, C, S]` tensor in DeepEP's scale layout: the transpose of a contiguous `[L, S, C4]` tensor cut
+    to C tokens (C4 = `tma_aligned_tokens(C)`), strides `(S * C4, 1, C4)`; zero-filled. dtype float32
+    (scales) or int32 (packed UE8M0 codes). DeepEP (`csrc/legacy/buffer.hpp`, `low_latency_dispatch`)
+    allocates `[L, S, C]` and returns its transpose: the token dimension contiguous, each scale column 16-byte
+    aligned, DeepGEMM's MN-major TMA-aligned scale operand. The receive's unpack writes it directly
+    (`AllToAll.dispatch(out_quantized_scale=)`)."""
+    if dtype not in (torch.float32, torch.int32):
+        raise ValueError(f"column_major_scales: dtype must be float32 or int32, got {dtype}")
+    C4 = tma_aligned_tokens(num_tokens)
+    storage = torch.zeros(num_experts, num_scales, C4, dtype=dtype, device=device)
+    return storage[:, :, :num_tokens].transpose(1, 2)
 
 
 class Prefixes(dict):
@@ -133,19 +153,13 @@ class Slot:
         # What a dispatch returns as recv_x, by (use_fp8, use_ue8m0): views of the received rows. An fp8
         # call's bytes are in them as its pack wrote them (it quantises x into the rows it sends).
         self.recv_x = {(False, False): self.ex.view(L, C, H)}
-        # fp8 calls: the scales as the receive wrote them (row-major, inside the rows), by use_ue8m0, and
-        # their copy in DeepEP's layout that recv_x returns (column-major per expert, TMA-aligned; made at
-        # the first fp8 call, `make_fp8_outputs`, written at each fp8 receive by scale_layout's kernel).
-        self.row_scales: dict[bool, torch.Tensor] = {}
+        # fp8 calls: recv_x's scales in DeepEP's layout (column-major per expert, TMA-aligned; made at the
+        # first fp8 call, `make_fp8_outputs`), written by the receive's unpack itself (`quantized_scales`).
         self.fp8_outputs = False
+        self.fp8 = None
         if fp8_fits(H):
-            S, off = ceil_div(H, FP8_BLOCK), fp8_scale_offset(H)
-            S4 = ceil_div(S, 4)
-            rows = self.ex.view(torch.uint8)
-            self.fp8 = rows[:, :H].view(torch.float8_e4m3fn).view(L, C, H)
-            self.row_scales[False] = rows[:, off:off + 4 * S].view(torch.float32).view(L, C, S)
-            self.row_scales[True] = rows[:, off:off + 4 * S4].view(torch.int32).view(L, C, S4)
-        self.ue8m0 = False        # the current call's scale format (an fp8 call's receive transposes it)
+            self.fp8 = self.ex.view(torch.uint8)[:, :H].view(torch.float8_e4m3fn).view(L, C, H)
+        self.ue8m0 = False        # the current call's scale format (which view of the scales it writes)
         self.combine_buf: torch.Tensor | None = None  # get_next_low_latency_combine_buffer, made on first use
         # The current call.
         self.state, self.call = FREE, -1
@@ -160,12 +174,13 @@ class Slot:
         self.state, self.combine_args = FREE, None
 
     def make_fp8_outputs(self) -> None:
-        """The scales' destination in DeepEP's layout (`scale_layout.column_major_scales`, shared by the fp32
+        """The scales' destination in DeepEP's layout (`column_major_scales`, shared by the fp32
         and UE8M0 formats: an int32 view of the first `[L, S4, C]` words), and fp8 recv_x returning it."""
-        if self.fp8_outputs or not self.row_scales:
+        if self.fp8_outputs or self.fp8 is None:
             return
-        L, C, _ = self.shape
-        S, S4 = self.row_scales[False].shape[2], self.row_scales[True].shape[2]
+        L, C, H = self.shape
+        S = ceil_div(H, FP8_BLOCK)
+        S4 = ceil_div(S, 4)
         fp32 = column_major_scales(L, C, S, torch.float32, self.a2a.device)
         C4 = fp32.stride(2)
         # UE8M0 words: strides (S4 * C4, 1, C4) over the same storage (DeepEP's layout for S4 columns).
@@ -174,11 +189,10 @@ class Slot:
         self.recv_x[True, True] = (self.fp8, ue8m0)
         self.fp8_outputs = True
 
-    def transpose_scales(self) -> None:
-        """After an fp8 call's receive: its received rows' scales into DeepEP's layout (rows below each
-        expert's count; one launch, stream-ordered, CUDA-graph safe)."""
-        ue8m0 = self.ue8m0
-        scales_to_column_major(self.row_scales[ue8m0], self.recv_x[True, ue8m0][1], self.num)
+    def quantized_scales(self) -> torch.Tensor | None:
+        """Where the current call's receive writes its fp8 scales (`AllToAll.dispatch(out_quantized_scale=)`):
+        DeepEP's layout, fp32 or UE8M0 words; None for a bf16 call."""
+        return self.recv_x[True, self.ue8m0][1] if self.quantize is not None else None
 
     # ---- the call's halves and its state ----------------------------------------------------------
     def run(self, half) -> None:
@@ -192,11 +206,9 @@ class Slot:
             raise
 
     def received(self) -> None:
-        """After the dispatch's receive half (whose unpack wrote handle[1]): an fp8 call's scales into
-        DeepEP's layout, the caller's statistics."""
+        """After the dispatch's receive half (whose unpack wrote handle[1] and an fp8 call's scales in
+        DeepEP's layout): the caller's statistics."""
         self.state = DISPATCHED
-        if self.quantize is not None:
-            self.transpose_scales()
         if self.stats is not None:
             self.stats.add_(self.num)
 
@@ -205,7 +217,8 @@ class Slot:
         if self.state == DISPATCH_SENT:
             T = self.T
             self.run(lambda: self.a2a.dispatch(self.num, self.ex, self.exs, self.payload, self.token_ids[T], None,
-                                               do_send=False, out_source_ranges=self.layout_range))
+                                               do_send=False, out_source_ranges=self.layout_range,
+                                               out_quantized_scale=self.quantized_scales()))
             self.received()
 
     def receive_combine(self) -> None:

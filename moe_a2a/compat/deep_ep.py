@@ -29,7 +29,7 @@ from ._low_latency import _move_rows, _moved_rows  # noqa: F401 - kept importabl
 from ._low_latency_sets import _HINTS, _NVFP4_ARGS  # noqa: F401 - kept importable here
 from ._slots import FP8_BLOCK  # noqa: F401 - DeepEP's block size, kept importable here
 from ._slots import Prefixes as _Prefixes
-from ._slots import Slot as _Slot  # noqa: F401 - kept importable here (benchmarks/gpu/scale_layout.py)
+from ._slots import Slot as _Slot  # noqa: F401 - kept importable here
 from ._slots import config as _config  # noqa: F401 - kept importable here
 from ._slots import fp8_fits, fp8_payload_bytes, fp8_scale_offset  # noqa: F401 - kept importable here
 from ._slots import fp8_quantize as _fp8_quantize  # noqa: F401 - kept importable here

@@ -125,8 +125,9 @@ def check_quantize(cfg: A2AConfig, quantize, seen: tuple | None) -> tuple[Any, t
     return quantize, seen
 
 
-def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, ranges=None) -> None:
-    """The receive half's output contracts."""
+def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, ranges=None, qs=None,
+                           quantize=None) -> None:
+    """The receive half's output contracts (`qs`: out_quantized_scale, for the call's `quantize`)."""
     if ranges is not None:
         check_tensor("out_source_ranges", ranges, (lay.num_local_experts, lay.world_size), torch.int64, device)
         if not ranges.is_contiguous():
@@ -151,6 +152,15 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
                              + (f" or {three_d}" if three_d else "") + f", got {tuple(xs.shape)}")
     elif xs is not None:
         raise ValueError("out_expert_x_scale: this config has no scales; pass None")
+    if qs is not None:
+        if quantize is None or lay.rank_rows:
+            raise ValueError("out_quantized_scale: expected None " + ("with dispatch_rows='rank'" if lay.rank_rows
+                             else "(the call has no quantize)") + ", got a tensor")
+        n, C = quantize.scale_bytes(cfg.hidden_dim) // 4, lay.expert_capacity
+        check_tensor("out_quantized_scale", qs, None, (torch.float32, torch.int32), device, last_contig=False)
+        if not (C and list(qs.shape) == [lay.num_local_experts, C, n]) and list(qs.shape) != [x.shape[0], n]:
+            raise ValueError(f"out_quantized_scale: expected [{x.shape[0]}, {n}] (out_expert_x's rows)"
+                             + (f" or {[lay.num_local_experts, C, n]}" if C else "") + f", got {tuple(qs.shape)}")
 
 
 def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
