@@ -246,7 +246,8 @@ def unpack_tokens_by_expert(
                                  R, L, C, device)
         quant_args = dict(out_qscale_ptr=out_quantized_scale.view(torch.int32), stride_out_qscale_r=stride_q[0],
                           stride_out_qscale_s=stride_q[1], stride_out_qscale_e=stride_q[2],
-                          Q_SCALE_WORD=quantize.scale_offset_bytes // 4, Q_WORDS=q_words)
+                          Q_SCALE_WORD=quantize.scale_offset_bytes // 4, Q_WORDS=q_words,
+                          Q_ROWS_FASTEST=stride_q[0] == 1 and stride_q[1] > 1)
     check.counts(counts, W, E, device)
     check.integer("rank", rank, 0, W)
     check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
@@ -286,7 +287,8 @@ def unpack_tokens_by_expert(
         HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
         ABORT_WORD=flag_word(Flag.ABORTED),
         num_warps=launch.num_warps(block_r * block_w, word_bytes), out_ranges_ptr=out_source_ranges,
-        HAS_RANGES=out_source_ranges is not None, **quant_args, **sync_args,
+        HAS_RANGES=out_source_ranges is not None, SCALE_ROWS_FASTEST=stride_scale[0] == 1 and stride_scale[1] > 1,
+        **quant_args, **sync_args,
     )
 
 
