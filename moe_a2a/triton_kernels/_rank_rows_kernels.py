@@ -310,8 +310,8 @@ def _reduce_rank_rows_by_source_kernel(
     PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     aborted_ptr=None, ABORT_BYTES: tl.constexpr = 0,
 ):
-    """Compiled as `moe_a2a::combine()`. Grid: (G,) persistent programs over tiles of BLOCK_R received rows,
-    as the expand. Row j of source s: partial = sum_k w_k * y[row_k] over the k whose expert is here, in fp32
+    """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
+    BLOCK_R received rows (as the expand) for each BLOCK_H-element chunk of the hidden dimension. Row j of source s: partial = sum_k w_k * y[row_k] over the k whose expert is here, in fp32
     in k order, rounded once to out_dtype and stored in s's recv buffer at the slot of its dispatch row
     (combine region + (off[s] + j) * Sc). With NODE_SYNC the last program tells every node peer (as the
     route-row combine pack does)."""
@@ -351,7 +351,8 @@ def _reduce_rank_rows_by_source_kernel(
                     other=0.0)
         dst_b = _pick(back, src, W_PAD) + j * SC_BYTES
         dst = dst_b // ITEM_BYTES
-        for h0 in range(0, H, BLOCK_H):
+        h0 = tl.program_id(1) * BLOCK_H  # one chunk of the hidden dimension per program: many loads in flight
+        if h0 < H:
             cols = h0 + tl.arange(0, BLOCK_H)
             mask = is_row[:, None] & (cols < H)[None, :]
             acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)

@@ -237,10 +237,11 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     check.integer("stage_bytes", stage_bytes)
     H, item = cfg.hidden_dim, cfg.out_itemsize
     grid, block_r = launch.persistent_grid(device, layout)
-    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 4 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
+    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 2 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
     fp8 = _fp8_args(cfg, device)
     if fp8:  # whole quantisation blocks per chunk
         block_h = max(block_h, COMBINE_FP8_BLOCK)
+    grid = (grid[0], ceil_div(H, block_h))  # the hidden chunks side by side (the row walk is repeated per chunk)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _BY_SOURCE.launch(
         key, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,

@@ -46,16 +46,18 @@ def _inputs(cfg: A2AConfig, world: int, seed: int, skew: bool, tokens: list[int]
 
 
 def _call(a2a, rank, cfg, xs, scales, idxs, ws, bound, accumulate):
+    dev = a2a.device
+    xs, scales, idxs, ws = ([None if t is None else t.to(dev) for t in ts] for ts in (xs, scales, idxs, ws))
     num, ex, exs = a2a.empty_dispatch_outputs()
-    bound_m = None if bound is None else torch.tensor([bound[rank]], dtype=torch.int32)
+    bound_m = None if bound is None else torch.tensor([bound[rank]], dtype=torch.int32, device=dev)
     kw = {"weights": ws[rank]} if cfg.combine_rows == "rank" else {}
     a2a.dispatch(num, ex, exs, xs[rank], scales[rank], idxs[rank], bound_m=bound_m, **kw)
     g = torch.Generator().manual_seed(100 + rank)
-    y = torch.randn(ex.shape[0], cfg.hidden_dim, generator=g).to(cfg.out_dtype)  # any expert output: rows are not read past n
-    out = torch.randn(xs[rank].shape[0], cfg.hidden_dim, generator=g).to(cfg.out_dtype)
+    y = torch.randn(ex.shape[0], cfg.hidden_dim, generator=g).to(cfg.out_dtype).to(dev)  # rows past n are not read
+    out = torch.randn(xs[rank].shape[0], cfg.hidden_dim, generator=g).to(cfg.out_dtype).to(dev)
     old = out.clone()
     a2a.combine(out, idxs[rank], ws[rank], y, accumulate=accumulate)
-    return num.clone(), ex.clone(), None if exs is None else exs.clone(), y, old, out
+    return tuple(None if t is None else t.cpu() for t in (num, ex, exs, y, old, out))
 
 
 def _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate):
@@ -164,17 +166,18 @@ def test_rank_rows_match_reference(cluster, seed, skew, accumulate, data):
 
 
 def _bad_then_good(a2a, rank, cfg):
+    dev = a2a.device
     num, ex, exs = a2a.empty_dispatch_outputs()
-    x = torch.randn(2, H).to(cfg.in_dtype)
-    idx = torch.tensor([[0, 1, 2], [3, -1, 0]], dtype=torch.int32)[:, :K]
-    w = torch.rand(2, K)
+    x = torch.randn(2, H).to(cfg.in_dtype).to(dev)
+    idx = torch.tensor([[0, 1, 2], [3, -1, 0]], dtype=torch.int32, device=dev)[:, :K]
+    w = torch.rand(2, K).to(dev)
     try:  # rank 1 forgets the weights: the call aborts on every rank, the next works
         a2a.dispatch(num, ex, exs, x, None, idx, weights=None if rank == 1 else w)
         seen = "none"
     except Exception as exc:  # noqa: BLE001 - the test looks at what each rank got
         seen = f"{type(exc).__name__}: {exc}"
     a2a.dispatch(num, ex, exs, x, None, idx, weights=w)
-    a2a.combine(torch.zeros(2, H, dtype=cfg.out_dtype), idx, w, ex.to(cfg.out_dtype))
+    a2a.combine(torch.zeros(2, H, dtype=cfg.out_dtype, device=dev), idx, w, ex.to(cfg.out_dtype))
     return seen
 
 
