@@ -404,23 +404,16 @@ def copy_row_words(src_ptr, src_words, dst_ptr, dst_words, is_row, WORDS: tl.con
 
 @triton.jit
 def copy_row_columns(src_ptr, src_words, dst_ptr, dst_words, dst_col_stride, is_row, COLS: tl.constexpr,
-                     BLOCK_C: tl.constexpr, ROWS_FASTEST: tl.constexpr = False):
+                     BLOCK_C: tl.constexpr):
     """`copy_row_words` into columns `dst_col_stride` words apart (the scales of unpack). Give BLOCK_C the
     payload copy's BLOCK_W, not the next power of two of COLS: a narrow [BLOCK_R, COLS] tile makes the
     compiler lay the row vectors (and the one-hot lookup of `tile_rows` behind them) out with threads
-    along the rows, which spills hundreds of registers (H200, unpack at 2-16 scales: 38-664 µs, not 15).
-    ROWS_FASTEST (a destination whose rows are adjacent words, DeepEP's column-major scales): the tile is
-    stored transposed, so a warp's threads write consecutive rows of one column (sm_90: threads [2, 16]
-    along the rows) instead of 32 columns `dst_col_stride` apart; the load stays row-major."""
+    along the rows, which spills hundreds of registers (H200, unpack at 2-16 scales: 38-664 µs, not 15)."""
     for c0 in range(0, COLS, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = is_row[:, None] & (cols < COLS)[None, :]
         v = tl.load(src_ptr + src_words[:, None] + cols[None, :], mask=mask)
-        ptrs = dst_ptr + dst_words[:, None] + cols[None, :] * dst_col_stride
-        if ROWS_FASTEST:
-            tl.store(tl.trans(ptrs), tl.trans(v), mask=tl.trans(mask))
-        else:
-            tl.store(ptrs, v, mask=mask)
+        tl.store(dst_ptr + dst_words[:, None] + cols[None, :] * dst_col_stride, v, mask=mask)
 
 
 @triton.jit

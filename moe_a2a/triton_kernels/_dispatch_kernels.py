@@ -222,9 +222,6 @@ def _unpack_tokens_by_expert_kernel(
     out_qscale_ptr=None,  # (R, Q_WORDS) or with CAPACITY (L, CAPACITY, Q_WORDS) 4-byte words, any strides
     stride_out_qscale_r=0, stride_out_qscale_s=0, stride_out_qscale_e=0,
     Q_SCALE_WORD: tl.constexpr = 0, Q_WORDS: tl.constexpr = 0,
-    # A scale output whose rows are adjacent words (column-major): stored as transposed tiles (copy_row_columns).
-    SCALE_ROWS_FASTEST: tl.constexpr = False, Q_ROWS_FASTEST: tl.constexpr = False,
-    SCALE_BLOCK_C: tl.constexpr = 1,  # columns per step of the scale copies (the launcher's choice: copy_row_columns)
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -306,11 +303,9 @@ def _unpack_tokens_by_expert_kernel(
         if HAS_SCALES:  # in the payload's tile shape (copy_row_columns says why)
             d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
                                d.expert_row_words(out_row, stride_out_scale_e, stride_out_scale_r, CAPACITY),
-                               stride_out_scale_s, is_row, S, SCALE_BLOCK_C,
-                               SCALE_ROWS_FASTEST)
+                               stride_out_scale_s, is_row, S, BLOCK_W)
         if Q_WORDS > 0:  # a fused quantisation's scale words, out of the payload into a tensor of their own
             d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
                                d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY),
-                               stride_out_qscale_s, is_row, Q_WORDS, SCALE_BLOCK_C,
-                               Q_ROWS_FASTEST)
+                               stride_out_qscale_s, is_row, Q_WORDS, BLOCK_W)
 

@@ -246,8 +246,7 @@ def unpack_tokens_by_expert(
                                  R, L, C, device)
         quant_args = dict(out_qscale_ptr=out_quantized_scale.view(torch.int32), stride_out_qscale_r=stride_q[0],
                           stride_out_qscale_s=stride_q[1], stride_out_qscale_e=stride_q[2],
-                          Q_SCALE_WORD=quantize.scale_offset_bytes // 4, Q_WORDS=q_words,
-                          Q_ROWS_FASTEST=stride_q[0] == 1 and stride_q[1] > 1)
+                          Q_SCALE_WORD=quantize.scale_offset_bytes // 4, Q_WORDS=q_words)
     check.counts(counts, W, E, device)
     check.integer("rank", rank, 0, W)
     check.tensor("base", base, dtypes=(torch.uint8,), shape=(None,), device=device)
@@ -274,8 +273,6 @@ def unpack_tokens_by_expert(
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
     grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
-    rows_fastest = cfg.has_scales and stride_scale[0] == 1 and stride_scale[1] > 1
-    q_rows_fastest = bool(quant_args.get("Q_ROWS_FASTEST"))
     _UNPACK.launch(
         key, grid, out_expert_num_tokens, x_words, scale_i32, counts, base, peer_send_bytes, recv_bytes, rank, R,
         counts.stride(0), x_words.stride(0) if R else row_words, *stride_scale,
@@ -289,22 +286,8 @@ def unpack_tokens_by_expert(
         HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
         ABORT_WORD=flag_word(Flag.ABORTED),
         num_warps=launch.num_warps(block_r * block_w, word_bytes), out_ranges_ptr=out_source_ranges,
-        HAS_RANGES=out_source_ranges is not None, SCALE_ROWS_FASTEST=rows_fastest,
-        SCALE_BLOCK_C=_scale_block_c(block_w, rows_fastest or q_rows_fastest, S, quant_args.get("Q_WORDS", 0)),
-        **quant_args, **sync_args,
+        HAS_RANGES=out_source_ranges is not None, **quant_args, **sync_args,
     )
-
-
-# Column-major scale outputs (rows adjacent) are stored as transposed tiles (`copy_row_columns`); this says
-# whether those copies step over the scale columns in a narrow tile (next power of two of the columns) rather
-# than the payload's chunk width.
-NARROW_COLUMN_MAJOR_SCALES = True
-
-
-def _scale_block_c(block_w: int, rows_fastest: bool, *columns: int) -> int:
-    if rows_fastest and NARROW_COLUMN_MAJOR_SCALES:
-        return min(block_w, max(16, next_power_of_2(max(columns))))
-    return block_w
 
 
 def _scale_output(name: str, t, cols: int, dtypes: tuple, R: int, L: int, C: int, device) -> tuple[int, int, int]:
