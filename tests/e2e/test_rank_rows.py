@@ -173,6 +173,8 @@ def _bad_then_good(a2a, rank, cfg):
     w = torch.rand(2, K).to(dev)
     try:  # rank 1 forgets the weights: the call aborts on every rank, the next works
         a2a.dispatch(num, ex, exs, x, None, idx, weights=None if rank == 1 else w)
+        # (a CPU peer learns it in its dispatch, a GPU peer at the end of the combine: no host sync before)
+        a2a.combine(torch.zeros(2, H, dtype=cfg.out_dtype, device=dev), idx, w, ex.to(cfg.out_dtype))
         seen = "none"
     except Exception as exc:  # noqa: BLE001 - the test looks at what each rank got
         seen = f"{type(exc).__name__}: {exc}"
