@@ -1,0 +1,83 @@
+"""Each kernel of one CUDA-graph call, per wire variant (issue 32's levers): where the time of a variant goes.
+Ranks of one node on this GPU (run under MPS for kernel waits: `nvidia-cuda-mps-control -d`):
+
+    python3 benchmarks/gpu/wire_kernels.py --world 2 --preset decode --out RESULTS.json [--wires per_route,...]
+
+Prints, per variant, rank 0's kernels in launch order with the median GPU time of each position (torch profiler
+over graph replays; `_timing.kernel_positions`). A data kernel's time starts after its separate wait kernel
+(ranks sharing a GPU wait apart), so it is its own work, not its peers'.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _rank(a2a, rank, reps):
+    import torch
+
+    from _timing import kernel_positions
+    from moe_a2a.bench.demo import make_inputs
+
+    cfg, dev = a2a.cfg, a2a.device
+    T = cfg.max_num_tokens
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, 7))
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    y = torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev)
+    out = torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    kw = {"weights": w} if cfg.combine_rows == "rank" else {}
+
+    def step():
+        a2a.dispatch(num, ex, exs, x, xs, idx, **kw)
+        a2a.combine(out, idx, w, y)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        graph.replay()
+    return kernel_positions(graph.replay, reps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--preset", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--wires", default="per_route,per_rank_dispatch,sender_reduced,fp8_combine,sender_reduced_fp8")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+
+    import torch
+
+    from moe_a2a import LocalCluster
+    from moe_a2a.bench.demo import wire_config
+    from moe_a2a.bench.kernels import PRESETS
+    from moe_a2a.config import A2AConfig
+
+    results = {}
+    for wire in a.wires.split(","):
+        base = A2AConfig(**PRESETS[a.preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
+        cfg = wire_config(base, wire)
+        try:
+            with LocalCluster(cfg, world_size=a.world, node_size=a.world, device="cuda", timeout_s=a.timeout,
+                              gpu_wait="kernel") as cl:
+                rows = cl.run(_rank, a.reps)
+            results[wire] = rows[0]
+        except Exception as e:  # noqa: BLE001 - one variant's failure is its result
+            results[wire] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(wire, json.dumps(results[wire]))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"world": a.world, "preset": a.preset, "kernels": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
