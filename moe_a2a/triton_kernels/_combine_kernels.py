@@ -111,13 +111,8 @@ def _pack_combine_by_source_kernel(
         else:
             d.copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
     if NODE_SYNC:
-        if d.node_arrive(counter_ptr, USE_PTX):
-            if tl.load(failed_ptr, volatile=True) == 0:
-                if ABORT_BYTES > 0:
-                    d.node_mark_aborted(base_ptr, peer_sync_bytes_ptr, ABORT_BYTES, aborted_ptr, epoch_ptr, rank,
-                                        node_first, NODE)
-                d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
-                               NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+        d.combine_send_epilogue(base_ptr, counter_ptr, failed_ptr, peer_sync_bytes_ptr, aborted_ptr, epoch_ptr, flags_ptr,
+                                rank, node_first, READY_BYTES, ABORT_BYTES, NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 @triton.jit(do_not_specialize=["num_tokens"], repr=launch.compiled_as(launch.COMBINE_SYMBOL))

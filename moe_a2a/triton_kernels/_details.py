@@ -253,6 +253,53 @@ def node_check_aborted(base_ptr, sync_bytes, aborted_bytes, epoch_ptr, flags_ptr
 
 
 @triton.jit
+def report_received(out_num_tokens_ptr, out_ranges_ptr, flags_ptr, epoch_ptr, aborted_ptr, cnt, tot, aborted, write,
+                    W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
+                    HAS_RANGES: tl.constexpr, NODE_SYNC: tl.constexpr, CAPACITY: tl.constexpr,
+                    ABORT_WORD: tl.constexpr, CAPACITY_WORD: tl.constexpr, CALL_ABORTED_WORD: tl.constexpr,
+                    ABORT_AT_COMBINE: tl.constexpr):
+    """What a dispatch receive reports besides its rows, from `recv_pair_tables` (by one program: `write`):
+    rows per local expert, DeepEP's `layout_range` (HAS_RANGES), the first source that aborted the call
+    (Flag.ABORTED) and an expert over CAPACITY (Flag.CAPACITY_EXCEEDED; with ABORT_AT_COMBINE the call is
+    then void, which this rank's combine tells every peer)."""
+    l_idx = tl.arange(0, L_PAD)
+    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where(write, L, 0))
+    if HAS_RANGES:  # begin = the earlier sources' rows of the expert
+        l2 = tl.arange(0, L_PAD)[:, None]
+        s2 = tl.arange(0, W_PAD)[None, :]
+        tl.store(out_ranges_ptr + l2 * W + s2, ((tl.cumsum(cnt, axis=1) - cnt) << 32) | cnt,
+                 mask=(l2 < tl.where(write, L, 0)) & (s2 < W))
+    if NODE_SYNC:
+        tl.store(flags_ptr + ABORT_WORD, protocol_device.encode_abort(tl.load(epoch_ptr), aborted),
+                 mask=write & (aborted < W))
+        if CAPACITY > 0:
+            over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
+            n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
+            hit = write & (over < L)
+            tl.store(flags_ptr + CAPACITY_WORD, protocol_device.encode_capacity(over, n_over, L), mask=hit)
+            if ABORT_AT_COMBINE:
+                epoch = tl.load(epoch_ptr)
+                tl.store(aborted_ptr, epoch, mask=hit)
+                tl.store(flags_ptr + CALL_ABORTED_WORD, epoch, mask=hit)
+
+
+@triton.jit
+def combine_send_epilogue(base_ptr, counter_ptr, failed_ptr, peer_sync_bytes_ptr, aborted_ptr, epoch_ptr, flags_ptr,
+                          rank, node_first, READY_BYTES: tl.constexpr, ABORT_BYTES: tl.constexpr,
+                          NODE: tl.constexpr, HAS_PROXY: tl.constexpr, PROXY_SIGNAL_WORD: tl.constexpr,
+                          USE_PTX: tl.constexpr):
+    """The combine send's epilogue: the last program to arrive (`node_arrive`), unless a wait failed, marks a
+    call this rank aborts (`node_mark_aborted`) and publishes the epoch to the node and the proxy."""
+    if node_arrive(counter_ptr, USE_PTX):
+        if tl.load(failed_ptr, volatile=True) == 0:
+            if ABORT_BYTES > 0:
+                node_mark_aborted(base_ptr, peer_sync_bytes_ptr, ABORT_BYTES, aborted_ptr, epoch_ptr, rank,
+                                  node_first, NODE)
+            node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
+                         NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+
+
+@triton.jit
 def publish_epoch(ready_ptr, epoch_ptr, USE_PTX: tl.constexpr):
     """ready = this call's epoch, released after everything this program wrote (one program only)."""
     fence_sys(USE_PTX)

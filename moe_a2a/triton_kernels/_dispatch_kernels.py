@@ -6,7 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..protocol import device as protocol_device
 from . import _details as d
 from . import _launch as launch
 
@@ -258,11 +257,9 @@ def _unpack_tokens_by_expert_kernel(
     rest_bytes = recv_bytes + (remainder_row[None, :] + block_start - P) * SD_BYTES
     split = tl.where(is_pull[None, :], 1 << 62, P - block_start)
 
-    if HAS_RANGES:  # begin = the earlier sources' rows of the expert (DeepEP's layout_range)
-        l2 = tl.arange(0, L_PAD)[:, None]
-        s2 = tl.arange(0, W_PAD)[None, :]
-        tl.store(out_ranges_ptr + l2 * W + s2, ((tl.cumsum(cnt, axis=1) - cnt) << 32) | cnt,
-                 mask=(l2 < tl.where((pid == 0) & ok, L, 0)) & (s2 < W))
+    d.report_received(out_num_tokens_ptr, out_ranges_ptr, flags_ptr, epoch_ptr, aborted_ptr, cnt, tot, aborted,
+                      (pid == 0) & ok, W, L, W_PAD, L_PAD, HAS_RANGES, NODE_SYNC, CAPACITY, ABORT_WORD, CAPACITY_WORD,
+                      CALL_ABORTED_WORD, ABORT_AT_COMBINE)
     NPAIR: tl.constexpr = L_PAD * W_PAD
     cnt = tl.reshape(cnt, (NPAIR,))
     dense_start = tl.reshape(dense_start, (NPAIR,))
@@ -272,21 +269,6 @@ def _unpack_tokens_by_expert_kernel(
     split = tl.reshape(split, (NPAIR,))
     fit = tl.reshape(fit, (NPAIR,))
 
-    l_idx = tl.arange(0, L_PAD)
-    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where((pid == 0) & ok, L, 0))
-    if NODE_SYNC:
-        tl.store(flags_ptr + ABORT_WORD, protocol_device.encode_abort(tl.load(epoch_ptr), aborted),
-                 mask=(pid == 0) & ok & (aborted < W))
-    if CAPACITY > 0:
-        if NODE_SYNC:
-            over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
-            n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
-            hit = (pid == 0) & ok & (over < L)
-            tl.store(flags_ptr + CAPACITY_WORD, protocol_device.encode_capacity(over, n_over, L), mask=hit)
-            if ABORT_AT_COMBINE:  # the call is void: this rank's combine tells every peer (node and proxy)
-                epoch = tl.load(epoch_ptr)
-                tl.store(aborted_ptr, epoch, mask=hit)
-                tl.store(flags_ptr + CALL_ABORTED_WORD, epoch, mask=hit)
     num_rows = tl.where(ok, num_rows, 0)
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty

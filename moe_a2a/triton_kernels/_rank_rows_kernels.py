@@ -6,7 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..protocol import device as protocol_device
 from . import _details as d
 from . import _launch as launch
 from ._combine_kernels import _f32_to_bf16_rtne
@@ -222,25 +221,9 @@ def _expand_rank_rows_kernel(
                          STATUS_WORD, USE_PTX, KERNEL_WAIT)
     cnt, _, out_start, _, _, tot, _, fit, aborted = d.recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
-    l_idx = tl.arange(0, L_PAD)
-    tl.store(out_num_tokens_ptr + l_idx, tot.to(tl.int32), mask=l_idx < tl.where((pid == 0) & ok, L, 0))
-    if HAS_RANGES:
-        l2 = tl.arange(0, L_PAD)[:, None]
-        s2 = tl.arange(0, W_PAD)[None, :]
-        tl.store(out_ranges_ptr + l2 * W + s2, ((tl.cumsum(cnt, axis=1) - cnt) << 32) | cnt,
-                 mask=(l2 < tl.where((pid == 0) & ok, L, 0)) & (s2 < W))
-    if NODE_SYNC:
-        tl.store(flags_ptr + ABORT_WORD, protocol_device.encode_abort(tl.load(epoch_ptr), aborted),
-                 mask=(pid == 0) & ok & (aborted < W))
-        if CAPACITY > 0:
-            over = tl.min(tl.where((l_idx < L) & (tot > CAPACITY), l_idx, L_PAD), axis=0)
-            n_over = tl.sum(tl.where(l_idx == over, tot, 0), axis=0)
-            hit = (pid == 0) & ok & (over < L)
-            tl.store(flags_ptr + CAPACITY_WORD, protocol_device.encode_capacity(over, n_over, L), mask=hit)
-            if ABORT_AT_COMBINE:
-                epoch = tl.load(epoch_ptr)
-                tl.store(aborted_ptr, epoch, mask=hit)
-                tl.store(flags_ptr + CALL_ABORTED_WORD, epoch, mask=hit)
+    d.report_received(out_num_tokens_ptr, out_ranges_ptr, flags_ptr, epoch_ptr, aborted_ptr, cnt, tot, aborted,
+                      (pid == 0) & ok, W, L, W_PAD, L_PAD, HAS_RANGES, NODE_SYNC, CAPACITY, ABORT_WORD, CAPACITY_WORD,
+                      CALL_ABORTED_WORD, ABORT_AT_COMBINE)
     NPAIR: tl.constexpr = L_PAD * W_PAD
     out_start = tl.reshape(out_start, (NPAIR,))
     fit = tl.reshape(fit, (NPAIR,))
@@ -375,13 +358,8 @@ def _reduce_rank_rows_by_source_kernel(
             else:
                 tl.store(base_y + dst[:, None] + cols[None, :], acc.to(y_ty), mask=mask)
     if NODE_SYNC:
-        if d.node_arrive(counter_ptr, USE_PTX):
-            if tl.load(failed_ptr, volatile=True) == 0:
-                if ABORT_BYTES > 0:
-                    d.node_mark_aborted(base_ptr, peer_sync_bytes_ptr, ABORT_BYTES, aborted_ptr, epoch_ptr, rank,
-                                        node_first, NODE)
-                d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
-                               NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
+        d.combine_send_epilogue(base_ptr, counter_ptr, failed_ptr, peer_sync_bytes_ptr, aborted_ptr, epoch_ptr, flags_ptr,
+                                rank, node_first, READY_BYTES, ABORT_BYTES, NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
 
 
 # ================================================================================================

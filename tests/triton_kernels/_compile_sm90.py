@@ -137,6 +137,7 @@ def main_rank_rows() -> None:
     """The kernels of per-rank rows (`rank_rows.py`) as AllToAll launches them: on one node and with a proxy,
     node synchronisation, split buffers, fp8 payloads and fp8 combine rows; and the write plans counting rows
     per rank (W=16 on two nodes)."""
+    from moe_a2a.triton_kernels import _combine_kernels
     from moe_a2a.triton_kernels import _rank_rows_kernels as rk
 
     kernels = []
@@ -178,6 +179,21 @@ def main_rank_rows() -> None:
                      dict(K=8, K_PAD=8, MAX_SLOTS=cfg.max_routes, H=7168, SC_BYTES=cfg.combine_stride_bytes,
                           ITEM_BYTES=2, BLOCK_T=1, BLOCK_H=1024, HAS_BOUND_M=True, ACCUMULATE=True, SPLIT=fp8,
                           ABORT_BYTES=64, **fp8_args, **sync)),
+        ]
+        # The route rows' receive and combine send, which share the report and epilogue helpers with them.
+        kernels += [
+            _compile(_dispatch_kernels._unpack_tokens_by_expert_kernel, ptrs,
+                     dict(PAD=1, P=lay.private_rows, PRIVATE_OFFSET_BYTES=0, HEADER_ROWS=lay.header_rows,
+                          X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
+                          SD_BYTES=cfg.dispatch_stride_bytes, WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512,
+                          BLOCK_E=256, HAS_SCALES=True, CAPACITY=64, CAPACITY_WORD=1, ABORT_WORD=2, HAS_RANGES=True,
+                          ABORT_AT_COMBINE=True, **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")},
+                          **sync)),
+            _compile(_combine_kernels._pack_combine_by_source_kernel, dict(ptrs, expert_y_ptr="*i32"),
+                     dict(PAD=1, Y_WORDS=3584, SC_BYTES=cfg.combine_stride_bytes, WORD_BYTES=4, ALIGN_WORDS=4,
+                          BLOCK_R=16, BLOCK_W=512, BLOCK_E=256, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
+                          CAPACITY=0, ABORT_BYTES=64, **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")},
+                          **{k: v for k, v in sync.items() if k != "NODE_PAD"})),
         ]
         if node < W:
             wait, _, signal, status, _ = HALF_FLAGS["dispatch_plan"]
