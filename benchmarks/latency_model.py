@@ -64,9 +64,9 @@ COMBINE_ROW_BYTES = 14336         # 7168 bf16
 ROUTE_ROW_BYTES = 4 * NUM_EXPERTS  # one int32 count per expert: the routing row each rank sends
 GPUS_PER_NODE = 8                 # p5en / DGX H200
 # The three levers of issue 32 (moe_a2a/reference.py, `Wire` and `row_bytes`): a dispatch row per (token,
-# rank) carries the token's K int32 expert ids, and its K fp32 weights when the combine is reduced at the
+# rank) carries per k an int32 local expert and position, and its K fp32 weights when the combine is reduced at the
 # sender (16-byte padded); an fp8 combine row is 7168 B of e4m3 + 56 fp32 scales (128-element blocks).
-RANK_ROW_IDS_BYTES = 4 * TOPK     # 32 B
+RANK_ROW_IDS_BYTES = 8 * TOPK     # 64 B: per k an int32 local expert and an int32 position
 RANK_ROW_WEIGHTS_BYTES = 4 * TOPK  # 32 B
 FP8_COMBINE_ROW_BYTES = 7392      # 7168 + 56 x 4
 
@@ -208,8 +208,8 @@ PROVENANCE = {
     "COMBINE_ROW_BYTES": ("config", "7168 bf16 (docs/protocol.md, section 5)"),
     "ROUTE_ROW_BYTES": ("config", "one int32 per expert (docs/protocol.md, 2.1)"),
     "GPUS_PER_NODE": ("config", "8 H200 per node (p5en, DGX H200)"),
-    "RANK_ROW_IDS_BYTES": ("config", "issue 32: a per-(token, rank) dispatch row carries the K int32 expert ids "
-                                     "(moe_a2a/reference.py, row_bytes)"),
+    "RANK_ROW_IDS_BYTES": ("config", "issue 32: a per-(token, rank) dispatch row carries per k an int32 local "
+                                     "expert and an int32 position (A2AConfig.rank_meta_bytes, reference.row_bytes)"),
     "RANK_ROW_WEIGHTS_BYTES": ("config", "issue 32: and the K fp32 weights when the combine is reduced at the sender"),
     "FP8_COMBINE_ROW_BYTES": ("config", "issue 32: fp8 combine row, 7168 B e4m3 + 56 fp32 scales (128-element "
                                         "blocks, as the dispatch's)"),
@@ -460,7 +460,7 @@ class Setup:
 
 
 def _dispatch_row_bytes(s: Setup) -> int:
-    """A dispatch row on the wire: the payload and scales; per (token, rank) also the K expert ids and,
+    """A dispatch row on the wire: the payload and scales; per (token, rank) also the K (expert, position) and,
     with the combine reduced at the sender, the K weights (16-byte padded)."""
     if s.dispatch_rows == "route":
         return DISPATCH_ROW_BYTES
