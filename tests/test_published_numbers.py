@@ -95,6 +95,13 @@ def decode_graph_total(run: dict) -> float:
 
 
 X2_N1 = "x2_n1_2026-11-30/"
+BYTES = "gpu-2026-12-02-s9/lease3/mps/e2e_bytes_w2n2_"  # issue 32's levers, 2 ranks of one node under MPS
+
+
+def sent_bytes(run: dict, preset: str, phases=("dispatch", "combine")) -> float:
+    """Bytes a rank sent in the traced call (node-local and remote), mean over ranks, over `phases`."""
+    per_rank = run["presets"][preset]["bytes_per_rank"]
+    return statistics.fmean(sum(r[ph]["node_sent"] + r[ph]["remote_sent"] for ph in phases) for r in per_rank)
 
 
 # ---- the table: (README text, files, how to extract, decimals printed) ---------------------------------
@@ -160,6 +167,18 @@ MEASURED_ROWS = [
               ("gpu-2026-12-02-mps/e2e_graph_w2n1_emulated.json", "gpu-2026-12-02-mps/e2e_graph_w4n2_emulated.json",
                "gpu-2026-12-02-mps/e2e_graph_w8n4_emulated.json"),
               lambda *runs: tuple(slowest(d, "decode", "graph", "total") for d in runs)),
+    # issue 32's levers: bytes a rank sends, and the per-rank dispatch's time, against one row per route
+    Published("**0.19x** with all three", (BYTES + "prefill_sender_reduced_fp8.json", BYTES + "prefill_per_route.json"),
+              lambda lev, base: sent_bytes(lev, "prefill") / sent_bytes(base, "prefill"), 2),
+    Published("0.19x at decode too", (BYTES + "decode_sender_reduced_fp8.json", BYTES + "decode_per_route.json"),
+              lambda lev, base: sent_bytes(lev, "decode") / sent_bytes(base, "decode"), 2),
+    Published("dispatch rows per (token, rank) 0.28x", (BYTES + "prefill_per_rank_dispatch.json",
+                                                        BYTES + "prefill_per_route.json"),
+              lambda lev, base: sent_bytes(lev, "prefill", ("dispatch",)) / sent_bytes(base, "prefill", ("dispatch",)),
+              2),
+    Published("364 µs against 510", (BYTES + "prefill_per_rank_dispatch.json", BYTES + "prefill_per_route.json"),
+              lambda lev, base: (slowest(lev, "prefill", "graph", "dispatch"), slowest(base, "prefill", "graph",
+                                                                                       "dispatch"))),
     # the proxy's host time per phase
     Published("**36 / 29 µs at 8 ranks", ("emulated/proxy_shm.json",),
               lambda d: (proxy_phase(d, 8, "dispatch"), proxy_phase(d, 8, "combine"))),
