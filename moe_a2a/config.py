@@ -325,6 +325,11 @@ class A2AConfig:
         return Layout.from_config(self, world_size, node_size if node_size is not None else world_size)
 
 
+def _rows_per_token(experts_per_token: int, world_size: int, per_rank: bool) -> int:
+    """Rows a token takes at most: K routes, or with rows per (token, rank) min(K, W)."""
+    return min(experts_per_token, world_size) if per_rank else experts_per_token
+
+
 @dataclass(frozen=True)
 class Layout:
     """Sizes of one rank's buffers for a world of `world_size` ranks (`node_size` per node).
@@ -361,7 +366,7 @@ class Layout:
             raise ValueError(f"node_size must be a positive divisor of world_size ({W}), got {ns!r}")
         # Default P: twice the average rows one sender sends to one rank (T*K/W), rounded up to 8
         # and capped at T*K, so most senders need no remainder write at uniform routing.
-        send_rows = cfg.max_num_tokens * (min(cfg.experts_per_token, W) if cfg.rank_rows else cfg.experts_per_token)
+        send_rows = cfg.max_num_tokens * _rows_per_token(cfg.experts_per_token, W, cfg.rank_rows)
         if cfg.max_private_tokens is not None:
             private = min(cfg.max_private_tokens, send_rows)
         else:
@@ -383,15 +388,13 @@ class Layout:
         """Dispatch rows one rank sends at most (its send buffer's dispatch region; the most one source's
         remainder run can hold): T*K routes, or with per-rank rows T*min(K, W) (a token reaches at most K
         ranks, and at most every rank once)."""
-        return self.max_num_tokens * (min(self.experts_per_token, self.world_size) if self.rank_rows
-                                      else self.experts_per_token)
+        return self.max_num_tokens * _rows_per_token(self.experts_per_token, self.world_size, self.rank_rows)
 
     @cached_property
     def combine_rows(self) -> int:
         """Combine rows one rank receives at most, and sends back to one home at most: T*K route rows, or
         with rows reduced at the experts' rank T*min(K, W)."""
-        return self.max_num_tokens * (min(self.experts_per_token, self.world_size) if self.combine_rank_rows
-                                      else self.experts_per_token)
+        return self.max_num_tokens * _rows_per_token(self.experts_per_token, self.world_size, self.combine_rank_rows)
 
     @cached_property
     def max_recv_routes(self) -> int:

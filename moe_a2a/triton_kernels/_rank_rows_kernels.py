@@ -335,28 +335,27 @@ def _reduce_rank_rows_by_source_kernel(
         dst_b = _pick(back, src, W_PAD) + j * SC_BYTES
         dst = dst_b // ITEM_BYTES
         h0 = tl.program_id(1) * BLOCK_H  # one chunk of the hidden dimension per program: many loads in flight
-        if h0 < H:
-            cols = h0 + tl.arange(0, BLOCK_H)
-            mask = is_row[:, None] & (cols < H)[None, :]
-            acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-            for k in range(K):  # k order: the fp32 sum is rounded exactly as in the reference
-                y_row = _column(rows, kk, k)
-                wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-                y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :],
-                            mask=mask & (y_row >= 0)[:, None], other=0.0)
-                acc = tl.where((y_row >= 0)[:, None], acc + wk[:, None] * y.to(tl.float32), acc)
-            if FP8:  # the fp32 partial quantised in blocks of Q_BLOCK (BLOCK_H is whole blocks)
-                G: tl.constexpr = BLOCK_H // Q_BLOCK
-                q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False)
-                d.fp8_e4m3_store(base_ptr, dst_b[:, None] + cols[None, :], tl.reshape(q, (BLOCK_R, BLOCK_H)), mask,
-                                 FP8_VIA_BITS)
-                group = h0 // Q_BLOCK + tl.arange(0, G)
-                tl.store(base_f32 + ((dst_b + SCALE_OFFSET_BYTES) // 4)[:, None] + group[None, :],
-                         tl.reshape(scale, (BLOCK_R, G)), mask=is_row[:, None] & (group < (H + Q_BLOCK - 1) // Q_BLOCK)[None, :])
-            elif y_ty == tl.bfloat16:
-                tl.store(base_y + dst[:, None] + cols[None, :], _f32_to_bf16_rtne(acc), mask=mask)
-            else:
-                tl.store(base_y + dst[:, None] + cols[None, :], acc.to(y_ty), mask=mask)
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = is_row[:, None] & (cols < H)[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        for k in range(K):  # k order: the fp32 sum is rounded exactly as in the reference
+            y_row = _column(rows, kk, k)
+            wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+            y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :],
+                        mask=mask & (y_row >= 0)[:, None], other=0.0)
+            acc = tl.where((y_row >= 0)[:, None], acc + wk[:, None] * y.to(tl.float32), acc)
+        if FP8:  # the fp32 partial quantised in blocks of Q_BLOCK (BLOCK_H is whole blocks)
+            G: tl.constexpr = BLOCK_H // Q_BLOCK
+            q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False)
+            d.fp8_e4m3_store(base_ptr, dst_b[:, None] + cols[None, :], tl.reshape(q, (BLOCK_R, BLOCK_H)), mask,
+                             FP8_VIA_BITS)
+            group = h0 // Q_BLOCK + tl.arange(0, G)
+            tl.store(base_f32 + ((dst_b + SCALE_OFFSET_BYTES) // 4)[:, None] + group[None, :],
+                     tl.reshape(scale, (BLOCK_R, G)), mask=is_row[:, None] & (group < (H + Q_BLOCK - 1) // Q_BLOCK)[None, :])
+        elif y_ty == tl.bfloat16:
+            tl.store(base_y + dst[:, None] + cols[None, :], _f32_to_bf16_rtne(acc), mask=mask)
+        else:
+            tl.store(base_y + dst[:, None] + cols[None, :], acc.to(y_ty), mask=mask)
     if NODE_SYNC:
         d.combine_send_epilogue(base_ptr, counter_ptr, failed_ptr, peer_sync_bytes_ptr, aborted_ptr, epoch_ptr, flags_ptr,
                                 rank, node_first, READY_BYTES, ABORT_BYTES, NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)
