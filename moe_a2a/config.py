@@ -17,6 +17,7 @@ Buffers of one rank (slots are rows of `dispatch_stride_bytes` or `combine_strid
                  combine:  [C rows]    expert outputs of this rank's routes, at their dispatch send slot
                  sync area (used when all ranks share one node and wait on the GPU; else in the segment)
 
+The combine staging, private and remainder regions serve remote peers only: on one node they take no bytes.
 S = `Layout.send_rows`: T*K routes, or T*min(K, W) with one row per (token, rank) (`dispatch_rows="rank"`);
 C = `Layout.combine_rows`: T*K, or T*min(K, W) with rows reduced at the experts' rank (`combine_rows="rank"`).
 The dispatch and combine regions never overlap, so no phase waits for every peer to finish the
@@ -437,7 +438,16 @@ class Layout:
                 + self.header_rows * self.dispatch_stride_bytes - self.routing_row_bytes)
 
     @cached_property
+    def has_remote_peers(self) -> bool:
+        """Whether some rank is on another node. The private, remainder and combine staging regions serve
+        remote peers only (same-node peers are pulled from and pushed to through mapped memory), so on one
+        node they take no bytes (their offsets stay valid: nothing reads or writes there)."""
+        return self.node_size < self.world_size
+
+    @cached_property
     def remainder_offset_bytes(self) -> int:
+        if not self.has_remote_peers:
+            return self.private_offset_bytes
         return self.world_size * self.private_slot_rows * self.dispatch_stride_bytes
 
     # Sender's private staging region (send buffer, after its T*K dispatch rows): one slot per remote peer,
@@ -482,15 +492,16 @@ class Layout:
 
     @cached_property
     def send_bytes(self) -> int:
-        return round_up(self.combine_stage_offset_bytes + self.world_size * self.combine_rows * self.combine_stride_bytes,
-                        PAGE_BYTES)
+        stage_rows = self.world_size * self.combine_rows if self.has_remote_peers else 0
+        return round_up(self.combine_stage_offset_bytes + stage_rows * self.combine_stride_bytes, PAGE_BYTES)
 
     @cached_property
     def combine_recv_offset_bytes(self) -> int:
         """Where expert outputs for this rank's routes land, in its recv buffer (slot = the route's
         dispatch send slot): after the dispatch regions, so a fast peer's combine rows never overwrite
         dispatch rows still being unpacked (no barrier between the phases)."""
-        return self.remainder_offset_bytes + self.world_size * self.send_rows * self.dispatch_stride_bytes
+        remainder_rows = self.world_size * self.send_rows if self.has_remote_peers else 0
+        return self.remainder_offset_bytes + remainder_rows * self.dispatch_stride_bytes
 
     @cached_property
     def recv_bytes(self) -> int:

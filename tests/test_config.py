@@ -93,12 +93,15 @@ def test_buffers_too_large_for_this_machine_are_refused_naming_the_sizes():
     from moe_a2a.protocol.memory import check_fits_in_memory, physical_memory_bytes
 
     cfg = A2AConfig(max_num_tokens=45440, num_experts=256, experts_per_token=8, hidden_dim=7168)  # buildable
-    lay = cfg.layout(64)
-    assert lay.segment_bytes(True) == 687_908_872_192  # the write tables added a page (protocol.md, 3.2.1)
+    lay = cfg.layout(64, 8)  # 8 nodes: the remote regions are there (on one node they take no bytes)
+    assert lay.segment_bytes(True) == 697_029_664_768
+    one_node = cfg.layout(64)
+    assert one_node.segment_bytes(True) == 10_423_001_088
+    assert one_node.send_bytes < lay.send_bytes and one_node.recv_bytes < lay.recv_bytes
     with pytest.raises(ValueError) as info:
         check_fits_in_memory(lay, physical=256 << 30)
     msg = str(info.value)
-    for part in ("687,908,872,192 B (687.9 GB)", "physical memory (274,877,906,944 B, 274.9 GB)",
+    for part in ("697,029,664,768 B (697.0 GB)", "physical memory (274,877,906,944 B, 274.9 GB)",
                  f"send buffer {lay.send_bytes:,} B", f"recv buffer {lay.recv_bytes:,} B", "max_num_tokens=45440",
                  "experts_per_token=8", "world_size=64", "dispatch row 14336 B"):
         assert part in msg, (part, msg)

@@ -25,13 +25,14 @@ the K top-k weights, the combine sums with weight 1 per route in route (= rank) 
 accumulator's first term, so both sums are DeepEP's arithmetic exactly; the cast to bf16 is made once at
 the end. Costs beyond DeepEP's (for later, issue 32 items 1, 4, 7): one staging copy of `x` per dispatch and
 one copy out of the received rows; a combine of fp32 rows (twice DeepEP's bytes); buffers sized for R routes
-a token, W x T x R rows a rank (`AllToAll` does not know that a token goes at most once to a rank); one host all-gather per call
+a token (T x R send rows, W x T receive rows and T x R fp32 combine rows a rank on one node; across nodes also
+the remote regions, W x T x R rows); one host all-gather per call
 (the call's verdicts and counts, so that bad input raises on every rank before anything is sent).
 
 Calls on one Buffer are collective (every rank makes the same calls in the same order, as DeepEP requires).
-Instances are built at the first call that needs them (every rank in the same call), per payload kind
-(bf16 or fp8), hidden size and scale count, for the largest T any rank passed (rounded up to a power of two)
-and top-k; a later call with more tokens or top-k builds a larger set. Each set has two slots used
+Instances are built at the first call that needs them (every rank in the same call), per hidden size (bf16
+and fp8 calls share them: a row has room for either), for the largest T any rank passed (rounded up to a
+power of two) and top-k; a later call with more tokens or top-k builds a larger set. Each set has two slots used
 alternately (two dispatches in flight). DeepEP's handles stay valid for ever; ours are served on the slot
 that dispatched them: a dispatch whose slot still holds an uncombined call finishes that call first with a
 combine of nothing, and a handle combined again (or whose slot was reused) is dispatched again first (its
@@ -50,6 +51,7 @@ from ._api import _NO_EVENT, Config, EventOverlap
 
 FREE, DISPATCHED, COMBINED = range(3)
 _FP8 = torch.float8_e4m3fn
+_FP8_BLOCK = 128  # DeepEP's fp8 scale block: an fp8 call of hidden H passes ceil(H / 128) scales a token
 
 
 class NormalHandle(tuple):
@@ -97,23 +99,23 @@ class _Slot:
 
 
 class _Set:
-    """Two slots of instances for one row format: kind ("bf16" | "fp8"), hidden H, S scale words, top-k K,
-    up to T tokens a rank, each to at most R ranks (the instances' routes a token)."""
+    """Two slots of instances for hidden size H: up to S scale words, top-k K, up to T tokens a rank, each to
+    at most R ranks (the instances' routes a token). bf16 and fp8 calls share them (AllToAll moves the rows
+    as opaque words): a row holds 2H bytes of x (a bf16 token, or an fp8 one in its first H bytes), then S
+    scale words, then the metadata; so one set of buffers serves both kinds (at 8 ranks on one GPU, two
+    would not fit)."""
 
-    def __init__(self, kind: str, H: int, S: int, K: int, T: int, R: int) -> None:
-        self.kind, self.H, self.S, self.K, self.T, self.R = kind, H, S, K, T, R
-        self.in_dtype = torch.bfloat16 if kind == "bf16" else _FP8
-        item = 2 if kind == "bf16" else 1
-        self.x_bytes = H * item
-        self.scale_off = round_up(self.x_bytes, 4)
+    def __init__(self, H: int, S: int, K: int, T: int, R: int) -> None:
+        self.H, self.S, self.K, self.T, self.R = H, S, K, T, R
+        self.scale_off = 2 * H
         self.meta_off = self.scale_off + 4 * S
         total = round_up(self.meta_off + 4 * (1 + 2 * K), 4)
-        self.row_elems = total // item  # >= H + K: the fp32 combine row holds the output and K weights
+        self.row_elems = total // 2  # bf16 elements, >= H + K: the fp32 combine row holds the output and K weights
         self.slots: list[_Slot] = []
         self.next = 0
 
-    def fits(self, kind, H, S, K, T, R) -> bool:
-        return (self.kind, self.H, self.S) == (kind, H, S) and K <= self.K and T <= self.T and R <= self.R
+    def fits(self, H, S, K, T, R) -> bool:
+        return H == self.H and S <= self.S and K <= self.K and T <= self.T and R <= self.R
 
 
 def _int(value, name: str, low: int) -> int:
@@ -215,7 +217,7 @@ class NormalMode:
         i0 = infos[0]
         T_max, K_max = max(i["T"] for i in infos), i0["k"] or 0
         R_max = max(i["R"] for i in infos)  # the most ranks one token goes to, on any rank
-        set_ = self._set_for(i0["kind"], i0["H"], i0["S"], max(K_max, 1), T_max, max(R_max, 1), args["device"])
+        set_ = self._set_for(i0["H"], i0["S"], max(K_max, 1), T_max, max(R_max, 1), args["device"])
         _wait(previous_event)
         index, set_.next = set_.next, set_.next ^ 1
         slot = set_.slots[index]
@@ -372,9 +374,11 @@ class NormalMode:
         send = slot.send[:T]
         b = send.view(torch.uint8)
         x = args["x"]
-        b[:, :set_.x_bytes] = x.view(torch.uint8)
+        xb = x.view(torch.uint8)
+        b[:, :xb.shape[1]] = xb
         if args["scales"] is not None:
-            b[:, set_.scale_off:set_.meta_off].view(torch.int32).copy_(args["scales"].view(torch.int32))
+            S = args["scales"].shape[1]
+            b[:, set_.scale_off:set_.scale_off + 4 * S].view(torch.int32).copy_(args["scales"].view(torch.int32))
         K = set_.K
         meta = b[:, set_.meta_off:set_.meta_off + 4 * (1 + 2 * K)].view(torch.int32)
         meta[:, 0] = torch.arange(T, dtype=torch.int32, device=send.device)
@@ -391,12 +395,15 @@ class NormalMode:
         """recv_x (fresh tensors, `rows` of them, the first n received) and the rows' metadata."""
         dev, H, K = args["device"], set_.H, set_.K
         b = slot.ex.view(torch.uint8)[:n]
-        xb = torch.zeros(rows, set_.x_bytes, dtype=torch.uint8, device=dev)
-        xb[:n] = b[:, :set_.x_bytes]
-        recv_x = xb.view(set_.in_dtype)
-        if args["scales"] is not None:
-            sc = torch.zeros(rows, set_.S, dtype=args["scales"].dtype, device=dev)
-            sc[:n].view(torch.int32).copy_(b[:, set_.scale_off:set_.meta_off].view(torch.int32))
+        fp8 = args["scales"] is not None
+        x_bytes = H if fp8 else 2 * H
+        xb = torch.zeros(rows, x_bytes, dtype=torch.uint8, device=dev)
+        xb[:n] = b[:, :x_bytes]
+        recv_x = xb.view(_FP8 if fp8 else torch.bfloat16)
+        if fp8:
+            S = args["scales"].shape[1]
+            sc = torch.zeros(rows, S, dtype=args["scales"].dtype, device=dev)
+            sc[:n].view(torch.int32).copy_(b[:, set_.scale_off:set_.scale_off + 4 * S].view(torch.int32))
             recv_x = (recv_x, sc)
         meta = b[:, set_.meta_off:set_.meta_off + 4 * (1 + 2 * K)].view(torch.int32)
         out = {"src": meta[:, 0].clone()}
@@ -500,19 +507,20 @@ class NormalMode:
                               f"{', '.join(map(str, rejected))}: {table[rejected[0]][0]}; nothing was sent")
         return table
 
-    def _set_for(self, kind, H, S, K, T, R, device) -> _Set:
+    def _set_for(self, H, S, K, T, R, device) -> _Set:
         for s in reversed(self.sets):
-            if s.fits(kind, H, S, K, T, R):
+            if s.fits(H, S, K, T, R):
                 return s
-        same = [s for s in self.sets if (s.kind, s.H, s.S) == (kind, H, S)]
+        same = [s for s in self.sets if s.H == H]
         T = max([T, 16] + [s.T for s in same])
         T = 1 << (T - 1).bit_length()
         K = max([K] + [s.K for s in same])
         R = max([R] + [s.R for s in same])
-        set_ = _Set(kind, H, S, K, T, R)
+        S = max([S, -(-H // _FP8_BLOCK)] + [s.S for s in same])  # room for a later fp8 call's scales
+        set_ = _Set(H, S, K, T, R)
         W = self.W
         cfg = A2AConfig(max_num_tokens=T, num_experts=W, experts_per_token=R, hidden_dim=set_.row_elems,
-                        in_dtype=set_.in_dtype, scale_block=None, out_dtype=torch.float32,
+                        in_dtype=torch.bfloat16, scale_block=None, out_dtype=torch.float32,
                         expert_capacity=W * T)
         opts = dict(self.buf._options)
         if opts["device"] is None:
@@ -522,7 +530,7 @@ class NormalMode:
             with torch.device("cpu"):  # the construction's host tables are CPU tensors (DeepEP's test sets cuda)
                 for _ in range(2):
                     built.append(AllToAll(cfg, **opts))
-            set_.slots = [_Slot(a2a, set_.row_elems, set_.in_dtype, T) for a2a in built]
+            set_.slots = [_Slot(a2a, set_.row_elems, torch.bfloat16, T) for a2a in built]
         except BaseException:
             for a2a in built:
                 a2a.close()

@@ -154,8 +154,13 @@ def _pack_fused(c: FusedCase, cfg: A2AConfig | None = None):
     world = SimWorld.create(cfg, world_size=1, node_size=1, device=DEVICE)  # POISON everywhere
     extra, node_slots = {}, None
     n = int((slot >= 0).sum())
-    if c.split:  # the recv buffer after the send buffer serves as the remote rows' staging buffer
-        assert world.layout.recv_bytes >= cfg.max_routes * cfg.dispatch_stride_bytes
+    if c.split:  # remote rows' staging: a region after the buffers, named as the recv buffer (one node's has no
+        # remote regions: Layout.has_remote_peers)
+        stage = world.arena.numel()
+        arena = torch.full((stage + cfg.max_routes * cfg.dispatch_stride_bytes,), POISON, dtype=torch.uint8,
+                           device=DEVICE)
+        arena[:stage] = world.arena
+        world = replace(world, arena=arena, recv_bytes=[stage])
         node_slots = [n // 3, n - n // 3]
         extra = dict(remote_send_offset_bytes=world.recv_bytes[0],
                      node_slots=torch.tensor(node_slots, dtype=torch.int32, device=DEVICE))
