@@ -282,6 +282,7 @@ def _reduce_rank_rows_by_source_kernel(
     P: tl.constexpr, HEADER_ROWS: tl.constexpr, PRIVATE_OFFSET_BYTES: tl.constexpr,
     SD_BYTES: tl.constexpr, SC_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr, ITEM_BYTES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAPACITY: tl.constexpr,
+    ALIGN_BYTES: tl.constexpr = 1,  # every destination row starts at a multiple of it (16: vector stores)
     FP8: tl.constexpr = False,  # A2AConfig.combine_fp8: rows as fp8 e4m3 + fp32 scales per Q_BLOCK
     Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0, FP8_VIA_BITS: tl.constexpr = False,
     # Same-node synchronisation (NodeSync.kernel_args("combine_send")), only with NODE_SYNC:
@@ -332,13 +333,14 @@ def _reduce_rank_rows_by_source_kernel(
         rows = tl.where(rows < num_y_rows, rows, -1)
         w = tl.load(base_f32 + meta[:, None] + 2 * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
                     other=0.0)
-        dst_b = _pick(back, src, W_PAD) + j * SC_BYTES
-        dst = dst_b // ITEM_BYTES
+        # (without the hint every element is stored alone: 2-byte, or 1-byte fp8, stores)
+        dst_b = tl.multiple_of(_pick(back, src, W_PAD) + j * SC_BYTES, ALIGN_BYTES)
+        dst = tl.multiple_of(dst_b // ITEM_BYTES, ALIGN_BYTES // ITEM_BYTES if ALIGN_BYTES > ITEM_BYTES else 1)
         h0 = tl.program_id(1) * BLOCK_H  # one chunk of the hidden dimension per program: many loads in flight
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = is_row[:, None] & (cols < H)[None, :]
         acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-        for k in range(K):  # k order: the fp32 sum is rounded exactly as in the reference
+        for k in tl.static_range(K):  # k order (the fp32 sum rounds as the reference's); unrolled: K loads in flight
             y_row = _column(rows, kk, k)
             wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
             y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :],

@@ -243,6 +243,10 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         block_h = max(block_h, COMBINE_FP8_BLOCK)
     grid = (grid[0], ceil_div(H, block_h))  # the hidden chunks side by side (the row walk is repeated per chunk)
     no_fma = {"enable_fp_fusion": False} if device.type == "cuda" else {}  # (the interpreter never fuses)
+    # Destination rows: node homes' combine regions (buffers placed as `base`'s, as the route rows' pack
+    # assumes) or the staging area, at multiples of the combine stride.
+    align = launch.align_words(1, base.data_ptr(), stage_bytes, layout.combine_recv_offset_bytes,
+                               cfg.combine_stride_bytes)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
     _BY_SOURCE.launch(
         key, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,
@@ -252,7 +256,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         K_PAD=next_power_of_2(cfg.experts_per_token), PAD=cfg.expert_padding, H=H,
         META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, ITEM_BYTES=item,
-        BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity,
+        BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity, ALIGN_BYTES=align,
         num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args,
         # `acc + w * y` as two roundings, as the reference: an FMA moves a partial by an ulp, which flips its
         # fp8 rounding at ties (0.3% of elements with the toy expert's coarse outputs, reproduced on CPU)
