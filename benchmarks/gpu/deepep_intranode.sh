@@ -9,10 +9,8 @@
 # `deep_ep.utils`, and a stand-in for its C++ extension holding only the names those utilities import.
 # --shared-gpu: more processes than GPUs; `deep_ep.utils.envs` is then ours (benchmarks/gpu/
 # deepep_shared_gpu_envs.py: DeepEP's module with an init_dist that shares GPUs and uses gloo), the rest DeepEP's.
-# Passes at 2 processes on 1 x H200 under MPS (2026-12-02, docs/compat.md).
-# Memory: its buffers are sized W x T x min(W, top-k) rows a rank for now, about 1 GB an instance at 2 processes with the test's
-# defaults (4096 tokens, hidden 7168) and 9.4 GB at 8, four instances once fp8 calls come: 8 processes sharing one
-# H200 will not fit until AllToAll sizes rows per (token, rank) (issue 32, items 1 and 4).
+# Passes at 2 and 8 processes on 1 x H200 under MPS (2026-12-02, docs/compat.md). Memory at the test's defaults
+# (4096 tokens, hidden 7168, top-8): about 6 GB a rank at 8 processes (two instances for bf16 and fp8 calls).
 set -euo pipefail
 # The same assembly as the low-latency test (deepep_low_latency.sh), another test of DeepEP's.
 DEEPEP_TEST=test_intranode.py exec bash "$(dirname "$0")/deepep_low_latency.sh" "$@"
