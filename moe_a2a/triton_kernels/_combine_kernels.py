@@ -107,7 +107,7 @@ def _pack_combine_by_source_kernel(
         src_words = y_row * stride_y_r
         if FP8:  # words are bytes
             d.fp8_quantize_rows(expert_y_ptr, src_words, base_ptr, dst_words, is_row, Y_WORDS, SCALE_OFFSET_BYTES,
-                                BLOCK_R, G, Q_BLOCK, FP8_VIA_BITS, ALIGN_WORDS)
+                                BLOCK_R, G, Q_BLOCK, FP8_VIA_BITS)
         else:
             d.copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
     if NODE_SYNC:

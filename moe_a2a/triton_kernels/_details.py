@@ -580,7 +580,6 @@ def fp8_quantize_rows(
     G: tl.constexpr,                   # scale groups per step (a power of two): the tile is [BLOCK_R * G, Q_BLOCK]
     Q_BLOCK: tl.constexpr,             # elements per scale (a power of two; 128 for the combine)
     FP8_VIA_BITS: tl.constexpr,
-    ALIGN: tl.constexpr = 1,           # every dst_bytes is a multiple of it (16: 16-byte stores, not bytes)
 ):
     """Quantise H elements of every row i with is_row[i] into its slot: fp8 bytes at dst_bytes[i] + [0, H),
     one fp32 scale per Q_BLOCK elements at dst_bytes[i] + SCALE_OFFSET_BYTES (`fp8_block_quantize` without
@@ -590,7 +589,7 @@ def fp8_quantize_rows(
     NUM_SCALES: tl.constexpr = (H + Q_BLOCK - 1) // Q_BLOCK
     N: tl.constexpr = BLOCK_R * G
     src_rep = tl.reshape(tl.broadcast_to(src_elems[:, None], (BLOCK_R, G)), (N,))
-    dst_rep = tl.multiple_of(tl.reshape(tl.broadcast_to(dst_bytes[:, None], (BLOCK_R, G)), (N,)), ALIGN)
+    dst_rep = tl.reshape(tl.broadcast_to(dst_bytes[:, None], (BLOCK_R, G)), (N,))
     ok_rep = tl.reshape(tl.broadcast_to(is_row.to(tl.int32)[:, None], (BLOCK_R, G)), (N,)) != 0
     lane = tl.arange(0, N) % G
     elem = tl.arange(0, Q_BLOCK)
