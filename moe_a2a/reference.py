@@ -210,8 +210,9 @@ def combine(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: Tenso
 #   value with `accumulate`), and casts once to out_dtype. The weights are those given to the dispatch,
 #   which carries them (K fp32 a token): bitwise the home rank's weights.
 # - fp8 combine: every combine row (node-local or remote, so that the result does not depend on the
-#   node layout) is block-scaled fp8 e4m3 with fp32 scales, 128 elements a block, by the same formula as
-#   the dispatch's quantisation (`triton_kernels/quant.py`, `quantize_fp8_blocks` below); the reduce
+#   node layout) is block-scaled fp8 e4m3 with fp32 scales, 128 elements a block, the scale as the
+#   dispatch's quantisation (`triton_kernels/quant.py`) but x times its reciprocal where the dispatch
+#   divides (`quantize_fp8_blocks` below: one division a block, not one an element); the reduce
 #   dequantises (`fp32(q) * scale`, one fp32 rounding) before it weights and sums. Per route
 #   (`combine_fp8`): the expert output rows, as the grouped GEMM wrote them in out_dtype, are quantised.
 #   Reduced at the sender: the fp32 partial is quantised directly (no out_dtype rounding in between).
@@ -227,15 +228,16 @@ def quantize_fp8_blocks(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
 
     Per row and block (the last block may be shorter): `scale = amax(|x_block|) / 448` (fp32, correctly
     rounded), `scale = 1` when it is below 2**-126 (all-zero and tiny blocks),
-    `q = e4m3fn(clamp(x / scale, -448, 448))` (round to nearest even). Returns `(q [T, H] float8_e4m3fn,
-    scale [T, ceil(H / block)] float32)`. x: `[T, H]` bf16/fp16/fp32, finite.
+    `q = e4m3fn(clamp(x * (1 / scale), -448, 448))` (the reciprocal correctly rounded in fp32, one a block;
+    round to nearest even). Returns `(q [T, H] float8_e4m3fn, scale [T, ceil(H / block)] float32)`. x: `[T, H]`
+    bf16/fp16/fp32, finite. (The dispatch's quantisation, `triton_kernels/quant.py`, divides instead.)
     """
     T, H = x.shape
     S = ceil_div(H, block)
     padded = torch.nn.functional.pad(x.float(), (0, S * block - H)).reshape(T, S, block)
     scale = padded.abs().amax(-1) / FP8_E4M3_MAX
     scale = torch.where(scale >= 2.0 ** -126, scale, torch.ones_like(scale))
-    q = (padded / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(T, S * block)[:, :H]
+    q = (padded * (1.0 / scale)[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(T, S * block)[:, :H]
     return q.to(torch.float8_e4m3fn), scale
 
 

@@ -477,9 +477,11 @@ def expert_row_words(out_row, stride_e, stride_r, CAPACITY: tl.constexpr):
 # fp8 e4m3 block quantisation (the formula and why each step: quant.py's overview)
 # ================================================================================================
 @triton.jit
-def fp8_block_quantize(x, ROUND_SCALE: tl.constexpr):
+def fp8_block_quantize(x, ROUND_SCALE: tl.constexpr, BY_RECIPROCAL: tl.constexpr = False):
     """x: [N, C] fp32, one scale block per row (masked elements 0). Returns (q [N, C] fp32 in [-448, 448],
-    exactly representable after the fp8 cast's rounding, scale [N] fp32)."""
+    exactly representable after the fp8 cast's rounding, scale [N] fp32). BY_RECIPROCAL (the combine's fp8
+    rows, `reference.quantize_fp8_blocks`): q = x * (1 / scale), one division a block instead of one an
+    element (an IEEE division is a subroutine of ~10 instructions: it was the fp8 combine pack's cost)."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(amax, 448.0)
     scale = tl.where(scale >= 1.1754943508222875e-38, scale, 1.0)  # 2**-126
@@ -487,7 +489,10 @@ def fp8_block_quantize(x, ROUND_SCALE: tl.constexpr):
         # 2 ** ceil(log2(scale)) of a positive normal fp32: clear the mantissa, carrying into the
         # exponent when it was not zero (scale <= 3.4e38 / 448: the exponent cannot overflow).
         scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    q = tl.div_rn(x, scale[:, None])
+    if BY_RECIPROCAL:
+        q = x * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    else:
+        q = tl.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     return q, scale
 
@@ -542,7 +547,7 @@ def live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M
 #
 # A slot holds H fp8 e4m3 bytes at [0, H) and ceil(H / Q_BLOCK) fp32 scales from SCALE_OFFSET_BYTES
 # (`A2AConfig.combine_scale_offset_bytes`); the math is `reference.quantize_fp8_blocks` /
-# `dequantize_fp8_blocks` (the formula of `fp8_block_quantize`, no power-of-two scales). Combine pack and
+# `dequantize_fp8_blocks` (`fp8_block_quantize` BY_RECIPROCAL, no power-of-two scales). Combine pack and
 # reduce use these; so may any kernel that writes or reads such slots (a sender-side reduce).
 # ================================================================================================
 @triton.jit
@@ -599,7 +604,7 @@ def fp8_quantize_rows(
         cols = group[:, None] * Q_BLOCK + elem[None, :]
         mask = ok_rep[:, None] & (cols < H)
         x = tl.load(src_ptr + src_rep[:, None] + cols, mask=mask, other=0.0).to(tl.float32)
-        q, scale = fp8_block_quantize(x, False)
+        q, scale = fp8_block_quantize(x, False, True)
         fp8_e4m3_store(dst_ptr, dst_rep[:, None] + cols, q, mask, FP8_VIA_BITS)
         tl.store(scale_ptr + (dst_rep + SCALE_OFFSET_BYTES) // 4 + group, scale, mask=ok_rep & (group < NUM_SCALES))
 

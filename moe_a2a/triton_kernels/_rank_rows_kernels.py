@@ -348,7 +348,7 @@ def _reduce_rank_rows_by_source_kernel(
             acc = tl.where((y_row >= 0)[:, None], acc + wk[:, None] * y.to(tl.float32), acc)
         if FP8:  # the fp32 partial quantised in blocks of Q_BLOCK (BLOCK_H is whole blocks)
             G: tl.constexpr = BLOCK_H // Q_BLOCK
-            q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False)
+            q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False, True)
             d.fp8_e4m3_store(base_ptr, dst_b[:, None] + cols[None, :], tl.reshape(q, (BLOCK_R, BLOCK_H)), mask,
                              FP8_VIA_BITS)
             group = h0 // Q_BLOCK + tl.arange(0, G)
