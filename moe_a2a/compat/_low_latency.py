@@ -62,6 +62,10 @@ from ._slots import fp8_quantize as _fp8_quantize
 from ._slots import pad_routes as _pad_routes
 from ._slots import set_key as _set_key
 
+_Tensor = torch.Tensor
+_BF16 = torch.bfloat16
+_tuple_new = tuple.__new__  # a NamedTuple's fields without its __new__'s Python frame
+
 
 class Handle(NamedTuple):
     """What `low_latency_dispatch` returns for its combine; indexes as DeepEP's handle.
@@ -129,6 +133,74 @@ class LowLatencyMode(LowLatencySets):
                  dispatch_wait_recv_cost_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, kwargs: dict):
         """`Buffer.low_latency_dispatch` (its docstring says what it takes and returns)."""
+        # The steady state: a call whose arguments `_dispatch_plan` would derive the same plan from as the
+        # last call it accepted (the same x and topk_idx shapes, strides and dtype, the same sizes and
+        # options; no keywords, no statistics) takes that plan: it was checked then and is what the full
+        # path would derive again. Anything else (and every rejected call) takes the full path.
+        steady = self._steady
+        if steady is not None and type(x) is _Tensor and type(topk_idx) is _Tensor \
+                and cumulative_local_expert_recv_stats is None and dispatch_wait_recv_cost_stats is None \
+                and not kwargs and use_fp8 is steady[1] and round_scale is steady[2] and use_ue8m0 is steady[3] \
+                and type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int \
+                and steady[0] == (x.shape, x.stride(), x.dtype, topk_idx.shape, num_max_dispatch_tokens_per_rank,
+                                  num_experts):
+            error, (key, indices, built, pad, use_fp8, ue8m0, quantize, T, H) = None, steady[4]
+            self._last_key = key
+        else:
+            error, key, indices, built, pad, use_fp8, ue8m0, quantize, T, H = self._dispatch_plan(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, kwargs)
+        index = self._next
+        self._next = index ^ 1
+        self._calls = call = self._calls + 1  # every rank counts every call, aborted ones included
+        index = indices[index]  # this set's slot of the alternation
+        slot = self._slots[index]
+        state = slot.state
+        if state == _COMBINED and slot.key in self._scratch:  # the common case of `_retire`: nothing to finish
+            slot.state, slot.payload, slot.stats, slot.combine_args = _FREE, None, None, None
+        elif state != _FREE:
+            self._retire(slot)  # the slot's previous call, if it was left unfinished
+        if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
+            self._build_fp8(indices)  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
+        instances = slot.instances
+        slot.a2a = a2a = instances.get(use_fp8) or instances[False]  # no fp8 instance: bf16 rows
+        if error is not None:
+            # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
+            # and the next one works, as with bad input to AllToAll.dispatch.
+            a2a.abort(str(error))
+        if pad:  # fewer routes per token than the instances take: padded with -1
+            topk_idx = _pad_routes(topk_idx, built[2], -1)
+        slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = call, T, x, quantize, ue8m0
+        slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
+        try:
+            # (out_quantized_scale: `slot.quantized_scales()`, inline)
+            a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
+                         do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
+                         out_quantized_scale=None if return_recv_hook or quantize is None
+                         else slot.recv_x[True, ue8m0][1])
+        except BaseException:
+            slot.free()
+            raise
+        if return_recv_hook:
+            slot.state = _DISPATCH_SENT
+            hook = self._hook(slot, call, _Slot.receive_dispatch)
+        else:
+            slot.state = _DISPATCHED  # `slot.received()`, inline
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(slot.num)
+            hook = None
+        # Handle(src_info, layout_range, num_max, hidden, num_experts, slot, call, num_tokens)
+        handle = _tuple_new(Handle, (slot.src_info, slot.layout_range, built[0], H, built[1], index, call, T))
+        return slot.recv_x[use_fp8, ue8m0], slot.num, handle, self._event(slot) if async_finish else _NO_EVENT, hook
+
+    def _dispatch_plan(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                       use_ue8m0, kwargs: dict) -> tuple:
+        """A dispatch's checks of its own arguments, and the set of instances that serves it (built here at
+        the first call of its sizes, collectively): `(error or None, the set's key, its slots' indices, the
+        sizes they were built for, whether topk_idx is padded, use_fp8, use_ue8m0, the pack's quantisation,
+        x's T and H)`.
+        An accepted call of plain arguments leaves its plan in `_steady` for the next call like it."""
         error, sizes, first = None, None, not self._slots
         try:
             if kwargs:
@@ -146,7 +218,8 @@ class LowLatencyMode(LowLatencySets):
             self._build(error, sizes, x, use_fp8)
         indices = self._sets.get(key)
         if indices is None:  # rejected input whose arguments name no set: the call aborts on the last one's
-            indices = self._sets[self._last_key]
+            key = self._last_key
+            indices = self._sets[key]
         else:
             self._last_key = key
         built = self._slots[indices[0]].key
@@ -171,97 +244,67 @@ class LowLatencyMode(LowLatencySets):
                 self._check_cost_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
             except ValueError as exc:
                 error = exc
-        index, self._next = self._next, self._next ^ 1
-        self._calls += 1  # every rank counts every call, aborted ones included
-        index = indices[index]  # this set's slot of the alternation
-        slot = self._slots[index]
-        if slot.state != _FREE:
-            self._retire(slot)  # the slot's previous call, if it was left unfinished
+        flags = (use_fp8, round_scale, use_ue8m0)
         use_fp8 = bool(use_fp8)
-        if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
-            self._build_fp8(indices)  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
-        slot.a2a = slot.instances.get(use_fp8) or slot.instances[False]  # no fp8 instance: bf16 rows
-        if error is not None:
-            # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
-            # and the next one works, as with bad input to AllToAll.dispatch.
-            slot.a2a.abort(str(error))
-        T, H = x.shape
-        if sizes[2] < built[2]:  # fewer routes per token than the instances take: padded with -1
-            topk_idx = _pad_routes(topk_idx, built[2], -1)
+        if error is not None:  # (the call aborts before what follows is needed)
+            return error, key, indices, built, False, use_fp8, False, None, 0, 0
+        pad = sizes[2] < built[2]
         ue8m0 = use_fp8 and bool(use_ue8m0)
         # fp8: the pack quantises x straight into the rows it sends (fp8 bytes, then the scales).
-        quantize = _fp8_quantize(H, bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
-        slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = self._calls, T, x, quantize, ue8m0
-        slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
-        try:
-            slot.a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
-                              do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
-                              out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
-        except BaseException:
-            slot.free()
-            raise
-        if return_recv_hook:
-            slot.state = _DISPATCH_SENT
-        else:
-            slot.received()
-        handle = Handle(slot.src_info, slot.layout_range, built[0], H, built[1], index, slot.call, T)
-        hook = self._hook(slot, slot.call, _Slot.receive_dispatch) if return_recv_hook else None
-        return slot.recv_x[use_fp8, ue8m0], slot.num, handle, self._event(slot) if async_finish else _NO_EVENT, hook
+        quantize = _fp8_quantize(sizes[3], bool(round_scale) or ue8m0, ue8m0) if use_fp8 else None
+        plan = (key, indices, built, pad, use_fp8, ue8m0, quantize, *x.shape)
+        if not kwargs and cumulative_local_expert_recv_stats is None \
+                and dispatch_wait_recv_cost_stats is None and all(type(f) is bool for f in flags) \
+                and type(x) is _Tensor and type(topk_idx) is _Tensor:
+            self._steady = ((x.shape, x.stride(), x.dtype, topk_idx.shape, num_max_dispatch_tokens_per_rank,
+                             num_experts), *flags, plan)
+        return (None, *plan)
 
     # ---- combine ----------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
                 use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
                 out: torch.Tensor | None, combine_wait_recv_cost_stats: torch.Tensor | None, kwargs: dict):
         """`Buffer.low_latency_combine` (its docstring says what it takes and returns)."""
-        try:
-            slot = self._slot_of(handle)
-        except ValueError as exc:
-            self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
-        K = self._key[2]  # shrink mode's buffers are built for top-k 8: pad fewer
-        if self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
-                and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
+        slots = self._slots
+        if type(handle) is Handle and 0 <= handle.slot < len(slots):  # `_slot_of`'s checks, inline
+            slot = slots[handle.slot]
+            if slot.call != handle.call or slot.state == _FREE:
+                slot = None
+        else:
+            slot = None
+        if slot is None:
+            try:
+                slot = self._slot_of(handle)
+            except ValueError as exc:
+                self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
+        # Fewer routes per token than the instances take: padded. Shrink mode's buffers are built for the
+        # first set's top-k (8); other instances may be built for more routes than this call's (see the
+        # dispatch).
+        K = self._key[2] if self.enable_shrink else slot.key[2]
+        if isinstance(topk_idx, _Tensor) and topk_idx.dim() == 2 and topk_idx.shape[1] < K \
+                and isinstance(topk_weights, _Tensor) and topk_weights.dim() == 2 \
                 and topk_weights.shape[1] == topk_idx.shape[1]:
             topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
-        K = slot.key[2]  # instances built for more routes per token than this call's (see the dispatch)
-        if not self.enable_shrink and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 \
-                and topk_idx.shape[1] < K and isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 \
-                and topk_weights.shape[1] == topk_idx.shape[1]:
-            topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
-        if slot.state == _DISPATCH_SENT or slot.state == _COMBINE_SENT:
-            slot.settle()
         moved = None  # shrink mode: the rows of the handle's layout that a repeated combine moved
-        if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
-            moved = self._dispatch_again(slot, topk_idx)
+        state = slot.state
+        if state != _DISPATCHED:
+            if state == _DISPATCH_SENT or state == _COMBINE_SENT:
+                slot.settle()
+            if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
+                moved = self._dispatch_again(slot, topk_idx)
         a2a, shape = slot.a2a, slot.shape
         H = shape[2]
         if out is None:
             out = torch.empty(slot.T, H, dtype=torch.bfloat16, device=a2a.device)
-        try:
-            if kwargs:
-                raise ValueError(f"unexpected arguments {sorted(kwargs)}: not arguments of DeepEP's "
-                                 f"low_latency_combine (SGLang's single-batch overlap passes overlap / "
-                                 f"comp_signal / src_signals ... for a DeepEP fork: not supported; docs/compat.md)")
-            if combine_wait_recv_cost_stats is not None:
-                self._check_cost_stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
-            if use_logfmt:
-                raise ValueError("use_logfmt=True: LogFMT (DeepEP's 10-bit combine encoding) is not implemented "
-                                 "by moe_a2a's DeepEP facade: pass use_logfmt=False (the combine sends bf16); "
-                                 "docs/compat.md")
-            if zero_copy:
-                if slot.combine_buf is None:
-                    raise ValueError("zero_copy=True: nothing was written to get_next_low_latency_combine_buffer("
-                                     "handle) for this handle (call it, write the expert outputs there, then combine)")
-                y = slot.combine_buf
-            else:
-                y = x
-                if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != torch.bfloat16 \
-                        or x.device != a2a.device:
-                    raise ValueError(f"x: expected {list(shape)} bfloat16 expert outputs on {a2a.device}, got "
-                                     f"{(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__}")
-            if return_recv_hook:  # checked before sending: a receive that cannot run would leave the call open
-                check_combine_recv(a2a.cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
-        except ValueError as exc:
-            self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
+        y = x
+        # The common case in one test; the checks (and their messages) in `_check_combine` otherwise.
+        if kwargs or combine_wait_recv_cost_stats is not None or use_logfmt or zero_copy or return_recv_hook \
+                or type(x) is not _Tensor or x.shape != shape or x.dtype is not _BF16 or x.device != a2a.device:
+            try:
+                y = self._check_combine(slot, x, topk_idx, topk_weights, use_logfmt, zero_copy, return_recv_hook,
+                                        out, combine_wait_recv_cost_stats, kwargs)
+            except ValueError as exc:
+                self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
         expert_y = y.reshape(-1, H)  # a view of contiguous outputs (a copy of others)
         if moved is not None:  # the outputs are in the handle's layout: into the one dispatched again
             expert_y = _move_rows(expert_y, *moved)
@@ -271,9 +314,42 @@ class LowLatencyMode(LowLatencySets):
         except BaseException:
             slot.free()
             raise
-        slot.state = _COMBINE_SENT if return_recv_hook else _COMBINED
-        hook = self._hook(slot, slot.call, _Slot.receive_combine) if return_recv_hook else None
-        return out, self._event(slot) if async_finish else _NO_EVENT, hook
+        if return_recv_hook:
+            slot.state = _COMBINE_SENT
+            return out, self._event(slot) if async_finish else _NO_EVENT, self._hook(slot, slot.call,
+                                                                                      _Slot.receive_combine)
+        slot.state = _COMBINED
+        return out, self._event(slot) if async_finish else _NO_EVENT, None
+
+    def _check_combine(self, slot: _Slot, x, topk_idx, topk_weights, use_logfmt, zero_copy, return_recv_hook,
+                       out, combine_wait_recv_cost_stats, kwargs: dict) -> torch.Tensor:
+        """A combine's checks of its own arguments (ValueError): the expert outputs it sends (`x`, or the
+        zero-copy buffer)."""
+        a2a, shape = slot.a2a, slot.shape
+        if kwargs:
+            raise ValueError(f"unexpected arguments {sorted(kwargs)}: not arguments of DeepEP's "
+                             f"low_latency_combine (SGLang's single-batch overlap passes overlap / "
+                             f"comp_signal / src_signals ... for a DeepEP fork: not supported; docs/compat.md)")
+        if combine_wait_recv_cost_stats is not None:
+            self._check_cost_stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
+        if use_logfmt:
+            raise ValueError("use_logfmt=True: LogFMT (DeepEP's 10-bit combine encoding) is not implemented "
+                             "by moe_a2a's DeepEP facade: pass use_logfmt=False (the combine sends bf16); "
+                             "docs/compat.md")
+        if zero_copy:
+            if slot.combine_buf is None:
+                raise ValueError("zero_copy=True: nothing was written to get_next_low_latency_combine_buffer("
+                                 "handle) for this handle (call it, write the expert outputs there, then combine)")
+            y = slot.combine_buf
+        else:
+            y = x
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != torch.bfloat16 \
+                    or x.device != a2a.device:
+                raise ValueError(f"x: expected {list(shape)} bfloat16 expert outputs on {a2a.device}, got "
+                                 f"{(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if return_recv_hook:  # checked before sending: a receive that cannot run would leave the call open
+            check_combine_recv(a2a.cfg, a2a.device, slot.T, out, topk_weights, topk_idx)
+        return y
 
     def next_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """`Buffer.get_next_low_latency_combine_buffer`: the zero-copy combine's buffer of this handle."""

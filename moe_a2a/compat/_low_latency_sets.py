@@ -45,6 +45,9 @@ class LowLatencySets:
         # indices in _slots (a call of sizes not built yet builds theirs); the set of the last call.
         self._sets: dict[tuple, tuple[int, int]] = {}
         self._last_key = None
+        # The last accepted dispatch's plan, for the next call of the same arguments' signature
+        # (`LowLatencyMode.dispatch`): (signature, use_fp8, round_scale, use_ue8m0, plan) or None.
+        self._steady = None
         self._next = 0
         self._calls = 0
         self._token_ids: _Prefixes | None = None  # [T, 1]: tokens 0..T-1, the scale column (made at the build)
@@ -138,7 +141,7 @@ class LowLatencySets:
         for s in self._slots:
             for a2a in s.instances.values():
                 a2a.close()
-        self._slots = []
+        self._slots, self._steady = [], None
 
     def _scratch_buffers(self, slot: _Slot | None = None) -> dict:
         """What a combine of nothing sends and receives, per set of sizes (`slot`'s; None: the first set)."""

@@ -14,14 +14,19 @@ from ..triton_kernels import routing
 from ..triton_kernels.quant import Fp8Quantize, check_fused_quantize
 
 
+_Tensor, _F32, _I32, _I64 = torch.Tensor, torch.float32, torch.int32, torch.int64
+
+
 def check_tensor(name: str, t: Any, shape: tuple | None, dtype, device: torch.device, last_contig: bool = True) -> None:
     """Tensor contract at the API boundary: a ValueError naming the argument, expected vs actual."""
-    # The common case in a few C calls (every call checks about ten tensors); messages only on a failure.
-    if isinstance(t, torch.Tensor):
+    # The common case in a few C calls (every call checks about ten tensors); messages only on a failure
+    # (a subclass of Tensor takes the detailed path, which accepts it alike).
+    if type(t) is _Tensor:
         dt = t.dtype
-        if (dt is dtype or (type(dtype) is tuple and dt in dtype)) and (shape is None or t.shape == shape) \
-                and t.device == device and (not last_contig or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1):
-            return
+        if (dt is dtype or (type(dtype) is tuple and dt in dtype)) and t.device == device:
+            sh = t.shape
+            if (shape is None or sh == shape) and (not last_contig or not sh or t.stride()[-1] == 1 or sh[-1] <= 1):
+                return
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -73,21 +78,34 @@ def check_rank_mask(mask, rank: int, world_size: int) -> None:
 
 def check_dispatch_inputs(cfg: A2AConfig, device, x, x_scale, indices, bound_m, weights=None) -> None:
     """The send half's tensor contracts (indices checked on the host on a CPU only)."""
-    check_tensor("x", x, None, cfg.in_dtype, device)
-    if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
-        raise ValueError(f"x: expected [T, {cfg.hidden_dim}], got {tuple(x.shape)}")
-    T = x.shape[0]
-    if T > cfg.max_num_tokens:
-        raise ValueError(f"x: {T} tokens > max_num_tokens ({cfg.max_num_tokens})")
-    if cfg.has_scales:
-        if x_scale is None:
-            raise ValueError(f"x_scale: this config has scales (scale_block={cfg.block_size}); got None")
-        check_tensor("x_scale", x_scale, (T, cfg.num_scales), torch.float32, device)
-    elif x_scale is not None:
-        raise ValueError("x_scale: this config has no scales; pass None")
-    check_tensor("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
-    if not indices.is_contiguous():
-        raise ValueError("indices: must be contiguous")
+    # x, x_scale and indices: their common case in one test of what the checks after it accept; those
+    # run (and say what is wrong) only when it fails.
+    sh = x.shape if type(x) is _Tensor else None
+    if sh is not None and len(sh) == 2 and x.dtype is cfg.in_dtype and x.device == device \
+            and sh[1] == cfg.hidden_dim and sh[0] <= cfg.max_num_tokens and (sh[1] <= 1 or x.stride()[-1] == 1) \
+            and (type(x_scale) is _Tensor and x_scale.dtype is _F32 and x_scale.device == device
+                 and x_scale.shape == (sh[0], cfg.num_scales) and (cfg.num_scales <= 1 or x_scale.stride()[-1] == 1)
+                 if cfg.has_scales else x_scale is None) \
+            and type(indices) is _Tensor and (indices.dtype is _I64 or indices.dtype is _I32) \
+            and indices.device == device and indices.shape == (sh[0], cfg.experts_per_token) \
+            and indices.is_contiguous():
+        T = sh[0]
+    else:
+        check_tensor("x", x, None, cfg.in_dtype, device)
+        if x.dim() != 2 or x.shape[1] != cfg.hidden_dim:
+            raise ValueError(f"x: expected [T, {cfg.hidden_dim}], got {tuple(x.shape)}")
+        T = x.shape[0]
+        if T > cfg.max_num_tokens:
+            raise ValueError(f"x: {T} tokens > max_num_tokens ({cfg.max_num_tokens})")
+        if cfg.has_scales:
+            if x_scale is None:
+                raise ValueError(f"x_scale: this config has scales (scale_block={cfg.block_size}); got None")
+            check_tensor("x_scale", x_scale, (T, cfg.num_scales), torch.float32, device)
+        elif x_scale is not None:
+            raise ValueError("x_scale: this config has no scales; pass None")
+        check_tensor("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)
+        if not indices.is_contiguous():
+            raise ValueError("indices: must be contiguous")
     if bound_m is not None:
         check_tensor("bound_m", bound_m, (1,), torch.int32, device)
     if cfg.combine_rows == "rank":  # the experts' rank applies the weights: they travel with the rows
@@ -128,7 +146,11 @@ def check_quantize(cfg: A2AConfig, quantize, seen: tuple | None) -> tuple[Any, t
 def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, ranges=None, qs=None,
                            quantize=None) -> None:
     """The receive half's output contracts (`qs`: out_quantized_scale, for the call's `quantize`)."""
-    if ranges is not None:
+    # Each optional output's common case in one test of what the checks below accept; they run (and say
+    # what is wrong) only when it fails.
+    if ranges is not None and not (type(ranges) is _Tensor and ranges.dtype is _I64 and ranges.device == device
+                                   and ranges.shape == (lay.num_local_experts, lay.world_size)
+                                   and ranges.is_contiguous()):
         check_tensor("out_source_ranges", ranges, (lay.num_local_experts, lay.world_size), torch.int64, device)
         if not ranges.is_contiguous():
             raise ValueError(f"out_source_ranges: expected a contiguous tensor, got strides {ranges.stride()}")
@@ -137,7 +159,11 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
     if x.dim() != 2 or x.shape[1] != cfg.hidden_dim or x.shape[0] < lay.max_dispatch_rows:
         raise ValueError(f"out_expert_x: expected [>= {lay.max_dispatch_rows}, {cfg.hidden_dim}], "
                          f"got {tuple(x.shape)} (use empty_dispatch_outputs())")
-    if cfg.has_scales:
+    sh = xs.shape if type(xs) is _Tensor and xs.dtype is _F32 and xs.device == device else None
+    if cfg.has_scales and not (sh is not None and (
+            (len(sh) == 2 and sh[1] == cfg.num_scales and sh[0] >= lay.max_dispatch_rows)
+            or (len(sh) == 3 and lay.expert_capacity and not lay.rank_rows
+                and sh == (lay.num_local_experts, lay.expert_capacity, cfg.num_scales)))):
         check_tensor("out_expert_x_scale", xs, None, torch.float32, device, last_contig=False)
         # [L, C, S] of any strides (e.g. DeepEP's column-major scales) too, with a capacity C (the unpack's;
         # per-rank rows' expand takes [R, S] only).
@@ -150,9 +176,11 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
         if list(xs.shape) != three_d and (xs.dim() != 2 or xs.shape[1] != S or xs.shape[0] < lay.max_dispatch_rows):
             raise ValueError(f"out_expert_x_scale: expected [>= {lay.max_dispatch_rows}, {S}]"
                              + (f" or {three_d}" if three_d else "") + f", got {tuple(xs.shape)}")
-    elif xs is not None:
+    elif xs is not None and not cfg.has_scales:
         raise ValueError("out_expert_x_scale: this config has no scales; pass None")
-    if qs is not None:
+    if qs is not None and not (quantize is not None and not lay.rank_rows and type(qs) is _Tensor
+                               and (qs.dtype is _F32 or qs.dtype is _I32) and qs.device == device
+                               and _quantized_scales_shape_ok(qs.shape, x, quantize, cfg, lay)):
         if quantize is None or lay.rank_rows:
             raise ValueError("out_quantized_scale: expected None " + ("with dispatch_rows='rank'" if lay.rank_rows
                              else "(the call has no quantize)") + ", got a tensor")
@@ -163,8 +191,30 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
                              + (f" or {[lay.num_local_experts, C, n]}" if C else "") + f", got {tuple(qs.shape)}")
 
 
+_scale_words_seen: tuple = (None, 0, 0)  # (the last quantize, hidden, its words of scales per row)
+
+
+def _quantized_scales_shape_ok(shape, x, quantize, cfg: A2AConfig, lay: Layout) -> bool:
+    """`out_quantized_scale`'s shape is one `check_dispatch_outputs` takes: `[L, C, n]` with a capacity C, or
+    `[rows, n]` (`x`: out_expert_x, checked: its rows), n the call's words of scales per row."""
+    global _scale_words_seen
+    q, H, n = _scale_words_seen
+    if q is not quantize or H != cfg.hidden_dim:  # (callers reuse one frozen quantize: computed once)
+        H = cfg.hidden_dim
+        n = quantize.scale_bytes(H) // 4
+        if type(quantize) is Fp8Quantize:
+            _scale_words_seen = (quantize, H, n)
+    C = lay.expert_capacity
+    return (bool(C) and shape == (lay.num_local_experts, C, n)) or shape == (x.shape[0], n)
+
+
 def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
     """The combine's send half: expert outputs as many rows as the dispatch output."""
+    if type(expert_y) is _Tensor and expert_y.dtype is cfg.out_dtype and expert_y.device == device:
+        sh = expert_y.shape  # the common case in one test of what the checks below accept
+        if len(sh) == 2 and sh[1] == cfg.hidden_dim and sh[0] >= lay.max_dispatch_rows \
+                and (sh[1] <= 1 or expert_y.stride()[-1] == 1):
+            return
     check_tensor("expert_y", expert_y, None, cfg.out_dtype, device)
     if expert_y.dim() != 2 or expert_y.shape[1] != cfg.hidden_dim:
         raise ValueError(f"expert_y: expected [rows, {cfg.hidden_dim}], got {tuple(expert_y.shape)}")
@@ -175,6 +225,15 @@ def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
 
 def check_combine_recv(cfg: A2AConfig, device, T: int, out_tokens, weights, indices, bound_m=None) -> None:
     """The combine's receive half: T is the dispatch's token count."""
+    K = cfg.experts_per_token  # the common case in one test of what the checks below accept
+    if bound_m is None and type(out_tokens) is _Tensor and type(weights) is _Tensor and type(indices) is _Tensor \
+            and out_tokens.dtype is cfg.out_dtype and weights.dtype is _F32 \
+            and (indices.dtype is _I64 or indices.dtype is _I32) and out_tokens.device == device \
+            and weights.device == device and indices.device == device and out_tokens.shape == (T, cfg.hidden_dim) \
+            and weights.shape == (T, K) and indices.shape == (T, K) \
+            and (cfg.hidden_dim <= 1 or out_tokens.stride()[-1] == 1) \
+            and (K <= 1 or (weights.stride()[-1] == 1 and indices.stride()[-1] == 1)):
+        return
     check_tensor("out_tokens", out_tokens, (T, cfg.hidden_dim), cfg.out_dtype, device)
     check_tensor("weights", weights, (T, cfg.experts_per_token), torch.float32, device)
     check_tensor("indices", indices, (T, cfg.experts_per_token), (torch.int32, torch.int64), device)

@@ -445,6 +445,72 @@ def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
             assert combine_problems(got[r][i].cpu(), outs[r], default_max_ulps(TEST_DEVICE)) == [], (i, r)
 
 
+def _steady_state_calls(a2a, rank):
+    """Good calls, then calls whose arguments differ from the last good call's only in what its plan was derived
+    from (`LowLatencyMode.dispatch` keeps the plan of the last accepted call's arguments for the next call like
+    it): on rank 1, x of the same shape with strides (1, T), top-k beyond the built one, and
+    num_max_dispatch_tokens_per_rank a float, each refused and aborting the call on every rank, a good call
+    after each; then fewer routes (padded) twice against their -1 padding, and use_fp8 given as 1 between two
+    use_fp8=True calls."""
+    from moe_a2a.all_to_all import CallAborted
+    from moe_a2a.compat import Buffer
+
+    dev, seen = a2a.device, []
+    x, idx, w = (t.to(dev) for t in _inputs(rank, 90, T_MAX, "random"))
+
+    def attempt(fn):
+        try:
+            fn()
+            seen.append("ok")
+        except (ValueError, CallAborted) as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+
+    def good(idx=idx, w=w, use_fp8=False):
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=use_fp8)
+        y = _dequantize(recv_x, H) if use_fp8 else recv_x.float()
+        combined, _, _ = buf.low_latency_combine((2 * y).to(torch.bfloat16), idx, w, handle)
+        buf.check()
+        seen.append(combined.clone())
+
+    with Buffer(transport="shm", timeout_s=10.0, node_group=a2a.layout.node_size) as buf:
+        good()
+        good()
+        strided = x.t().contiguous().t() if rank == 1 else x  # x's shape, strides (1, T)
+        attempt(lambda: buf.low_latency_dispatch(strided, idx, T_MAX, E, use_fp8=False))
+        good()
+        wide = torch.cat([idx, idx[:, :1]], dim=1) if rank == 1 else idx
+        attempt(lambda: buf.low_latency_dispatch(x, wide, T_MAX, E, use_fp8=False))
+        good()
+        attempt(lambda: buf.low_latency_dispatch(x, idx, float(T_MAX) if rank == 1 else T_MAX, E, use_fp8=False))
+        good()
+        fewer, fewer_w = idx[:, : K - 1].contiguous(), w[:, : K - 1].contiguous()
+        good(fewer, fewer_w)
+        good(fewer, fewer_w)
+        good(torch.cat([fewer, torch.full_like(idx[:, :1], -1)], dim=1), torch.cat([fewer_w, w[:, :1]], dim=1))
+        good(use_fp8=True)
+        good(use_fp8=1)
+        good(use_fp8=True)
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_calls_differing_from_the_last_good_ones_are_checked_again():
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        got = cl.run(_steady_state_calls)
+    for i, what in ((2, "x: expected last stride 1, got strides (1, 4)"), (4, f"topk_idx: top-k {K + 1} > {K}"),
+                    (6, f"num_max_dispatch_tokens_per_rank: expected an int, got {float(T_MAX)}")):
+        assert got[1][i].startswith(f"ValueError: {what}") and "aborted this call" in got[1][i], got[1][i]
+        assert got[0][i].startswith("CallAborted") and "rank 1" in got[0][i], got[0][i]
+    for r in range(2):
+        seen = got[r]
+        assert len(seen) == 14, seen
+        assert all(torch.equal(seen[0], seen[i]) for i in (1, 3, 5, 7)), r
+        assert torch.equal(seen[8], seen[10]) and torch.equal(seen[9], seen[10]), r  # padded as with -1
+        assert torch.equal(seen[11], seen[12]) and torch.equal(seen[11], seen[13]), r
+    _check_combined([got[r][0] for r in range(2)], [_inputs(r, 90, T_MAX, "random") for r in range(2)], {})
+
+
 # ---- the first call is collective; a closed Buffer says so ---------------------------------------
 def _first_calls_rejected_then_good(a2a, rank):
     """Calls 0-3 are refused (call 0: float32 x on rank 1 only; call 1: different
