@@ -95,7 +95,7 @@ def decode_graph_total(run: dict) -> float:
 
 
 X2_N1 = "x2_n1_2026-11-30/"
-BYTES = "gpu-2026-12-02-s9/lease3/mps/e2e_bytes_w2n2_"  # issue 32's levers, 2 ranks of one node under MPS
+BYTES = "gpu-2026-12-02-s10/lease3/mps/e2e_bytes_w2n2_"  # issue 32's levers, 2 ranks of one node under MPS
 
 
 def sent_bytes(run: dict, preset: str, phases=("dispatch", "combine")) -> float:
@@ -176,9 +176,15 @@ MEASURED_ROWS = [
                                                         BYTES + "prefill_per_route.json"),
               lambda lev, base: sent_bytes(lev, "prefill", ("dispatch",)) / sent_bytes(base, "prefill", ("dispatch",)),
               2),
-    Published("364 µs against 510", (BYTES + "prefill_per_rank_dispatch.json", BYTES + "prefill_per_route.json"),
+    Published("363 µs against 510", (BYTES + "prefill_per_rank_dispatch.json", BYTES + "prefill_per_route.json"),
               lambda lev, base: (slowest(lev, "prefill", "graph", "dispatch"), slowest(base, "prefill", "graph",
                                                                                        "dispatch"))),
+    Published("dispatch + combine 1006 µs against 1196", (BYTES + "prefill_per_rank_dispatch.json",
+                                                          BYTES + "prefill_per_route.json"),
+              lambda lev, base: (slowest(lev, "prefill", "graph", "total"), slowest(base, "prefill", "graph", "total"))),
+    Published("(1015 µs against 690)", (BYTES + "prefill_sender_reduced.json", BYTES + "prefill_per_route.json"),
+              lambda lev, base: (slowest(lev, "prefill", "graph", "combine"), slowest(base, "prefill", "graph",
+                                                                                      "combine"))),
     # the proxy's host time per phase
     Published("**36 / 29 µs at 8 ranks", ("emulated/proxy_shm.json",),
               lambda d: (proxy_phase(d, 8, "dispatch"), proxy_phase(d, 8, "combine"))),
