@@ -461,6 +461,9 @@ def _steady_state_calls(a2a, rank):
     def attempt(fn):
         try:
             fn()
+            if dev.type == "cuda":  # a GPU records a peer's abort in its kernels, reported at check()
+                torch.cuda.synchronize(dev)
+                buf.check()
             seen.append("ok")
         except (ValueError, CallAborted) as exc:
             seen.append(f"{type(exc).__name__}: {exc}")
