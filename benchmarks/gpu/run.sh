@@ -22,7 +22,8 @@
 #                                                  several ranks on one GPU under MPS (started and stopped here):
 #                                                  the CUDA-graph tests with kernel waits (shrink mode in a graph
 #                                                  included) and the facade's shrink tests; DeepEP's low-latency
-#                                                  test with 2 and 8 processes (--shared-gpu), --shrink-test at 8;
+#                                                  test with 2 and 8 processes (--shared-gpu), --shrink-test at 8,
+#                                                  and its normal-mode test (test_intranode.py) at 2 and 8;
 #                                                  the protocol's cost: graphs all on one node vs over the
 #                                                  emulated NIC, 2 / 4 / 8 ranks, decode and prefill; issue 32's
 #                                                  wire variants (bytes and time), ~8 min
@@ -202,6 +203,9 @@ mps:all|mps:deepep)
   step 240 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 2
   step 300 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 8
   step 300 bash benchmarks/gpu/deepep_low_latency.sh "$deepep" --shared-gpu --num-processes 8 --shrink-test
+  # DeepEP's normal-mode test (test_intranode.py), unchanged: 74 s at 2 processes, 132 s at 8 on one H200
+  step 240 bash benchmarks/gpu/deepep_intranode.sh "$deepep" --shared-gpu --num-processes 2
+  step 400 bash benchmarks/gpu/deepep_intranode.sh "$deepep" --shared-gpu --num-processes 8
   mps_stop
   ;;&
 mps:all|mps:protocol)
