@@ -342,12 +342,27 @@ def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works(
             assert combine_problems(got[r][call]["combined"].cpu(), outs[r], default_max_ulps("cuda")) == [], (call, r)
 
 
+def _attempt(fn, buf, dev: torch.device, seen: list, also=()) -> None:
+    """Run one call that may be refused: "ok", or the error's type and message, into `seen` (ValueError,
+    CallAborted and the types in `also`). On a GPU a peer's abort is recorded in its kernels and reported at
+    check()."""
+    from moe_a2a.all_to_all import CallAborted
+
+    try:
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            buf.check()
+        seen.append("ok")
+    except (ValueError, CallAborted, *also) as exc:
+        seen.append(f"{type(exc).__name__}: {exc}")
+
+
 def _bad_calls(a2a, rank):
     """Refusals: the first call's on every rank (nothing built), then one rank's bad statistics tensor
     and one rank's x on another device (dispatch), use_logfmt, zero_copy with nothing written (combine),
     a stale handle, None and DeepEP's plain tuple as the handle on one rank, and None with two calls in
     flight (the older one aborted, the newer one combined); a good call after each."""
-    from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
 
     dev, seen = a2a.device, []
@@ -357,14 +372,7 @@ def _bad_calls(a2a, rank):
         return torch.zeros(E // 2, 2 * T_MAX, H, dtype=torch.bfloat16, device=dev)
 
     def attempt(fn):
-        try:
-            fn()
-            if dev.type == "cuda":  # a GPU records a peer's abort in its kernels, reported at check()
-                torch.cuda.synchronize(dev)
-                buf.check()
-            seen.append("ok")
-        except (ValueError, CallAborted) as exc:
-            seen.append(f"{type(exc).__name__}: {exc}")
+        _attempt(fn, buf, dev, seen)
 
     def good():
         recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
@@ -452,21 +460,13 @@ def _steady_state_calls(a2a, rank):
     num_max_dispatch_tokens_per_rank a float, each refused and aborting the call on every rank, a good call
     after each; then fewer routes (padded) twice against their -1 padding, and use_fp8 given as 1 between two
     use_fp8=True calls."""
-    from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
 
     dev, seen = a2a.device, []
     x, idx, w = (t.to(dev) for t in _inputs(rank, 90, T_MAX, "random"))
 
     def attempt(fn):
-        try:
-            fn()
-            if dev.type == "cuda":  # a GPU records a peer's abort in its kernels, reported at check()
-                torch.cuda.synchronize(dev)
-                buf.check()
-            seen.append("ok")
-        except (ValueError, CallAborted) as exc:
-            seen.append(f"{type(exc).__name__}: {exc}")
+        _attempt(fn, buf, dev, seen)
 
     def good(idx=idx, w=w, use_fp8=False):
         recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=use_fp8)

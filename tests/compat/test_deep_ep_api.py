@@ -23,7 +23,7 @@ from moe_a2a.compat import deep_ep as m
 from moe_a2a.oracle import combine_problems, default_max_ulps
 
 from ..conftest import TEST_DEVICE
-from .test_deep_ep import E, H, K, T_MAX, _inputs
+from .test_deep_ep import E, H, K, T_MAX, _attempt, _inputs
 
 # DeepEP's parameters (name, default; `inspect.Parameter.empty` for none), in order, as in its source.
 _ = inspect.Parameter.empty
@@ -119,7 +119,6 @@ def test_local_buffer_tensor_is_refused_saying_why():
 def _engine_calls(a2a, rank):
     """DeepEP's sixth positional argument, DeepEP's wait-cost statistics left untouched, the hybrid-ep
     keywords, and refusals of one rank aborting the call on every rank; a good call after each."""
-    from moe_a2a.all_to_all import CallAborted
     from moe_a2a.compat import Buffer
 
     dev, seen, W = a2a.device, [], 2
@@ -128,14 +127,7 @@ def _engine_calls(a2a, rank):
     cost = torch.full((W,), 7, dtype=torch.int64, device=dev)
 
     def attempt(fn):
-        try:
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-                buf.check()
-            seen.append("ok")
-        except (ValueError, CallAborted, NotImplementedError) as exc:
-            seen.append(f"{type(exc).__name__}: {exc}")
+        _attempt(fn, buf, dev, seen, (NotImplementedError,))
 
     def combined(recv_x, handle, **kw):
         out, _, _ = buf.low_latency_combine((2 * recv_x.float()).to(torch.bfloat16), idx, w, handle, **kw)
