@@ -112,6 +112,20 @@ def test_buffers_too_large_for_this_machine_are_refused_naming_the_sizes():
     assert physical_memory_bytes() is None or physical_memory_bytes() > 1 << 28
 
 
+def test_one_node_buffers_have_no_remote_regions():
+    """The private, remainder and combine staging regions serve remote peers only: on one node they take no
+    bytes, and the combine region starts the recv buffer; with a second node they are back, same offsets."""
+    cfg = A2AConfig(max_num_tokens=64, num_experts=16, experts_per_token=4, hidden_dim=256)
+    one, two = cfg.layout(4), cfg.layout(4, 2)
+    assert not one.has_remote_peers and two.has_remote_peers
+    assert one.combine_recv_offset_bytes == one.remainder_offset_bytes == 0
+    assert one.send_bytes == round_up(one.send_rows * one.dispatch_stride_bytes, 4096)
+    assert two.remainder_offset_bytes == 4 * two.private_slot_rows * two.dispatch_stride_bytes
+    assert two.combine_recv_offset_bytes == two.remainder_offset_bytes + 4 * two.send_rows * two.dispatch_stride_bytes
+    assert two.send_bytes > one.send_bytes + 4 * two.combine_rows * two.combine_stride_bytes - 4096
+    assert one.recv_bytes < two.recv_bytes
+
+
 def test_private_rows_override_and_cap():
     cfg = A2AConfig(max_num_tokens=4, experts_per_token=2, num_experts=8, max_private_tokens=100)
     assert cfg.layout(2).private_rows == 8  # capped at T*K

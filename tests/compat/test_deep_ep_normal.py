@@ -215,6 +215,13 @@ def _normal_rank(a2a, rank, Ts):
         y3 = torch.ones(worst, H8, dtype=torch.bfloat16, device=dev)[:n] * (rank + 10)
         c3, _, _ = buf.combine(y3.contiguous(), handle3)
         report["fp8_combines"] = (c4.cpu(), c3.cpu())
+        # a bf16 call of the fp8 calls' hidden size runs on their instances (one set of buffers for both kinds)
+        xbs = [torch.cat([ins[r][0]] * (H8 // H), dim=1) for r in range(W)]
+        recv_b, _, _, _, handle_b, _ = buf.dispatch(xbs[rank].to(dev), **layout, topk_idx=idx, topk_weights=w)
+        assert recv_b.dtype == torch.bfloat16
+        assert torch.equal(recv_b.cpu(), torch.cat([xbs[r][rows[r]] for r in range(W)]))
+        assert [st.H for st in buf._normal.sets].count(H8) == 1
+        buf.combine(recv_b, handle_b)
 
         # 4. bad input on one rank: ValueError there, CallAborted on the others, nothing sent; the next works
         seen = []
