@@ -111,12 +111,12 @@ def test_every_cluster_argument_is_checked_before_anything_starts(kwargs, needle
 
 
 def test_buffers_larger_than_this_machine_are_refused_before_anything_starts():
-    # ~688 GB per rank (64 ranks x 45440 tokens x top-8 rows of 14 KB, both ways): no machine we run on.
+    # ~697 GB per rank (64 ranks on 8 nodes x 45440 tokens x top-8 rows of 14 KB, both ways): no machine we run on.
     cfg = A2AConfig(max_num_tokens=45440, num_experts=256, experts_per_token=8, hidden_dim=7168)
     before = _children()
-    with pytest.raises(ValueError, match=r"buffers too large for this machine: 64 rank\(s\) x 687,908,\d{3},\d{3} B "
-                                         r"\(687.9 GB\)(.|\n)*physical memory(.|\n)*max_num_tokens=45440"):
-        LocalCluster(cfg, world_size=64)
+    with pytest.raises(ValueError, match=r"buffers too large for this machine: 64 rank\(s\) x 697,029,\d{3},\d{3} B "
+                                         r"\(697.0 GB\)(.|\n)*physical memory(.|\n)*max_num_tokens=45440"):
+        LocalCluster(cfg, world_size=64, node_size=8)
     assert _children() - before == set()
 
 
