@@ -11,6 +11,7 @@ from . import _launch as launch
 from ._combine_kernels import _f32_to_bf16_rtne
 
 _NO_SLOT: tl.constexpr = tl.constexpr(1 << 30)  # sorts after every real slot (< T*K < 2**30)
+UNROLL_K: tl.constexpr = tl.constexpr(16)  # the reduce by source unrolls its top-k loop up to this K
 
 
 # ================================================================================================
@@ -89,6 +90,17 @@ def _row_bytes(src, j, first, rest, split, W_PAD: tl.constexpr, SD_BYTES: tl.con
 def _pick(table, src, W_PAD: tl.constexpr):
     """table[src] for a [BLOCK_R] vector of sources (a one-hot sum over the W_PAD entries)."""
     return tl.sum(tl.where(src[:, None] == tl.arange(0, W_PAD)[None, :], table[None, :], 0), axis=1)
+
+
+@triton.jit
+def _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask):
+    """acc + w_k * y[row of route k] for the tile's rows whose route k is here (k order, one product and one add,
+    each rounded to fp32: the reference's sum)."""
+    y_row = _column(rows, kk, k)
+    wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+    y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :], mask=mask & (y_row >= 0)[:, None],
+                other=0.0)
+    return tl.where((y_row >= 0)[:, None], acc + wk[:, None] * y.to(tl.float32), acc)
 
 
 @triton.jit
@@ -340,12 +352,12 @@ def _reduce_rank_rows_by_source_kernel(
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = is_row[:, None] & (cols < H)[None, :]
         acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-        for k in tl.static_range(K):  # k order (the fp32 sum rounds as the reference's); unrolled: K loads in flight
-            y_row = _column(rows, kk, k)
-            wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-            y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :],
-                        mask=mask & (y_row >= 0)[:, None], other=0.0)
-            acc = tl.where((y_row >= 0)[:, None], acc + wk[:, None] * y.to(tl.float32), acc)
+        if K <= UNROLL_K:  # unrolled: the K loads in flight together (72 -> 41 µs at decode on the H200)
+            for k in tl.static_range(K):
+                acc = _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask)
+        else:  # a long top-k: a loop, not K copies of the body
+            for k in range(K):
+                acc = _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask)
         if FP8:  # the fp32 partial quantised in blocks of Q_BLOCK (BLOCK_H is whole blocks)
             G: tl.constexpr = BLOCK_H // Q_BLOCK
             q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False, True)

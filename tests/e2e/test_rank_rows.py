@@ -215,3 +215,35 @@ def _shrink_instance(a2a, rank):
         return "accepted"
     except ValueError as exc:
         return str(exc)
+
+
+def _long_top_k_call(a2a, rank, xs, idxs, ws):
+    dev, cfg = a2a.device, a2a.cfg
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    a2a.dispatch(num, ex, exs, xs[rank].to(dev), None, idxs[rank].to(dev), weights=ws[rank].to(dev))
+    g = torch.Generator().manual_seed(200 + rank)
+    y = torch.randn(ex.shape[0], cfg.hidden_dim, generator=g).to(cfg.out_dtype).to(dev)
+    out = torch.zeros(xs[rank].shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    a2a.combine(out, idxs[rank].to(dev), ws[rank].to(dev), y)
+    return y.cpu(), out.cpu()
+
+
+def test_a_top_k_past_the_unrolled_sum_matches_reference():
+    """K = 20 (> `_rank_rows_kernels.UNROLL_K`): the reduce by source sums the routes in a loop, not unrolled;
+    duplicated experts in a row, dead routes; bitwise the reference in the interpreter."""
+    world, k = 2, 20
+    cfg = A2AConfig(max_num_tokens=T, num_experts=8, experts_per_token=k, hidden_dim=H, dispatch_rows="rank",
+                    combine_rows="rank")
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(T, H, generator=g).to(cfg.in_dtype) for _ in range(world)]
+    idxs = [torch.randint(-1, cfg.num_experts, (T, k), generator=g, dtype=torch.int32) for _ in range(world)]
+    ws = [torch.rand(T, k, generator=g) for _ in range(world)]
+    with LocalCluster(cfg, world_size=world, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        results = cl.run(_long_top_k_call, xs, idxs, ws)
+    want = reference.combine_reduced_at_sender(cfg, idxs, ws, [r[0] for r in results], None)
+    assert all(bool(want[r].abs().sum() > 0) for r in range(world))  # tokens were combined, not left at zero
+    for r in range(world):
+        if TEST_DEVICE == "cpu":
+            assert torch.equal(results[r][1], want[r]), r
+        else:
+            assert torch.allclose(results[r][1].float(), want[r].float(), rtol=2 ** -6, atol=1e-3), r
