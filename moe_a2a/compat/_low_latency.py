@@ -155,10 +155,7 @@ class LowLatencyMode(LowLatencySets):
         self._calls = call = self._calls + 1  # every rank counts every call, aborted ones included
         index = indices[index]  # this set's slot of the alternation
         slot = self._slots[index]
-        state = slot.state
-        if state == _COMBINED and slot.key in self._scratch:  # the common case of `_retire`: nothing to finish
-            slot.state, slot.payload, slot.stats, slot.combine_args = _FREE, None, None, None
-        elif state != _FREE:
+        if slot.state != _FREE:
             self._retire(slot)  # the slot's previous call, if it was left unfinished
         if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
             self._build_fp8(indices)  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
@@ -173,11 +170,9 @@ class LowLatencyMode(LowLatencySets):
         slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = call, T, x, quantize, ue8m0
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
         try:
-            # (out_quantized_scale: `slot.quantized_scales()`, inline)
             a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
                          do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
-                         out_quantized_scale=None if return_recv_hook or quantize is None
-                         else slot.recv_x[True, ue8m0][1])
+                         out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
         except BaseException:
             slot.free()
             raise
@@ -185,9 +180,7 @@ class LowLatencyMode(LowLatencySets):
             slot.state = _DISPATCH_SENT
             hook = self._hook(slot, call, _Slot.receive_dispatch)
         else:
-            slot.state = _DISPATCHED  # `slot.received()`, inline
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(slot.num)
+            slot.received()
             hook = None
         # Handle(src_info, layout_range, num_max, hidden, num_experts, slot, call, num_tokens)
         handle = _tuple_new(Handle, (slot.src_info, slot.layout_range, built[0], H, built[1], index, call, T))
@@ -265,18 +258,10 @@ class LowLatencyMode(LowLatencySets):
                 use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
                 out: torch.Tensor | None, combine_wait_recv_cost_stats: torch.Tensor | None, kwargs: dict):
         """`Buffer.low_latency_combine` (its docstring says what it takes and returns)."""
-        slots = self._slots
-        if type(handle) is Handle and 0 <= handle.slot < len(slots):  # `_slot_of`'s checks, inline
-            slot = slots[handle.slot]
-            if slot.call != handle.call or slot.state == _FREE:
-                slot = None
-        else:
-            slot = None
-        if slot is None:
-            try:
-                slot = self._slot_of(handle)
-            except ValueError as exc:
-                self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
+        try:
+            slot = self._slot_of(handle)
+        except ValueError as exc:
+            self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
         # Fewer routes per token than the instances take: padded. Shrink mode's buffers are built for the
         # first set's top-k (8); other instances may be built for more routes than this call's (see the
         # dispatch).
