@@ -178,35 +178,20 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
                              + (f" or {three_d}" if three_d else "") + f", got {tuple(xs.shape)}")
     elif xs is not None and not cfg.has_scales:
         raise ValueError("out_expert_x_scale: this config has no scales; pass None")
-    # (its words of scales a row, n, as remembered for the last frozen quantize: `_scale_words`)
-    seen = _scale_words_seen
-    if qs is not None and not (quantize is not None and seen[0] is quantize and seen[1] == cfg.hidden_dim
-                               and not lay.rank_rows and type(qs) is _Tensor
+    n = None if qs is None or quantize is None else quantize.scale_bytes(cfg.hidden_dim) // 4  # words a row
+    if qs is not None and not (n is not None and not lay.rank_rows and type(qs) is _Tensor
                                and (qs.dtype is _F32 or qs.dtype is _I32) and qs.device == device
                                and ((lay.expert_capacity
-                                     and qs.shape == (lay.num_local_experts, lay.expert_capacity, seen[2]))
-                                    or qs.shape == (x.shape[0], seen[2]))):
+                                     and qs.shape == (lay.num_local_experts, lay.expert_capacity, n))
+                                    or qs.shape == (x.shape[0], n))):
         if quantize is None or lay.rank_rows:
             raise ValueError("out_quantized_scale: expected None " + ("with dispatch_rows='rank'" if lay.rank_rows
                              else "(the call has no quantize)") + ", got a tensor")
-        n, C = _scale_words(quantize, cfg.hidden_dim), lay.expert_capacity
+        C = lay.expert_capacity
         check_tensor("out_quantized_scale", qs, None, (torch.float32, torch.int32), device, last_contig=False)
         if not (C and list(qs.shape) == [lay.num_local_experts, C, n]) and list(qs.shape) != [x.shape[0], n]:
             raise ValueError(f"out_quantized_scale: expected [{x.shape[0]}, {n}] (out_expert_x's rows)"
                              + (f" or {[lay.num_local_experts, C, n]}" if C else "") + f", got {tuple(qs.shape)}")
-
-
-_scale_words_seen: tuple = (None, 0, 0)  # (the last frozen quantize, hidden, n)
-
-
-def _scale_words(quantize, hidden: int) -> int:
-    """`quantize`'s words of scales a row of `hidden` (n of `out_quantized_scale`'s `[..., n]`); a frozen
-    `Fp8Quantize`'s is remembered (callers reuse one), so the next call's check compares shapes only."""
-    global _scale_words_seen
-    n = quantize.scale_bytes(hidden) // 4
-    if type(quantize) is Fp8Quantize:
-        _scale_words_seen = (quantize, hidden, n)
-    return n
 
 
 def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
