@@ -15,19 +15,14 @@ import time
 import torch
 
 from moe_a2a import LocalCluster
-from moe_a2a.bench.demo import make_inputs
+from moe_a2a.bench.demo import call_tensors
 from moe_a2a.bench.kernels import PRESETS
 from moe_a2a.config import A2AConfig
 
 
 def rank_fn(a2a, rank, iters):
-    cfg, dev = a2a.cfg, a2a.device
-    T = cfg.max_num_tokens
-    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, 0))
-    num, ex, exs = a2a.empty_dispatch_outputs()
-    y = torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev)
-    out = torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
-    bound = torch.tensor([T], dtype=torch.int32, device=dev)
+    x, xs, idx, w, num, ex, exs, y, out = call_tensors(a2a, rank, 0)
+    bound = torch.tensor([a2a.cfg.max_num_tokens], dtype=torch.int32, device=a2a.device)
 
     def halves():
         t = [time.perf_counter()]

@@ -21,15 +21,10 @@ def _rank(a2a, rank, reps):
     import torch
 
     from _timing import kernel_positions
-    from moe_a2a.bench.demo import make_inputs
+    from moe_a2a.bench.demo import call_tensors, rank_weights
 
-    cfg, dev = a2a.cfg, a2a.device
-    T = cfg.max_num_tokens
-    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, 7))
-    num, ex, exs = a2a.empty_dispatch_outputs()
-    y = torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev)
-    out = torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
-    kw = {"weights": w} if cfg.combine_rows == "rank" else {}
+    x, xs, idx, w, num, ex, exs, y, out = call_tensors(a2a, rank, 7)
+    kw = rank_weights(a2a.cfg, w)
 
     def step():
         a2a.dispatch(num, ex, exs, x, xs, idx, **kw)

@@ -56,6 +56,19 @@ def wire_config(cfg: A2AConfig, wire: str) -> A2AConfig:
                                combine_fp8=w.combine_fp8)
 
 
+def call_tensors(a2a, rank: int, seed: int) -> tuple:
+    """One rank's tensors of a dispatch + combine call of `max_num_tokens` tokens on its device: its inputs
+    (`make_inputs`: x, x_scale, indices, weights), then the dispatch outputs (`empty_dispatch_outputs`), expert
+    outputs of their shape (zeros) and the combine's output."""
+    cfg, dev = a2a.cfg, a2a.device
+    T = cfg.max_num_tokens
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, T, seed))
+    num, ex, exs = a2a.empty_dispatch_outputs()
+    y = torch.zeros(ex.shape, dtype=cfg.out_dtype, device=dev)
+    out = torch.zeros(T, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+    return x, xs, idx, w, num, ex, exs, y, out
+
+
 def rank_weights(cfg: A2AConfig, weights: torch.Tensor) -> dict:
     """The dispatch's keyword for the routes' weights: `{"weights": weights}` when the combine is reduced at
     the experts' rank (`combine_rows="rank"`: they travel with the rows), else none."""
