@@ -324,9 +324,7 @@ def _bad_input_in_a_later_call(a2a, rank):
 
 @pytest.mark.timeout(300)
 def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works():
-    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
-    with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
-        got = cl.run(_bad_input_in_a_later_call)
+    got = _on_two_ranks(_bad_input_in_a_later_call)
     assert got[1][1].startswith("ValueError: x: expected a [T, H] bfloat16") and "aborted this call" in got[1][1]
     assert got[0][1].startswith("CallAborted") and "aborted by rank 1" in got[0][1], got[0][1]
     cap = T_MAX * 2
@@ -340,6 +338,13 @@ def test_bad_input_to_the_facade_aborts_that_call_everywhere_and_the_next_works(
         for r in range(2):
             assert torch.equal(got[r][call]["count"], want[r][0]), (call, r)
             assert combine_problems(got[r][call]["combined"].cpu(), outs[r], default_max_ulps("cuda")) == [], (call, r)
+
+
+def _on_two_ranks(fn) -> list:
+    """`fn(a2a, rank)`'s results on two ranks of one node (the instances' config: the facade builds its own)."""
+    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
+    with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+        return cl.run(fn)
 
 
 def _attempt(fn, buf, dev: torch.device, seen: list, also=()) -> None:
@@ -419,9 +424,7 @@ def _bad_calls(a2a, rank):
 
 @pytest.mark.timeout(300)
 def test_facade_refusals_abort_the_call_on_every_rank_and_the_next_works():
-    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
-    with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
-        got = cl.run(_bad_calls)
+    got = _on_two_ranks(_bad_calls)
     for r in range(2):
         seen = got[r]
         assert len(seen) == 22, seen
@@ -498,9 +501,7 @@ def _steady_state_calls(a2a, rank):
 
 @pytest.mark.timeout(300)
 def test_calls_differing_from_the_last_good_ones_are_checked_again():
-    cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16)
-    with LocalCluster(cfg0, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
-        got = cl.run(_steady_state_calls)
+    got = _on_two_ranks(_steady_state_calls)
     for i, what in ((2, "x: expected last stride 1, got strides (1, 4)"), (4, f"topk_idx: top-k {K + 1} > {K}"),
                     (6, f"num_max_dispatch_tokens_per_rank: expected an int, got {float(T_MAX)}")):
         assert got[1][i].startswith(f"ValueError: {what}") and "aborted this call" in got[1][i], got[1][i]
