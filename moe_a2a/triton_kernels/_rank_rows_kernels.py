@@ -307,7 +307,8 @@ def _reduce_rank_rows_by_source_kernel(
     aborted_ptr=None, ABORT_BYTES: tl.constexpr = 0,
 ):
     """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
-    BLOCK_R received rows (as the expand) for each BLOCK_H-element chunk of the hidden dimension. Row j of source s: partial = sum_k w_k * y[row_k] over the k whose expert is here, in fp32
+    BLOCK_R received rows (as the expand) for each BLOCK_H-element chunk of the hidden dimension. Row j of
+    source s: partial = sum_k w_k * y[row_k] over the k whose expert is here, in fp32
     in k order, rounded once to out_dtype and stored in s's recv buffer at the slot of its dispatch row
     (combine region + (off[s] + j) * Sc). With NODE_SYNC the last program tells every node peer (as the
     route-row combine pack does)."""
