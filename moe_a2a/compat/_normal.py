@@ -45,13 +45,13 @@ import socket
 import torch
 
 from ..all_to_all import AllToAll, CallAborted, canonical_device
-from ..config import A2AConfig, round_up
+from ..config import A2AConfig, ceil_div, round_up
 from ..fingerprint import all_gather
 from ._api import _NO_EVENT, Config, EventOverlap
+from ._slots import FP8_BLOCK  # DeepEP's fp8 scale block: an fp8 call of hidden H passes ceil(H / 128) scales
 
 FREE, DISPATCHED, COMBINED = range(3)
 _FP8 = torch.float8_e4m3fn
-_FP8_BLOCK = 128  # DeepEP's fp8 scale block: an fp8 call of hidden H passes ceil(H / 128) scales a token
 
 
 class NormalHandle(tuple):
@@ -84,11 +84,11 @@ class _Call:
 
 
 class _Slot:
-    def __init__(self, a2a: AllToAll, row_elems: int, in_dtype, T: int) -> None:
+    def __init__(self, a2a: AllToAll, row_elems: int, T: int) -> None:
         self.a2a = a2a
         self.num, self.ex, _ = a2a.empty_dispatch_outputs()
         rows, dev = self.ex.shape[0], a2a.device
-        self.send = torch.zeros(T, row_elems, dtype=in_dtype, device=dev)
+        self.send = torch.zeros(T, row_elems, dtype=torch.bfloat16, device=dev)
         self.y = torch.zeros(rows, row_elems, dtype=torch.float32, device=dev)
         self.out = torch.zeros(T, row_elems, dtype=torch.float32, device=dev)
         self.zero_w = torch.zeros(T, a2a.cfg.experts_per_token, dtype=torch.float32, device=dev)
@@ -516,7 +516,7 @@ class NormalMode:
         T = 1 << (T - 1).bit_length()
         K = max([K] + [s.K for s in same])
         R = max([R] + [s.R for s in same])
-        S = max([S, -(-H // _FP8_BLOCK)] + [s.S for s in same])  # room for a later fp8 call's scales
+        S = max([S, ceil_div(H, FP8_BLOCK)] + [s.S for s in same])  # room for a later fp8 call's scales
         set_ = _Set(H, S, K, T, R)
         W = self.W
         cfg = A2AConfig(max_num_tokens=T, num_experts=W, experts_per_token=R, hidden_dim=set_.row_elems,
@@ -530,7 +530,7 @@ class NormalMode:
             with torch.device("cpu"):  # the construction's host tables are CPU tensors (DeepEP's test sets cuda)
                 for _ in range(2):
                     built.append(AllToAll(cfg, **opts))
-            set_.slots = [_Slot(a2a, set_.row_elems, torch.bfloat16, T) for a2a in built]
+            set_.slots = [_Slot(a2a, set_.row_elems, T) for a2a in built]
         except BaseException:
             for a2a in built:
                 a2a.close()
