@@ -86,6 +86,7 @@ class AllToAll:
         self._error: BaseException | None = None
         self._state, self.epoch = _IDLE, 0
         self._abort_scratch = None
+        self._void_recv_owed = False  # an aborted call's combine receive, issued with the next call (_abort_call)
         self._checked_quantize = None  # (the last `quantize` given to dispatch, as checked: `check_quantize`)
         self._quantize = None  # the current call's (its receive half may write its scales apart)
         self._watch_lock = threading.Lock()
@@ -469,6 +470,8 @@ class AllToAll:
     # (triton_kernels/node_sync.py; the steps and flags: docs/protocol.md, section 3).
     def _dispatch_send(self, x, x_scale, indices, bound_m, quantize=None, abort: bool = False, weights=None) -> None:
         w = self._w
+        if self._void_recv_owed:
+            self._finish_void_recv()
         self.epoch += 1
         self._T, self._bound_m = x.shape[0], bound_m
         # A quantised call's rows hold fp8 bytes and scales only: the unpack copies just those.
@@ -608,9 +611,12 @@ class AllToAll:
                                 weights=scratch["w"][:0] if self.cfg.combine_rows == "rank" else None)
             self._dispatch_recv(scratch["num"], scratch["ex"], scratch["exs"], aborting=True)
             self._combine_send(scratch["y"])
-            self._combine_recv(scratch["out"][:0], scratch["w"][:0], False, None)
         except BaseException as inner:
             self._fail(inner)
+        # Its combine receive only waits for the peers' combine of this call, which a peer with kernel waits
+        # issues when it learns of the abort (check(), or its own combine): until then it may run calls of other
+        # instances (DeepEP's two calls in flight), which this rank's stream must not hold up behind that wait.
+        self._state, self._void_recv_owed = _IDLE, True
         self._status.abort_seen = self.epoch
         raise ValueError(f"{exc} (rank {self.rank} aborted this call, epoch {self.epoch}, on every rank: it sent "
                          f"nothing; the next call proceeds normally)") from None
@@ -627,6 +633,12 @@ class AllToAll:
         self._status.abort_seen = self.epoch
         raise ValueError(f"{exc} (rank {self.rank} aborted this call, epoch {self.epoch}, on every rank at its "
                          f"combine; the next call proceeds normally)") from None
+
+    def _finish_void_recv(self) -> None:
+        """The combine receive an aborted call left to this one: wait for the peers' combine of it (no rows)."""
+        self._void_recv_owed = False
+        scratch = self._scratch()
+        self._combine_recv(scratch["out"][:0], scratch["w"][:0], False, None)
 
     def _mark_aborted(self) -> None:
         """This call is void from this rank: its combine pack tells the node peers (the device word), its

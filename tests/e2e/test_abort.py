@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_a2a import LocalCluster
-from moe_a2a.all_to_all import CallAborted
+from moe_a2a.all_to_all import AllToAll, CallAborted
 from moe_a2a.bench.demo import make_inputs
 from moe_a2a.oracle import check_against_reference, fill_sentinel, record_call, toy_expert
 from moe_a2a.config import A2AConfig
@@ -187,6 +187,53 @@ def test_bad_receive_outputs_are_refused_and_a_corrected_receive_completes_the_c
         results = cl.run(_bad_receive_outputs)
     assert all(refused is not None and refused.startswith("out_expert_x:") for refused, _ in results), results
     assert check_against_reference(CFG, [{"calls": [call]} for _, call in results]) == []
+
+
+def _abort_then_a_call_of_another_instance(a2a, rank: int):
+    """Rank 1's first call of instance A is refused. Rank 0, as a rank whose host never waits (one GPU per
+    rank), issues A's dispatch, then a whole call of instance B, then A's combine, where it learns of the
+    abort (DeepEP's two calls in flight). Rank 1 must reach B's call without waiting for A's combine, which
+    rank 0 issues after it; then a good call of A on both."""
+    cfg, dev = a2a.cfg, a2a.device
+    a, out, seconds = a2a, [], None
+    if rank == 0:
+        a._status.aborted_sources = lambda epoch: []
+    with AllToAll(cfg, node_group=a.layout.node_size, transport=a.transport, device=dev, timeout_s=a.timeout_s) as b:
+
+        def call(inst, seed, bad=False, combine_late=None):
+            num, ex, exs = inst.empty_dispatch_outputs()
+            fill_sentinel(ex, exs)
+            x, xs, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, seed))
+            res = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+            inst.dispatch(num, ex, exs, x[:, :-1] if bad else x, xs, idx)
+            if combine_late is not None:
+                combine_late()
+            inst.combine(res, idx, w, toy_expert(ex, exs, cfg))
+            inst.check()
+            return record_call(cfg, x, xs, idx, w, num, ex, exs, res)
+
+        t0 = time.monotonic()
+        try:
+            call(a, 60, bad=rank == 1, combine_late=(lambda: out.append(call(b, 61))) if rank == 0 else None)
+        except (ValueError, CallAborted) as exc:
+            seconds, error = time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+        if rank == 1:
+            out.append(call(b, 61))
+        out.append(call(a, 62))
+    return error, seconds, out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,node,transport", [(2, 2, "shm"), (2, 1, "tcp")], ids=["node-local", "remote-tcp"])
+def test_an_aborting_rank_does_not_wait_for_the_aborted_calls_combine_before_its_next_call(world, node, transport):
+    with LocalCluster(CFG, world_size=world, node_size=node, transport=transport, device=TEST_DEVICE,
+                      timeout_s=20) as cl:
+        results = cl.run(_abort_then_a_call_of_another_instance)
+    (error0, _, calls0), (error1, seconds1, calls1) = results
+    assert error1.startswith("ValueError: x: expected") and "aborted this call" in error1, error1
+    assert error0.startswith("CallAborted") and "aborted by rank 1" in error0, error0
+    assert seconds1 < 5.0, seconds1  # it did not wait for rank 0's combine of that call (issued after B's call)
+    assert check_against_reference(CFG, [{"calls": calls0}, {"calls": calls1}]) == []
 
 
 CAP_CFG = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=32, in_dtype=torch.bfloat16,
