@@ -107,7 +107,7 @@ def _pack_combine_by_source_kernel(
         src_words = y_row * stride_y_r
         if FP8:  # words are bytes
             d.fp8_quantize_rows(expert_y_ptr, src_words, base_ptr, dst_words, is_row, Y_WORDS, SCALE_OFFSET_BYTES,
-                                BLOCK_R, G, Q_BLOCK, FP8_VIA_BITS)
+                                BLOCK_R, G, Q_BLOCK, FP8_VIA_BITS, ALIGN_WORDS)
         else:
             d.copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
     if NODE_SYNC:
@@ -197,8 +197,8 @@ def _reduce_combined_tokens_kernel(
             row_bytes = recv_bytes + slot * SC_BYTES
         row = tl.multiple_of(row_bytes // ITEM_BYTES, ALIGN_ELEMS)
         if FP8:  # fp32(q) * scale, one rounding, as reference.combine_fp8
-            y = d.fp8_load_dequantized(base_ptr, row, cols, mask & has_slot[:, None], SCALE_OFFSET_BYTES, Q_BLOCK,
-                                       FP8_VIA_BITS)
+            y = d.fp8_load_dequantized(base_ptr, row, chunk * BLOCK_H, is_live & has_slot, H, BLOCK_H,
+                                       SCALE_OFFSET_BYTES, Q_BLOCK, FP8_VIA_BITS)
         else:
             y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has_slot[:, None], other=0.0)
         acc = tl.where(has_slot[:, None], acc + w[:, None] * y.to(tl.float32), acc)

@@ -582,49 +582,64 @@ def fp8_quantize_rows(
     H: tl.constexpr,
     SCALE_OFFSET_BYTES: tl.constexpr,  # where a slot's fp32 scales start (a multiple of 4)
     BLOCK_R: tl.constexpr,
-    G: tl.constexpr,                   # scale groups per step (a power of two): the tile is [BLOCK_R * G, Q_BLOCK]
+    G: tl.constexpr,                   # scale groups per step (a power of two): the tile is [BLOCK_R, G * Q_BLOCK]
     Q_BLOCK: tl.constexpr,             # elements per scale (a power of two; 128 for the combine)
     FP8_VIA_BITS: tl.constexpr,
+    ALIGN_BYTES: tl.constexpr = 1,     # every dst_bytes is a multiple of this (16: 16-byte fp8 stores)
 ):
     """Quantise H elements of every row i with is_row[i] into its slot: fp8 bytes at dst_bytes[i] + [0, H),
     one fp32 scale per Q_BLOCK elements at dst_bytes[i] + SCALE_OFFSET_BYTES (`fp8_block_quantize` without
-    ROUND_SCALE: bitwise `reference.quantize_fp8_blocks`). Tile row j holds row j // G, group g0 + j % G,
-    so each group's amax is one row reduction. Reads H * itemsize and writes H + 4 * ceil(H / Q_BLOCK)
-    bytes per row; the padding bytes of the slot are not written."""
+    ROUND_SCALE: bitwise `reference.quantize_fp8_blocks`). The tile keeps a row's G groups side by side, so
+    the callers' alignment hints on src_elems and dst_bytes reach the loads and the fp8 stores (16-byte
+    vectors; in a [rows * groups, Q_BLOCK] tile every fp8 byte was stored alone: 4x the copy's time at
+    prefill on the H200); a reshape makes each group's amax one row reduction. Reads H * itemsize and writes
+    H + 4 * ceil(H / Q_BLOCK) bytes per row; the padding bytes of the slot are not written."""
     NUM_SCALES: tl.constexpr = (H + Q_BLOCK - 1) // Q_BLOCK
-    N: tl.constexpr = BLOCK_R * G
-    src_rep = tl.reshape(tl.broadcast_to(src_elems[:, None], (BLOCK_R, G)), (N,))
-    dst_rep = tl.reshape(tl.broadcast_to(dst_bytes[:, None], (BLOCK_R, G)), (N,))
-    ok_rep = tl.reshape(tl.broadcast_to(is_row.to(tl.int32)[:, None], (BLOCK_R, G)), (N,)) != 0
-    lane = tl.arange(0, N) % G
-    elem = tl.arange(0, Q_BLOCK)
+    BLOCK_H: tl.constexpr = G * Q_BLOCK
     scale_ptr = dst_ptr.to(tl.pointer_type(tl.float32))
-    for g0 in range(0, NUM_SCALES, G):
-        group = g0 + lane
-        cols = group[:, None] * Q_BLOCK + elem[None, :]
-        mask = ok_rep[:, None] & (cols < H)
-        x = tl.load(src_ptr + src_rep[:, None] + cols, mask=mask, other=0.0).to(tl.float32)
-        q, scale = fp8_block_quantize(x, False, True)
-        fp8_e4m3_store(dst_ptr, dst_rep[:, None] + cols, q, mask, FP8_VIA_BITS)
-        tl.store(scale_ptr + (dst_rep + SCALE_OFFSET_BYTES) // 4 + group, scale, mask=ok_rep & (group < NUM_SCALES))
+    scale_words = (dst_bytes + SCALE_OFFSET_BYTES) // 4
+    for chunk in range(0, (H + BLOCK_H - 1) // BLOCK_H):
+        h0 = chunk * BLOCK_H  # (not a range step: the compiler then knows h0's alignment)
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = is_row[:, None] & (cols < H)[None, :]
+        x = tl.load(src_ptr + src_elems[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q, scale = fp8_block_quantize(tl.reshape(x, (BLOCK_R * G, Q_BLOCK)), False, True)
+        # (the hint here, at the store: one on dst_bytes is lost when the compiler copies their arithmetic)
+        dst = tl.multiple_of(dst_bytes[:, None] + cols[None, :], [1, ALIGN_BYTES])
+        fp8_e4m3_store(dst_ptr, dst, tl.reshape(q, (BLOCK_R, BLOCK_H)), mask, FP8_VIA_BITS)
+        group = h0 // Q_BLOCK + tl.arange(0, G)
+        tl.store(scale_ptr + scale_words[:, None] + group[None, :], tl.reshape(scale, (BLOCK_R, G)),
+                 mask=is_row[:, None] & (group < NUM_SCALES)[None, :])
 
 
 @triton.jit
 def fp8_load_dequantized(
     base_ptr,            # uint8: byte address space of the slots
     row_bytes,           # [N] int64: where each slot starts, bytes from base_ptr (a multiple of 4)
-    cols,                # [C] int: the elements of the row to load (a chunk)
-    mask,                # [N, C] int1: elements to load (the others are 0)
+    h0,                  # the chunk's first element (a multiple of BLOCK_H)
+    rows_ok,             # [N] int1: slots to read (the others' elements are 0)
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,             # elements of the chunk (a power of two)
     SCALE_OFFSET_BYTES: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     FP8_VIA_BITS: tl.constexpr,
 ):
-    """[N, C] fp32: elements `cols` of the fp8 slots at base_ptr + row_bytes, dequantised as
-    `reference.dequantize_fp8_blocks` does: fp32(q) * scale of the element's block (one fp32 rounding).
-    Reads C fp8 bytes per row and the scales of the chunk's blocks (gathered per element; they are a few
-    cache lines)."""
+    """[N, BLOCK_H] fp32: elements [h0, h0 + BLOCK_H) (those < H; the others 0) of the fp8 slots at
+    base_ptr + row_bytes, dequantised as `reference.dequantize_fp8_blocks` does: fp32(q) * scale of the
+    element's block (one fp32 rounding). Reads BLOCK_H fp8 bytes per row and one scale per block in the
+    chunk (a scale gathered per element was one 4-byte load per element)."""
+    cols = h0 + tl.arange(0, BLOCK_H)
+    mask = rows_ok[:, None] & (cols < H)[None, :]
     q = fp8_e4m3_load(base_ptr, row_bytes[:, None] + cols[None, :], mask, FP8_VIA_BITS)
+    scales = base_ptr.to(tl.pointer_type(tl.float32))
     scale_words = (row_bytes + SCALE_OFFSET_BYTES) // 4
-    scale = tl.load(base_ptr.to(tl.pointer_type(tl.float32)) + scale_words[:, None] + (cols // Q_BLOCK)[None, :],
-                    mask=mask, other=0.0)
-    return q * scale
+    if BLOCK_H >= Q_BLOCK:  # whole blocks: one scale each, broadcast over its Q_BLOCK elements
+        NB: tl.constexpr = BLOCK_H // Q_BLOCK
+        N: tl.constexpr = row_bytes.shape[0]
+        block = h0 // Q_BLOCK + tl.arange(0, NB)
+        scale = tl.load(scales + scale_words[:, None] + block[None, :],
+                        mask=rows_ok[:, None] & (block < (H + Q_BLOCK - 1) // Q_BLOCK)[None, :], other=0.0)
+        return tl.reshape(tl.reshape(q, (N, NB, Q_BLOCK)) * scale[:, :, None], (N, BLOCK_H))
+    else:  # the chunk lies in one block
+        scale = tl.load(scales + scale_words + h0 // Q_BLOCK, mask=rows_ok, other=0.0)
+        return q * scale[:, None]

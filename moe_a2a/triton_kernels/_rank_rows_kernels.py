@@ -440,8 +440,8 @@ def _reduce_rank_rows_by_token_kernel(
         else:
             at = recv_bytes + s * SC_BYTES
         if FP8:
-            y = d.fp8_load_dequantized(base_ptr, at, cols, mask & has[:, None], SCALE_OFFSET_BYTES, Q_BLOCK,
-                                       FP8_VIA_BITS)
+            y = d.fp8_load_dequantized(base_ptr, at, tl.program_id(1) * BLOCK_H, is_live & has, H, BLOCK_H,
+                                       SCALE_OFFSET_BYTES, Q_BLOCK, FP8_VIA_BITS)
         else:
             row = at // ITEM_BYTES
             y = tl.load(base_y + row[:, None] + cols[None, :], mask=mask & has[:, None], other=0.0).to(tl.float32)

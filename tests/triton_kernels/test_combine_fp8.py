@@ -51,7 +51,8 @@ def _roundtrip_kernel(src_ptr, slots_ptr, out_ptr, R, stride_src, H: tl.constexp
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
         mask = is_row[:, None] & (cols < H)[None, :]
-        y = d.fp8_load_dequantized(slots_ptr, rows * SC_BYTES, cols, mask, SCALE_OFFSET_BYTES, 128, VIA_BITS)
+        y = d.fp8_load_dequantized(slots_ptr, rows * SC_BYTES, c0, is_row, H, BLOCK_H, SCALE_OFFSET_BYTES, 128,
+                                   VIA_BITS)
         tl.store(out_ptr + rows[:, None] * H + cols[None, :], y, mask=mask)
 
 
