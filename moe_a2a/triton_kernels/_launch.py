@@ -90,14 +90,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_grid(device: torch.device, layout: Layout) -> tuple[tuple[int], int]:
-    """(grid, rows per tile) of the persistent kernels. The grid is fixed by the device and the
-    buffer capacity, never by the data (that would need a host sync and break CUDA graphs)."""
+def persistent_grid(device: torch.device, layout: Layout,
+                    rows_per_tile: tuple[int, int] = (ROWS_PER_TILE, ROWS_PER_TILE_LARGE)) -> tuple[tuple[int], int]:
+    """(grid, rows per tile) of the persistent kernels; `rows_per_tile`: (small, large) layouts' tiles on a
+    GPU. The grid is fixed by the device and the buffer capacity, never by the data (that would need a host
+    sync and break CUDA graphs)."""
     max_rows = layout.max_recv_routes
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         programs = _sm_count(index) * PROGRAMS_PER_SM
-        rows_per_tile = ROWS_PER_TILE_LARGE if layout.max_routes > LARGE_ROUTES else ROWS_PER_TILE
+        rows_per_tile = rows_per_tile[1] if layout.max_routes > LARGE_ROUTES else rows_per_tile[0]
     else:
         programs, rows_per_tile = CPU_PROGRAMS, CPU_ROWS_PER_TILE
     return (max(1, min(programs, ceil_div(max_rows, rows_per_tile))),), rows_per_tile
