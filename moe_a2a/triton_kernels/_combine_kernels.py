@@ -59,8 +59,7 @@ def _pack_combine_by_source_kernel(
 ):
     """Compiled as `moe_a2a::combine()` (`_launch.compiled_as`, for profilers that look for it).
 
-    Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel); FP8:
-    (G, chunks of G * Q_BLOCK elements), each program quantising its chunk of its tiles' rows.
+    Grid: (G,) persistent programs over tiles of BLOCK_R received rows (as in the unpack kernel).
 
     Row i of pair (local expert l, source s) has block index b = sum_{j<l} counts[s, rank*L+j] + i in
     source s's block and goes to
@@ -108,7 +107,7 @@ def _pack_combine_by_source_kernel(
         src_words = y_row * stride_y_r
         if FP8:  # words are bytes
             d.fp8_quantize_rows(expert_y_ptr, src_words, base_ptr, dst_words, is_row, Y_WORDS, SCALE_OFFSET_BYTES,
-                                BLOCK_R, G, Q_BLOCK, FP8_VIA_BITS, ALIGN_WORDS, tl.program_id(1), tl.num_programs(1))
+                                BLOCK_R, G, Q_BLOCK, FP8_VIA_BITS, ALIGN_WORDS)
         else:
             d.copy_row_words(expert_y_ptr, src_words, base_words, dst_words, is_row, Y_WORDS, BLOCK_W)
     if NODE_SYNC:

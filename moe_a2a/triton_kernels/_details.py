@@ -586,7 +586,6 @@ def fp8_quantize_rows(
     Q_BLOCK: tl.constexpr,             # elements per scale (a power of two; 128 for the combine)
     FP8_VIA_BITS: tl.constexpr,
     ALIGN_BYTES: tl.constexpr = 1,     # every dst_bytes is a multiple of this (16: 16-byte fp8 stores)
-    first_chunk=0, chunk_step=1,       # the chunks of G * Q_BLOCK elements this program quantises
 ):
     """Quantise H elements of every row i with is_row[i] into its slot: fp8 bytes at dst_bytes[i] + [0, H),
     one fp32 scale per Q_BLOCK elements at dst_bytes[i] + SCALE_OFFSET_BYTES (`fp8_block_quantize` without
@@ -599,7 +598,7 @@ def fp8_quantize_rows(
     BLOCK_H: tl.constexpr = G * Q_BLOCK
     scale_ptr = dst_ptr.to(tl.pointer_type(tl.float32))
     scale_words = (dst_bytes + SCALE_OFFSET_BYTES) // 4
-    for chunk in range(first_chunk, (H + BLOCK_H - 1) // BLOCK_H, chunk_step):
+    for chunk in range(0, (H + BLOCK_H - 1) // BLOCK_H):
         h0 = chunk * BLOCK_H  # (not a range step: the compiler then knows h0's alignment)
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = is_row[:, None] & (cols < H)[None, :]

@@ -91,9 +91,6 @@ def pack_combine_by_source(
         fp8_args = dict(FP8=True, G=block_w // COMBINE_FP8_BLOCK, Q_BLOCK=COMBINE_FP8_BLOCK,
                         SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=device.type != "cuda")
         warps = launch.num_warps(block_r * block_w, expert_y.element_size())
-        # The chunks side by side on a second axis: a chunk's quantisation is a chain of dependent steps
-        # (amax, scale, stores), which one program walking 28 chunks a row ran one after another.
-        grid = (grid[0], ceil_div(cfg.hidden_dim, block_w))
     else:
         y_row_bytes = expert_y.stride(0) * expert_y.element_size() if R else 0
         word_bytes, word_dtype = launch.word_bytes(cfg.y_bytes, expert_y.data_ptr(), y_row_bytes, stage_bytes,
