@@ -193,8 +193,9 @@ mps:all|mps:node-local)
   mps_start
   step 300 "${gpu_tests[@]}" --timeout 240 tests/e2e/test_cuda_graph.py tests/triton_kernels/test_node_sync.py
   step 420 "${gpu_tests[@]}" --timeout 400 tests/compat/test_shrink.py
-  # the facade's calls and refusals with kernel waits (its refusal test failed here on 2026-12-02: docs/benchmarks.md)
+  # the facade's calls and refusals with kernel waits, and the aborts of AllToAll itself on one node
   step 420 "${gpu_tests[@]}" --timeout 120 tests/compat/test_deep_ep.py
+  step 240 "${gpu_tests[@]}" --timeout 120 tests/e2e/test_abort.py -k node-local
   mps_stop
   ;;&
 mps:all|mps:deepep)
