@@ -42,12 +42,11 @@ from ._rank_rows_kernels import (_expand_rank_rows_kernel, _first_route_per_rank
 # Tokens per program of the two small send-half kernels (their work is K x K compares per token).
 BLOCK_TOKENS = 32
 
-# Rows per tile (decode-sized, prefill-sized layouts; `launch.persistent_grid`) of the per-rank rows' kernels,
-# whose rows are fewer than routes and whose reduce reads up to K rows for each. H200, 2 ranks under MPS,
-# 2026-12-02 (launch.ROWS_PER_TILE*'s 8 and 16 before): reduce by source 42 -> 34 µs at decode with 2,
-# 446 -> 306 at prefill with 8; the expand 19 -> 15 at decode with 2, but 113 -> 172 at prefill with 8.
+# Rows per tile (decode-sized, prefill-sized layouts) of the per-rank rows' persistent kernels: fewer rows than
+# routes, so smaller tiles than the route rows' (swept on the H200: docs/perf-notes.md, "Tiles of the per-rank").
 EXPAND_ROWS_PER_TILE = (2, 16)
 REDUCE_ROWS_PER_TILE = (2, 8)
+
 
 def _key(first: torch.Tensor, *rest):
     """The remembered-launch key of a launcher's arguments (`_launch.LaunchCache`): CUDA launches only."""
