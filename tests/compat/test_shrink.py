@@ -153,7 +153,9 @@ def test_a_rank_killed_outright_is_masked_within_twice_the_timeout_and_later_cal
         first = got[r][1]
         assert first["dispatch_s"] + first["combine_s"] + first["clean_s"] < 2 * timeout_s, first
         later = got[r][2]
-        assert later["dispatch_s"] + later["combine_s"] + later["clean_s"] < timeout_s / 2, later
+        # No wait timed out: one that did would take timeout_s alone (the three halves take 2.5-3.2 s on a
+        # loaded 2-core machine, so half of timeout_s was too tight a bound).
+        assert later["dispatch_s"] + later["combine_s"] + later["clean_s"] < timeout_s, later
 
 
 def _refusals_rank(comm, store: str):
