@@ -89,6 +89,9 @@ class AllToAll:
         self._void_recv_owed = False  # an aborted call's combine receive, issued with the next call (_abort_call)
         self._checked_quantize = None  # (the last `quantize` given to dispatch, as checked: `check_quantize`)
         self._quantize = None  # the current call's (its receive half may write its scales apart)
+        # Output sets a layer above owns, checked once (`register_dispatch_outputs`): by the ids of
+        # (num, x, x_scale, source_ranges, quantized_scale, quantize), holding the objects so ids stay theirs.
+        self._registered_outputs: dict[tuple, tuple] = {}
         self._watch_lock = threading.Lock()
         self._w = Wiring(p.layout, p.group, p.rank, p.device, p.transport, p.nics, p.num_proxies, p.buffers,
                          p.gpu_wait, p.timeout_s, local_only=p.local_only,
@@ -253,6 +256,20 @@ class AllToAll:
             xs = torch.zeros(rows, cfg.scale_row_words, dtype=torch.float32, device=self.device)[:, :cfg.num_scales]
         return num, x, xs
 
+    def register_dispatch_outputs(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale,
+                                  out_source_ranges=None, out_quantized_scale=None, quantize=None) -> None:
+        """Check a set of `dispatch` outputs once (ValueError as `dispatch` says) and remember it: a later
+        dispatch given these very objects (and this `quantize` object) skips their check. For layers above
+        that own their output buffers and never change their shapes in place (`moe_a2a.compat`'s slots);
+        the instance holds them until it is closed."""
+        self._ready()
+        checked = check_quantize(self.cfg, quantize, None)[0]
+        check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
+                               out_expert_x_scale, out_source_ranges, out_quantized_scale, checked)
+        outputs = (out_expert_num_tokens, out_expert_x, out_expert_x_scale, out_source_ranges, out_quantized_scale,
+                   quantize)
+        self._registered_outputs[tuple(map(id, outputs))] = outputs
+
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, x, x_scale, indices,
                  bound_m=None, do_send: bool = True, do_recv: bool = True, *, quantize=None,
                  out_source_ranges=None, weights=None, out_quantized_scale=None) -> None:
@@ -302,8 +319,11 @@ class AllToAll:
             self._expect(_IDLE, "dispatch(do_send=True)")
             try:
                 check_dispatch_inputs(self.cfg, self.device, x, x_scale, indices, bound_m, weights)
+                given = quantize
                 quantize, self._checked_quantize = check_quantize(self.cfg, quantize, self._checked_quantize)
-                if do_recv:
+                if do_recv and (id(out_expert_num_tokens), id(out_expert_x), id(out_expert_x_scale),
+                                id(out_source_ranges), id(out_quantized_scale), id(given)) \
+                        not in self._registered_outputs:
                     check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
                                            out_expert_x_scale, out_source_ranges, out_quantized_scale, quantize)
             except ValueError as exc:
@@ -334,7 +354,8 @@ class AllToAll:
             indices: `[T, K]` as given to `dispatch` (the routes are remembered from it).
             weights: `[T, K]` float32.
             expert_y: `[>= max_dispatch_rows, H]` out_dtype: row i is the expert output of row i
-                of `out_expert_x` from `dispatch` (padding rows are never read).
+                of `out_expert_x` from `dispatch` (padding rows are never read). With `expert_capacity` C
+                (rows by expert) also `[L, C, H]` with strides `(C * s, s, 1)` (e.g. contiguous).
             accumulate: add to the old `out_tokens` (in fp32, before the k terms) instead of overwriting.
             bound_m: optional `[1]` int32 on the device: tokens t >= bound_m[0] are left untouched (default:
                 the dispatch's); its value is checked ([0, T]) on a CPU, as the dispatch's.
@@ -452,6 +473,7 @@ class AllToAll:
             except Exception:  # noqa: BLE001 - a broken context must not keep the files and proxy alive
                 pass
         self._w.release()
+        self._registered_outputs = {}  # the layer above's buffers are theirs to free
 
     def __enter__(self) -> "AllToAll":
         return self

@@ -1,7 +1,7 @@
 """The DeepEP facade's cost against `AllToAll` fed pre-quantised input, decode sizes, one node.
 
     python3 benchmarks/gpu/facade_cost.py [--ranks N] [--reps 200] [--out RESULTS.json] [--profile] [--interleave]
-                                          [--host-split] [--deep-ep-scales]
+                                          [--host-split [--cprofile]] [--deep-ep-scales]
 
 One rank per GPU (N <= the GPUs here, default all), T=128 tokens, H=7168, 288 experts, top-8; every rank
 routes at random. Per variant, eager (one dispatch + combine pair, CUDA events around it) and one CUDA
@@ -17,7 +17,8 @@ both alike): median and 10th / 90th percentiles, and of the gap paired round by 
 (`facade_minus_a2a_interleaved_eager_us`). `--host-split`: the host time of each half (a sync after
 each pair, so no launch-queue waits), 2 x reps pairs alternated, for the two variants and for
 `facade_instances_direct`, the facade's own `AllToAll` instances called with the arguments the facade gives
-them: facade_fp8 minus it is the facade's own Python. `--deep-ep-scales`: a third variant,
+them: facade_fp8 minus it is the facade's own Python; with `--cprofile`, each variant's functions by own
+host time (rank 0, `reps` pairs). `--deep-ep-scales`: a third variant,
 `a2a_prequantised_deep_ep_scales`, as `a2a_prequantised` but its unpack writes the scales straight into
 DeepEP's layout (a 3-D `out_expert_x_scale`, column-major per expert, TMA-aligned): that layout's cost in
 the unpack against row-major scale rows, in every mode asked for.
@@ -38,7 +39,7 @@ T, H, E, K = 128, 7168, 288, 8
 
 
 def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bool, host_split: bool,
-          deep_ep_scales: bool, queue) -> None:
+          deep_ep_scales: bool, cprofile: bool, queue) -> None:
     import torch.distributed as dist
 
     from moe_a2a import A2AConfig, AllToAll
@@ -161,6 +162,21 @@ def _rank(rank: int, n: int, port: int, reps: int, profile: bool, interleave: bo
         for name, (d_us, c_us) in host.items():
             results.setdefault(name, {})["host_us"] = {"dispatch": round(statistics.median(d_us), 1),
                                                        "combine": round(statistics.median(c_us), 1)}
+        if cprofile and rank == 0:  # where each variant's host time goes, by function (own time)
+            import cProfile
+            import io
+            import pstats
+
+            for name, (dispatch, combine) in halves.items():
+                prof = cProfile.Profile()
+                for _ in range(reps):
+                    prof.enable()
+                    combine(dispatch())
+                    prof.disable()
+                    torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+                results[name]["cprofile_top_own_time"] = text.getvalue().splitlines()
     if profile:  # the kernels of one eager pair of each variant, by GPU time (where the difference goes)
         for name, pair in pairs:
             torch.cuda.synchronize()
@@ -187,6 +203,8 @@ def main() -> None:
     ap.add_argument("--host-split", action="store_true", help="also the host time of each half, per variant")
     ap.add_argument("--deep-ep-scales", action="store_true",
                     help="also AllToAll with its unpack writing the scales in DeepEP's layout (3-D out_expert_x_scale)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="with --host-split: also a cProfile of each variant's halves on rank 0 (by own time)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -196,7 +214,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.reps, args.profile, args.interleave,
-                                             args.host_split, args.deep_ep_scales, queue))
+                                             args.host_split, args.deep_ep_scales, args.cprofile, queue))
              for r in range(args.ranks)]
     for p in procs:
         p.start()

@@ -155,8 +155,9 @@ class LowLatencyMode(LowLatencySets):
         self._calls = call = self._calls + 1  # every rank counts every call, aborted ones included
         index = indices[index]  # this set's slot of the alternation
         slot = self._slots[index]
-        if slot.state != _FREE:
-            self._retire(slot)  # the slot's previous call, if it was left unfinished
+        state = slot.state
+        if state != _FREE and state != _COMBINED:
+            self._retire(slot)  # the slot's previous call, left unfinished (a combined one is over)
         if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
             self._build_fp8(indices)  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
         instances = slot.instances
@@ -290,9 +291,10 @@ class LowLatencyMode(LowLatencySets):
                                         out, combine_wait_recv_cost_stats, kwargs)
             except ValueError as exc:
                 self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
-        expert_y = y.reshape(-1, H)  # a view of contiguous outputs (a copy of others)
+        # [L, C, H] as it is when contiguous (AllToAll takes it: no view made a call), else its rows copied.
+        expert_y = y if y.is_contiguous() else y.reshape(-1, H)
         if moved is not None:  # the outputs are in the handle's layout: into the one dispatched again
-            expert_y = _move_rows(expert_y, *moved)
+            expert_y = _move_rows(y.reshape(-1, H), *moved)
         slot.combine_args = (out, topk_idx, topk_weights, expert_y)
         try:
             a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)

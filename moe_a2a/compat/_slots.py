@@ -168,6 +168,14 @@ class Slot:
         self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
         self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
+        self._register(a2a)
+
+    def _register(self, a2a: AllToAll, scales: torch.Tensor | None = None, quantize=None) -> None:
+        """Tell `a2a` these receive buffers are the slot's own: checked once, not at every dispatch."""
+        try:
+            a2a.register_dispatch_outputs(self.num, self.ex, self.exs, self.layout_range, scales, quantize)
+        except ValueError:  # a combination a dispatch refuses: each call then checks (and says) it
+            pass
 
     def free(self) -> None:
         """The call ended (an exception in one of its halves ends it on every rank): the slot is free."""
@@ -188,6 +196,9 @@ class Slot:
         self.recv_x[True, False] = (self.fp8, fp32)
         self.recv_x[True, True] = (self.fp8, ue8m0)
         self.fp8_outputs = True
+        a2a = self.instances.get(True) or self.instances[False]  # what an fp8 call uses
+        for round_scale, ue8m0 in ((False, False), (True, False), (True, True)):  # the plan's quantisations
+            self._register(a2a, self.recv_x[True, ue8m0][1], fp8_quantize(H, round_scale, ue8m0))
 
     def quantized_scales(self) -> torch.Tensor | None:
         """Where the current call's receive writes its fp8 scales (`AllToAll.dispatch(out_quantized_scale=)`):

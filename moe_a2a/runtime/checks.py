@@ -195,13 +195,31 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
 
 
 def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
-    """The combine's send half: expert outputs as many rows as the dispatch output."""
+    """The combine's send half: expert outputs as many rows as the dispatch output (`[rows, H]`), or with an
+    expert capacity C and rows by expert, `[L, C, H]` whose first two dimensions merge (one run of rows)."""
+    H = cfg.hidden_dim
     if type(expert_y) is _Tensor and expert_y.dtype is cfg.out_dtype and expert_y.device == device:
-        sh = expert_y.shape  # the common case in one test of what the checks below accept
-        if len(sh) == 2 and sh[1] == cfg.hidden_dim and sh[0] >= lay.max_dispatch_rows \
+        sh = expert_y.shape  # the common cases in one test each of what the checks below accept
+        if len(sh) == 2 and sh[1] == H and sh[0] >= lay.max_dispatch_rows \
                 and (sh[1] <= 1 or expert_y.stride()[-1] == 1):
             return
+        if len(sh) == 3 and expert_y.is_contiguous() and sh == (lay.num_local_experts, lay.expert_capacity, H) \
+                and not lay.rank_rows:
+            return
     check_tensor("expert_y", expert_y, None, cfg.out_dtype, device)
+    C, L = lay.expert_capacity, lay.num_local_experts
+    if expert_y.dim() == 3:
+        if not C or lay.rank_rows:
+            why = "with dispatch_rows='rank'" if C else "without A2AConfig.expert_capacity"
+            raise ValueError(f"expert_y: expected [rows, {H}] (a 3-D one is not taken {why}), "
+                             f"got {tuple(expert_y.shape)}")
+        if tuple(expert_y.shape) != (L, C, H):
+            raise ValueError(f"expert_y: expected [rows, {H}] or [{L}, {C}, {H}], got {tuple(expert_y.shape)}")
+        st = expert_y.stride()
+        if st[2] != 1 or st[0] != C * st[1]:
+            raise ValueError(f"expert_y: a [{L}, {C}, {H}] tensor needs rows of stride 1 whose experts follow "
+                             f"each other (strides (C * s, s, 1)), got strides {st}")
+        return
     if expert_y.dim() != 2 or expert_y.shape[1] != cfg.hidden_dim:
         raise ValueError(f"expert_y: expected [rows, {cfg.hidden_dim}], got {tuple(expert_y.shape)}")
     if expert_y.shape[0] < lay.max_dispatch_rows:

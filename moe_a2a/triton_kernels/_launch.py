@@ -13,6 +13,7 @@ import triton
 from ..config import Layout, ceil_div, next_power_of_2
 
 log = logging.getLogger("moe_a2a")
+_Tensor = torch.Tensor
 
 # The compiled names of the four data kernels (`triton.jit(repr=...)`; the Python names stay descriptive).
 # DeepEP's profiler helper (`bench_kineto`) takes the one profiler row whose name holds "dispatch" (or
@@ -115,7 +116,8 @@ def tensor_key(t: torch.Tensor | None):
 
 def key(*args) -> tuple:
     """The key of a launch from every argument of its launcher: tensors by `tensor_key`, the rest as is."""
-    return tuple(tensor_key(a) if isinstance(a, torch.Tensor) else a for a in args)
+    # tensor_key inlined, in a list comprehension: every eager launch computes one (no generator frame).
+    return tuple([(a.data_ptr(), a.dtype, a.shape, a.stride()) if isinstance(a, _Tensor) else a for a in args])
 
 
 class LaunchCache:

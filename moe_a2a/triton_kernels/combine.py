@@ -48,7 +48,9 @@ def pack_combine_by_source(
 
     Args:
         expert_y: `[R, H]` cfg.out_dtype, last stride 1, rows as `unpack_tokens_by_expert` laid them out
-            (padding rows are not read). With cfg.combine_fp8 each row is quantised into its slot.
+            (padding rows are not read); or `[L, C, H]` whose two first dimensions merge into rows
+            (`stride(0) == C * stride(1)`: what `view(-1, H)` takes). With cfg.combine_fp8 each row is
+            quantised into its slot.
         counts: `[W, E]` int32, the same routing matrix as the dispatch of this call (device or
             pinned host memory).
         rank: this rank.
@@ -69,6 +71,8 @@ def pack_combine_by_source(
         key = launch.key(expert_y, counts, rank, base, peer_recv_bytes, stage_bytes, cfg, layout, node)
         if _PACK_COMBINE.hit(key):
             return
+    if isinstance(expert_y, torch.Tensor) and expert_y.dim() == 3:  # [L, C, H]: its rows, as one run
+        expert_y = expert_y.view(-1, expert_y.shape[2])
     W, L, E, device, R = check.expert_rows("expert_y", expert_y, cfg.out_dtype, cfg, layout)
     check.counts(counts, W, E, device)
     check.integer("rank", rank, 0, W)

@@ -50,6 +50,11 @@ def test_good_tensors_pass_as_tensors_subclasses_and_other_accepted_layouts():
     t = _good()
     t["x"] = torch.zeros(T, 2 * H, dtype=torch.bfloat16)[:, :H]  # last stride 1, not contiguous: taken
     assert _run(t) is None
+    t = _good()
+    t["expert_y"] = torch.zeros(L, C, H, dtype=torch.bfloat16)  # [L, C, H] with a capacity: its rows
+    assert _run(t) is None
+    t["expert_y"] = torch.zeros(L, C, 2 * H, dtype=torch.bfloat16)[:, :, :H]  # rows of stride 2H, one run
+    assert _run(t) is None
     checks.check_tensor("s", torch.zeros(()), (), torch.float32, CPU)  # 0-dim: no last dimension
     checks.check_tensor("one", torch.zeros(3, 1).t(), (1, 3), torch.float32, CPU)  # [1, 3], strides (1, 1)
     checks.check_tensor("col", torch.zeros(1, 3).t(), (3, 1), torch.float32, CPU)  # last size 1: any stride
@@ -87,6 +92,8 @@ def test_good_tensors_pass_as_tensors_subclasses_and_other_accepted_layouts():
     ("expert_y", torch.zeros(R, H), "expert_y: expected dtype torch.bfloat16, got torch.float32"),
     ("expert_y", torch.zeros(R - 1, H, dtype=torch.bfloat16), f"expert_y: needs >= {R} rows"),
     ("expert_y", torch.zeros(H, R, dtype=torch.bfloat16).t(), "expert_y: last dimension must be contiguous"),
+    ("expert_y", torch.zeros(L, C + 1, H, dtype=torch.bfloat16), f"expert_y: expected [rows, {H}] or [{L}, {C}, {H}]"),
+    ("expert_y", torch.zeros(L, C + 1, H, dtype=torch.bfloat16)[:, :C], "expert_y: a [4, 8, 256] tensor needs rows"),
     ("out", torch.zeros(T, H), "out_tokens: expected dtype torch.bfloat16, got torch.float32"),
     ("out", torch.zeros(T + 1, H, dtype=torch.bfloat16), "out_tokens: expected shape (4, 256), got (5, 256)"),
     ("out", torch.zeros(H, T, dtype=torch.bfloat16).t(), "out_tokens: last dimension must be contiguous"),
@@ -108,3 +115,17 @@ def test_scale_outputs_follow_the_calls_quantize():
     assert _run(t, quantize=Q).startswith("out_quantized_scale: expected")
     assert _run(t, quantize=Fp8Quantize(scale_offset_bytes=H, block=128, round_scale=True, ue8m0=True)) is None
     assert _run(_good(), quantize=Q) is None  # the first quantize again (its words were remembered per quantize)
+
+
+def test_a_3d_expert_y_is_taken_only_with_rows_by_expert_of_a_capacity():
+    from moe_a2a.config import A2AConfig
+
+    y = torch.zeros(L, C, H, dtype=torch.bfloat16)
+    no_capacity = A2AConfig(max_num_tokens=T, num_experts=E, experts_per_token=K, hidden_dim=H,
+                            in_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a 3-D one is not taken without A2AConfig.expert_capacity"):
+        checks.check_combine_send(no_capacity, no_capacity.layout(W), CPU, y)
+    by_rank = A2AConfig(max_num_tokens=T, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16,
+                        out_dtype=torch.bfloat16, expert_capacity=C, dispatch_rows="rank")
+    with pytest.raises(ValueError, match="a 3-D one is not taken with dispatch_rows='rank'"):
+        checks.check_combine_send(by_rank, by_rank.layout(W), CPU, y)
