@@ -24,6 +24,7 @@ from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
 from .triton_kernels import rank_rows, routing, write_plan
 from .triton_kernels.node_sync import launch_wait_apart
+from .triton_kernels.quant import Fp8Quantize
 
 _IDLE, _DISPATCH_SENT, _DISPATCH_DONE, _COMBINE_SENT = range(4)
 _STATE_NAMES = ("idle (next: dispatch send)", "dispatch sent (next: dispatch recv)",
@@ -261,8 +262,12 @@ class AllToAll:
         """Check a set of `dispatch` outputs once (ValueError as `dispatch` says) and remember it: a later
         dispatch given these very objects (and this `quantize` object) skips their check. For layers above
         that own their output buffers and never change their shapes in place (`moe_a2a.compat`'s slots);
-        the instance holds them until it is closed."""
+        the instance holds them until it is closed. `quantize`: None or an `Fp8Quantize` (frozen: a dict of
+        its fields could change after the check)."""
         self._ready()
+        if quantize is not None and not isinstance(quantize, Fp8Quantize):
+            raise ValueError(f"quantize: expected None or a quant.Fp8Quantize to register outputs with, got "
+                             f"{type(quantize).__name__}")
         checked = check_quantize(self.cfg, quantize, None)[0]
         check_dispatch_outputs(self.cfg, self.layout, self.device, out_expert_num_tokens, out_expert_x,
                                out_expert_x_scale, out_source_ranges, out_quantized_scale, checked)

@@ -291,10 +291,10 @@ class LowLatencyMode(LowLatencySets):
                                         out, combine_wait_recv_cost_stats, kwargs)
             except ValueError as exc:
                 self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
-        # [L, C, H] as it is when contiguous (AllToAll takes it: no view made a call), else its rows copied.
-        expert_y = y if y.is_contiguous() else y.reshape(-1, H)
         if moved is not None:  # the outputs are in the handle's layout: into the one dispatched again
             expert_y = _move_rows(y.reshape(-1, H), *moved)
+        else:  # [L, C, H] as it is when contiguous (AllToAll takes it: no view made a call), else its rows copied
+            expert_y = y if y.is_contiguous() else y.reshape(-1, H)
         slot.combine_args = (out, topk_idx, topk_weights, expert_y)
         try:
             a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)

@@ -192,6 +192,7 @@ def _bad_inputs(a2a, rank):
     a2a.combine(out, idx, w, y)
     # Registered outputs are checked once, at registration; other objects are still checked at each call.
     expect(lambda: a2a.register_dispatch_outputs(num, ex[:1], exs), "out_expert_x")
+    expect(lambda: a2a.register_dispatch_outputs(num, ex, exs, quantize={"block": 128}), "quantize")
     a2a.register_dispatch_outputs(num, ex, exs)
     expect(lambda: a2a.dispatch(num, ex[:1], exs, x, xs, idx), "out_expert_x")
     a2a.dispatch(num, ex, exs, x, xs, idx)
