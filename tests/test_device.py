@@ -112,3 +112,23 @@ def test_cpu0_cluster_all_to_all_and_buffer_work_against_the_oracle():
     for r in range(2):
         assert torch.equal(got[r][2]["count"], want[r][0]), r
         assert combine_problems(got[r][2]["combined"], outs[r], default_max_ulps("cpu")) == [], r
+
+
+def test_internal_checks_read_cuda_as_the_current_device(monkeypatch):
+    """The tensor checks below the API (runtime/checks.py, the launchers' `_checks.tensor`) take "cuda" and
+    "cpu:0" as `canonical_device` does (issue 42: `check_dispatch_outputs` given `torch.device("cuda")`
+    refused tensors on cuda:0), and never raise on a device string they cannot parse."""
+    from moe_a2a.runtime.checks import check_tensor
+    from moe_a2a.triton_kernels import _checks
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    same = _checks.same_device
+    assert same(torch.device("cuda", 1), torch.device("cuda")) and same(torch.device("cuda", 1), "cuda")
+    assert not same(torch.device("cuda", 0), "cuda") and not same(torch.device("cuda", 0), "cuda:1")
+    assert same(torch.device("cpu"), "cpu:0") and same(torch.device("cpu"), torch.device("cpu", 0))
+    assert not same(torch.device("cpu"), "cuda") and not same(torch.device("cpu"), "not a device")
+    t = torch.zeros(2, 3)
+    check_tensor("x", t, (2, 3), torch.float32, torch.device("cpu", 0))
+    _checks.tensor("x", t, dtypes=(torch.float32,), shape=(2, 3), device=torch.device("cpu", 0))
+    with pytest.raises(ValueError, match="x: expected device cuda, got cpu"):
+        check_tensor("x", t, (2, 3), torch.float32, torch.device("cuda"))

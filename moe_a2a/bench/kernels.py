@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import PAGE_BYTES, A2AConfig, round_up
+from ..runtime.checks import canonical_device
 
 PRESETS = {
     # DeepSeek-V3 / Kimi-K2 sizes: fp8 payload with 56 fp32 scales per token, bf16 combine
@@ -158,7 +159,7 @@ def bench_kernels(preset: str = "decode", world: int = 64, node: int = 8, iters:
     from ..triton_kernels import dispatch as dk
     from ..triton_kernels import quant, routing
 
-    device = torch.device(device)
+    device = canonical_device(device)
     cfg = A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
     lay = cfg.layout(world, node)
     r, L = 0, lay.num_local_experts

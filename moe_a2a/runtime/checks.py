@@ -11,6 +11,7 @@ import torch
 
 from ..config import A2AConfig, Layout
 from ..triton_kernels import routing
+from ..triton_kernels._checks import canonical_device, same_device
 from ..triton_kernels.quant import Fp8Quantize, check_fused_quantize
 
 
@@ -34,37 +35,10 @@ def check_tensor(name: str, t: Any, shape: tuple | None, dtype, device: torch.de
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if t.dtype not in dtypes:
         raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != device:
+    if not same_device(t.device, device):
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if last_contig and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got strides {t.stride()}")
-
-
-def canonical_device(device=None) -> torch.device:
-    """The device an instance works on, as its tensors report theirs (`t.device`), or ValueError: None ->
-    the current CUDA device if there is one, else the CPU; "cuda" / `torch.device("cuda")` -> `cuda:<current
-    device>`; "cuda:N" -> itself (N must be a device of this process); "cpu", "cpu:N" -> `cpu` (CPU tensors
-    report no index). Anything else (another device type, a string torch does not parse) is refused, so
-    a device no tensor can match is refused at construction rather than at every call."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise ValueError(f"device: expected a str, int or torch.device, got {type(device).__name__} {device!r}")
-    try:
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # int: torch's rule
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"device: {device!r} is not a device ({exc})") from None
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} needs CUDA, which is not available here")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    count = torch.cuda.device_count()
-    if not 0 <= index < count:
-        raise ValueError(f"device: {device!r}: this process sees {count} CUDA device(s)")
-    return torch.device("cuda", index)
 
 
 def check_rank_mask(mask, rank: int, world_size: int) -> None:

@@ -24,6 +24,7 @@ from ..proxy.fabric import auto_provider
 from ..triton_kernels.node_sync import NodeSync
 from . import bootstrap
 from . import placement as placements
+from .checks import canonical_device
 from .proxy_handle import ProxyHandle
 
 log = logging.getLogger("moe_a2a")
@@ -83,10 +84,9 @@ def choose_nics(nics, transport: str, rank: int, layout: Layout, device=None) ->
         return None
     ordinal = uuid = None
     try:
-        dev = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        dev = canonical_device(device)
         if dev.type == "cuda":
-            ordinal = torch.cuda.current_device() if dev.index is None else dev.index
+            ordinal = dev.index
             uuid = f"GPU-{torch.cuda.get_device_properties(ordinal).uuid}"  # NVML's form
     except Exception as exc:  # noqa: BLE001 - without the UUID, the ordinal (if any) still finds the GPU
         log.debug("moe_a2a rank %d: no GPU UUID for the NIC choice: %s", rank, exc)

@@ -36,13 +36,55 @@ def tensor(name: str, t, *, dtypes=None, shape=None, device=None, host_ok: bool 
     if dtypes is not None and t.dtype not in dtypes:
         fail(name, "dtype " + _one_of([str(d).removeprefix("torch.") for d in dtypes]),
              str(t.dtype).removeprefix("torch."))
-    if device is not None and t.device != device and not (
+    if device is not None and not same_device(t.device, device) and not (
             host_ok and device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()):
         fail(name, f"device {device}" + (" (or pinned host memory)" if host_ok else ""), str(t.device))
     if strides == "last" and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         fail(name, "last stride 1", f"strides {t.stride()}")
     if strides == "contiguous" and not t.is_contiguous():
         fail(name, "a contiguous tensor", f"strides {t.stride()}")
+
+
+def canonical_device(device=None) -> torch.device:
+    """The device an instance works on, as its tensors report theirs (`t.device`), or ValueError: None ->
+    the current CUDA device if there is one, else the CPU; "cuda" / `torch.device("cuda")` -> `cuda:<current
+    device>`; "cuda:N" -> itself (N must be a device of this process); "cpu", "cpu:N" -> `cpu` (CPU tensors
+    report no index). Anything else (another device type, a string torch does not parse) is refused, so
+    a device no tensor can match is refused at construction rather than at every call."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ValueError(f"device: expected a str, int or torch.device, got {type(device).__name__} {device!r}")
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # int: torch's rule
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device: {device!r} is not a device ({exc})") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} needs CUDA, which is not available here")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"device: {device!r}: this process sees {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def same_device(have: torch.device, want) -> bool:
+    """`have` (a tensor's device) is `want` as `canonical_device` reads it ("cuda" is the current CUDA device,
+    "cpu:0" the CPU); never raises: a device no tensor can be on is simply not matched."""
+    if have == want:
+        return True
+    try:
+        want = torch.device(want)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    if want.type != have.type:
+        return False
+    return want.type == "cpu" or (want.type == "cuda" and want.index is None
+                                  and have.index == torch.cuda.current_device())
 
 
 def integer(name: str, value, lo: int | None = None, hi: int | None = None) -> int:

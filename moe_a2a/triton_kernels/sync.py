@@ -119,10 +119,7 @@ def _word_index(words: torch.Tensor, index: int, name: str) -> int:
 
 
 def _run_device(words: torch.Tensor, device) -> torch.device:
-    run_on = torch.device(device) if device is not None else words.device
-    if run_on.type == "cuda" and run_on.index is None:
-        run_on = torch.device("cuda", torch.cuda.current_device())
-    return run_on
+    return check.canonical_device(device if device is not None else words.device)
 
 
 __all__ = ["stamp_time", "gpu_clock_offset_ns", "signal_flag"]
