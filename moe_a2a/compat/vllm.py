@@ -42,12 +42,17 @@ DISPATCH_QUANT_BLOCK = 128  # the dispatch quantises in groups of 128 elements, 
 try:  # vLLM's own types when it is there, so that FusedMoEKernel's isinstance checks pass
     from vllm.model_executor.layers.fused_moe import modular_kernel as _mk
 
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
+
     FusedMoEPrepareAndFinalizeModular = _mk.FusedMoEPrepareAndFinalizeModular
     FusedMoEActivationFormat = _mk.FusedMoEActivationFormat
     ExpertTokensMetadata = _mk.ExpertTokensMetadata
     HAVE_VLLM = True
 except Exception:  # noqa: BLE001 - any import failure: vLLM absent or of another shape
     HAVE_VLLM = False
+
+    class TopKWeightAndReduceDelegate:
+        """Stand-in for vLLM's marker class: "the prepare/finalize applies the weights and reduces"."""
 
     class FusedMoEActivationFormat(enum.Enum):
         """Stand-in for vLLM's enum (same names and values)."""
@@ -162,9 +167,14 @@ def quantize_received(x: torch.Tensor, count: torch.Tensor, mode: str, quant_con
 class MoeA2APrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     """moe_a2a as a vLLM all-to-all backend (low-latency, batched experts).
 
+    Constructed as vLLM constructs its `DeepEPLLPrepareAndFinalize` (`all2all_utils.maybe_make_prepare_finalize`:
+    the buffer positionally, the rest by keyword), so `install_as_deepep_low_latency` can put it in that
+    class's place.
+
     Args:
         buffer: a `moe_a2a.compat.Buffer` over the expert-parallel group.
-        max_num_tokens_per_rank: the most tokens a rank dispatches per call.
+        max_num_tokens_per_rank: the most tokens a rank dispatches per call; `max_tokens_per_rank=` (the
+            name vLLM's DeepEP backend takes) is the same argument: give one of the two.
         num_dispatchers: ranks that dispatch (the group size).
         use_fp8_dispatch: None (default): fp8 in the dispatch exactly when the quant config is fp8 with
             128 x 128 blocks; False: always dispatch bf16 (and quantise after); True: require the former.
@@ -173,14 +183,21 @@ class MoeA2APrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         ubatch_id: returns the current micro-batch id (default: vLLM's `dbo_current_ubatch_id`, else 0).
     """
 
-    def __init__(self, buffer: Buffer, max_num_tokens_per_rank: int, num_dispatchers: int,
+    def __init__(self, buffer: Buffer, max_num_tokens_per_rank: int | None = None, num_dispatchers: int | None = None,
                  use_fp8_dispatch: bool | None = None, global_to_physical: torch.Tensor | None = None,
                  physical_to_global: torch.Tensor | None = None,
                  local_expert_global_ids: torch.Tensor | None = None,
-                 ubatch_id: Callable[[], int] | None = None) -> None:
+                 ubatch_id: Callable[[], int] | None = None, *, max_tokens_per_rank: int | None = None) -> None:
         super().__init__()
         if not isinstance(buffer, Buffer):
-            raise ValueError(f"buffer: expected a moe_a2a.compat.Buffer, got {type(buffer).__name__}")
+            raise ValueError(f"buffer: expected a moe_a2a.compat.Buffer, got {type(buffer).__name__} (with "
+                             f"vLLM's deepep_low_latency backend, `import deep_ep` must resolve to "
+                             f"moe_a2a.compat.deep_ep: MOE_A2A_AS_DEEP_EP=1, docs/compat.md)")
+        if (max_num_tokens_per_rank is None) == (max_tokens_per_rank is None):
+            raise ValueError(f"give one of max_num_tokens_per_rank ({max_num_tokens_per_rank!r}) and "
+                             f"max_tokens_per_rank ({max_tokens_per_rank!r}, vLLM's name for it)")
+        if max_num_tokens_per_rank is None:
+            max_num_tokens_per_rank = max_tokens_per_rank
         if isinstance(max_num_tokens_per_rank, bool) or not isinstance(max_num_tokens_per_rank, int) \
                 or max_num_tokens_per_rank < 1:
             raise ValueError(f"max_num_tokens_per_rank: expected a positive int, got {max_num_tokens_per_rank!r}")
@@ -212,6 +229,16 @@ class MoeA2APrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         self._checked_map = None  # (expert_map, num_experts) already checked against the placement
 
     # ---- what vLLM asks of a backend ----------------------------------------------------------
+    @staticmethod
+    def maybe_roundup_layer_hidden_size(hidden_size: int, act_dtype: torch.dtype | None = None) -> int:
+        """The hidden size the layer's buffers get (vLLM's `all2all_utils.maybe_roundup_layer_hidden_size`
+        calls it on its DeepEP low-latency class): `hidden_size` itself. DeepEP's kernels are compiled for eight
+        sizes, so vLLM pads to the next of them; ours take any hidden size (an fp8 dispatch's last scale
+        covers a partial group of 128)."""
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size: expected a positive int, got {hidden_size!r}")
+        return hidden_size
+
     @property
     def activation_format(self):
         return FusedMoEActivationFormat.BatchedExperts
@@ -346,7 +373,15 @@ class MoeA2APrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, apply_router_weight_on_input: bool, weight_and_reduce_impl=None):
         """Send the expert outputs now; returns `(hook, receiver)`: the hook receives and writes `output`,
-        the receiver has nothing left to do (vLLM's modular kernel calls both, the hook through DBO)."""
+        the receiver has nothing left to do (vLLM's modular kernel calls both, the hook through DBO).
+
+        `weight_and_reduce_impl` must be None or a `TopKWeightAndReduceDelegate` (vLLM's DeepEP backend
+        asserts the same): the combine applies the weights and reduces, so experts that would do it
+        themselves are refused (ValueError, before anything is sent; the prepared call stays for a retry)."""
+        if weight_and_reduce_impl is not None and not isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
+            raise ValueError(f"weight_and_reduce_impl: expected None or a TopKWeightAndReduceDelegate (the combine "
+                             f"applies the top-k weights and reduces), got {type(weight_and_reduce_impl).__name__}: "
+                             f"choose experts whose finalize_weight_and_reduce_impl() delegates")
         ub = self._ubatch_id()
         if ub not in self._handles:
             raise ValueError(f"finalize: no prepared call for micro-batch {ub} (prepare it first; each prepare "
@@ -362,5 +397,23 @@ def _nothing() -> None:
     return None
 
 
+def install_as_deepep_low_latency(all2all_utils=None) -> None:
+    """Route vLLM's `deepep_low_latency` backend to `MoeA2APrepareAndFinalize`: sets the name
+    `DeepEPLLPrepareAndFinalize` in vLLM's `fused_moe/all2all_utils.py` (default: that module, imported),
+    which its `maybe_make_prepare_finalize` constructs and its `maybe_roundup_layer_hidden_size` asks. The
+    name, not the function: five vLLM modules import `maybe_make_prepare_finalize` by name, so wrapping the
+    function would miss them. `DEEPEP_QUANT_BLOCK_SHAPE` is set too where vLLM left it undefined (it imports
+    its DeepEP modules only on CUDA-like platforms). The plugin (`moe_a2a.compat.plugin`, with
+    `MOE_A2A_VLLM_PREPARE_FINALIZE=1`) calls this when that module is imported."""
+    if all2all_utils is None:
+        import importlib
+
+        all2all_utils = importlib.import_module("vllm.model_executor.layers.fused_moe.all2all_utils")
+    all2all_utils.DeepEPLLPrepareAndFinalize = MoeA2APrepareAndFinalize
+    if not hasattr(all2all_utils, "DEEPEP_QUANT_BLOCK_SHAPE"):
+        all2all_utils.DEEPEP_QUANT_BLOCK_SHAPE = [DISPATCH_QUANT_BLOCK, DISPATCH_QUANT_BLOCK]
+
+
 __all__ = ["MoeA2APrepareAndFinalize", "FusedMoEPrepareAndFinalizeModular", "FusedMoEActivationFormat",
-           "ExpertTokensMetadata", "quant_mode", "quantize_received", "HAVE_VLLM", "SUPPORTED_QUANT"]
+           "ExpertTokensMetadata", "TopKWeightAndReduceDelegate", "install_as_deepep_low_latency", "quant_mode",
+           "quantize_received", "HAVE_VLLM", "SUPPORTED_QUANT"]

@@ -106,3 +106,69 @@ def test_launcher_environment_and_switch():
     assert os.path.isfile(os.path.join(launch.ALIAS_DIR, "deep_ep", "__init__.py"))
     assert plugin.enabled({"MOE_A2A_AS_DEEP_EP": "1"}) and not plugin.enabled({})
     assert not plugin.enabled({"MOE_A2A_AS_DEEP_EP": "0"})
+
+
+# Stand-ins (not the engines: tests/engines/ runs those) for the two modules the plugin patches, with the
+# engines' module paths and the lines that matter: SGLang 0.5.23's dispatcher binds `Buffer, Config` from
+# `deep_ep` at its import, before SGLang loads its plugins; vLLM's all2all_utils defines the DeepEP
+# low-latency class only on CUDA-like platforms and reads it from its globals.
+_STAND_INS = {
+    "sglang/srt/layers/moe/token_dispatcher/deepep.py": """
+        _deepep_import_error = None
+        try:
+            from deep_ep import Buffer, Config
+            use_deepep = True
+        except Exception as exc:
+            use_deepep = False
+            _deepep_import_error = exc
+    """,
+    "vllm/model_executor/layers/fused_moe/all2all_utils.py": """
+        def maybe_make_prepare_finalize(handle, max_num_tokens, world_size):
+            return DeepEPLLPrepareAndFinalize(handle, max_tokens_per_rank=max_num_tokens, num_dispatchers=world_size,
+                                              use_fp8_dispatch=[128, 128] == DEEPEP_QUANT_BLOCK_SHAPE)
+
+        def maybe_roundup_layer_hidden_size(hidden_size):
+            return DeepEPLLPrepareAndFinalize.maybe_roundup_layer_hidden_size(hidden_size)
+    """,
+}
+
+_PATCH_CHILD = """
+    import importlib, sys
+    from moe_a2a.compat import plugin
+    import sglang.srt.layers.moe.token_dispatcher.deepep as dispatcher  # before the plugin, as in SGLang
+    assert dispatcher.use_deepep is False and dispatcher._deepep_import_error is not None
+    print(plugin.install(), "vllm.model_executor.layers.fused_moe.all2all_utils" in sys.modules)
+    from moe_a2a.compat import deep_ep as facade
+    print(dispatcher.use_deepep, dispatcher._deepep_import_error, dispatcher.Buffer is facade.Buffer,
+          dispatcher.Config is facade.Config)
+    a2a = importlib.import_module("vllm.model_executor.layers.fused_moe.all2all_utils")  # after: patched at import
+    print(a2a.DeepEPLLPrepareAndFinalize.__module__, a2a.DEEPEP_QUANT_BLOCK_SHAPE,
+          a2a.maybe_roundup_layer_hidden_size(1000), a2a.__loader__.get_filename().endswith("all2all_utils.py"))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="a real deep_ep is installed here")
+def test_plugin_patches_engine_modules_stand_ins(tmp_path):
+    for rel, code in _STAND_INS.items():
+        path = tmp_path / rel
+        for parent in reversed(path.relative_to(tmp_path).parents[:-1]):
+            (tmp_path / parent).mkdir(exist_ok=True)
+            (tmp_path / parent / "__init__.py").touch()
+        path.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if k not in ("MOE_A2A_AS_DEEP_EP", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(tmp_path)
+    child = [sys.executable, "-c", textwrap.dedent(_PATCH_CHILD)]
+    env["MOE_A2A_VLLM_PREPARE_FINALIZE"] = "1"  # implies the alias
+    proc = subprocess.run(child, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line.split() for line in proc.stdout.splitlines()] == [
+        ["True", "False"],
+        ["True", "None", "True", "True"],
+        ["moe_a2a.compat.vllm", "[128,", "128]", "1000", "True"]]
+    # Alias only: vLLM's own class name stays as vLLM defines it (here: not at all).
+    env.pop("MOE_A2A_VLLM_PREPARE_FINALIZE")
+    env["MOE_A2A_AS_DEEP_EP"] = "1"
+    proc = subprocess.run(child, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "has no attribute 'DeepEPLLPrepareAndFinalize'" in proc.stderr, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[1].split()[0] == "True"

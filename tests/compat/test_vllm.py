@@ -1,5 +1,6 @@
-"""`moe_a2a.compat.vllm.MoeA2APrepareAndFinalize` against vLLM's interface as written down below (vLLM
-0.33 cannot be installed here), and between real processes against `reference.py`.
+"""`moe_a2a.compat.vllm.MoeA2APrepareAndFinalize` against vLLM's interface as written down below (without
+vLLM: CI does not install it; `tests/engines/` runs the adapter inside vLLM 0.33 itself), and between real
+processes against `reference.py`.
 
 The interface, from vLLM's source (`vllm/model_executor/layers/fused_moe/modular_kernel.py`, read
 2026-12-02; the calls are those of `FusedMoEKernelModularImpl`, which `FusedMoEKernel` builds only for a
@@ -16,7 +17,10 @@ The interface, from vLLM's source (`vllm/model_executor/layers/fused_moe/modular
   (property); `topk_indices_dtype()`, `max_num_tokens_per_rank()`, `num_dispatchers()`, `output_is_reduced()`.
 - vLLM's DeepEP low-latency backend (`prepare_finalize/deepep_ll.py`) keeps handles per
   `dbo_current_ubatch_id()`, maps routes through `global_to_physical` for the dispatch and the combine,
-  and dispatches fp8 only for 128 x 128 blocks.
+  dispatches fp8 only for 128 x 128 blocks, and asserts that finalize's `weight_and_reduce_impl` is a
+  `TopKWeightAndReduceDelegate`; `all2all_utils.maybe_make_prepare_finalize` constructs it as
+  `(handle, max_tokens_per_rank=, num_dispatchers=, use_fp8_dispatch=, global_to_physical=, ...)`, and
+  `maybe_roundup_layer_hidden_size` calls its static `maybe_roundup_layer_hidden_size(hidden_size)`.
 """
 from __future__ import annotations
 
@@ -87,6 +91,19 @@ def test_interface_and_refusals_without_vllm():
     for refused in (torch.int8, "nvfp4", "mxfp4", "mxfp8"):
         with pytest.raises(ValueError, match=r"not supported .*int8, nvfp4, mxfp4 and mxfp8 are not.*128, 128"):
             adapter.quant_mode(_quant(refused))
+    # What vLLM's all2all_utils asks of its DeepEP low-latency class, and its constructor's keyword for T.
+    assert isinstance(inspect.getattr_static(cls, "maybe_roundup_layer_hidden_size"), staticmethod)
+    assert [cls.maybe_roundup_layer_hidden_size(h) for h in (1000, 2048, 7168)] == [1000, 2048, 7168]
+    with pytest.raises(ValueError, match="hidden_size"):
+        cls.maybe_roundup_layer_hidden_size(0)
+    params = inspect.signature(cls).parameters
+    assert params["max_tokens_per_rank"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(params)[:7] == ["buffer", "max_num_tokens_per_rank", "num_dispatchers", "use_fp8_dispatch",
+                                "global_to_physical", "physical_to_global", "local_expert_global_ids"]
+    # install_as_deepep_low_latency on a stand-in of vLLM's all2all_utils module (without vLLM's CUDA names).
+    a2a = types.ModuleType("all2all_utils")
+    adapter.install_as_deepep_low_latency(a2a)
+    assert a2a.DeepEPLLPrepareAndFinalize is cls and a2a.DEEPEP_QUANT_BLOCK_SHAPE == [128, 128]
 
 
 def _kernel_call(pf, mb: int, x, w, idx, expert_map, quant, ubatch):
@@ -115,16 +132,24 @@ def _dequant(q, s):
 
 def _adapter_rank(a2a, rank):
     from moe_a2a.compat import Buffer
-    from moe_a2a.compat.vllm import MoeA2APrepareAndFinalize
+    from moe_a2a.compat.vllm import MoeA2APrepareAndFinalize, TopKWeightAndReduceDelegate
 
     dev = a2a.device
     ubatch = [0]
     results = {}
     emap = _expert_map(rank).to(dev)
     with Buffer(transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
-        pf = MoeA2APrepareAndFinalize(buf, T_MAX, W, global_to_physical=G2P, physical_to_global=P2G,
+        # Constructed as vLLM's all2all_utils constructs its DeepEP low-latency class (T as max_tokens_per_rank=).
+        pf = MoeA2APrepareAndFinalize(buf, max_tokens_per_rank=T_MAX, num_dispatchers=W, use_fp8_dispatch=None,
+                                      global_to_physical=G2P, physical_to_global=P2G,
                                       local_expert_global_ids=P2G[rank * L:(rank + 1) * L],
                                       ubatch_id=lambda: ubatch[0])
+        for both_or_neither in (dict(max_num_tokens_per_rank=T_MAX, max_tokens_per_rank=T_MAX), {}):
+            try:
+                MoeA2APrepareAndFinalize(buf, num_dispatchers=W, **both_or_neither)
+                raise AssertionError(f"accepted {both_or_neither}")
+            except ValueError as exc:
+                assert "give one of max_num_tokens_per_rank" in str(exc)
         pf.post_init_setup(types.SimpleNamespace(quant_config=None))
         assert pf.supports_async() and pf.output_is_reduced() and pf.topk_indices_dtype() == torch.int64
         assert pf.max_num_tokens_per_rank() == T_MAX and pf.num_dispatchers() == W
@@ -162,7 +187,15 @@ def _adapter_rank(a2a, rank):
             out = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=dev)
             results[(name, 0)] = {"count": count, "scale_shape": tuple(exs.shape),
                                   "deq": _dequant(ex, exs).cpu()}
-            pf.finalize(out, _experts(pf, ex, exs, rank), w, idx, False, None)
+            y = _experts(pf, ex, exs, rank)
+            # Experts that would weight and reduce themselves are refused before anything is sent (as vLLM's
+            # DeepEP backend asserts); the prepared call stays, and the delegate marker is accepted.
+            try:
+                pf.finalize(out, y, w, idx, False, object())
+                raise AssertionError("finalize accepted a weight_and_reduce_impl other than the delegate")
+            except ValueError as exc:
+                assert "TopKWeightAndReduceDelegate" in str(exc)
+            pf.finalize(out, y, w, idx, False, TopKWeightAndReduceDelegate())
             results[(name, 0)]["out"] = out
         # Refusals: each rank refuses alike before any transfer, and the next call works.
         refusals = []
