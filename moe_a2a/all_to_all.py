@@ -390,8 +390,10 @@ class AllToAll:
         except BaseException as exc:
             self._fail(exc)
         if do_recv:
-            # What kernels recorded of earlier calls (no sync): said once the call is issued, so raising
-            # here never leaves this rank a call behind its peers.
+            # What kernels recorded of this call: said once it is issued on every rank (so raising here never
+            # leaves this rank a call behind its peers), and after its kernels ran (so never by a later call).
+            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                self._status.await_call_end(self.epoch)
             self._raise_recorded()
 
     def abort(self, reason: str) -> None:

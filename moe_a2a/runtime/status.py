@@ -63,6 +63,7 @@ class Status:
         self.abort_seen = 0  # the last epoch whose abort this rank has reported (or made)
         self._next_proxy_poll = 0.0
         self.forger = None  # shrink mode (`runtime.shrink`): late node peers are masked, not waited for
+        self._call_end = None  # GPU: the event `await_call_end` records after a combine's last kernel
 
     def enable_shrink(self, mask) -> None:
         """Shrink mode: a host wait that times out on node peers masks them (`mask`, a `RankMask`) and
@@ -129,6 +130,32 @@ class Status:
                 f"* experts_per_token rows can arrive)")
 
     # ---- not fatal: aborted calls, bad indices dropped on the device ---------------------------------
+    def await_call_end(self, epoch: int) -> None:
+        """GPU, eager: wait until this rank's stream has run the combine's last kernel (an event, polled for
+        at most timeout_s: the kernels' own waits end by then), so what they recorded of this call (a peer's
+        abort, an expert over capacity, a bad bound_m) is read by the end of this call's `combine` and never
+        reaches a later call. Nothing to do on a CPU (kernels have run) or in a CUDA graph capture
+        (replays say it through `check()`)."""
+        import torch
+
+        if self._call_end is None:
+            self._call_end = torch.cuda.Event()
+        ev = self._call_end
+        ev.record()
+        if ev.query():
+            return
+        deadline, spins = time.monotonic() + self.w.timeout_s, 0
+        while not ev.query():
+            if self.w.flags_np[flag_word(Flag.ERROR)]:  # the proxy failed: its message says why
+                self.raise_fatal(epoch, force=True)
+            if time.monotonic() > deadline:
+                self.raise_fatal(epoch, force=True)  # a kernel wait that timed out names its missing peers
+                raise TimeoutError(f"rank {self.w.rank}: combine receive: its kernels (epoch {epoch}) did not "
+                                   f"finish within timeout_s={self.w.timeout_s:g} s")
+            spins += 1
+            if spins > 1000:
+                time.sleep(1e-5)  # a long wait (peers behind): give the cores to them and the proxy
+
     def raise_recorded(self, epoch: int) -> None:
         """Raise, once each, what kernels recorded that leaves the instance usable: this rank's expert over
         capacity and a bad `bound_m` (the call was aborted on every rank), a peer's abort (CallAborted)

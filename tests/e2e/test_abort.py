@@ -3,6 +3,7 @@
 (tcp and shm through the proxies). A bad index on a GPU is dropped, said once, and not fatal."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -287,3 +288,58 @@ def test_capacity_overflow_aborts_the_call_everywhere_and_the_next_call_works(wo
     assert all(results[r][i]["error"] is None for r in range(world) for i in good), \
         [[c.get("message") for c in calls] for calls in results]
     assert check_against_reference(CAP_CFG, [{"calls": [calls[i] for i in good]} for calls in results]) == []
+
+
+SEQ_CFG = dataclasses.replace(CAP_CFG, expert_capacity=8)
+# good, bad combine weights on rank 1, good, good, every route to expert 0 (rank 0 over capacity), good, good
+SEQUENCE = ("good", "weights", "good", "good", "overflow", "good", "good")
+
+
+def _sequence_without_check(a2a, rank: int):
+    """SEQUENCE with no `check()` (which waits for the device) between calls: what a call's kernels recorded
+    must be said by that call's own `combine`, never by a later one (issue 42: on a GPU the next good call
+    raised the earlier abort on one rank)."""
+    cfg, dev = a2a.cfg, a2a.device
+    num, ex, _ = a2a.empty_dispatch_outputs()
+    out = []
+    for it, kind in enumerate(SEQUENCE):
+        x, _, idx, w = (t if t is None else t.to(dev) for t in make_inputs(cfg, rank, cfg.max_num_tokens, 90 + it))
+        if kind == "overflow":
+            idx = torch.zeros_like(idx)  # 2 routes per token, 4 tokens, every rank: 8 * W rows > 8
+        else:
+            t = torch.arange(idx.shape[0], device=dev)[:, None]
+            k = torch.arange(idx.shape[1], device=dev)[None, :]
+            idx = ((t + 4 * k + rank + it) % cfg.num_experts).to(idx.dtype)
+        res = torch.zeros(cfg.max_num_tokens, cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
+        fill_sentinel(ex)
+        try:
+            a2a.dispatch(num, ex, None, x, None, idx)
+            a2a.combine(res, idx, w.to(torch.bfloat16) if kind == "weights" and rank == 1 else w, toy_expert(ex, None, cfg))
+        except (ValueError, RuntimeError) as exc:
+            out.append({"error": type(exc).__name__, "message": str(exc)})
+            continue
+        out.append({"error": None, **record_call(cfg, x, None, idx, w, num, ex, None, res)})
+    a2a.check()  # nothing left over either
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,node,transport", [(2, 2, "shm"), (2, 1, "tcp")], ids=["node-local", "remote-tcp"])
+def test_an_abort_never_reaches_a_later_call(world, node, transport):
+    """good -> bad -> good -> good, for an abort at the combine (bad weights) and an expert over capacity, on
+    every device and wait mode (on one GPU: host waits alone, kernel waits under MPS; `run.sh gpu-tests`)."""
+    with LocalCluster(SEQ_CFG, world_size=world, node_size=node, transport=transport, device=TEST_DEVICE,
+                      timeout_s=30) as cl:
+        results = cl.run(_sequence_without_check)
+    said = [[c["error"] and f"{c['error']}: {c['message'][:80]}" for c in calls] for calls in results]
+    for it, kind in enumerate(SEQUENCE):
+        if kind == "weights":
+            assert results[1][it]["error"] == "ValueError" and "aborted this call" in results[1][it]["message"], said
+            assert results[0][it]["error"] == "CallAborted" and "aborted by rank 1" in results[0][it]["message"], said
+        elif kind == "overflow":
+            assert results[0][it]["error"] == "CapacityExceeded", said
+            assert results[1][it]["error"] == "CallAborted" and "aborted by rank 0" in results[1][it]["message"], said
+        else:
+            assert all(calls[it]["error"] is None for calls in results), said
+    good = [i for i, kind in enumerate(SEQUENCE) if kind == "good"]
+    assert check_against_reference(SEQ_CFG, [{"calls": [calls[i] for i in good]} for calls in results]) == []
