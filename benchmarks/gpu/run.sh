@@ -2,7 +2,19 @@
 # The GPU suites: the commands behind the numbers in docs/benchmarks.md, run from the repository root on a
 # machine with NVIDIA GPUs.
 #
-#   bash benchmarks/gpu/run.sh quick               1 GPU, ~5 min: kernel tests compiled, kernel and flag benchmarks
+#   bash benchmarks/gpu/run.sh quick               1 GPU, ~5 min: kernel tests compiled (the part of gpu-tests 1), kernel
+#                                                  and flag benchmarks
+#   bash benchmarks/gpu/run.sh gpu-tests [1|2|3|all]
+#                                                  1 GPU: the whole test suite with compiled kernels, in three parts
+#                                                  of under 10 minutes each (pytest-xdist where it is installed),
+#                                                  each writing its results file (part<N>.txt: commit, command,
+#                                                  counts, failures, skips, slowest tests):
+#                                                  1: the kernels (tests/triton_kernels) and every test that starts
+#                                                     no rank (tests/*.py, proxy, protocol, benchmarks);
+#                                                  2: ranks as processes sharing the GPU without MPS (host waits):
+#                                                     tests/e2e, runtime, bench, compat;
+#                                                  3: the same GPU under MPS (kernel waits): CUDA graphs, the node
+#                                                     waits, the facade, aborts (good -> bad -> good -> good)
 #   bash benchmarks/gpu/run.sh full [tests|bench]  2 GPUs (1 works, multi-GPU cases skip): the whole test suite
 #                                                  on the GPU, then the benchmarks of one node (a runner with a
 #                                                  time limit per command can call the two parts apart)
@@ -38,8 +50,9 @@ suite=${1:-}
 part=${2:-all}
 case "$suite:$part" in
   quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more|emulated:all) ;;
+  gpu-tests:all|gpu-tests:1|gpu-tests:2|gpu-tests:3) ;;
   compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep|mps:protocol|mps:bytes) ;;
-  *) echo "usage: bash benchmarks/gpu/run.sh quick | full [tests|bench] | cross-node [decode|more] | emulated" \
+  *) echo "usage: bash benchmarks/gpu/run.sh quick | gpu-tests [1|2|3|all] | full [tests|bench] | cross-node [decode|more] | emulated" \
           "| compat [tests|deepep|cost] | mps [node-local|deepep|protocol|bytes]" >&2; exit 2 ;;
 esac
 RES=${OUT:+$OUT/$suite}
@@ -69,6 +82,23 @@ step() {
   [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
 gpu_tests=(env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider)  # the tests, compiled kernels
+
+# tests_part NAME WORKERS LIMIT_S PYTEST_ARGS...: one part of the GPU suite, its results file $RES/NAME.txt.
+# Workers through pytest-xdist where installed (files whole to one worker: a file's tests share compiled kernels).
+tests_part() {
+  local name=$1 workers=$2 limit=$3; shift 3
+  local xml=/tmp/moe_a2a_$name.xml par=()
+  if [ "$workers" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then par=(-n "$workers" --dist loadfile); fi
+  rm -f "$xml"
+  step "$limit" "${gpu_tests[@]}" "${par[@]}" --junitxml="$xml" "$@"
+  if [ -s "$xml" ]; then
+    python3 benchmarks/gpu/summarise_tests.py "$xml" --part "$name" \
+      --command "MOE_A2A_TEST_DEVICE=cuda python3 -m pytest ${par[*]} $*" >"$RES/$name.txt"
+  else
+    echo "part $name: no JUnit XML (killed at its ${limit} s limit?)" >"$RES/$name.txt"
+  fi
+  cat "$RES/$name.txt" | tee -a "$RES/log.txt" | head -30
+}
 
 # MPS: ranks sharing a GPU then run their kernels side by side instead of time-slicing, so kernel waits and
 # CUDA graphs work with several ranks per GPU. Its own pipe and log folders; the GPU's settings stay as they are.
@@ -102,9 +132,22 @@ cat "$RES/env.txt"
 
 case "$suite:$part" in
 quick:all)
-  step 300 "${gpu_tests[@]}" tests/triton_kernels
+  tests_part quick-kernels 8 420 --timeout 300 tests/triton_kernels
   step 150 moe-a2a bench kernels --preset both --json "$RES/kernels.json" --png "$RES/kernels.png"
   step 60  python -m benchmarks.flags --iters 2000 --reps 10 --json "$RES/flags.json"
+  ;;
+gpu-tests:all|gpu-tests:1)
+  tests_part part1 8 ${PART1_LIMIT_S:-540} --timeout 300 tests/triton_kernels tests/test_*.py tests/proxy tests/protocol tests/benchmarks
+  ;;&
+gpu-tests:all|gpu-tests:2)
+  tests_part part2 4 540 --timeout 300 tests/e2e tests/runtime tests/bench tests/compat
+  ;;&
+gpu-tests:all|gpu-tests:3)
+  mps_start
+  tests_part part3 2 ${PART3_LIMIT_S:-420} --timeout 240 tests/e2e/test_cuda_graph.py tests/triton_kernels/test_node_sync.py \
+    tests/compat/test_shrink.py tests/compat/test_deep_ep.py tests/compat/test_deep_ep_sizes.py tests/runtime/test_killed_rank.py
+  tests_part part3-aborts 2 ${PART3_ABORTS_LIMIT_S:-150} --timeout 120 tests/e2e/test_abort.py -k "node-local or never_reaches"
+  mps_stop
   ;;
 full:all|full:tests)
   step 900 "${gpu_tests[@]}" --timeout 300 tests
