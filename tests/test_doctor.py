@@ -20,9 +20,9 @@ from moe_a2a.doctor import Check
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "doctor"
 P5, CONNECTX = DATA / "p5_efa.json", DATA / "connectx_verbs.json"
-NAMES = ["libfabric", "provider tcp", "provider shm", "rdma-devices", "provider efa", "provider verbs",
-         "efa-installer", "transport", "gpus", "fi-hmem", "gpu-peer-memory", "nic-map", "memlock", "registration",
-         "environment"]
+NAMES = ["libfabric", "provider tcp", "provider shm", "rdma-devices", "provider efa", "provider verbs", "rdma-cm",
+         "efa-installer", "transport", "gpus", "fi-hmem", "gpu-peer-memory", "gpu-registration", "proxy-gpu",
+         "nic-map", "memlock", "registration", "environment"]
 # Sizes as registration_sizes gives them, fixed here so the rules are tested apart from config.py's layout.
 SIZES = {"world": 64, "node": 8, "tokens": 128, "config": "test sizes", "host_segment_bytes": 3 << 30,
          "gpu_recv_bytes": 1 << 30, "gpu_send_bytes": 2 << 30}
@@ -301,6 +301,102 @@ def test_cpu_host_facts_give_local_runs_only(p5):
     assert "not applicable" in by_name(p5, "nic-map").detail and "8192 KiB" in by_name(p5, "memlock").detail
 
 
+# ---- issue 44: what would fail on a p5 / p5en / ConnectX-7 with GPU buffers -------------------------------
+@pytest.fixture
+def p5en(p5):
+    """A p5en as far as the checks below read it: 8 H200, 16 EFA devices (a PCIe switch holds 2 GPUs and 4
+    NICs, tests/proxy/test_topology.py's shape), DMA-BUF in the kernel and no peer-memory module."""
+    p5en = copy.deepcopy(p5)
+    del p5en["rdma_devices"][16:], p5en["fi_getinfo"]["efa"]["domains"][16:], p5en["nics"]["efa"][16:]
+    return p5en
+
+
+@pytest.mark.parametrize("version, api, env, verdict, words", [
+    ("1.18", "1.18", {}, "warn", "libfabric 1.18 < 1.20: efa rejects cuMem GPU buffers"),
+    ("1.19", "1.19", {}, "warn", "the proxy refuses GPU buffers up front"),
+    ("1.19", "1.19", {"FI_EFA_SET_CUDA_SYNC_MEMOPS": "0"}, "warn", "FI_MR_DMABUF needs API 1.20"),  # DMA-BUF only
+    ("1.20", "1.20", {}, "ok", "the proxy registers by DMA-BUF fd (FI_MR_DMABUF)"),
+    ("2.4", "1.22", {}, "ok", "libfabric 2.4 < 2.5: by address the registration would fail"),
+    ("2.5", "1.22", {}, "ok", "registered by DMA-BUF fd where the driver gives one"),
+])
+def test_gpu_registration_floor_and_dmabuf_only_on_p5en(p5en, version, api, env, verdict, words):
+    p5en["libfabric"].update(version=version, api_version=api)
+    p5en["env"] = env
+    c = by_name(p5en, "gpu-registration")
+    assert c.verdict == verdict and words in c.detail, c
+    if verdict == "warn":
+        assert "1.20" in c.fix
+    if version == "2.5":
+        assert "DMA-BUF only" not in c.detail
+
+
+def test_gpu_registration_with_a_peer_memory_module_and_without_cudart(p5):
+    p5["libfabric"].update(version="1.19", api_version="1.19")
+    p5["modules"]["loaded"].append("efa_nv_peermem")
+    p5["env"] = {"FI_EFA_SET_CUDA_SYNC_MEMOPS": "0"}  # the floor's way out
+    c = by_name(p5, "gpu-registration")
+    assert c.verdict == "ok" and "peer memory (efa_nv_peermem)" in c.detail, c
+    p5["cudart"] = {"name": "libcudart.so", "loadable": False, "path": None,
+                    "error": "libcudart.so: cannot open shared object file"}
+    c = by_name(p5, "gpu-registration")
+    assert c.verdict == "warn" and "unversioned name" in c.detail and "LD_LIBRARY_PATH" in c.fix
+    p5["gpus"] = []
+    assert by_name(p5, "gpu-registration").verdict == "ok"  # nothing to register
+
+
+def test_rdma_cm_and_an_address_on_every_connectx7_hca(cx, p5):
+    c = by_name(cx, "rdma-cm")
+    assert c.verdict == "ok" and "mlx5_0: 10.10.0.11" in c.detail
+    cx["rdma_devices"][3]["ips"] = []
+    c = by_name(cx, "rdma-cm")
+    assert c.verdict == "warn" and "no IP address on mlx5_3" in c.detail and "IPoIB" in c.fix
+    for d in cx["rdma_devices"]:
+        d["ips"] = []
+    assert by_name(cx, "rdma-cm").verdict == "fail"
+    cx["rdma_cm"] = {"path": "/dev/infiniband/rdma_cm", "present": False, "ok": False}
+    c = by_name(cx, "rdma-cm")
+    assert c.verdict == "fail" and "rdma_cm missing" in c.detail and "rdma_ucm" in c.fix
+    cx["rdma_cm"]["present"] = True
+    assert "not read/writable" in by_name(cx, "rdma-cm").detail
+    assert by_name(p5, "rdma-cm").verdict == "ok"  # efa needs no rdma_cm (the p5's facts have none)
+
+
+@pytest.mark.parametrize("visible, verdict, words", [
+    (None, "ok", "unset: the proxies see all 8 GPUs"),
+    ("3", "ok", "the proxies see 1 GPU(s)"),
+    ("GPU-00000000-0000-0000-0000-000000000005,1", "ok", "see 2 GPU(s)"),
+    ("", "warn", "hides every GPU"),
+    ("0,9", "warn", "9 not a GPU of this host"),
+    ("1,1", "warn", "1 not a GPU of this host (or repeated)"),
+])
+def test_proxy_gpu_sees_its_gpu(p5, cx, visible, verdict, words):
+    for facts in (p5, cx):
+        facts["env"] = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        if facts is cx and visible and "GPU-" in visible:
+            continue
+        c = by_name(facts, "proxy-gpu")
+        assert c.verdict == verdict and words in c.detail, c
+    assert "context current before libfabric initialises CUDA" in by_name(p5, "proxy-gpu").detail or verdict == "warn"
+
+
+def test_collectors_read_rdma_cm_interfaces_and_cudart(tmp_path):
+    roots = _fake_host(tmp_path)
+    net = Path(roots["sysfs"]) / "devices" / "pci0000:4c" / "0000:4c:01.0" / "0000:4d:00.0" / "0000:4e:00.0" / \
+        "0000:4f:00.0" / "net" / "ib0"
+    net.mkdir(parents=True)
+    (Path(roots["proc"]) / "net").mkdir()
+    (Path(roots["proc"]) / "net" / "if_inet6").write_text(
+        "fe800000000000000000000000000001 02 40 20 80     ib0\n00000000000000000000000000000001 01 80 10 80       lo\n")
+    [d] = doctor.rdma_device_facts(roots["sysfs"], roots["dev"], roots["proc"])
+    assert d["netdevs"] == ["ib0"] and d["ips"] == ["fe80:0000:0000:0000:0000:0000:0000:0001"]
+    assert doctor.rdma_cm_facts(roots["dev"]) == {"path": roots["dev"] + "/infiniband/rdma_cm", "present": False,
+                                                  "ok": False}
+    (Path(roots["dev"]) / "infiniband" / "rdma_cm").write_text("")
+    assert doctor.rdma_cm_facts(roots["dev"])["present"] is True
+    assert doctor.cudart_facts("libnot-a-cuda-runtime.so")["loadable"] is False
+    assert "127.0.0.1" in doctor.interface_addresses("lo")
+
+
 def test_check_refuses_unknown_verdicts():
     with pytest.raises(ValueError, match="verdict"):
         Check("x", "maybe", "detail")
@@ -337,7 +433,7 @@ def test_collectors_read_a_fake_efa_host(tmp_path):
     roots = _fake_host(tmp_path)
     [d] = doctor.rdma_device_facts(roots["sysfs"], roots["dev"])
     assert d == {"name": "rdmap79s0", "driver": "efa", "pci": "0000:4f:00.0", "state": "4: ACTIVE",
-                 "link_layer": "Unknown", "uverbs": ["uverbs0"], "uverbs_ok": True}
+                 "link_layer": "Unknown", "uverbs": ["uverbs0"], "uverbs_ok": True, "netdevs": [], "ips": []}
     mods = doctor.module_facts(roots["proc"], roots["sysfs"])
     assert mods == {"loaded": ["efa", "ib_core", "ib_uverbs", "nvidia"], "versions": {"efa": "2.17.1g"}}
     assert doctor.kallsyms_facts(roots["proc"]) == {doctor.KSYM_PEER_MEMORY: False, doctor.KSYM_DMABUF: True}

@@ -30,14 +30,15 @@ from __future__ import annotations
 # limits.py (memlock, the environment); common.py (Check, the constants), report.py (verdicts, text, JSON,
 # the command). The names below are what cli.py and the tests use.
 from .common import (CAP_BITS, DECODE, DEFAULT_NODE, DEFAULT_TOKENS, DEFAULT_WORLD,  # noqa: F401
-                     EFA_INSTALLER_MANIFEST, EFA_INSTALLER_PREFIX, EFA_REMOTE_WRITE_MR_MAX_PAGES, KSYM_DMABUF,
+                     CUDART_NAME, EFA_INSTALLER_MANIFEST, EFA_INSTALLER_PREFIX, EFA_REMOTE_WRITE_MR_MAX_PAGES, KSYM_DMABUF,
                      KSYM_PEER_MEMORY, MODULES, MR_MODE_BITS, PEER_MEMORY_MODULES, PROVIDERS, RDMA_PROVIDERS,
                      SCHEMA, VERDICTS, Check, bit_names)
-from .devices import check_gpus, check_nic_map, check_rdma_devices  # noqa: F401
+from .devices import check_gpus, check_nic_map, check_proxy_gpu, check_rdma_cm, check_rdma_devices  # noqa: F401
 from .fabric import (check_efa_installer, check_libfabric, check_local_provider,  # noqa: F401
                      check_rdma_provider, check_transport)
-from .facts import (collect_facts, efa_installer_facts, gpu_facts, kallsyms_facts, library_facts,  # noqa: F401
-                    module_facts, provider_facts, rdma_device_facts, registration_sizes)
+from .facts import (collect_facts, cudart_facts, efa_installer_facts, gpu_facts, interface_addresses,  # noqa: F401
+                    kallsyms_facts, library_facts, module_facts, provider_facts, rdma_cm_facts, rdma_device_facts,
+                    registration_sizes)
 from .limits import ENV_NOTES, check_environment, check_memlock  # noqa: F401
-from .registration import check_fi_hmem, check_gpu_peer_memory, check_registration  # noqa: F401
+from .registration import check_fi_hmem, check_gpu_peer_memory, check_gpu_registration, check_registration  # noqa: F401
 from .report import exit_code, format_text, load_facts, report, run, run_checks, summary  # noqa: F401

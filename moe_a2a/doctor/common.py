@@ -27,6 +27,13 @@ PEER_MEMORY_MODULES = ("nvidia_peermem", "nv_peer_mem", "efa_nv_peermem")
 # Kernel symbols libfabric's verbs provider looks for (prov/verbs/include/linux/verbs_osd.h): the peer-memory
 # API of MLNX_OFED (what nvidia-peermem plugs into) and DMA-BUF memory registration (Linux >= 5.12).
 KSYM_PEER_MEMORY, KSYM_DMABUF = "ib_register_peer_memory_client", "ib_umem_dmabuf_get"
+# libfabric's CUDA support loads the CUDA runtime by its unversioned name (issue 44's reading of src/hmem_cuda.c):
+# pip's CUDA wheels ship only libcudart.so.<major>, so a proxy may find none although torch runs.
+CUDART_NAME = "libcudart.so"
+# EFA's libfabric registers GPU memory by address through a peer-memory module only, up to 2.4 (issue 44's
+# reading of prov/efa at v2.4/v2.5); with DMA-BUF alone the proxy registers by DMA-BUF fd (FI_MR_DMABUF, API 1.20).
+EFA_DMABUF_BY_ADDRESS_SINCE = (2, 5)
+EFA_GPU_MIN = (1, 20)  # efa with cuMem GPU buffers (or FI_EFA_SET_CUDA_SYNC_MEMOPS=0): proxy/libfabric_abi.py
 
 # fi_info caps and mr_mode bits by name (rdma/fabric.h), for facts a person can read.
 CAP_BITS = {"FI_MSG": 1, "FI_RMA": 2, "FI_TAGGED": 3, "FI_ATOMIC": 4, "FI_MULTICAST": 5, "FI_COLLECTIVE": 6,

@@ -82,3 +82,60 @@ def check_nic_map(facts: dict) -> Check:
                      "bridges) and that fi_info->nic or /sys/class/infiniband/<dev>/device gives each NIC's address")
     return Check(name, "ok", detail)
 
+
+
+def check_rdma_cm(facts: dict) -> Check:
+    """verbs: verbs;ofi_rxm connects peers through rdma_cm, by an IP address on each HCA's interface (IPoIB or
+    RoCE): /dev/infiniband/rdma_cm must be there and open to this user, and every HCA must have an address."""
+    name = "rdma-cm"
+    devs = _devices(facts, "verbs")
+    if not devs and not _domains(facts, "verbs"):
+        return Check(name, "ok", "not applicable: no verbs device (efa connects without rdma_cm)")
+    cm = facts.get("rdma_cm") or {}
+    without_ip = [d["name"] for d in devs if not d.get("ips")]
+    fix_ip = ("give each HCA's interface an address (IPoIB: ip addr add ... dev ibN; RoCE: the Ethernet port's "
+              "address), as verbs;ofi_rxm resolves peers by IP")
+    if not cm.get("ok"):
+        what = "missing" if not cm.get("present") else "not read/writable by this user"
+        return Check(name, "fail", f"{cm.get('path', '/dev/infiniband/rdma_cm')} {what}: verbs;ofi_rxm cannot "
+                                   f"connect to any peer", "modprobe rdma_ucm; in a container pass "
+                                   "/dev/infiniband/rdma_cm with --device (and the uverbs nodes)")
+    if devs and len(without_ip) == len(devs):
+        return Check(name, "fail", f"rdma_cm present, but no HCA has an IP address ({', '.join(without_ip[:8])}): "
+                                   f"verbs;ofi_rxm reaches none", fix_ip)
+    if without_ip:
+        return Check(name, "warn", f"rdma_cm present; no IP address on {', '.join(without_ip[:8])}: those HCAs "
+                                   f"cannot be reached (each rank uses only the NICs with one)", fix_ip)
+    shown = ", ".join(f"{d['name']}: {d['ips'][0]}" for d in devs[:4]) + (", ..." if len(devs) > 4 else "")
+    return Check(name, "ok", f"rdma_cm present; every HCA has an IP address ({shown})")
+
+
+def check_proxy_gpu(facts: dict) -> Check:
+    """The proxy's GPU: it inherits CUDA_VISIBLE_DEVICES from the model process and opens its rank's GPU by
+    the same ordinal, making that GPU's primary context current before libfabric initialises CUDA (libfabric's
+    CUDA set-up otherwise opens a context on the process's device 0: with 8 proxies, 8 contexts on one GPU)."""
+    name = "proxy-gpu"
+    gpus, prov = facts.get("gpus") or [], _rdma_provider(facts)
+    if not gpus or prov is None:
+        return Check(name, "ok", "not applicable: " + ("no GPU" if not gpus else "no RDMA provider (no GPU buffers "
+                                                                                  "for the NIC)"))
+    visible = (facts.get("env") or {}).get("CUDA_VISIBLE_DEVICES")
+    made = ("each proxy makes its rank's GPU context current before libfabric initialises CUDA, so no proxy "
+            "holds a context on GPU 0 that is not its own")
+    if visible is None:
+        return Check(name, "ok", f"CUDA_VISIBLE_DEVICES unset: the proxies see all {len(gpus)} GPUs; {made}")
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    uuids = [g.get("uuid") or "" for g in gpus]
+    unknown = [e for e in entries if not ((e.isdigit() and int(e) < len(gpus)) or
+                                          (e.startswith("GPU-") and any(u.startswith(e) for u in uuids)))]
+    fix = ("set CUDA_VISIBLE_DEVICES to indices (< the GPU count) or GPU-UUIDs NVML lists, or leave it unset; the "
+           "proxy inherits it from the model process")
+    if not entries:
+        return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU: neither the model nor its "
+                                   f"proxy can open one (GPU buffers fail; buffers='auto' stages)", fix)
+    if unknown or len(set(entries)) != len(entries):
+        bad = unknown or sorted({e for e in entries if entries.count(e) > 1})
+        return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={visible}: {', '.join(bad)} not a GPU of this host (or "
+                                   f"repeated): CUDA stops at the first such entry, so the proxy may see fewer "
+                                   f"GPUs than intended", fix)
+    return Check(name, "ok", f"CUDA_VISIBLE_DEVICES={visible}: the proxies see {len(entries)} GPU(s); {made}")

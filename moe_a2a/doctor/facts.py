@@ -6,7 +6,7 @@ import os
 import re
 import resource
 
-from .common import (CAP_BITS, DECODE, DEFAULT_NODE, DEFAULT_TOKENS, DEFAULT_WORLD, EFA_INSTALLER_MANIFEST,
+from .common import (CAP_BITS, CUDART_NAME, DECODE, DEFAULT_NODE, DEFAULT_TOKENS, DEFAULT_WORLD, EFA_INSTALLER_MANIFEST,
                      EFA_INSTALLER_PREFIX, KSYM_DMABUF, KSYM_PEER_MEMORY, MODULES, MR_MODE_BITS, PROVIDERS,
                      RDMA_PROVIDERS, SCHEMA, bit_names)
 
@@ -99,9 +99,10 @@ def provider_facts(provider: str) -> dict:
     return out
 
 
-def rdma_device_facts(sysfs: str = "/sys", dev: str = "/dev") -> list[dict]:
+def rdma_device_facts(sysfs: str = "/sys", dev: str = "/dev", proc: str = "/proc") -> list[dict]:
     """The devices of /sys/class/infiniband: driver (efa, mlx5_core...), PCI address, port state, link
-    layer, their uverbs nodes and whether this process may open them (read and write)."""
+    layer, their uverbs nodes and whether this process may open them (read and write), their network
+    interfaces and those interfaces' IP addresses."""
     base = os.path.join(sysfs, "class", "infiniband")
     uverbs: dict[str, list[str]] = {}
     vbase = os.path.join(sysfs, "class", "infiniband_verbs")
@@ -115,6 +116,8 @@ def rdma_device_facts(sysfs: str = "/sys", dev: str = "/dev") -> list[dict]:
         driver = os.path.join(devdir, "driver")
         last = os.path.basename(os.path.realpath(devdir))
         nodes = uverbs.get(name, [])
+        netdir = os.path.join(devdir, "net")
+        netdevs = sorted(os.listdir(netdir)) if os.path.isdir(netdir) else []
         out.append({
             "name": name,
             "driver": os.path.basename(os.path.realpath(driver)) if os.path.exists(driver) else None,
@@ -124,8 +127,63 @@ def rdma_device_facts(sysfs: str = "/sys", dev: str = "/dev") -> list[dict]:
             "uverbs": nodes,
             "uverbs_ok": bool(nodes) and all(os.access(os.path.join(dev, "infiniband", u), os.R_OK | os.W_OK)
                                              for u in nodes),
+            "netdevs": netdevs,
+            "ips": [a for n in netdevs for a in interface_addresses(n, proc)],
         })
     return out
+
+
+def interface_addresses(ifname: str, proc: str = "/proc") -> list[str]:
+    """The IP addresses of network interface ``ifname``: IPv4 by ``SIOCGIFADDR`` (this host only), IPv6 from
+    ``<proc>/net/if_inet6``. verbs;ofi_rxm reaches a peer's HCA through rdma_cm, by an IP address on it."""
+    import fcntl
+    import socket
+    import struct
+
+    out = []
+    if proc == "/proc":
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))  # SIOCGIFADDR
+            out.append(socket.inet_ntoa(raw[20:24]))
+        except OSError:  # no IPv4 address (or no such interface)
+            pass
+    for line in (_read(os.path.join(proc, "net", "if_inet6")) or "").splitlines():
+        parts = line.split()
+        if len(parts) == 6 and parts[5] == ifname:
+            out.append(":".join(parts[0][i:i + 4] for i in range(0, 32, 4)))
+    return out
+
+
+def rdma_cm_facts(dev: str = "/dev") -> dict:
+    """``/dev/infiniband/rdma_cm``: present, and read-writable by this user (verbs;ofi_rxm connects through it)."""
+    path = os.path.join(dev, "infiniband", "rdma_cm")
+    return {"path": path, "present": os.path.exists(path), "ok": os.access(path, os.R_OK | os.W_OK)}
+
+
+def cudart_facts(name: str = CUDART_NAME) -> dict:
+    """Whether the CUDA runtime loads by the unversioned name libfabric uses (the proxy inherits this
+    process's library path): ``loadable``, the file mapped, or the loader's error."""
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as e:
+        return {"name": name, "loadable": False, "path": None, "error": str(e)}
+    try:
+        path = _loaded_path_of(lib, "cudaGetDeviceCount") or name
+    except Exception:  # noqa: BLE001 - the name loaded, where from is a detail
+        path = name
+    return {"name": name, "loadable": True, "path": path, "error": None}
+
+
+def _loaded_path_of(lib, symbol: str) -> str | None:
+    from ..proxy.libfabric import _Dl_info
+
+    dladdr = ctypes.CDLL(None).dladdr
+    dladdr.restype, dladdr.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(_Dl_info)]
+    info = _Dl_info()
+    if dladdr(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p), ctypes.byref(info)) and info.dli_fname:
+        return os.path.realpath(info.dli_fname.decode())
+    return None
 
 
 def module_facts(proc: str = "/proc", sysfs: str = "/sys") -> dict:
@@ -222,7 +280,9 @@ def collect_facts(*, world: int = DEFAULT_WORLD, node: int = DEFAULT_NODE, token
 
         facts["providers"] = lf.list_providers()
         facts["fi_getinfo"] = {p: provider_facts(p) for p in PROVIDERS}
-    facts["rdma_devices"] = rdma_device_facts(sysfs, dev)
+    facts["rdma_devices"] = rdma_device_facts(sysfs, dev, proc)
+    facts["rdma_cm"] = rdma_cm_facts(dev)
+    facts["cudart"] = cudart_facts()
     facts["modules"] = module_facts(proc, sysfs)
     # The symbols only matter for GPU memory over an RDMA device; the file is long (about 0.3 s to scan).
     facts["kallsyms"] = kallsyms_facts(proc) if facts["rdma_devices"] else None

@@ -2,8 +2,8 @@
 sizes one rank registers against EFA's per-registration limit."""
 from __future__ import annotations
 
-from .common import (EFA_REMOTE_WRITE_MR_MAX_PAGES, KSYM_DMABUF, PEER_MEMORY_MODULES, Check, _devices, _domains,
-                     _gib, _rdma_provider, _version)
+from .common import (EFA_DMABUF_BY_ADDRESS_SINCE, EFA_GPU_MIN, EFA_REMOTE_WRITE_MR_MAX_PAGES, KSYM_DMABUF,
+                     PEER_MEMORY_MODULES, Check, _devices, _domains, _gib, _rdma_provider, _version)
 
 
 def check_fi_hmem(facts: dict) -> Check:
@@ -51,6 +51,56 @@ def check_gpu_peer_memory(facts: dict) -> Check:
           "ConnectX: modprobe nvidia-peermem (needs MLNX_OFED's peer-memory API) or a kernel >= 5.12 with DMA-BUF"
     return Check(name, "warn", f"no peer-memory module loaded ({', '.join(PEER_MEMORY_MODULES)}) and {known}: GPU "
                                f"memory cannot be registered with the NIC, buffers='auto' stages through host; {gdr}", fix)
+
+
+def check_gpu_registration(facts: dict) -> Check:
+    """Whether the proxy's cuMem GPU buffers will register with the NIC, and how: the version floor of efa with
+    GPU buffers (libfabric >= 1.20, or FI_EFA_SET_CUDA_SYNC_MEMOPS=0), the DMA-BUF path where the kernel has
+    DMA-BUF and no peer-memory module (efa registers GPU memory by address only through one up to libfabric
+    2.4: the proxy registers by DMA-BUF fd, FI_MR_DMABUF, API >= 1.20), and the CUDA runtime libfabric loads
+    by its unversioned name (libcudart.so)."""
+    name, prov = "gpu-registration", _rdma_provider(facts)
+    if prov is None or not facts.get("gpus"):
+        return Check(name, "ok", "not applicable: " + ("no RDMA provider" if prov is None else "no GPU"))
+    lib = facts.get("libfabric") or {}
+    version, api = _version(lib.get("version")), _version(lib.get("api_version"))
+    env = facts.get("env") or {}
+    warns, fixes, notes = [], [], []
+    cudart = facts.get("cudart") or {}
+    if cudart and not cudart.get("loadable"):
+        warns.append(f"{cudart.get('name', 'libcudart.so')} does not load ({cudart.get('error') or 'not found'}): "
+                     f"libfabric loads the CUDA runtime by that unversioned name, so it offers no FI_HMEM and GPU "
+                     f"buffers are staged")
+        fixes.append("put a libcudart.so on the proxy's library path (the CUDA toolkit's, or a symlink to pip's "
+                     "libcudart.so.<major> in a directory of LD_LIBRARY_PATH)")
+    elif cudart.get("path"):
+        notes.append(f"libcudart.so -> {cudart['path']}")
+    if prov == "efa" and version < EFA_GPU_MIN and (env.get("FI_EFA_SET_CUDA_SYNC_MEMOPS") or "").strip() != "0":
+        warns.append(f"libfabric {lib.get('version')} < {EFA_GPU_MIN[0]}.{EFA_GPU_MIN[1]}: efa rejects cuMem GPU "
+                     f"buffers at registration; the proxy refuses GPU buffers up front (buffers='auto' stages, "
+                     f"buffers='gpu' raises)")
+        fixes.append("use libfabric >= 1.20 (a recent EFA installer), or set FI_EFA_SET_CUDA_SYNC_MEMOPS=0 in the "
+                     "environment the proxies inherit")
+    mods = set((facts.get("modules") or {}).get("loaded") or [])
+    peer = [m for m in PEER_MEMORY_MODULES if m in mods]
+    dmabuf = bool((facts.get("kallsyms") or {}).get(KSYM_DMABUF))
+    if prov == "efa" and not peer and dmabuf and version < EFA_DMABUF_BY_ADDRESS_SINCE:
+        if api >= (1, 20):
+            notes.append(f"DMA-BUF only (no peer-memory module) with libfabric {lib.get('version')} < "
+                         f"{EFA_DMABUF_BY_ADDRESS_SINCE[0]}.{EFA_DMABUF_BY_ADDRESS_SINCE[1]}: by address the "
+                         f"registration would fail; the proxy registers by DMA-BUF fd (FI_MR_DMABUF)")
+        else:
+            warns.append(f"DMA-BUF only (no peer-memory module) at API {lib.get('api_version')}: efa registers GPU "
+                         f"memory by address only through a peer-memory module and FI_MR_DMABUF needs API 1.20: "
+                         f"GPU buffers are staged")
+            fixes.append("use libfabric >= 1.20 (the proxy then registers by DMA-BUF fd) or load efa_nv_peermem")
+    elif prov == "efa" and peer:
+        notes.append(f"peer memory ({', '.join(peer)}): by address or DMA-BUF fd")
+    if warns:
+        return Check(name, "warn", "; ".join(warns + notes), "; ".join(fixes))
+    how = "by DMA-BUF fd where the driver gives one (API >= 1.20), else by address"
+    return Check(name, "ok", f"{prov} with GPU buffers: libfabric {lib.get('version')} (API {lib.get('api_version')}); "
+                             f"registered {how}" + (f"; {'; '.join(notes)}" if notes else ""))
 
 
 def check_registration(facts: dict) -> Check:

@@ -6,20 +6,20 @@ import json
 from dataclasses import asdict
 
 from .common import SCHEMA, VERDICTS, Check, _rdma_provider
-from .devices import check_gpus, check_nic_map, check_rdma_devices
+from .devices import check_gpus, check_nic_map, check_proxy_gpu, check_rdma_cm, check_rdma_devices
 from .facts import collect_facts, registration_sizes
 from .fabric import check_efa_installer, check_libfabric, check_local_provider, check_rdma_provider, check_transport
 from .limits import check_environment, check_memlock
-from .registration import check_fi_hmem, check_gpu_peer_memory, check_registration
+from .registration import check_fi_hmem, check_gpu_peer_memory, check_gpu_registration, check_registration
 
 
 def run_checks(facts: dict) -> list[Check]:
     """Every check, in the order shown."""
     return [check_libfabric(facts), check_local_provider(facts, "tcp"), check_local_provider(facts, "shm"),
             check_rdma_devices(facts), check_rdma_provider(facts, "efa"), check_rdma_provider(facts, "verbs"),
-            check_efa_installer(facts), check_transport(facts), check_gpus(facts), check_fi_hmem(facts),
-            check_gpu_peer_memory(facts), check_nic_map(facts), check_memlock(facts), check_registration(facts),
-            check_environment(facts)]
+            check_rdma_cm(facts), check_efa_installer(facts), check_transport(facts), check_gpus(facts),
+            check_fi_hmem(facts), check_gpu_peer_memory(facts), check_gpu_registration(facts), check_proxy_gpu(facts),
+            check_nic_map(facts), check_memlock(facts), check_registration(facts), check_environment(facts)]
 
 
 def exit_code(checks: list[Check]) -> int:
