@@ -78,9 +78,12 @@ class NormalHandle(tuple):
 class _Call:
     """One normal-mode dispatch: what its combine (and a cached dispatch) needs."""
 
-    def __init__(self, owner, set_, slot: int, call: int, T: int, n: int, routes, is_token_in_rank):
+    def __init__(self, owner, set_, slot: int, call: int, T: int, n: int, routes, is_token_in_rank, k=None,
+                 worst: int = 0):
         self.owner, self.set, self.slot, self.call = owner, set_, slot, call
         self.T, self.n, self.routes, self.is_token_in_rank = T, n, routes, is_token_in_rank
+        self.k = k          # the dispatch's num_topk (None without topk_idx): a combine's topk_weights has it
+        self.worst = worst  # its num_worst_tokens: recv_x had that many rows (a combine may pass them all)
 
 
 class _Slot:
@@ -137,7 +140,8 @@ class NormalMode:
         self.buf = buf
         self.W, self.rank = buf.group_size, buf.rank
         self.sets: list[_Set] = []
-        self.calls = 0
+        self.calls = 0  # dispatches (their handles' numbers)
+        self.seq = 0    # normal-mode calls exchanged (dispatch and combine): says where each rank is
         self._node_size: int | None = None
 
     # ---- get_dispatch_layout ------------------------------------------------------------------
@@ -188,25 +192,29 @@ class NormalMode:
     # ---- dispatch -------------------------------------------------------------------------------
     def dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                  topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                 allocate_on_comm_stream):
+                 allocate_on_comm_stream, kwargs=None):
         buf, W = self.buf, self.W
         error, info, args = None, None, None
         try:
+            _refuse_kwargs(kwargs, "dispatch")
             args = self._check_dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                         topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                                         previous_event, async_finish, allocate_on_comm_stream)
             info = args["info"]
-        except ValueError as exc:
-            error = exc
-        table = self._exchange("dispatch", error, info)
+        except Exception as exc:  # noqa: BLE001 - any failure of the checks is this rank's verdict, said everywhere
+            error = _as_value_error(exc, "dispatch")
+        table = self._exchange("dispatch", error, info, {"cached": handle is not None})
         infos = [row[1] for row in table]
-        agree = ("kind", "H", "S", "k", "E", "cached", "scale_dtype")
-        for name in agree:
+        for name, what in _DISPATCH_AGREE:
+            if infos[0]["cached"] and name in ("k", "E"):
+                continue
+            if not infos[0]["cached"] and name == "call":
+                continue
             values = [i[name] for i in infos]
             if any(v != values[0] for v in values):
-                raise ValueError(f"rank {self.rank}: normal-mode dispatch: {name} differs between ranks "
-                                 f"({values}: DeepEP needs it equal on every rank); refused on every rank, "
-                                 f"nothing was sent")
+                per_rank = "; ".join(f"{v} on rank {r}" for r, v in enumerate(values))
+                raise ValueError(f"rank {self.rank}: normal-mode dispatch: {what} differs between ranks ({per_rank}): "
+                                 f"DeepEP needs it equal on every rank; refused on every rank, nothing was sent")
         if not infos[0]["cached"]:
             counts = [i["per_rank"] for i in infos]  # counts[s][r]: tokens s sends to r
             for r in range(W):
@@ -235,7 +243,11 @@ class NormalMode:
             prefix = handle[0]
         self._retire(slot)
         T = args["T"]
-        send = self._stage(set_, slot, args)
+        try:
+            send = self._stage(set_, slot, args)
+        except Exception as exc:  # noqa: BLE001 - the peers are in this call: it is aborted on every rank
+            self._run(slot, lambda: slot.a2a.abort(f"rank {self.rank}: normal-mode dispatch: x could not be staged "
+                                                   f"({type(exc).__name__}: {exc})"))
         self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, None, send, None, routes))
         slot.state, slot.call, slot.routes = DISPATCHED, self.calls, routes
         if int(slot.num[0]) != n:  # the counts exchanged and the rows received must agree
@@ -246,11 +258,14 @@ class NormalMode:
         ev = _event(args["device"], async_finish)
         if i0["cached"]:
             return recv_x, None, None, None, None, ev
-        call_ = _Call(self, set_, index, self.calls, T, n, routes, is_token_in_rank)
+        call_ = _Call(self, set_, index, self.calls, T, n, routes, is_token_in_rank, i0["k"], args["worst"])
         dev = args["device"]
         cpm = _channel_prefix(is_token_in_rank, (config.num_sms if config is not None else buf.num_sms) // 2)
         send_head = self._send_head(is_token_in_rank, prefix.to(dev))
-        fields = (prefix.to(dev), cpm, None, meta["src"], is_token_in_rank, send_head)
+        src = meta["src"]
+        if rows > n:  # num_worst_tokens: DeepEP's recv_src_idx has that many rows too (-1 past the count here)
+            src = torch.cat([src, src.new_full((rows - n,), -1)])
+        fields = (prefix.to(dev), cpm, None, src, is_token_in_rank, send_head)
         recv_idx = recv_w = None
         if i0["k"] is not None:
             recv_idx, recv_w = meta["idx"], meta["w"]
@@ -347,7 +362,7 @@ class NormalMode:
             if T and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= E):
                 raise ValueError(f"topk_idx: expert ids must be in [-1, {E}), got values in "
                                  f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
-        info.update(cached=False, k=k, E=E, per_rank=per_rank.tolist(),
+        info.update(cached=False, k=k, E=E, call=None, per_rank=per_rank.tolist(),
                     R=int(is_token_in_rank.sum(1).max()) if T else 0,
                     per_expert=num_tokens_per_expert.cpu().tolist())
         return {"info": info, "x": x, "scales": scales, "T": T, "worst": worst, "align": align, "device": dev,
@@ -374,8 +389,8 @@ class NormalMode:
         send = slot.send[:T]
         b = send.view(torch.uint8)
         x = args["x"]
-        xb = x.view(torch.uint8)
-        b[:, :xb.shape[1]] = xb
+        # Into a view of the row in x's dtype: x.view(uint8) needs last stride 1, which an empty x need not have.
+        b[:, :x.shape[1] * x.element_size()].view(x.dtype).copy_(x)
         if args["scales"] is not None:
             S = args["scales"].shape[1]
             b[:, set_.scale_off:set_.scale_off + 4 * S].view(torch.int32).copy_(args["scales"].view(torch.int32))
@@ -422,10 +437,11 @@ class NormalMode:
         return recv_x, out
 
     # ---- combine ----------------------------------------------------------------------------------
-    def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
-
+    def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream,
+                kwargs=None):
         error, info = None, None
         try:
+            _refuse_kwargs(kwargs, "combine")
             _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             if config is not None and not isinstance(config, Config):
                 raise ValueError(f"config: expected a deep_ep.Config or None, got {type(config).__name__}")
@@ -434,18 +450,24 @@ class NormalMode:
                                  f"{type(handle).__name__}")
             c = handle.call
             H = c.set.H
-            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != (c.n, H) or \
-                    not x.is_contiguous():
-                raise ValueError(f"x: expected a contiguous bfloat16 [{c.n}, {H}] tensor (the handle's received "
-                                 f"tokens), got {_describe(x)}")
+            rows = (c.n, c.worst) if c.worst > c.n else (c.n,)  # DeepEP's: as many rows as its recv_x had
+            shapes = " or ".join(f"[{r}, {H}]" for r in rows)
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or \
+                    x.shape[0] not in rows or x.shape[1] != H or not x.is_contiguous():
+                raise ValueError(f"x: expected a contiguous bfloat16 {shapes} tensor (the handle's received "
+                                 f"tokens{', or num_worst_tokens rows' if len(rows) > 1 else ''}), got {_describe(x)}")
             dev = x.device
             k = None
             if topk_weights is not None:
+                # The dispatch's num_topk when it had top-k (other widths would sum weights nobody sent), else
+                # any the rows have room for.
+                ks = f"{c.k}" if c.k is not None else f"num_topk <= {c.set.K}"
                 if not isinstance(topk_weights, torch.Tensor) or topk_weights.dim() != 2 or \
-                        topk_weights.shape[0] != c.n or topk_weights.dtype != torch.float32 or \
-                        not 1 <= topk_weights.shape[1] <= c.set.K or topk_weights.device != dev:
-                    raise ValueError(f"topk_weights: expected a float32 [{c.n}, num_topk <= {c.set.K}] tensor on "
-                                     f"{dev}, got {_describe(topk_weights)}")
+                        topk_weights.shape[0] not in rows or topk_weights.dtype != torch.float32 or \
+                        topk_weights.device != dev or not (topk_weights.shape[1] == c.k if c.k is not None
+                                                           else 1 <= topk_weights.shape[1] <= c.set.K):
+                    raise ValueError(f"topk_weights: expected a float32 [{' or '.join(map(str, rows))}, {ks}] tensor "
+                                     f"on {dev} (the dispatch's recv_topk_weights), got {_describe(topk_weights)}")
                 k = topk_weights.shape[1]
             biases = [] if bias is None else [bias] if isinstance(bias, torch.Tensor) else bias
             if not isinstance(biases, (tuple, list)) or len(biases) > 2:
@@ -457,13 +479,21 @@ class NormalMode:
                         or b.device != dev:
                     raise ValueError(f"bias: expected bfloat16 [{c.T}, {H}] tensors on {dev}, got {_describe(b)}")
             info = {"call": c.call, "k": k}
-        except ValueError as exc:
-            error = exc
-        table = self._exchange("combine", error, info)
+        except Exception as exc:  # noqa: BLE001 - any failure of the checks is this rank's verdict, said everywhere
+            error = _as_value_error(exc, "combine")
+        call = handle.call.call if isinstance(handle, NormalHandle) else None
+        table = self._exchange("combine", error, info, {"handle": call})
         calls = [row[1]["call"] for row in table]
         if any(v != calls[0] for v in calls):
-            raise ValueError(f"rank {self.rank}: normal-mode combine: the ranks combine the handles of different "
-                             f"dispatches (calls {calls}); refused on every rank, nothing was sent")
+            raise ValueError(f"rank {self.rank}: normal-mode combine: handle: the ranks combine the handles of "
+                             f"different dispatches ({'; '.join(f'call {v} on rank {r}' for r, v in enumerate(calls))}); "
+                             f"refused on every rank, nothing was sent")
+        ks = [row[1]["k"] for row in table]
+        if any(v != ks[0] for v in ks):
+            said = "; ".join(f"{'None' if v is None else f'[{c.n}, {v}]'} on rank {r}" for r, v in enumerate(ks))
+            raise ValueError(f"rank {self.rank}: normal-mode combine: topk_weights differs between ranks ({said}): "
+                             f"every rank passes its weights of the same num_topk, or every rank None (the weights "
+                             f"are summed over the ranks); refused on every rank, nothing was sent")
         _wait(previous_event)
         c = handle.call
         set_, slot = c.set, c.set.slots[c.slot]
@@ -473,17 +503,21 @@ class NormalMode:
             self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, None, send, None, c.routes))
             slot.state, slot.call, slot.routes = DISPATCHED, c.call, c.routes
         H, n, T = set_.H, c.n, c.T
-        slot.y[:n, :H] = x
-        if k is not None:
-            slot.y[:n, H:H + k] = topk_weights
         out = slot.out[:T]
         biases = [b for b in ([] if bias is None else [bias] if isinstance(bias, torch.Tensor) else bias)
                   if b is not None]
-        if biases:
-            out.zero_()
-            out[:, :H] = biases[0].float()
-            if len(biases) == 2:
-                out[:, :H] += biases[1].float()
+        try:
+            slot.y[:n, :H] = x[:n]  # with num_worst_tokens rows, those past the count are not sent (as DeepEP)
+            if k is not None:
+                slot.y[:n, H:H + k] = topk_weights[:n]
+            if biases:
+                out.zero_()
+                out[:, :H] = biases[0].float()
+                if len(biases) == 2:
+                    out[:, :H] += biases[1].float()
+        except Exception as exc:  # noqa: BLE001 - the peers are in this call: it is aborted on every rank
+            self._run(slot, lambda: slot.a2a.abort(f"rank {self.rank}: normal-mode combine: the expert outputs "
+                                                   f"could not be staged ({type(exc).__name__}: {exc})"))
         weights = (c.routes >= 0).to(torch.float32)
         self._run(slot, lambda: slot.a2a.combine(out, c.routes, weights, slot.y, accumulate=bool(biases)))
         slot.state = COMBINED
@@ -492,20 +526,30 @@ class NormalMode:
         return combined, combined_w, _event(x.device, async_finish)
 
     # ---- the instances ------------------------------------------------------------------------------
-    def _exchange(self, what: str, error, info) -> list:
+    def _exchange(self, what: str, error, info, where: dict) -> list:
         """Every rank's verdict on its input and what it says of the call (one all-gather): any rejection
-        raises on every rank before anything is sent."""
-        buf = self.buf
-        table = all_gather(buf.group, (None if error is None else str(error), info))
-        rejected = [r for r, row in enumerate(table) if row[0] is not None]
+        raises on every rank before anything is sent. Each row also says which call it is (`what`, this
+        rank's normal-mode call number, `where`'s detail): calls out of step (a rank that skipped its combine,
+        or is in another collective) are refused on every rank, saying where each rank is, and the numbering
+        is agreed again so that the next call every rank makes works."""
+        self.seq += 1
+        table = all_gather(self.buf.group, (_TAG, what, self.seq, where, None if error is None else str(error), info))
+        step = _out_of_step(table, self.rank)
+        if step is not None:
+            self.seq = max([self.seq] + [row[2] for row in table if _is_row(row)])
+            raise ValueError(f"rank {self.rank}: normal-mode {what} refused on every rank, nothing was sent: the "
+                             f"calls are out of step ({step}). Every rank makes the same normal-mode calls in "
+                             f"the same order (DeepEP's rule); the next call that every rank makes works")
+        table = [row[3:] for row in table]
+        rejected = [r for r, row in enumerate(table) if row[1] is not None]
         if error is not None:
             others = [r for r in rejected if r != self.rank]
             raise ValueError(f"{error} (rank {self.rank} refused this normal-mode {what} on every rank"
                              + (f", as did rank(s) {others}" if others else "") + "; nothing was sent)") from None
         if rejected:
             raise CallAborted(f"rank {self.rank}: this normal-mode {what} was refused on every rank by rank(s) "
-                              f"{', '.join(map(str, rejected))}: {table[rejected[0]][0]}; nothing was sent")
-        return table
+                              f"{', '.join(map(str, rejected))}: {table[rejected[0]][1]}; nothing was sent")
+        return [(row[1], row[2]) for row in table]
 
     def _set_for(self, H, S, K, T, R, device) -> _Set:
         for s in reversed(self.sets):
@@ -558,6 +602,52 @@ class NormalMode:
             for slot in s.slots:
                 slot.close()
         self.sets = []
+
+
+# What a dispatch's ranks must agree on, in that order, and how the messages name it.
+_DISPATCH_AGREE = (("cached", "handle (a cached dispatch or not)"), ("call", "handle (the dispatch it is of)"),
+                   ("kind", "x (bf16, or an (fp8, scales) pair)"), ("H", "hidden (x.shape[1])"),
+                   ("S", "the scale columns (x[1].shape[1])"), ("scale_dtype", "the scales' dtype (x[1].dtype)"),
+                   ("k", "num_topk (topk_idx.shape[1]; None without topk_idx)"),
+                   ("E", "num_experts (num_tokens_per_expert.shape[0])"))
+
+# The first word of a normal-mode exchange row: a row without it is another collective of the group.
+_TAG = "moe_a2a.compat normal mode"
+
+
+def _is_row(row) -> bool:
+    return isinstance(row, tuple) and len(row) == 6 and row[0] == _TAG and isinstance(row[2], int)
+
+
+def _where(row) -> str:
+    """Which call a rank's exchange row is of, in words."""
+    if not _is_row(row):
+        return f"not in a normal-mode call (its all-gather is another collective of the group: {type(row).__name__})"
+    _, what, seq, where, _, _ = row
+    if what == "combine":
+        return f"at its combine (normal-mode call {seq}) of dispatch {where.get('handle')}"
+    return f"at its {'cached ' if where.get('cached') else ''}dispatch (normal-mode call {seq})"
+
+
+def _out_of_step(table: list, rank: int) -> str | None:
+    """None when every row of one exchange is of the same call (kind and number), else where each rank is."""
+    keys = [(row[1], row[2]) if _is_row(row) else None for row in table]
+    if all(k is not None and k == keys[0] for k in keys):
+        return None
+    return "; ".join(f"rank {r}{' (this rank)' if r == rank else ''} is {_where(row)}" for r, row in enumerate(table))
+
+
+def _refuse_kwargs(kwargs, what: str) -> None:
+    if kwargs:
+        raise ValueError(f"unexpected arguments {sorted(kwargs)}: not arguments of DeepEP's {what}")
+
+
+def _as_value_error(exc: Exception, what: str) -> ValueError:
+    """A check's failure as the ValueError every rank is told of (never another type: a torch error raised
+    while checking is said as what it was)."""
+    if isinstance(exc, ValueError):
+        return exc
+    return ValueError(f"normal-mode {what}: its arguments could not be checked ({type(exc).__name__}: {exc})")
 
 
 def _check_stream_args(previous_event, async_finish, allocate_on_comm_stream) -> None:

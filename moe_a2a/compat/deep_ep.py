@@ -203,7 +203,7 @@ class Buffer:
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: "Config | None" = None,
-                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, **kwargs):
         """DeepEP's normal-mode dispatch (collective): each token to every rank `is_token_in_rank` names, once.
 
         `x`: bf16 `[T, H]`, or `(float8_e4m3fn [T, H], scales [T, S] float32 or int32)` (moved bit-exactly).
@@ -216,22 +216,26 @@ class Buffer:
         ids (-1: an expert of another rank); recv_topk_weights (0 where the id is -1); the list of received
         tokens per local expert from `num_tokens_per_expert`, each rounded up to `expert_alignment` (empty
         with `num_worst_tokens`, which pads the received tensors to that many rows, recv_topk_idx -1 past the
-        count). A cached dispatch returns `(recv_x, None, None, None, None, event)`. Bad input on any rank:
-        ValueError there, CallAborted on the others, nothing sent. `config` is checked and unused.
+        count). A cached dispatch returns `(recv_x, None, None, None, None, event)`. Bad input on any rank
+        (an unknown keyword included): ValueError there, CallAborted on the others, nothing sent; arguments
+        that must agree and differ between ranks, or ranks out of step (one at its combine, another at its
+        dispatch): ValueError on every rank saying which rank has what. `config` is checked and unused.
         """
         return self._normal_mode().dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                            previous_event, async_finish, allocate_on_comm_stream)
+                                            previous_event, async_finish, allocate_on_comm_stream, kwargs)
 
     def combine(self, x: torch.Tensor, handle, topk_weights=None, bias=None, config: "Config | None" = None,
-                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, **kwargs):
         """DeepEP's normal-mode combine (collective): `x` `[num_recv, H]` bf16 in the handle's recv_x order goes
         home; `combined_x[t] = bias_0[t] + bias_1[t] + sum over the ranks r that received t (in rank order) of
-        x_r[row]`, in fp32, cast to bf16 once (no weights applied, as DeepEP). `topk_weights` `[num_recv, K]`
-        float32 is summed the same way. Returns `(combined_x [T, H] bf16, combined_topk_weights or None,
-        event)`. A handle may be combined any number of times."""
+        x_r[row]`, in fp32, cast to bf16 once (no weights applied, as DeepEP). After a dispatch with
+        `num_worst_tokens` N, `x` may have N rows (DeepEP's: recv_x's rows; those past the count are not
+        sent). `topk_weights` `[num_recv (or N), K]` float32, K the dispatch's num_topk, is summed the same
+        way; every rank passes it or none does. Returns `(combined_x [T, H] bf16, combined_topk_weights or
+        None, event)`. A handle may be combined any number of times. Refusals as `dispatch`'s."""
         return self._normal_mode().combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                           allocate_on_comm_stream)
+                                           allocate_on_comm_stream, kwargs)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
