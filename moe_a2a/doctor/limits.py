@@ -48,6 +48,7 @@ ENV_NOTES = {
     "FI_HMEM_CUDA_USE_GDRCOPY": "copies to/from GPU memory through gdrcopy (/dev/gdrdrv)",
     "FI_HMEM_CUDA_USE_DMABUF": "register CUDA memory through DMA-BUF",
     "FI_HMEM_DISABLE_P2P": "no peer-to-peer to GPU memory (the NIC cannot write it directly)",
+    "FI_EFA_SET_CUDA_SYNC_MEMOPS": "efa: 0 lets libfabric 1.18 / 1.19 register cuMem GPU buffers (>= 1.20 needs none)",
     "FI_VERBS_IFACE": "verbs: only devices on this interface",
     "FI_LOG_LEVEL": "libfabric's logging (debug/trace slow the data path)",
     "MOE_A2A_LIBFABRIC": "the libfabric.so moe_a2a loads (else the EFA installer's, else the system's)",

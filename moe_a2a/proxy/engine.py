@@ -77,6 +77,9 @@ class EngineAddress:
     provider: str
     names: tuple[bytes, ...]
     label: str = ""
+    # What peers must agree on to talk at all (efa: the libfabric version and the EFA device generation,
+    # `FabricCarrier`; "" elsewhere): compared across ranks at bootstrap (`runtime.bootstrap.check_same_fabric`).
+    fabric: str = ""
 
     def __str__(self) -> str:
         return f"{self.provider}:{self.label or self.names[0][:24].hex()}"
@@ -181,11 +184,17 @@ class PeerGroup:
 
 
 class PeerTimeout(TimeoutError):
-    """A write to one peer could not be posted in time; ``position`` is the peer's index in its group."""
+    """A write to one peer could not be posted in time; ``position`` is the peer's index in its group.
 
-    def __init__(self, message: str, position: int):
+    ``positions``: every peer of the call that timed out (``position`` first). ``posted``: None when the
+    rows after ``position`` were not tried (the emulated NIC stops at the first); else every other row was
+    posted, ``posted`` of them (libfabric sets a busy peer's rows aside and posts the rest first)."""
+
+    def __init__(self, message: str, position: int, positions: Sequence[int] = (), posted: int | None = None):
         super().__init__(message)
         self.position = position
+        self.positions = tuple(positions) or (position,)
+        self.posted = posted
 
 
 class TransferEngine:
@@ -242,6 +251,10 @@ class TransferEngine:
         self.writes_completed = 0
         self.imms_received = 0
         self.eagain_retries = 0  # posts retried after -FI_EAGAIN (back-pressure or lazy connect)
+        # None: a failed write raises (the carrier's error). A dict (shrink mode, set by the proxy): a write
+        # that fails naming its peer (an error completion, a refused post) is recorded here, peer -> the
+        # error, and the call goes on; whoever set it takes the entries out and masks those peers.
+        self.peer_errors: dict | None = None
         self.slot_waits = 0  # posts that waited for room (max_inflight writes in flight; a peer's full ring)
         try:
             carrier.attach(self)

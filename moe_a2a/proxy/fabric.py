@@ -10,11 +10,18 @@ waits) is `engine.py`.
   (:func:`registration_chunks`): every write lies wholly in one chunk.
 - Peers: ``fi_av_insert`` per domain; a peer group gets one ``fi_msg_rma`` template per peer, pre-built,
   so a posted write only patches five integers (`prepare_group`).
-- Posting: one ``fi_writemsg`` with ``FI_REMOTE_CQ_DATA`` per write; ``-FI_EAGAIN`` is absorbed by
-  progressing and retrying up to the engine's ``post_timeout_s``; at most ``max_inflight`` writes in
-  flight (one ``fi_context`` each).
+- Posting: one ``fi_writemsg`` with ``FI_REMOTE_CQ_DATA`` per write; a write refused with ``-FI_EAGAIN`` is
+  set aside and the rest of the call posted first, then the ones set aside are retried, at most
+  ``POSTS_PER_PASS`` per pass with a progress between passes, each up to the engine's ``post_timeout_s``
+  (then `PeerTimeout` naming every such peer: one busy peer does not hold up the others); at most
+  ``max_inflight`` writes in flight (one ``fi_context`` each).
 - Completions: one CQ per domain for both directions: ``FI_REMOTE_WRITE`` entries are immediates (counted
-  into the engine's counter by exact value), the others retire our writes.
+  into the engine's counter by exact value), the others retire our writes. An error entry raises, or, when
+  the engine keeps ``peer_errors`` (shrink mode) and the entry names one of our writes, is recorded there
+  against its peer and the call goes on.
+- GPU memory (``hmem``): ``FI_OPT_CUDA_API_PERMITTED`` must be accepted, and efa needs libfabric >= 1.20 (or
+  ``FI_EFA_SET_CUDA_SYNC_MEMOPS=0``), else :class:`~.libfabric.HmemUnsupported` at construction; buffers
+  register by DMA-BUF fd (``FI_MR_DMABUF``, API >= 1.20) when the caller has one, else by address.
 
 Software providers (tcp, shm) move data only while the *target* reads its CQ, so every wait of the
 engine progresses all CQs.
@@ -58,6 +65,9 @@ _CTX_WORDS = 4  # struct fi_context: 4 pointers; FI_CONTEXT mode needs one per o
 _IMM_MASK = 0xFFFFFFFF
 _NEG_EAGAIN = -lf.FI_EAGAIN
 _NEG_EAVAIL = -lf.FI_EAVAIL
+# Writes set aside after -FI_EAGAIN that one retry pass posts before progressing again (pplx-garden's
+# fabric-lib posts at most 32 queued work requests per progress pass).
+POSTS_PER_PASS = 32
 
 
 
@@ -115,11 +125,16 @@ class FabricCarrier(ChunkedPosting):
             raise
         self.info = self._infos[0]
         self.provider_name = self.info.prov_name
+        self.hmem = hmem
         # Requested keys (used when the provider does not pick them, e.g. tcp, shm): random, of the
         # domain's mr_key_size bytes (at most 8), never reused within this engine.
         self._key_bits = 8 * min(max(int(self.info.mr_key_size), 1), 8)
         self._used_keys: set[int] = set()
         try:
+            if hmem and self.provider_name == "efa":  # refused before anything is opened, naming the floor
+                why = lf.efa_gpu_refusal(lf.library().fi_version())
+                if why:
+                    raise lf.HmemUnsupported("fi_getinfo", -lf.FI_EOPNOTSUPP, why)
             for info in self._infos:
                 self._fabrics.append(lf.Fabric(info))
             for d in range(num_domains):
@@ -134,10 +149,12 @@ class FabricCarrier(ChunkedPosting):
                 # One CQ for both directions: local write completions and remote-write immediates.
                 ep.bind(cq.ptr, lf.FI_TRANSMIT | lf.FI_RECV, "cq")
                 ep.bind(av.ptr, 0, "av")
-                # Before fi_enable: the provider reads it when the endpoint starts (efa).
-                cuda_api = ep.forbid_cuda_api()
+                # Before fi_enable: the provider reads it when the endpoint starts (efa). With GPU buffers
+                # asked for, a refusal raises HmemUnsupported: the caller stages or refuses (`buffers=`).
+                cuda_api = ep.forbid_cuda_api(hmem)
                 ep.enable()
-            self.address = EngineAddress(self.provider_name, tuple(ep.getname() for ep in self._eps))
+            self.address = EngineAddress(self.provider_name, tuple(ep.getname() for ep in self._eps),
+                                         fabric=self._fabric_label())
             self.domain_names = tuple(self._infos[d % len(self._infos)].domain_name for d in range(num_domains))
         except BaseException:
             self.close([])
@@ -176,6 +193,21 @@ class FabricCarrier(ChunkedPosting):
         self.max_registration_bytes = (default_max_registration_bytes(self.provider_name)
                                        if max_registration_bytes is None else max_registration_bytes)
         self.waiting_for = ""  # wait_writes' message: nothing to add
+        # Writes refused with -FI_EAGAIN, set aside until the rest of the call is posted: (group position,
+        # when first refused, what re-posts it); and how many of the call's rows were not posted after all.
+        self._deferred: list = []
+        self._lost = 0
+
+    def _fabric_label(self) -> str:
+        """What every peer must share with us (`EngineAddress.fabric`): on efa the libfabric version and
+        the EFA device generation (PCI device id of each domain's NIC), since a peer of another version or
+        generation makes EFA emulate writes with sends, whose protocol reads our unregistered source. Other
+        providers: "" (nothing compared)."""
+        if self.provider_name != "efa":
+            return ""
+        major, minor = lf.runtime_version()
+        devices = sorted({i.device_id or "unknown" for i in self._infos})
+        return f"libfabric {major}.{minor}, EFA device {'/'.join(devices)}"
 
     def attach(self, engine) -> None:
         """The engine whose immediate counts and totals this carrier fills."""
@@ -201,10 +233,10 @@ class FabricCarrier(ChunkedPosting):
         eng_bound = self.engine.max_write_bytes
         bound = eng_bound if max_write_bytes is None else min(max_write_bytes, eng_bound)
         count, stride, chunk = registration_chunks(nbytes, self.max_registration_bytes, bound, addr % PAGE_SIZE)
-        if count > 1 and dmabuf_fd is not None:
-            # One DMA-BUF FD at offset 0 per registration: chunks would need fi_mr_dmabuf offsets (not wired).
-            raise ValueError(f"register: {nbytes} B over max_registration_bytes ({self.max_registration_bytes} B) "
-                             f"need {count} registrations; DMA-BUF registrations are not registered in chunks")
+        # By DMA-BUF where the caller has an fd of the buffer (from its first byte) and the API has FI_MR_DMABUF
+        # (1.20): chunk i at offset i * stride into it, as the address path registers addr + i * stride.
+        # Else by address (GPU memory then needs a peer-memory module on efa up to libfabric 2.4).
+        by_dmabuf = dmabuf_fd is not None and self.info.api_version >= lf.FI_VERSION(1, 20)
         chunks: list[list] = []
         try:
             for i in range(count):
@@ -215,8 +247,11 @@ class FabricCarrier(ChunkedPosting):
                     key = 0 if self.info.prov_key else self._new_key()
                     if cuda_device is None and dmabuf_fd is None:
                         mr = dom.mr_reg(at, size, access, key)
+                    elif by_dmabuf:
+                        mr = dom.mr_regattr_cuda(at, size, access, key, cuda_device or 0, dmabuf_fd, i * stride,
+                                                 dmabuf_base=addr)
                     else:
-                        mr = dom.mr_regattr_cuda(at, size, access, key, cuda_device or 0, dmabuf_fd)
+                        mr = dom.mr_regattr_cuda(at, size, access, key, cuda_device or 0)
                     mrs.append(mr)
                     self._used_keys.add(mr.key)
         except BaseException:
@@ -326,8 +361,12 @@ class FabricCarrier(ChunkedPosting):
             # context (this op's fi_context), data (the immediate), iov_base, iov_len, rma addr, rma len
             pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
             if rc := writemsg(ep, msg, flags):
-                self._post_failed(rc, grp, p, ctx, v)
-        self.engine.writes_posted += len(targets)
+                self._post_failed(rc, grp, p, ctx, (pack, templates, off, writemsg, ep, msg,
+                                                    (v, src_addr + so, length, rbase + do, length)))
+        posted = len(targets)
+        if self._deferred or self._lost:
+            posted = self._settle(grp, posted)
+        self.engine.writes_posted += posted
 
     def post_table(self, grp: PeerGroup, src: LocalRegion, words, slots, src_base: int, dst_base: int,
                    imm: int | None, skip_empty: bool) -> int:
@@ -352,8 +391,11 @@ class FabricCarrier(ChunkedPosting):
             ctx_peer[ctx] = peer
             pack(templates, off, ctx, v, src_addr + so, length, rbase + do, length)
             if rc := writemsg(ep, msg, _WRITE_FLAGS):
-                self._post_failed(rc, grp, p, ctx, v)
+                self._post_failed(rc, grp, p, ctx, (pack, templates, off, writemsg, ep, msg,
+                                                    (v, src_addr + so, length, rbase + do, length)))
             posted += 1
+        if self._deferred or self._lost:
+            posted = self._settle(grp, posted)
         eng.writes_posted += posted
         return posted
 
@@ -375,23 +417,72 @@ class FabricCarrier(ChunkedPosting):
         self._prepared[key] = (slots, prep)
         return prep
 
-    def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, imm: int) -> None:
-        """Slow path of a post: retry ``-FI_EAGAIN`` while progressing; raise anything else."""
-        eng = self.engine
-        deadline = time.monotonic() + eng.post_timeout_s
-        writemsg, ep, msg = grp.post_info[p][:3]
-        while rc == _NEG_EAGAIN:
-            eng.eagain_retries += 1
+    def _post_failed(self, rc: int, grp: PeerGroup, p: int, ctx: int, again: tuple) -> None:
+        """Slow path of a post refused with ``rc``: ``-FI_EAGAIN`` sets the write aside (``again``: the pack
+        function, the templates, the offset, writemsg, endpoint, message and the words after the context,
+        all it takes to post it once more; `_settle` does); anything else raises, or with
+        ``engine.peer_errors`` kept is recorded against the peer (the write is lost, the call goes on)."""
+        self._free_ctx.append(ctx)
+        if rc == _NEG_EAGAIN:
+            self._deferred.append((p, time.monotonic(), again))
+            return
+        err = lf.FabricError("fi_writemsg", rc, peer=grp.peers[p], context=f"imm {again[6][0]:#x}")
+        errors = self.engine.peer_errors
+        if errors is None:
+            raise err
+        errors.setdefault(grp.peers[p], err)
+        self._lost += 1
+
+    def _settle(self, grp: PeerGroup, posted: int) -> int:
+        """After a call's rows were tried once: post the ones set aside (`_post_deferred`), then return how
+        many of the call's ``posted`` rows really were posted; `PeerTimeout` naming every peer still
+        refusing after ``post_timeout_s`` (the others' rows all posted)."""
+        timed_out = self._post_deferred(grp) if self._deferred else {}
+        posted, self._lost = posted - self._lost, 0
+        if not timed_out:
+            return posted
+        self.engine.writes_posted += posted
+        eng, first = self.engine, next(iter(timed_out))
+        raise PeerTimeout(f"fi_writemsg to {grp.peers[first]} returned -FI_EAGAIN for {eng.post_timeout_s}s (peer "
+                          f"not progressing or not reachable) [imm {timed_out[first]:#x}]"
+                          + (f"; also to {', '.join(str(grp.peers[p]) for p in list(timed_out)[1:])}"
+                             if len(timed_out) > 1 else "") + "; every other write of the call was posted",
+                          position=first, positions=tuple(timed_out), posted=posted)
+
+    def _post_deferred(self, grp: PeerGroup) -> dict[int, int]:
+        """Retry the writes set aside, in passes: progress, then at most ``POSTS_PER_PASS`` posts. A peer that
+        refuses again is not tried further in that pass (its queue is full), and what a pass did not try goes
+        first in the next: one busy peer cannot take the others' turns. A write is dropped ``post_timeout_s``
+        after its first refusal. Returns {group position: imm} of the peers that timed out."""
+        eng, free, ctx_peer, peers = self.engine, self._free_ctx, self._ctx_peer, grp.peers
+        timed_out: dict[int, int] = {}
+        while self._deferred:
             eng._idle_progress()
-            if time.monotonic() > deadline:
-                break
-            rc = writemsg(ep, msg, _WRITE_FLAGS)
-        if rc:
-            self._free_ctx.append(ctx)
-            if rc == _NEG_EAGAIN:
-                raise PeerTimeout(f"fi_writemsg to {grp.peers[p]} returned -FI_EAGAIN for {eng.post_timeout_s}s "
-                                  f"(peer not progressing or not reachable) [imm {imm:#x}]", position=p)
-            raise lf.FabricError("fi_writemsg", rc, peer=grp.peers[p], context=f"imm {imm:#x}")
+            pending, self._deferred = self._deferred, []
+            now, tries, busy, untried, refused = time.monotonic(), 0, set(), [], []
+            for item in pending:
+                p, since, (pack, templates, off, writemsg, ep, msg, words) = item
+                if p in timed_out or now - since > eng.post_timeout_s:
+                    timed_out.setdefault(p, words[0])
+                    self._lost += 1
+                    continue
+                if tries == POSTS_PER_PASS or p in busy:
+                    untried.append(item)
+                    continue
+                tries += 1
+                eng.eagain_retries += 1
+                ctx = free.pop() if free else self._wait_ctx()
+                ctx_peer[ctx] = peers[p]
+                pack(templates, off, ctx, *words)
+                if rc := writemsg(ep, msg, _WRITE_FLAGS):
+                    if rc == _NEG_EAGAIN:
+                        free.append(ctx)
+                        busy.add(p)
+                        refused.append(item)
+                    else:
+                        self._post_failed(rc, grp, p, ctx, item[2])
+            self._deferred = untried + refused
+        return timed_out
 
     def _wait_ctx(self) -> int:
         """Progress until a write completes; return its (now free) fi_context address."""
@@ -419,9 +510,10 @@ class FabricCarrier(ChunkedPosting):
                 self._consume(n)
                 handled += n
             elif n != _NEG_EAGAIN:
-                if n == _NEG_EAVAIL:
-                    self._raise_cq_error(cq)
-                raise lf.FabricError("fi_cq_read", n)
+                if n != _NEG_EAVAIL:
+                    raise lf.FabricError("fi_cq_read", n)
+                self._cq_error(cq)
+                handled += 1
         return handled
 
     def _consume(self, n: int) -> None:
@@ -442,7 +534,10 @@ class FabricCarrier(ChunkedPosting):
         eng.writes_completed += n_local
         eng.imms_received += n - n_local
 
-    def _raise_cq_error(self, cq) -> None:
+    def _cq_error(self, cq) -> None:
+        """An error entry (after ``-FI_EAVAIL``): ``FabricError`` naming the peer of the failed write when it
+        was ours; with ``engine.peer_errors`` kept (shrink mode) and a peer named, recorded there instead
+        (efa reports a dead peer so, ``FI_ECONNABORTED`` / ``FI_EHOSTUNREACH`` / ``FI_ENOTCONN``)."""
         entry, msg = cq.readerr()
         peer, what = None, "remote write" if entry.flags & lf.FI_REMOTE_WRITE else "write"
         ctx = entry.op_context or 0
@@ -450,8 +545,11 @@ class FabricCarrier(ChunkedPosting):
             peer = self._ctx_peer.get(ctx)
             self._free_ctx.append(ctx)
             self.engine.writes_completed += 1
-        raise lf.FabricError("fi_cq_read", -entry.err, msg, peer=peer,
+        err = lf.FabricError("fi_cq_read", -entry.err, msg, peer=peer,
                              context=f"{what}, {entry.len} B, imm {entry.data & _IMM_MASK:#x}")
+        if peer is None or self.engine.peer_errors is None:
+            raise err
+        self.engine.peer_errors.setdefault(peer, err)
 
     @property
     def pending(self) -> int:

@@ -18,7 +18,6 @@ _PATCH_CHUNKED = struct.Struct("<8Q")
 EFA_MAX_REGISTRATION_PAGES = 1 << 20
 MAX_REGISTRATION_ENV = "MOE_A2A_MAX_REGISTRATION_BYTES"  # overrides the provider's limit (tests force it small)
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 _ONE_CHUNK = 1 << 62  # the stride of a region of one chunk: every offset is in chunk 0
@@ -156,11 +155,14 @@ class ChunkedPosting:
                 raise ValueError(eng.bad_target(grp, src, (p, so, length, do)))
             ctx = pop() if free else self._wait_ctx()  # none free: max_inflight in flight, progress
             ctx_peer[ctx] = peer
-            pack(templates, off, ctx, v, src_addr + so, length, d_bases[kd] + do - kd * d_stride, length,
-                 d_keys[kd], s_descs[ks])
-            if rc := writemsg(ep, msg, _WRITE_FLAGS):
-                self._post_failed(rc, grp, p, ctx, v)
+            words_after_ctx = (v, src_addr + so, length, d_bases[kd] + do - kd * d_stride, length, d_keys[kd],
+                               s_descs[ks])
+            pack(templates, off, ctx, *words_after_ctx)
+            if rc := writemsg(ep, msg, _WRITE_FLAGS):  # -FI_EAGAIN: set aside, posted after the rest
+                self._post_failed(rc, grp, p, ctx, (pack, templates, off, writemsg, ep, msg, words_after_ctx))
             posted += 1
+        if self._deferred or self._lost:
+            posted = self._settle(grp, posted)
         eng.writes_posted += posted
         return posted
 

@@ -298,6 +298,7 @@ class Info:
         self.max_msg_size = info.ep_attr.contents.max_msg_size
         self.threading = info.domain_attr.contents.threading  # FI_THREAD_DOMAIN when the provider took the hint
         self.api_version = info.fabric_attr.contents.api_version  # what fi_getinfo was asked for
+        self.device_id = nic_device_id(info.nic)  # efa: "0xefaN", the device generation (None: not known)
         self.info = chosen  # the ctypes struct (valid until close)
 
     @property
@@ -402,6 +403,18 @@ def check_api_for(prov_name: str) -> None:
                           f"FI_HMEM), found {lib['version']} at {lib['path']} ({lib['source']}); install the EFA "
                           f"installer (/opt/amazon/efa) or point {LIBFABRIC_ENV} at a libfabric >= "
                           f"{version_str(EFA_API_MIN)}")
+
+
+def efa_gpu_refusal(library_version: int, environ=None) -> str | None:
+    """Why efa cannot register cuMem GPU buffers with a libfabric of ``library_version`` (an ``FI_VERSION``),
+    or None when it can: 1.18 and 1.19 reject them at registration unless ``FI_EFA_SET_CUDA_SYNC_MEMOPS=0``
+    is in the proxy's environment (:data:`EFA_GPU_API_MIN`)."""
+    env = os.environ if environ is None else environ
+    if library_version >= EFA_GPU_API_MIN or env.get(EFA_SYNC_MEMOPS_ENV, "").strip() == "0":
+        return None
+    return (f"efa with GPU buffers needs libfabric >= {version_str(EFA_GPU_API_MIN)} (found "
+            f"{version_str(library_version)}, which rejects cuMem buffers at registration) or "
+            f"{EFA_SYNC_MEMOPS_ENV}=0 in the proxy's environment")
 
 
 def _usable(provider: str, *, hmem: bool, tx_size: int | None, source: str | None = None):
@@ -534,16 +547,23 @@ class Domain:
         return MR(ptr.value)
 
     def mr_regattr_cuda(self, addr: int, nbytes: int, access: int, requested_key: int, cuda_device: int,
-                        dmabuf_fd: int | None = None, dmabuf_offset: int = 0) -> "MR":
-        """Register GPU memory with ``iface = FI_HMEM_CUDA``: by virtual address, or by DMA-BUF fd
-        (``FI_MR_DMABUF``, API >= 1.20 only). Raises :class:`HmemUnsupported` when the
-        provider or build cannot (e.g. shm without CUDA support returns ``-FI_ENOSYS``)."""
+                        dmabuf_fd: int | None = None, dmabuf_offset: int = 0,
+                        dmabuf_base: int | None = None) -> "MR":
+        """Register GPU memory ``[addr, addr + nbytes)`` with ``iface = FI_HMEM_CUDA``: by virtual address, or
+        by DMA-BUF fd (``FI_MR_DMABUF``, API >= 1.20 only): the bytes at ``dmabuf_offset`` into the DMA-BUF
+        whose first byte is mapped at ``dmabuf_base`` (default ``addr - dmabuf_offset``), so that the
+        provider's remote address, ``base_addr + offset``, is ``addr`` (``struct fi_mr_dmabuf``; efa:
+        ``ibv_reg_dmabuf_mr(pd, offset, len, base_addr + offset, fd)``). Raises :class:`HmemUnsupported`
+        when the provider or build cannot (e.g. shm without CUDA support returns ``-FI_ENOSYS``)."""
         if not self.info.caps & FI_HMEM:
             raise HmemUnsupported("fi_mr_regattr", -FI_ENOSYS,
                                   f"provider {self.info.prov_name} was opened without FI_HMEM")
         flags = 0
         iov = iovec(addr, nbytes)
-        dmabuf = fi_mr_dmabuf(fd=dmabuf_fd or 0, offset=dmabuf_offset, len=nbytes, base_addr=addr)
+        base = addr - dmabuf_offset if dmabuf_base is None else dmabuf_base
+        if dmabuf_fd is not None and base + dmabuf_offset != addr:
+            raise ValueError(f"mr_regattr_cuda: DMA-BUF base {base:#x} + offset {dmabuf_offset} is not addr {addr:#x}")
+        dmabuf = fi_mr_dmabuf(fd=dmabuf_fd or 0, offset=dmabuf_offset, len=nbytes, base_addr=base)
         # The layout of the API we asked for (hmem_data since 1.19, page_size since 1.22, read by the
         # library at those versions), with zeroed room after it for a provider that reads further.
         attr_type = mirrored_structs(self.info.api_version)["fi_mr_attr"]
@@ -567,8 +587,9 @@ class Domain:
         ptr = c_void_p()
         rc = self._mr_regattr(self.ptr, ctypes.addressof(attr), flags, byref(ptr))
         if rc < 0:
+            how = f" DMA-BUF fd {dmabuf_fd} offset {dmabuf_offset}" if dmabuf_fd is not None else ""
             raise HmemUnsupported("fi_mr_regattr", rc, f"FI_HMEM_CUDA device {cuda_device} addr={addr:#x} "
-                                  f"nbytes={nbytes} on {self.info.prov_name}")
+                                  f"nbytes={nbytes}{how} on {self.info.prov_name}")
         return MR(ptr.value)
 
     def close(self) -> None:
@@ -675,13 +696,23 @@ class Endpoint:
             return -FI_ENOSYS
         return self._setopt(self.ptr, level, optname, ctypes.addressof(value), sizeof(value))
 
-    def forbid_cuda_api(self) -> str:
+    def forbid_cuda_api(self, hmem: bool = False) -> str:
         """``FI_OPT_CUDA_API_PERMITTED = false`` (before ``fi_enable``): the provider must not call CUDA in
         its data path (a CUDA call from the proxy may wait on the model's work). Returns the outcome:
-        ``"false"``, or why it stays as the provider has it; ``FabricError`` for an unexpected refusal."""
+        ``"false"``, or why it stays as the provider has it; ``FabricError`` for an unexpected refusal.
+
+        ``hmem``: GPU buffers are asked for. Then any refusal raises :class:`HmemUnsupported`: a provider
+        that cannot do without CUDA calls cannot reach GPU memory from the NIC (efa without peer-to-peer
+        registers, then fails the first write with ``-FI_EINVAL``: libfabric issue 12853), and one without
+        the option would call CUDA from the proxy's loop; the caller stages through host memory instead,
+        or refuses, as ``buffers=`` asks (pplx-garden treats any refusal as fatal)."""
         rc = self.setopt(FI_OPT_CUDA_API_PERMITTED, ctypes.c_bool(False))
         if rc == 0:
             return "false"
+        if hmem and rc < 0:
+            raise HmemUnsupported("fi_setopt(FI_OPT_CUDA_API_PERMITTED, false)", rc,
+                                  "the provider needs the CUDA API for GPU memory (or lacks the option): no GPU "
+                                  "buffers with the NIC")
         if rc in (-FI_ENOPROTOOPT, -FI_ENOSYS):  # tcp, shm before 1.18, any provider without the option
             return f"not an option of this provider (-{errno_name(rc)})"
         if rc == -FI_EINVAL:  # efa, shm, verbs, rxm: no CUDA library or device here, so none is called

@@ -99,6 +99,11 @@ API_NEWEST = FI_VERSION(1, 22)
 # efa below 1.18: RDMA write is emulated with sends on some device revisions and FI_HMEM is not offered
 # (fi_efa(7); prov/efa/src/efa_user_info.c, rdm/efa_rdm_util.c); hardware RDMA write first shipped in 1.18.
 EFA_API_MIN = FI_VERSION(1, 18)
+# efa with GPU buffers: libfabric 1.18 and 1.19 reject cuMem allocations at registration unless
+# FI_EFA_SET_CUDA_SYNC_MEMOPS=0 (their efa provider sets CU_POINTER_ATTRIBUTE_SYNC_MEMOPS on every CUDA
+# region; issue 44's reading of prov/efa at those tags, not run); FI_MR_DMABUF needs API 1.20 as well.
+EFA_GPU_API_MIN = FI_VERSION(1, 20)
+EFA_SYNC_MEMOPS_ENV = "FI_EFA_SET_CUDA_SYNC_MEMOPS"
 # Newest library major version accepted (2.x still serves 1.x API requests; 3.x may not).
 _LIBRARY_MAJOR_MAX = 2
 
@@ -251,7 +256,12 @@ class fi_mr_attr(Structure):
 
 
 class fi_mr_dmabuf(Structure):
-    """Since the 1.20 headers (absent before: :func:`mirrored_structs` leaves it out below API 1.20)."""
+    """Since the 1.20 headers (absent before: :func:`mirrored_structs` leaves it out below API 1.20).
+    ``struct fi_mr_dmabuf {int fd; uint64_t offset; size_t len; void *base_addr;}`` as rdma/fi_domain.h of
+    libfabric 1.20 to 1.22 declares it (read from the header text; Debian's 1.17 headers, which the
+    compiled layout test uses, lack it, so its offsets are checked as data against the 1.20 and 1.22
+    headers' in tests/proxy/test_libfabric_versions.py). efa registers ``len`` bytes at ``offset`` into the
+    DMA-BUF with the remote address ``base_addr + offset`` (``ibv_reg_dmabuf_mr``, prov/efa/src/efa_mr.c)."""
     _fields_ = [("fd", c_int), ("offset", c_uint64), ("len", c_size_t), ("base_addr", c_void_p)]
 
 
@@ -452,6 +462,17 @@ def nic_pci_address(nic: int | None) -> str | None:
         return None
     p = bus.contents.attr.pci
     return f"{p.domain_id:04x}:{p.bus_id:02x}:{p.device_id:02x}.{p.function_id:x}"
+
+
+def nic_device_id(nic: int | None) -> str | None:
+    """``device_attr->device_id`` of the ``struct fid_nic`` at ``nic`` (efa: the PCI device id, e.g.
+    ``"0xefa1"``, one per EFA device generation), or None when there is none."""
+    if not nic:
+        return None
+    dev = fid_nic.from_address(nic).device_attr
+    if not dev or not dev.contents.device_id:
+        return None
+    return dev.contents.device_id.decode(errors="replace")
 
 
 # --------------------------------------------------------------------------------------------------

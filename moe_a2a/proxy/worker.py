@@ -55,10 +55,10 @@ from ..protocol.segment import Flags, ShardWords, write_error
 from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, Imm, ShardWord,
                               WriteTable, decode_imm, encode_abort, encode_imm)
 from ..protocol.board import post_failure
-from ..protocol.memory import SHAREABLE_BUFFERS, SharedSegment, recv_fds, remove_process_shm_files
+from ..protocol.memory import SHAREABLE_BUFFERS, SharedSegment, cuda_primary_context, recv_fds, remove_process_shm_files
 from ..protocol.proxy_spec import ProxySpec
 from . import libfabric as lf
-from .carriers import make_engine
+from .carriers import make_engine, register_gpu_buffers
 from .engine import ACCESS_SOURCE, ACCESS_SOURCE_AND_TARGET, ACCESS_TARGET, PeerTimeout
 
 
@@ -107,9 +107,12 @@ class Proxy:
         self.shard_words = ShardWords(self.seg, lay)
         own = spec.fd_buffers
         on_gpu = own is not None and own[0] == "cuda"
+        if on_gpu:  # libfabric's CUDA set-up runs on the current context: ours, not a new one on GPU 0
+            cuda_primary_context(own[1])
         self.engine = make_engine(spec, on_gpu)  # the TransferEngine, over libfabric or the emulated NIC
         if spec.shrink:  # a post blocked on a stopped peer must not hold the live ones past their timeouts
             self.engine.post_timeout_s = SHRINK_POST_FRACTION * spec.timeout_s
+            self.engine.peer_errors = {}  # a write that fails naming its peer masks that peer (`_take_peer_errors`)
         # Least access (docs/threat-model.md), never readable remotely. Host-staged, the segment holds the
         # send and recv buffers: the source of our writes and written by peers. With buffers of their own
         # nothing moves through the segment (count rows travel in the private writes): not registered.
@@ -127,12 +130,13 @@ class Proxy:
             fds = recv_fds(sock, 2, spec.timeout_s)
             for fd, size in zip(fds, (send_size, recv_size)):
                 self._mapped.append(SHAREABLE_BUFFERS[kind](size, ordinal, fd=fd))
-            cuda = ordinal if on_gpu else None
             # The send buffer is only a local source of our writes (no remote access at all); peers
-            # write tokens into the recv buffer.
+            # write tokens into the recv buffer. GPU memory: by DMA-BUF fd where there is one.
+            accesses = (ACCESS_SOURCE, ACCESS_TARGET)
             self.send_region, self.recv_region = (
-                self.engine.register(m.addr, m.size, access, cuda_device=cuda, max_write_bytes=largest)
-                for m, access in zip(self._mapped, (ACCESS_SOURCE, ACCESS_TARGET)))
+                register_gpu_buffers(self.engine, self._mapped, accesses, ordinal, largest) if on_gpu else
+                (self.engine.register(m.addr, m.size, access, max_write_bytes=largest)
+                 for m, access in zip(self._mapped, accesses)))
         # What was registered, and in how many registrations (a chunk each; 1 unless over the provider's
         # limit): reported with "ready" among the engine's facts (`AllToAll.fabric_info`).
         self.registrations = tuple((what, r.nbytes, getattr(r, "chunks", 1)) for what, r in (
@@ -210,6 +214,8 @@ class Proxy:
         >= 60-100 µs on Linux, more than a whole decode dispatch; between calls it sleeps only after
         `between_calls_spin_s` without one (an idle server)."""
         self.engine.progress()
+        if self.engine.peer_errors:  # shrink mode: a write failed naming its peer
+            self._take_peer_errors()
         now = time.monotonic()
         if now - self._last_beat > 0.01:
             self._last_beat = now
@@ -250,8 +256,14 @@ class Proxy:
         if missing or slow:
             start = time.monotonic()
             back = {a: k for k, a in alternates.items()} if alternates else {}
+            seen = self.masked
             while True:
                 self._idle(start)
+                if self.masked is not seen:  # shrink mode: a peer masked meanwhile (its write failed) is not awaited
+                    seen = self.masked
+                    keys = frozenset(k for k in keys if decode_imm(k)[1] not in seen)
+                    missing = {k for k in missing if decode_imm(k)[1] not in seen}
+                    slow = [p for p in slow if p not in seen]
                 if missing:
                     missing -= arrived
                     if back and missing:
@@ -296,6 +308,8 @@ class Proxy:
 
     def _post_table(self, table: WriteTable, imm: int | None = None) -> int:
         """Post our remote peers' rows of one write table (planned by the kernels); the number posted."""
+        if self.engine.peer_errors:  # shrink mode: peers whose writes failed since are not posted to
+            self._take_peer_errors()
         slots, posted = self._slots[table], 0
         while True:
             try:
@@ -305,10 +319,12 @@ class Proxy:
             except PeerTimeout as exc:
                 if not self.spec.shrink:
                     raise
-                # Shrink mode: that peer is masked; the rows after it are posted (those before it were).
+                # Shrink mode: those peers are masked. libfabric posted every other row (`exc.posted`); the
+                # emulated NIC stopped at the first: the rows after it are posted now (those before it were).
+                self._mask_peers([q + (q >= self.rank) for q in exc.positions], f"posting to it failed: {exc}")
+                if exc.posted is not None:
+                    return posted + exc.posted
                 at = next(i for i, sl in enumerate(slots) if sl[0] == exc.position)
-                peer = exc.position + (exc.position >= self.rank)
-                self._mask_peers([peer], f"posting to it failed: {exc}")
                 slots, posted = slots[at + 1:], posted + at
 
     def _reached(self, word: ShardWord, epoch: int, what: str) -> None:
@@ -426,6 +442,22 @@ class Proxy:
             self.peer_mask[p] = 1
         self._read_mask()
         print(f"moe_a2a proxy of rank {self.rank}: masked rank(s) {sorted(peers)}: {why}", file=sys.stderr, flush=True)
+
+    def _take_peer_errors(self) -> None:
+        """Shrink mode: mask the peers whose writes failed (the engine's `peer_errors`: an error completion
+        naming our write to them, a refused post). efa reports a dead peer so after its timeout, where tcp and
+        shm keep answering -FI_EAGAIN (masked by `post_timeout_s`)."""
+        errors = self.engine.peer_errors
+        taken = list(errors.items())
+        errors.clear()
+        failed = {}
+        for peer, err in taken:
+            rank = self._rank_of_peer.get(id(peer))
+            if rank is not None and rank not in self.masked:
+                failed.setdefault(rank, err)
+        if failed:
+            self._mask_peers(sorted(failed), "its writes failed: " + "; ".join(f"rank {r}: {e}" for r, e in
+                                                                                sorted(failed.items())))
 
     def _epoch_imms(self, e: int) -> "_EpochImms":
         """The immediates of call `e` this proxy counts, keyed by exact value (built between calls)."""

@@ -228,6 +228,7 @@ class Wiring:
         table: list[RankEntry] = bootstrap.exchange(self.group, RankEntry(
             addresses, regions, seg.name, self.buffers.share(), gpu, gpu_regions, self._gpu_wait, k,
             on_gpu and mps_enabled(dev)))
+        bootstrap.check_same_fabric([t.addresses for t in table])  # mixed EFA nodes: every rank raises
         if any(t.num_proxies != k for t in table):  # every rank sees the same table: every rank raises
             raise ValueError(f"proxies: every rank must run the same number of proxy processes, got "
                              f"{[t.num_proxies for t in table]} (per rank)")
