@@ -90,7 +90,8 @@ tests_part() {
   local xml=/tmp/moe_a2a_$name.xml par=()
   if [ "$workers" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then par=(-n "$workers" --dist loadfile); fi
   rm -f "$xml"
-  step "$limit" "${gpu_tests[@]}" "${par[@]}" --junitxml="$xml" "$@"
+  # -v: each test's verdict in the log as it ends, so a part killed at its limit still says how far it got
+  step "$limit" "${gpu_tests[@]}" -v "${par[@]}" --junitxml="$xml" "$@"
   if [ -s "$xml" ]; then
     python3 benchmarks/gpu/summarise_tests.py "$xml" --part "$name" \
       --command "MOE_A2A_TEST_DEVICE=cuda python3 -m pytest ${par[*]} $*" >"$RES/$name.txt"
@@ -122,7 +123,7 @@ mps_stop() {
 
 # What the docs' hardware and date columns are read from.
 {
-  echo "suite: $suite $part"; date -u +"date: %Y-%m-%d %H:%M UTC"; echo "commit: $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "suite: $suite $part"; date -u +"date: %Y-%m-%d %H:%M UTC"; echo "commit: ${MOE_A2A_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -4
   lscpu | grep -iE "^model name|^cpu\(s\)|numa node\(s\)"
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"

@@ -9,6 +9,7 @@ slowest tests. Standard library only.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import time
 import xml.etree.ElementTree as ET
@@ -38,11 +39,13 @@ def read_cases(path: str) -> tuple[list[dict], float]:
 
 def summary(cases: list[dict], wall: float, part: str, command: str, slowest: int = 15) -> str:
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("MOE_A2A_COMMIT", "")  # a tree without .git (a copy) says which commit it is
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    check=False).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     lines = [f"GPU test suite, part {part}", f"commit: {commit}", time.strftime("date: %Y-%m-%d %H:%M UTC", time.gmtime()),
              f"command: {command}",
              f"result: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "

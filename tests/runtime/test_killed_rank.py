@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from ..conftest import interpreter_only
 from ..proxy._peers import Died, run_peers
 
 pytestmark = [pytest.mark.slow]  # ranks in processes of their own, one of them killed
@@ -65,6 +66,7 @@ def _rank(comm, store: str, node_size: int, transport: str, victim: int, device:
         a2a.close()
 
 
+@interpreter_only("its ranks run on the CPU (the GPU's kernel waits: the test below)")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("node_size,transport,world", [(3, "shm", 3), (1, "shm", 3), (1, "tcp", 2)],
                          ids=["one-node-shm", "across-nodes-shm", "across-nodes-tcp"])
