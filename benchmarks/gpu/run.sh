@@ -90,8 +90,8 @@ tests_part() {
   local xml=/tmp/moe_a2a_$name.xml par=()
   if [ "$workers" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then par=(-n "$workers" --dist loadfile); fi
   rm -f "$xml"
-  # -v: each test's verdict in the log as it ends, so a part killed at its limit still says how far it got
-  step "$limit" "${gpu_tests[@]}" -v "${par[@]}" --junitxml="$xml" "$@"
+  # -vv (over -q): each test's verdict in the log as it ends, so a part killed at its limit still says how far it got
+  step "$limit" "${gpu_tests[@]}" -vv "${par[@]}" --junitxml="$xml" "$@"
   if [ -s "$xml" ]; then
     python3 benchmarks/gpu/summarise_tests.py "$xml" --part "$name" \
       --command "MOE_A2A_TEST_DEVICE=cuda python3 -m pytest ${par[*]} $*" >"$RES/$name.txt"
