@@ -54,7 +54,8 @@ def register_gpu_buffers(engine, buffers, accesses, ordinal: int, max_write_byte
     with_dmabuf = info is not None and info.api_version >= lf.FI_VERSION(1, 20)
     regions, how = [], []
     for buf, access in zip(buffers, accesses):
-        fd, why = dmabuf_fd(buf.addr, buf.size, driver) if with_dmabuf else (None, "API below 1.20")
+        fd, why = dmabuf_fd(buf.addr, buf.size, driver) if with_dmabuf else (
+            None, "no FI_MR_DMABUF below libfabric API 1.20" if info is not None else "not over libfabric")
         try:
             regions.append(engine.register(buf.addr, buf.size, access, cuda_device=ordinal, dmabuf_fd=fd,
                                            max_write_bytes=max_write_bytes))

@@ -125,7 +125,6 @@ class FabricCarrier(ChunkedPosting):
             raise
         self.info = self._infos[0]
         self.provider_name = self.info.prov_name
-        self.hmem = hmem
         # Requested keys (used when the provider does not pick them, e.g. tcp, shm): random, of the
         # domain's mr_key_size bytes (at most 8), never reused within this engine.
         self._key_bits = 8 * min(max(int(self.info.mr_key_size), 1), 8)
@@ -429,6 +428,7 @@ class FabricCarrier(ChunkedPosting):
         err = lf.FabricError("fi_writemsg", rc, peer=grp.peers[p], context=f"imm {again[6][0]:#x}")
         errors = self.engine.peer_errors
         if errors is None:
+            self._deferred, self._lost = [], 0  # the call ends here: nothing of it is retried by a later one
             raise err
         errors.setdefault(grp.peers[p], err)
         self._lost += 1
@@ -437,7 +437,11 @@ class FabricCarrier(ChunkedPosting):
         """After a call's rows were tried once: post the ones set aside (`_post_deferred`), then return how
         many of the call's ``posted`` rows really were posted; `PeerTimeout` naming every peer still
         refusing after ``post_timeout_s`` (the others' rows all posted)."""
-        timed_out = self._post_deferred(grp) if self._deferred else {}
+        try:
+            timed_out = self._post_deferred(grp) if self._deferred else {}
+        except BaseException:
+            self._deferred, self._lost = [], 0
+            raise
         posted, self._lost = posted - self._lost, 0
         if not timed_out:
             return posted

@@ -269,15 +269,19 @@ def test_tracing_records_every_step_in_order(cluster):
 def _provider_refuses_gpu_memory(transport: str) -> str | None:
     """Asked of the provider directly, in this process and apart from LocalCluster (no FD export, no proxy):
     None when `transport` offers FI_HMEM and registers a cuMem allocation with FI_HMEM_CUDA, else the FI_
-    errno of its refusal: FI_ENODATA (no FI_HMEM offered: tcp) or FI_ENOSYS / FI_EOPNOTSUPP (offered, but
-    this build cannot register CUDA memory: shm on our GPU host). Any other failure fails the test: only a
-    provider that says it cannot may refuse."""
+    errno of its refusal: FI_ENODATA (no FI_HMEM offered: tcp), the endpoint's refusal of
+    FI_OPT_CUDA_API_PERMITTED = false (the provider would call CUDA in the proxy's loop: shm; issue 44) or
+    FI_ENOSYS / FI_EOPNOTSUPP (offered, but this build cannot register CUDA memory). Any other failure fails
+    the test: only a provider that says it cannot may refuse."""
     from moe_a2a.proxy import libfabric as lf
     from moe_a2a.proxy.engine import ACCESS_TARGET, TransferEngine
     from moe_a2a.protocol.memory import CuMemBuffer
 
     try:
         engine = TransferEngine(transport, hmem=True, local_only=True)
+    except lf.HmemUnsupported as exc:
+        assert "FI_OPT_CUDA_API_PERMITTED" in str(exc), f"the engine refused GPU memory otherwise: {exc}"
+        return exc.errno_name
     except lf.FabricError as exc:
         assert exc.errno_name == "FI_ENODATA", f"fi_getinfo with FI_HMEM failed otherwise: {exc}"
         return exc.errno_name
