@@ -366,6 +366,12 @@ def test_a_refused_post_in_shrink_mode_is_recorded_against_its_peer():
         grp.post_info = tuple(info)
         with pytest.raises(lf.FabricError, match="FI_EHOSTUNREACH"):
             a.scatter(grp, s, [(0, 0, 64, 0), (1, 0, 64, 0)], 0xB0)
+        busy = list(grp.post_info)  # a row set aside, then a fatal error: nothing of that call is kept
+        busy[1] = (_Busy(busy[1][0], "peer1", [], 1),) + busy[1][1:]
+        grp.post_info = tuple(busy)
+        with pytest.raises(lf.FabricError, match="FI_EHOSTUNREACH"):
+            a.scatter(grp, s, [(1, 0, 64, 0), (0, 0, 64, 0)], 0xB2)
+        assert a.carrier._deferred == [] and a.carrier._lost == 0
         a.wait_writes(10)
         a.peer_errors = {}
         a.scatter(grp, s, [(0, 0, 64, 0), (1, 0, 64, 0)], 0xB1)
