@@ -2,7 +2,8 @@
 
     worker.py        the proxy process: one call's steps (run_epoch)
     engine.py        TransferEngine: regions, peers, posting, immediate counts, waits (one engine)
-    carriers.py      make_engine: the proxy's engine over libfabric or the emulated NIC
+    carriers.py      make_engine: the proxy's engine over libfabric or the emulated NIC; its GPU buffers
+                     registered by DMA-BUF fd or by address
     fabric.py        the libfabric carrier: endpoints, registrations, write templates, CQs
     fabric_chunks.py registrations over a provider's limit, in overlapping chunks, and their posting path
     libfabric.py     the ctypes shim over libfabric: loading, fi_getinfo, the objects (endpoints, MRs, CQs)
