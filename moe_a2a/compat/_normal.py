@@ -27,7 +27,9 @@ the end. Costs beyond DeepEP's (for later, issue 32 items 1, 4, 7): one staging 
 one copy out of the received rows; a combine of fp32 rows (twice DeepEP's bytes); buffers sized for R routes
 a token (T x R send rows, W x T receive rows and T x R fp32 combine rows a rank on one node; across nodes also
 the remote regions, W x T x R rows); one host all-gather per call
-(the call's verdicts and counts, so that bad input raises on every rank before anything is sent).
+(the call's verdicts and counts, so that bad input raises on every rank before anything is sent; and which
+call it is, a dispatch or a combine and its number, so that ranks out of step are refused on every rank, each
+told where the others are, instead of pairing one rank's dispatch with another's combine).
 
 Calls on one Buffer are collective (every rank makes the same calls in the same order, as DeepEP requires).
 Instances are built at the first call that needs them (every rank in the same call), per hidden size (bf16
@@ -152,7 +154,14 @@ class NormalMode:
             if isinstance(ng, int) and not isinstance(ng, bool):
                 size = ng
             elif ng is None or ng == "auto":
-                hosts = all_gather(self.buf.group, socket.gethostname())
+                rows = all_gather(self.buf.group, (_TAG, "hosts", socket.gethostname()))
+                foreign = [r for r, row in enumerate(rows)
+                           if not (isinstance(row, tuple) and row[:2] == (_TAG, "hosts"))]
+                if foreign:  # paired with another collective: node counts from it would be wrong
+                    raise ValueError(f"rank {self.rank}: get_dispatch_layout: its first call groups the ranks by "
+                                     f"host (one all-gather, node_group='auto'), but rank(s) {foreign} made another "
+                                     f"collective: every rank makes its first normal-mode call together")
+                hosts = [row[2] for row in rows]
                 size = hosts.count(hosts[self.rank])
             else:
                 import torch.distributed as dist
@@ -485,9 +494,9 @@ class NormalMode:
         table = self._exchange("combine", error, info, {"handle": call})
         calls = [row[1]["call"] for row in table]
         if any(v != calls[0] for v in calls):
+            said = "; ".join(f"call {v} on rank {r}" for r, v in enumerate(calls))
             raise ValueError(f"rank {self.rank}: normal-mode combine: handle: the ranks combine the handles of "
-                             f"different dispatches ({'; '.join(f'call {v} on rank {r}' for r, v in enumerate(calls))}); "
-                             f"refused on every rank, nothing was sent")
+                             f"different dispatches ({said}); refused on every rank, nothing was sent")
         ks = [row[1]["k"] for row in table]
         if any(v != ks[0] for v in ks):
             said = "; ".join(f"{'None' if v is None else f'[{c.n}, {v}]'} on rank {r}" for r, v in enumerate(ks))
@@ -625,7 +634,7 @@ def _where(row) -> str:
         return f"not in a normal-mode call (its all-gather is another collective of the group: {type(row).__name__})"
     _, what, seq, where, _, _ = row
     if what == "combine":
-        return f"at its combine (normal-mode call {seq}) of dispatch {where.get('handle')}"
+        return f"at its combine (normal-mode call {seq}) of the handle of dispatch {where.get('handle')}"
     return f"at its {'cached ' if where.get('cached') else ''}dispatch (normal-mode call {seq})"
 
 

@@ -176,7 +176,8 @@ def test_normal_mode_refuses_each_bad_call_on_every_rank_and_the_next_is_exact(W
     expected = _expected(W)
     for r, (attempts, seconds, exact, sets) in enumerate(got):
         assert len(attempts) == len(expected), attempts
-        assert all(exact) and len(exact) == len(expected) + 11, (r, exact)  # 11 checked calls besides those after each attempt
+        # every good call exact: one after each attempt, and 11 others
+        assert all(exact) and len(exact) == len(expected) + 11, (r, exact)
         assert max(seconds) < 1.0, (r, seconds)  # a refusal is one host exchange, never a wait for a timeout
         assert sets == got[0][3] and len(sets) == 1, (r, sets)  # no set built by a refused call
         for i, (raisers, what) in enumerate(expected):
