@@ -415,6 +415,18 @@ class NormalMode:
             meta[:, 1 + K:1 + K + k] = args["topk_weights"].view(torch.int32)
         return send
 
+    @staticmethod
+    def _stage_combine(slot: _Slot, n: int, H: int, x, topk_weights, biases: list, out: torch.Tensor) -> None:
+        """The rows this combine sends (x, then the top-k weights, fp32) and the biases as the sums' first term."""
+        slot.y[:n, :H] = x[:n]  # with num_worst_tokens rows, those past the count are not sent (as DeepEP)
+        if topk_weights is not None:
+            slot.y[:n, H:H + topk_weights.shape[1]] = topk_weights[:n]
+        if biases:
+            out.zero_()
+            out[:, :H] = biases[0].float()
+            if len(biases) == 2:
+                out[:, :H] += biases[1].float()
+
     def _unstage(self, set_: _Set, slot: _Slot, args, n: int, rows: int):
         """recv_x (fresh tensors, `rows` of them, the first n received) and the rows' metadata."""
         dev, H, K = args["device"], set_.H, set_.K
@@ -516,14 +528,7 @@ class NormalMode:
         biases = [b for b in ([] if bias is None else [bias] if isinstance(bias, torch.Tensor) else bias)
                   if b is not None]
         try:
-            slot.y[:n, :H] = x[:n]  # with num_worst_tokens rows, those past the count are not sent (as DeepEP)
-            if k is not None:
-                slot.y[:n, H:H + k] = topk_weights[:n]
-            if biases:
-                out.zero_()
-                out[:, :H] = biases[0].float()
-                if len(biases) == 2:
-                    out[:, :H] += biases[1].float()
+            self._stage_combine(slot, n, H, x, topk_weights, biases, out)
         except Exception as exc:  # noqa: BLE001 - the peers are in this call: it is aborted on every rank
             self._run(slot, lambda: slot.a2a.abort(f"rank {self.rank}: normal-mode combine: the expert outputs "
                                                    f"could not be staged ({type(exc).__name__}: {exc})"))

@@ -131,6 +131,24 @@ def _refusals_rank(a2a, rank):
         # 18: rows neither the count nor num_worst_tokens
         attempt(lambda: buf.combine(recv_x[:worst - 1].contiguous() if rank == 0 else recv_x, handle))
 
+        # 19-20: a failure after the exchange (this rank's staging of its rows, made to fail here) aborts the
+        # call on every rank: the dispatch, then a combine
+        def broken(*args):
+            raise RuntimeError("staging broke")
+
+        def failing(name, call):
+            if rank == last:
+                setattr(buf._normal, name, broken)  # shadows the method on this rank's instance
+            try:
+                return call()
+            finally:
+                vars(buf._normal).pop(name, None)
+
+        attempt(lambda: failing("_stage", dispatch))
+        recv_x, _, recv_w, _, handle, _ = dispatch()
+        attempt(lambda: failing("_stage_combine", lambda: buf.combine(recv_x, handle, topk_weights=recv_w)))
+        check(*buf.combine(recv_x, handle, topk_weights=recv_w)[:2])  # its handle combines after the abort
+
         # Nothing left behind: the sets built by the first call serve to the end; the low-latency path works.
         sets = [(st_.H, st_.K, st_.T, st_.R) for st_ in buf._normal.sets]
         recv, _, h, _, _ = buf.low_latency_dispatch(x, idx, 16, E, use_fp8=False)
@@ -161,6 +179,8 @@ def _expected(W: int) -> list:
         (None, "handle: the ranks combine the handles of different dispatches"),
         (None, "handle (the dispatch it is of) differs between ranks"),
         ([0], "x: expected a contiguous bfloat16"),
+        ([last], "normal-mode dispatch: x could not be staged (RuntimeError: staging broke)"),
+        ([last], "normal-mode combine: the expert outputs could not be staged (RuntimeError: staging broke)"),
     ]
 
 
@@ -176,8 +196,8 @@ def test_normal_mode_refuses_each_bad_call_on_every_rank_and_the_next_is_exact(W
     expected = _expected(W)
     for r, (attempts, seconds, exact, sets) in enumerate(got):
         assert len(attempts) == len(expected), attempts
-        # every good call exact: one after each attempt, and 11 others
-        assert all(exact) and len(exact) == len(expected) + 11, (r, exact)
+        # every good call exact: one after each attempt, and 12 others
+        assert all(exact) and len(exact) == len(expected) + 12, (r, exact)
         assert max(seconds) < 1.0, (r, seconds)  # a refusal is one host exchange, never a wait for a timeout
         assert sets == got[0][3] and len(sets) == 1, (r, sets)  # no set built by a refused call
         for i, (raisers, what) in enumerate(expected):
@@ -186,8 +206,9 @@ def test_normal_mode_refuses_each_bad_call_on_every_rank_and_the_next_is_exact(W
                 assert seen.startswith("ValueError: ") and what in seen and f"rank {r}" in seen, (i, r, seen)
                 assert "on every rank" in seen, (i, r, seen)
             else:
-                assert seen.startswith("CallAborted: ") and f"rank(s) {', '.join(map(str, raisers))}" in seen, \
-                    (i, r, seen)
+                # (the exchange's refusals name "rank(s)", an abort by AllToAll "aborted by rank")
+                names = (f"rank(s) {', '.join(map(str, raisers))}", f"aborted by rank {', '.join(map(str, raisers))}")
+                assert seen.startswith("CallAborted: ") and any(n in seen for n in names), (i, r, seen)
 
 
 # ---- the exchange's rows: where each rank is ------------------------------------------------------------
