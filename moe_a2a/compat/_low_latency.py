@@ -39,7 +39,10 @@ slots, their call's state machine, and the instances' sizes):
   `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works, a bad `handle` to a combine
   included; the first call (which builds the buffers, sized from its arguments) is collective itself: the
   ranks exchange their verdicts, sizes and `use_fp8` first, so if one rank rejects its input, or the
-  ranks' sizes or `use_fp8` differ, every rank raises and nothing is built.
+  ranks' sizes or `use_fp8` differ, every rank raises and nothing is built. The first fp8 call of a set
+  built by a bf16 call (it builds the fp8 instances) agrees on `use_fp8` too, where ranks wait on the
+  host (`LowLatencyMode._first_fp8_call`: a rank whose call is bf16 takes part in no collective, so the
+  fp8 ranks abort the call and every rank of an aborted call then says its `use_fp8`).
 - `close()` (or DeepEP's `destroy()`) releases everything; any later call raises ValueError.
 """
 from __future__ import annotations
@@ -48,7 +51,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..all_to_all import check_combine_recv
+from ..all_to_all import CallAborted, check_combine_recv
+from ..fingerprint import all_gather
 from ._api import _NO_EVENT, EventOverlap
 from ._low_latency_sets import LowLatencySets
 from ._slots import COMBINE_SENT as _COMBINE_SENT
@@ -63,6 +67,7 @@ from ._slots import pad_routes as _pad_routes
 from ._slots import set_key as _set_key
 
 _Tensor = torch.Tensor
+_FP8_TAG = "moe_a2a.compat first fp8 call"  # the agreement's rows (_dispatch_aborted): another collective's are not
 _BF16 = torch.bfloat16
 _tuple_new = tuple.__new__  # a NamedTuple's fields without its __new__'s Python frame
 
@@ -159,13 +164,20 @@ class LowLatencyMode(LowLatencySets):
         if state != _FREE and state != _COMBINED:
             self._retire(slot)  # the slot's previous call, left unfinished (a combined one is over)
         if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
-            self._build_fp8(indices)  # every rank is in this call (the same use_fp8 on every rank, as DeepEP's)
+            if self._agrees_on_fp8(slot):
+                self._first_fp8_call(slot, indices, error)  # raises unless every rank is here with good input
+            else:  # kernel waits: every rank is taken to be in this call with use_fp8 (DeepEP's rule)
+                self._build_fp8(indices)
         instances = slot.instances
         slot.a2a = a2a = instances.get(use_fp8) or instances[False]  # no fp8 instance: bf16 rows
         if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
-            a2a.abort(str(error))
+            try:
+                a2a.abort(str(error))
+            except ValueError as exc:
+                self._dispatch_aborted(slot, call, use_fp8, str(error), exc)
+                raise
         if pad:  # fewer routes per token than the instances take: padded with -1
             topk_idx = _pad_routes(topk_idx, built[2], -1)
         slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = call, T, x, quantize, ue8m0
@@ -174,6 +186,10 @@ class LowLatencyMode(LowLatencySets):
             a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
                          do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
                          out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
+        except CallAborted as exc:
+            slot.free()
+            self._dispatch_aborted(slot, call, use_fp8, None, exc)
+            raise
         except BaseException:
             slot.free()
             raise
@@ -425,6 +441,61 @@ class LowLatencyMode(LowLatencySets):
 
     def _retire(self, slot: _Slot) -> None:
         slot.retire(self._scratch_buffers(slot))
+
+    # ---- the first fp8 call of a set: use_fp8 agreed on every rank before its buffers are built ------------
+    # Its fp8 instances are built collectively, and a rank whose call is bf16 takes part in no collective: it
+    # is in its call on the bf16 instance. So (where every rank learns of a dispatch's abort in the dispatch
+    # itself: host waits) the fp8 ranks abort the call on the bf16 instance, and every rank whose dispatch
+    # on a set without fp8 instances was aborted (by itself or by a peer, for any reason) then makes one
+    # all-gather of its call number, use_fp8 and verdict: every rank of the call makes it, so they stay
+    # paired. Every rank fp8 with good input: the fp8 instances are built and the call runs on them; else
+    # the call is refused on every rank (use_fp8 differing: ValueError naming it on every rank).
+    def _agrees_on_fp8(self, slot: _Slot) -> bool:
+        """Whether calls on `slot`'s set agree on use_fp8 that way (the same answer on every rank)."""
+        return not self.enable_shrink and not slot.fp8_outputs and slot.instances[False].host_waits
+
+    def _first_fp8_call(self, slot: _Slot, indices: tuple[int, int], error: ValueError | None) -> None:
+        """An fp8 call on a set without fp8 instances (host waits): the call on the bf16 instance aborted on
+        every rank, the agreement, then the fp8 instances built (every rank fp8 with good input) or a raise."""
+        reason = str(error) if error is not None else (
+            "use_fp8=True: the first fp8 call of these sizes (every rank says its use_fp8 before the fp8 buffers "
+            "are built)")
+        try:
+            slot.instances[False].abort(reason)
+        except ValueError as exc:
+            self._dispatch_aborted(slot, self._calls, True, reason if error is not None else None, exc)
+        self._build_fp8(indices)  # (returned: every rank is in this call with use_fp8 and good input)
+
+    def _dispatch_aborted(self, slot: _Slot, call: int, use_fp8, error: str | None, exc: Exception) -> None:
+        """Dispatch `call` on a set without fp8 instances was aborted (host waits): every rank of the call says
+        its call number, use_fp8 and verdict (one all-gather). Raises ValueError on every rank when use_fp8
+        differs (or the ranks are out of step); else `exc` on a rank whose input was rejected and on every rank
+        of a bf16 call, CallAborted naming the rejecting ranks on the others. Returns only when every rank was
+        at the first fp8 call of these sizes with good input (it builds the fp8 instances next)."""
+        if not self._agrees_on_fp8(slot):
+            return
+        rows = all_gather(self.group, (_FP8_TAG, call, bool(use_fp8), error))
+        ours = [isinstance(r, tuple) and len(r) == 4 and r[0] == _FP8_TAG for r in rows]
+        if not all(ours) or len({r[1] for r in rows}) != 1:
+            said = "; ".join(f"call {r[1]} on rank {i}" if ok else f"another collective on rank {i}"
+                             for i, (r, ok) in enumerate(zip(rows, ours)))
+            raise ValueError(f"rank {self.rank}: low_latency_dispatch: call {call} was aborted and the ranks are "
+                             f"out of step ({said}); refused on every rank") from exc
+        flags = [r[2] for r in rows]
+        if len(set(flags)) > 1:
+            said = "; ".join(f"{f} on rank {i}" for i, f in enumerate(flags))
+            raise ValueError(f"rank {self.rank}: low_latency_dispatch: use_fp8 differs between ranks ({said}) at the "
+                             f"first fp8 call of these sizes (num_max_dispatch_tokens_per_rank, num_experts, hidden) "
+                             f"= {(slot.key[0], slot.key[1], slot.key[3])}: DeepEP needs the same use_fp8 on every "
+                             f"rank; call {call} was refused on every rank (nothing was built or sent; the next call "
+                             f"works)") from None
+        rejected = [i for i, r in enumerate(rows) if r[3] is not None]
+        if not all(flags) or self.rank in rejected:
+            raise exc
+        if rejected:
+            raise CallAborted(f"rank {self.rank}: call {call} was aborted by rank {', '.join(map(str, rejected))}: "
+                              f"its input was rejected ({rows[rejected[0]][3]}); nothing was built or sent; the next "
+                              f"call works") from None
 
     def _hook(self, slot: _Slot, call: int, receive):
         def hook() -> None:

@@ -310,14 +310,23 @@ class LowLatencySets:
             for a2a in built:
                 a2a.close()
             raise
+        for slot in slots:  # a receive hook's aborted dispatch takes part in the use_fp8 agreement
+            slot.on_abort = self._hook_aborted
         n = len(self._slots)
         self._sets[num_max, num_experts, hidden] = (n, n + 1)
         self._slots = self._slots + slots
         if first:
             self._key, self._instance_options, self._last_key = key, options, (num_max, num_experts, hidden)
+        if use_fp8:  # every rank said use_fp8 here: its fp8 instances are built with the set (no agreement later)
+            self._build_fp8((n, n + 1))
+
+    def _hook_aborted(self, slot: _Slot, exc) -> None:
+        """A receive hook learnt its dispatch was aborted: the agreement on use_fp8 (`_dispatch_aborted`)."""
+        self._dispatch_aborted(slot, slot.call, slot.quantize is not None, None, exc)
 
     def _build_fp8(self, indices: tuple[int, int]) -> None:
-        """At the first fp8 call of a set's sizes (on every rank): each of its slots' fp8 instance, whose rows
+        """At the first fp8 call of a set's sizes (on every rank: the set's first call, `warm_up`, or a later call
+        whose use_fp8 every rank agreed, `LowLatencyMode._first_fp8_call`): each of its slots' fp8 instance, whose rows
         carry the fp8 bytes and scales only (`fp8_payload_bytes`, about half a bf16 row), so that the pack,
         the wire and the unpack of an fp8 call stride over half the bytes. It writes the slot's receive
         buffers (shared with the bf16 instance): what it adds is its send and receive rows, not a second set

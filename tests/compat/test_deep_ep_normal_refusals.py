@@ -151,9 +151,27 @@ def _refusals_rank(a2a, rank):
 
         # Nothing left behind: the sets built by the first call serve to the end; the low-latency path works.
         sets = [(st_.H, st_.K, st_.T, st_.R) for st_ in buf._normal.sets]
-        recv, _, h, _, _ = buf.low_latency_dispatch(x, idx, 16, E, use_fp8=False)
-        out, _, _ = buf.low_latency_combine(recv, idx, w, h)
-        exact.append(out.shape == x.shape)
+
+        # Item 5, on the low-latency path of the same Buffer: use_fp8 on rank 0 only at the first fp8 call of
+        # its sizes (it builds the fp8 buffers), the others plain (21), then with receive hooks (22): refused
+        # on every rank, nothing built; then bf16 exact, and an fp8 call on every rank builds and serves.
+        def low_latency(use_fp8=False, hook=False):
+            recv, _, h, _, receive = buf.low_latency_dispatch(x, idx, 16, E, use_fp8=use_fp8, return_recv_hook=hook)
+            if receive is not None:
+                receive()
+            y = (recv[0].float() * recv[1].repeat_interleave(128, -1)[..., :H]).to(torch.bfloat16) if use_fp8 \
+                else recv
+            return buf.low_latency_combine(y, idx, w, h)[0]
+
+        bf16 = low_latency()
+        for hook in (False, True):
+            attempt_ll = (lambda: low_latency(True)) if rank == 0 else (lambda: low_latency(hook=hook))
+            t0 = time.monotonic()
+            _attempt(attempt_ll, buf, dev, attempts, also=(Exception,))
+            seconds.append(time.monotonic() - t0)
+            exact.append(not buf._ll._slots[0].fp8_outputs and torch.equal(low_latency(), bf16))
+        fp8 = low_latency(True)
+        exact.append(buf._ll._slots[0].fp8_outputs and torch.allclose(fp8.float(), bf16.float(), rtol=0.1, atol=0.02))
     finally:
         buf.destroy()
     return attempts, seconds, exact, sets
@@ -181,6 +199,8 @@ def _expected(W: int) -> list:
         ([0], "x: expected a contiguous bfloat16"),
         ([last], "normal-mode dispatch: x could not be staged (RuntimeError: staging broke)"),
         ([last], "normal-mode combine: the expert outputs could not be staged (RuntimeError: staging broke)"),
+        (None, f"use_fp8 differs between ranks (True on rank 0; {'; '.join(f'False on rank {r}' for r in every[1:])})"),
+        (None, "use_fp8 differs between ranks (True on rank 0"),
     ]
 
 
@@ -196,7 +216,7 @@ def test_normal_mode_refuses_each_bad_call_on_every_rank_and_the_next_is_exact(W
     expected = _expected(W)
     for r, (attempts, seconds, exact, sets) in enumerate(got):
         assert len(attempts) == len(expected), attempts
-        # every good call exact: one after each attempt, and 12 others
+        # every good call exact: one after each attempt but item 5's, and 13 others
         assert all(exact) and len(exact) == len(expected) + 12, (r, exact)
         assert max(seconds) < 1.0, (r, seconds)  # a refusal is one host exchange, never a wait for a timeout
         assert sets == got[0][3] and len(sets) == 1, (r, sets)  # no set built by a refused call
