@@ -240,17 +240,18 @@ class Buffer:
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                            expert_alignment: int = 1, config: "Config | None" = None, previous_event=None,
-                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False, **kwargs):
         """DeepEP's name for `dispatch` across nodes (which `dispatch` takes itself): the same call."""
         return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config,
-                             previous_event, async_finish, allocate_on_comm_stream)
+                             previous_event, async_finish, allocate_on_comm_stream, **kwargs)
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config: "Config | None" = None,
-                          previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                          previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                          **kwargs):
         """DeepEP's name for `combine` across nodes: the same call."""
         return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                            allocate_on_comm_stream)
+                            allocate_on_comm_stream, **kwargs)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

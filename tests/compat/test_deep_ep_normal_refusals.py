@@ -66,7 +66,8 @@ def _refusals_rank(a2a, rank):
     try:
         good()  # builds
         # 0-6: bad dispatch input on one rank (ValueError there, CallAborted on the others)
-        attempt(lambda: dispatch(**({"bogus": 1} if rank == last else {})))
+        attempt(lambda: buf.internode_dispatch(x, **layout(), topk_idx=idx, topk_weights=w, bogus=1)
+                if rank == last else dispatch())  # (DeepEP's internode_* names are the same calls)
         attempt(lambda: dispatch(x.float() if rank == 0 else x))
         attempt(lambda: dispatch(x.t().contiguous().t() if rank == last else x))  # strides (1, T)
         bad_idx = idx.clone()
