@@ -11,6 +11,7 @@ from moe_a2a import LocalCluster
 from moe_a2a.all_to_all import canonical_device
 from moe_a2a.config import A2AConfig
 from moe_a2a.local import cluster_device
+from .conftest import interpreter_only
 
 
 @pytest.mark.parametrize("given", ["cpu", "cpu:0", "cpu:3", torch.device("cpu"), torch.device("cpu", 0)])
@@ -88,6 +89,7 @@ def _cpu0_instances(a2a, rank):
     return device, call, facade
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cpu0_cluster_all_to_all_and_buffer_work_against_the_oracle():

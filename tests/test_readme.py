@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from .conftest import interpreter_only
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -78,6 +79,7 @@ def test_readme_command_help(line):
     assert "Traceback" not in r.stderr, r.stderr
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_demo_runs_small():

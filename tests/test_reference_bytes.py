@@ -25,7 +25,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from moe_a2a import reference as R
+
 from moe_a2a.config import A2AConfig
+from .conftest import TEST_DEVICE
 
 V = 2.0 ** -24
 UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
@@ -258,7 +260,7 @@ def test_fp8_blocks_are_the_dispatch_quantisation():
     x[1, :128] = 0.0
     x[2, 128:140] = 1e-38
     q, s = R.quantize_fp8_blocks(x)
-    q2, s2 = quantize_fp8(x, 128)
+    q2, s2 = (t.cpu() for t in quantize_fp8(x.to(TEST_DEVICE), 128))  # compiled kernels need device tensors
     assert q.view(torch.uint8).equal(q2.view(torch.uint8)) and torch.equal(s, s2)
     assert torch.equal(R.dequantize_fp8_blocks(q, s), q.float() * s.repeat_interleave(128, 1)[:, :300])
 

@@ -84,11 +84,11 @@ step() {
 gpu_tests=(env MOE_A2A_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider)  # the tests, compiled kernels
 
 # tests_part NAME WORKERS LIMIT_S PYTEST_ARGS...: one part of the GPU suite, its results file $RES/NAME.txt.
-# Workers through pytest-xdist where installed (files whole to one worker: a file's tests share compiled kernels).
+# Workers through pytest-xdist where installed, test by test (a file to one worker left test_dispatch.py alone on one).
 tests_part() {
   local name=$1 workers=$2 limit=$3; shift 3
   local xml=/tmp/moe_a2a_$name.xml par=()
-  if [ "$workers" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then par=(-n "$workers" --dist loadfile); fi
+  if [ "$workers" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then par=(-n "$workers" --dist load); fi
   rm -f "$xml"
   # -vv (over -q): each test's verdict in the log as it ends, so a part killed at its limit still says how far it got
   step "$limit" "${gpu_tests[@]}" -vv "${par[@]}" --junitxml="$xml" "$@"

@@ -10,6 +10,7 @@ from moe_a2a import reference
 from moe_a2a.bench import main as bench_main
 from moe_a2a.bench.main import WIRE_NAMES
 from moe_a2a.cli import main as cli_main
+from ..conftest import interpreter_only
 
 
 def test_wire_names_are_the_references():
@@ -127,6 +128,7 @@ def test_graph_run_records_the_wire_the_bytes_and_the_decode_check(monkeypatch, 
         assert all(p.startswith("decode: call 0 rank 1: combined token") for p in problems)
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_e2e_bench_sender_reduced_on_one_node(tmp_path, capsys):

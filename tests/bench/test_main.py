@@ -6,6 +6,7 @@ import pytest
 
 from moe_a2a.bench import main as bench_main
 from moe_a2a.cli import main as cli_main
+from ..conftest import interpreter_only
 
 
 def test_every_bench_option_is_documented():
@@ -81,6 +82,7 @@ def test_bench_main_alone_parses_like_the_cli():
     assert e.value.code == 2
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_e2e_bench_writes_json_and_png(tmp_path):
@@ -106,6 +108,7 @@ def test_e2e_bench_writes_json_and_png(tmp_path):
         assert nbytes[1][ph]["remote_sent"] == nbytes[0][ph]["remote_received"]
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_e2e_bench_runs_with_two_proxies_per_rank(tmp_path):
@@ -116,6 +119,7 @@ def test_e2e_bench_runs_with_two_proxies_per_rank(tmp_path):
     assert data["proxies"] == 2 and len(data["per_rank"]) == 3
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_timeline_json_carries_the_traced_calls_bytes(tmp_path, capsys):

@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from ..conftest import interpreter_only
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow]  # the benchmark runs as a process of its own
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.timeout(300)
 def test_facade_python_smoke_reports_each_variant_and_the_lines_a_pair_runs():
     out = subprocess.run([sys.executable, "benchmarks/facade_python.py", "--smoke", "--lines"], cwd=ROOT,

@@ -6,10 +6,12 @@ import torch
 
 from benchmarks import soak
 from moe_a2a.config import A2AConfig
+from ..conftest import interpreter_only
 
 pytestmark = [pytest.mark.slow]  # a LocalCluster of its own
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.timeout(300)
 def test_soak_checks_every_call_and_reports_growth():
     cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=16,

@@ -16,6 +16,7 @@ from moe_a2a.proxy.engine import ACCESS_SOURCE, ACCESS_TARGET, RemoteRegion, Tra
 from moe_a2a.proxy.fabric_chunks import PAGE_SIZE, registration_chunks
 
 from ._providers import PROVIDERS, provider_params
+from ..conftest import interpreter_only
 
 LIMIT = 64 << 10
 NBYTES = 1 << 20
@@ -242,6 +243,7 @@ def _roundtrip_and_registrations(a2a, rank: int) -> dict:
             "registrations": [f["registrations"] for f in a2a.fabric_info]}
 
 
+@interpreter_only("its ranks run on the CPU (--device cpu / device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("buffers", ["host", "memfd"])
