@@ -111,13 +111,13 @@ def _inputs(cfg: A2AConfig, W: int, seed: int, sizes: str, masked: float, skew: 
 
 def _call(a2a, rank, inputs):
     """One dispatch -> toy expert -> combine on this rank; the call as the oracle reads it, and its bytes."""
-    cfg = a2a.cfg
-    x, xs, idx, w = inputs[rank]
+    cfg, dev = a2a.cfg, a2a.device
+    x, xs, idx, w = (t if t is None else t.to(dev) for t in inputs[rank])  # made on the CPU: one generator
     num, ex, exs = a2a.empty_dispatch_outputs()
     fill_sentinel(ex, exs)
     a2a.dispatch(num, ex, exs, x, xs, idx)
     y = toy_expert(ex, exs, cfg)
-    out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype)
+    out = torch.zeros(x.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
     a2a.combine(out, idx, w, y)
     return {"calls": [record_call(cfg, x, xs, idx, w, num, ex, exs, out)], "bytes": a2a.bytes_last_call(),
             "buffer": a2a.buffer_bytes, "placement": a2a.placement}
