@@ -240,9 +240,11 @@ def test_dispatch_and_combine_over_the_emulated_nic_match_the_reference(monkeypa
 
     monkeypatch.setenv(NIC_ENV, nic)  # read by each rank's AllToAll
     cfg, iters = _cfg(world, private), 2
+    if TEST_DEVICE != "cpu":  # memfd is the CPU's stand-in for GPU memory; a GPU's "auto" is GPU memory itself
+        buffers = "auto"
     with LocalCluster(cfg, world_size=world, node_size=node, transport="emulated", device=TEST_DEVICE,
                       timeout_s=60, buffers=buffers) as cl:
-        placement = "host" if buffers == "auto" else "nic"
+        placement = "host" if buffers == "auto" and TEST_DEVICE == "cpu" else "nic"
         assert set(cl.run(_placement)) == {(placement, "emulated", str(parse_nic_settings(nic)))}
         results = cl.run(_calls_and_writes, iters)
     assert check_against_reference(cfg, results) == []
