@@ -1,6 +1,6 @@
 """One results file for a part of the GPU test suite (`bash benchmarks/gpu/run.sh gpu-tests N`).
 
-    python3 benchmarks/gpu/summarise_tests.py JUNIT_XML --part N --command "..." [--limit-s S] > part.txt
+    python3 benchmarks/gpu/summarise_tests.py JUNIT_XML --part N --command "..." > RESULTS_FILE
 
 Reads pytest's JUnit XML and writes: the commit, date, command, pass / fail / error / skip counts, the wall
 time (the XML's), every failure and error by name with its first line, every skip with its reason, and the
