@@ -71,3 +71,20 @@ def run_ranks(module: str, scenario: str, tmp_path: pathlib.Path, env_extra: dic
         name = f"{module.rsplit('.', 1)[-1].strip('_')}-{scenario}.json"
         (pathlib.Path(results) / name).write_text(json.dumps(reports, indent=1) + "\n")
     return reports
+
+
+def rank_main(run, argv) -> int:
+    """A rank script's entry point: `run(scenario, rank, world, port)`'s dict (or the traceback) to the file
+    `argv[4]`, then out past the engines' and the facade's atexit handlers (the test reads the file)."""
+    import traceback
+
+    scenario, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    try:
+        result = run(scenario, rank, world, port)
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        result = {"error": traceback.format_exc()}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)
+

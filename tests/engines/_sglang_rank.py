@@ -18,15 +18,12 @@ CPU stand-ins, each for something SGLang reads from a GPU (the only changes to S
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 import types
 
 import torch
 
-from tests.engines import _toy
+from tests.engines import _launch, _toy
 
 H = 1024
 T = 6  # tokens per rank and call (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK is set to 8)
@@ -103,17 +100,5 @@ def run(mode: str, rank: int, world: int, port: int) -> dict:
     return result
 
 
-def main(argv) -> int:
-    mode, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    try:
-        result = run(mode, rank, world, port)
-    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        result = {"error": traceback.format_exc()}
-    with open(out, "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    os._exit(0)  # past SGLang's and the facade's atexit handlers: the test reads the file
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(_launch.rank_main(run, sys.argv[1:]))

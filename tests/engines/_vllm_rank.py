@@ -19,14 +19,11 @@ reference. Scenarios:
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 import torch
 
-from tests.engines import _toy
+from tests.engines import _launch, _toy
 
 # The layer's hidden size before vLLM's `maybe_roundup_layer_hidden_size`: vLLM's DeepEP low-latency class
 # takes eight sizes (2048 the smallest); ours any (1000 stays 1000).
@@ -198,17 +195,5 @@ def run(scenario: str, rank: int, world: int, port: int) -> dict:
     return result
 
 
-def main(argv) -> int:
-    scenario, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    try:
-        result = run(scenario, rank, world, port)
-    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        result = {"error": traceback.format_exc()}
-    with open(out, "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    os._exit(0)  # past vLLM's and the facade's atexit handlers: the test reads the file
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(_launch.rank_main(run, sys.argv[1:]))
