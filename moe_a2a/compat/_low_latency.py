@@ -40,9 +40,10 @@ slots, their call's state machine, and the instances' sizes):
   included; the first call (which builds the buffers, sized from its arguments) is collective itself: the
   ranks exchange their verdicts, sizes and `use_fp8` first, so if one rank rejects its input, or the
   ranks' sizes or `use_fp8` differ, every rank raises and nothing is built. The first fp8 call of a set
-  built by a bf16 call (it builds the fp8 instances) agrees on `use_fp8` too, where ranks wait on the
-  host (`LowLatencyMode._first_fp8_call`: a rank whose call is bf16 takes part in no collective, so the
-  fp8 ranks abort the call and every rank of an aborted call then says its `use_fp8`).
+  built by a bf16 call (it builds the fp8 instances) agrees on `use_fp8` too, with host and kernel waits
+  (`LowLatencyMode._first_fp8_call`: a rank whose call is bf16 takes part in no collective, so the fp8
+  ranks make the call on the bf16 instance with marker rows and abort it at its combine, and every rank
+  whose combine of it ends aborted, having received marker rows, then says its `use_fp8`).
 - `close()` (or DeepEP's `destroy()`) releases everything; any later call raises ValueError.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..all_to_all import CallAborted, check_combine_recv
+from ..all_to_all import CallAborted, CapacityExceeded, check_combine_recv
 from ..fingerprint import all_gather
 from ._api import _NO_EVENT, EventOverlap
 from ._low_latency_sets import LowLatencySets
@@ -67,7 +68,10 @@ from ._slots import pad_routes as _pad_routes
 from ._slots import set_key as _set_key
 
 _Tensor = torch.Tensor
-_FP8_TAG = "moe_a2a.compat first fp8 call"  # the agreement's rows (_dispatch_aborted): another collective's are not
+_FP8_TAG = "moe_a2a.compat first fp8 call"  # the agreement's rows (_agree): another collective's are not
+# The source index (scale column) of the first fp8 call's marker rows (`LowLatencyMode._markers`): negative,
+# never a token's; the bits of float32 -1.5 (a normal number: moved as it is).
+_MARKER = int(torch.tensor(-1.5, dtype=torch.float32).view(torch.int32))
 _BF16 = torch.bfloat16
 _tuple_new = tuple.__new__  # a NamedTuple's fields without its __new__'s Python frame
 
@@ -165,19 +169,15 @@ class LowLatencyMode(LowLatencySets):
             self._retire(slot)  # the slot's previous call, left unfinished (a combined one is over)
         if use_fp8 and not slot.fp8_outputs:  # the first fp8 call of these sizes: fp8 instances, scale outputs
             if self._agrees_on_fp8(slot):
-                self._first_fp8_call(slot, indices, error)  # raises unless every rank is here with good input
-            else:  # kernel waits: every rank is taken to be in this call with use_fp8 (DeepEP's rule)
+                self._first_fp8_call(slot, indices, call, error)  # raises unless every rank is here with good input
+            else:  # every rank is taken to be in this call with use_fp8 (DeepEP's rule)
                 self._build_fp8(indices)
         instances = slot.instances
         slot.a2a = a2a = instances.get(use_fp8) or instances[False]  # no fp8 instance: bf16 rows
         if error is not None:
             # The peers are in this call already: it is aborted on every rank (they raise CallAborted)
             # and the next one works, as with bad input to AllToAll.dispatch.
-            try:
-                a2a.abort(str(error))
-            except ValueError as exc:
-                self._dispatch_aborted(slot, call, use_fp8, str(error), exc)
-                raise
+            a2a.abort(str(error))
         if pad:  # fewer routes per token than the instances take: padded with -1
             topk_idx = _pad_routes(topk_idx, built[2], -1)
         slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = call, T, x, quantize, ue8m0
@@ -186,10 +186,6 @@ class LowLatencyMode(LowLatencySets):
             a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
                          do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
                          out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
-        except CallAborted as exc:
-            slot.free()
-            self._dispatch_aborted(slot, call, use_fp8, None, exc)
-            raise
         except BaseException:
             slot.free()
             raise
@@ -306,7 +302,11 @@ class LowLatencyMode(LowLatencySets):
                 y = self._check_combine(slot, x, topk_idx, topk_weights, use_logfmt, zero_copy, return_recv_hook,
                                         out, combine_wait_recv_cost_stats, kwargs)
             except ValueError as exc:
-                self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
+                try:
+                    self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
+                except ValueError as aborted:
+                    self._combine_aborted(slot, slot.call, str(exc), aborted)
+                    raise
         if moved is not None:  # the outputs are in the handle's layout: into the one dispatched again
             expert_y = _move_rows(y.reshape(-1, H), *moved)
         else:  # [L, C, H] as it is when contiguous (AllToAll takes it: no view made a call), else its rows copied
@@ -314,6 +314,10 @@ class LowLatencyMode(LowLatencySets):
         slot.combine_args = (out, topk_idx, topk_weights, expert_y)
         try:
             a2a.combine(out, topk_idx, topk_weights, expert_y, do_recv=not return_recv_hook)
+        except (CallAborted, CapacityExceeded) as exc:
+            slot.free()
+            self._combine_aborted(slot, slot.call, None, exc)
+            raise
         except BaseException:
             slot.free()
             raise
@@ -444,57 +448,95 @@ class LowLatencyMode(LowLatencySets):
 
     # ---- the first fp8 call of a set: use_fp8 agreed on every rank before its buffers are built ------------
     # Its fp8 instances are built collectively, and a rank whose call is bf16 takes part in no collective: it
-    # is in its call on the bf16 instance. So (where every rank learns of a dispatch's abort in the dispatch
-    # itself: host waits) the fp8 ranks abort the call on the bf16 instance, and every rank whose dispatch
-    # on a set without fp8 instances was aborted (by itself or by a peer, for any reason) then makes one
-    # all-gather of its call number, use_fp8 and verdict: every rank of the call makes it, so they stay
-    # paired. Every rank fp8 with good input: the fp8 instances are built and the call runs on them; else
-    # the call is refused on every rank (use_fp8 differing: ValueError naming it on every rank).
+    # is in its call on the bf16 instance, and with kernel waits (one GPU per rank) it learns that the call
+    # was aborted only at the end of its combine. So an fp8 rank makes that call on the bf16 instance with
+    # marker rows (`_markers`: a row to every rank whose source index is `_MARKER`, never a token's), then
+    # aborts it at its combine; every rank whose combine of a call on a set without fp8 instances ends
+    # aborted (CallAborted, CapacityExceeded, its own combine input rejected) looks for marker rows among the
+    # rows it received in that call, and when there are some, it says its call number, use_fp8 and verdict
+    # in one tagged all-gather, which the fp8 ranks make after their abort: every rank of the call makes it
+    # (a call without fp8 ranks has no marker rows: no rank makes it), so host waits and kernel waits alike
+    # meet there. Every rank fp8 with good input: the fp8 instances are built and the call runs on them;
+    # else the call is refused on every rank (use_fp8 differing: ValueError naming it on every rank).
     def _agrees_on_fp8(self, slot: _Slot) -> bool:
-        """Whether calls on `slot`'s set agree on use_fp8 that way (the same answer on every rank)."""
-        return not self.enable_shrink and not slot.fp8_outputs and slot.instances[False].host_waits
+        """Whether the first fp8 call on `slot`'s set agrees on use_fp8 (the same answer on every rank: it
+        depends on the set's sizes only): not in shrink mode, and the marker rows fit in one call."""
+        return not self.enable_shrink and not slot.fp8_outputs and slot.fp8 is not None \
+            and -(-self.group_size // slot.key[2]) <= slot.key[0]
 
-    def _first_fp8_call(self, slot: _Slot, indices: tuple[int, int], error: ValueError | None) -> None:
-        """An fp8 call on a set without fp8 instances (host waits): the call on the bf16 instance aborted on
-        every rank, the agreement, then the fp8 instances built (every rank fp8 with good input) or a raise."""
-        reason = str(error) if error is not None else (
-            "use_fp8=True: the first fp8 call of these sizes (every rank says its use_fp8 before the fp8 buffers "
-            "are built)")
+    def _markers(self, slot: _Slot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The marker call's x, scale column and routes: ceil(W / K) tokens whose routes reach the first
+        local expert of every rank, each row's scale column `_MARKER`."""
+        (num_max, E, K, H), W, dev = slot.key, self.group_size, slot.a2a.device
+        T = -(-W // K)
+        routes = torch.arange(T * K, dtype=torch.int64, device=dev) * (E // W)
+        idx = torch.where(routes < E, routes, torch.full_like(routes, -1)).view(T, K)
+        scale = torch.full((T, 1), _MARKER, dtype=torch.int32, device=dev).view(torch.float32)
+        return torch.zeros(T, H, dtype=torch.bfloat16, device=dev), scale, idx
+
+    def _marked(self, slot: _Slot) -> bool:
+        """Whether `slot`'s call received marker rows (some rank made it as the first fp8 call of its set):
+        a look at the received rows' source indices (a host read: only after an aborted call)."""
+        L, C, _ = slot.shape
+        live = torch.arange(C, device=slot.num.device)[None, :] < slot.num.to(torch.int64)[:, None]
+        return bool(((slot.src_info == _MARKER) & live).any())
+
+    def _first_fp8_call(self, slot: _Slot, indices: tuple[int, int], call: int, error: ValueError | None) -> None:
+        """An fp8 call on a set without fp8 instances: the marker call on the bf16 instance, aborted at its
+        combine on every rank, the agreement, then the fp8 instances built (every rank fp8 with good input;
+        returns) or a raise. A peer's rejected dispatch input aborts the marker call at its dispatch (host
+        waits): CallAborted here, no agreement (nor on the peers, whose dispatch raised)."""
+        a2a = slot.instances[False]
+        x, scale, idx = self._markers(slot)
+        slot.a2a, slot.call, slot.T, slot.quantize, slot.ue8m0 = a2a, call, 0, None, False
         try:
-            slot.instances[False].abort(reason)
+            a2a.dispatch(slot.num, slot.ex, slot.exs, x, scale, idx, out_source_ranges=slot.layout_range)
+        except BaseException:
+            slot.free()
+            raise
+        slot.free()
+        try:
+            a2a.abort(str(error) if error is not None else (
+                "use_fp8=True: the first fp8 call of these sizes (every rank says its use_fp8 before the fp8 "
+                "buffers are built)"))
         except ValueError as exc:
-            self._dispatch_aborted(slot, self._calls, True, reason if error is not None else None, exc)
+            self._agree(slot, call, True, None if error is None else str(error), exc)
         self._build_fp8(indices)  # (returned: every rank is in this call with use_fp8 and good input)
 
-    def _dispatch_aborted(self, slot: _Slot, call: int, use_fp8, error: str | None, exc: Exception) -> None:
-        """Dispatch `call` on a set without fp8 instances was aborted (host waits): every rank of the call says
-        its call number, use_fp8 and verdict (one all-gather). Raises ValueError on every rank when use_fp8
-        differs (or the ranks are out of step); else `exc` on a rank whose input was rejected and on every rank
-        of a bf16 call, CallAborted naming the rejecting ranks on the others. Returns only when every rank was
-        at the first fp8 call of these sizes with good input (it builds the fp8 instances next)."""
-        if not self._agrees_on_fp8(slot):
-            return
+    def _combine_aborted(self, slot: _Slot, call: int, error: str | None, exc: Exception) -> None:
+        """Call `call` on `slot` (bf16) ended aborted at or after its combine: when an fp8 rank made it the
+        first fp8 call of the set (marker rows received), the agreement (raises); else returns (the caller
+        raises `exc`)."""
+        if self._agrees_on_fp8(slot) and self._marked(slot):
+            self._agree(slot, call, False, error, exc)
+
+    def _agree(self, slot: _Slot, call: int, use_fp8: bool, error: str | None, exc: Exception) -> None:
+        """Every rank of an aborted call of marker rows says its call number, use_fp8 and verdict (one
+        all-gather). Raises ValueError on every rank when use_fp8 differs (or the ranks are out of step);
+        else `exc` on a rank whose input was rejected, CallAborted naming the rejecting ranks on the others.
+        Returns only when every rank was at the first fp8 call of these sizes with good input."""
         rows = all_gather(self.group, (_FP8_TAG, call, bool(use_fp8), error))
         ours = [isinstance(r, tuple) and len(r) == 4 and r[0] == _FP8_TAG for r in rows]
         if not all(ours) or len({r[1] for r in rows}) != 1:
             said = "; ".join(f"call {r[1]} on rank {i}" if ok else f"another collective on rank {i}"
                              for i, (r, ok) in enumerate(zip(rows, ours)))
-            raise ValueError(f"rank {self.rank}: low_latency_dispatch: call {call} was aborted and the ranks are "
-                             f"out of step ({said}); refused on every rank") from exc
+            raise ValueError(f"rank {self.rank}: low_latency_dispatch: call {call} (the first fp8 call of its sizes "
+                             f"on some rank) was aborted and the ranks are out of step ({said}); refused on every "
+                             f"rank") from exc
         flags = [r[2] for r in rows]
         if len(set(flags)) > 1:
             said = "; ".join(f"{f} on rank {i}" for i, f in enumerate(flags))
             raise ValueError(f"rank {self.rank}: low_latency_dispatch: use_fp8 differs between ranks ({said}) at the "
                              f"first fp8 call of these sizes (num_max_dispatch_tokens_per_rank, num_experts, hidden) "
                              f"= {(slot.key[0], slot.key[1], slot.key[3])}: DeepEP needs the same use_fp8 on every "
-                             f"rank; call {call} was refused on every rank (nothing was built or sent; the next call "
+                             f"rank; call {call} was refused on every rank (nothing was built; the next call "
                              f"works)") from None
         rejected = [i for i, r in enumerate(rows) if r[3] is not None]
         if not all(flags) or self.rank in rejected:
             raise exc
         if rejected:
             raise CallAborted(f"rank {self.rank}: call {call} was aborted by rank {', '.join(map(str, rejected))}: "
-                              f"its input was rejected ({rows[rejected[0]][3]}); nothing was built or sent; the next "
+                              f"its input was rejected ({rows[rejected[0]][3]}); nothing was built; the next "
                               f"call works") from None
 
     def _hook(self, slot: _Slot, call: int, receive):
@@ -545,5 +587,9 @@ class LowLatencyMode(LowLatencySets):
         if slot is None:
             raise exc
         slot.receive_dispatch()  # as a good handle's combine starts (a hook not called yet)
-        self._run(slot, lambda: slot.a2a.abort(str(exc)))  # aborts the call at its combine on every rank
+        try:
+            self._run(slot, lambda: slot.a2a.abort(str(exc)))  # aborts the call at its combine on every rank
+        except ValueError as aborted:
+            self._combine_aborted(slot, slot.call, str(exc), aborted)
+            raise
         raise exc  # (abort raised)

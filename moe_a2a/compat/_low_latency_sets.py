@@ -310,7 +310,7 @@ class LowLatencySets:
             for a2a in built:
                 a2a.close()
             raise
-        for slot in slots:  # a receive hook's aborted dispatch takes part in the use_fp8 agreement
+        for slot in slots:  # a combine receive hook's aborted call takes part in the use_fp8 agreement
             slot.on_abort = self._hook_aborted
         n = len(self._slots)
         self._sets[num_max, num_experts, hidden] = (n, n + 1)
@@ -321,8 +321,8 @@ class LowLatencySets:
             self._build_fp8((n, n + 1))
 
     def _hook_aborted(self, slot: _Slot, exc) -> None:
-        """A receive hook learnt its dispatch was aborted: the agreement on use_fp8 (`_dispatch_aborted`)."""
-        self._dispatch_aborted(slot, slot.call, slot.quantize is not None, None, exc)
+        """A combine receive hook learnt its call was aborted: the agreement on use_fp8 (`_combine_aborted`)."""
+        self._combine_aborted(slot, slot.call, None, exc)
 
     def _build_fp8(self, indices: tuple[int, int]) -> None:
         """At the first fp8 call of a set's sizes (on every rank: the set's first call, `warm_up`, or a later call

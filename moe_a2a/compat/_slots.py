@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ..all_to_all import AllToAll, CallAborted
+from ..all_to_all import AllToAll, CallAborted, CapacityExceeded
 from ..config import A2AConfig, ceil_div, round_up
 from ..triton_kernels.quant import Fp8Quantize
 
@@ -168,8 +168,9 @@ class Slot:
         self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
         self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
-        # Called with (slot, CallAborted) when a receive hook's dispatch receive learns its call was aborted
-        # (the Buffer's agreement on use_fp8 at a set's first fp8 call: LowLatencyMode._dispatch_aborted).
+        # Called with (slot, exception) when a combine receive hook's call ends aborted (CallAborted,
+        # CapacityExceeded): the Buffer's agreement on use_fp8 at a set's first fp8 call
+        # (LowLatencyMode._combine_aborted); it raises, or returns to let the exception go on.
         self.on_abort = None
         self._register(a2a)
 
@@ -230,21 +231,21 @@ class Slot:
         """The dispatch's receive half, if a hook has not run it yet."""
         if self.state == DISPATCH_SENT:
             T = self.T
-            try:
-                self.run(lambda: self.a2a.dispatch(self.num, self.ex, self.exs, self.payload, self.token_ids[T], None,
-                                                   do_send=False, out_source_ranges=self.layout_range,
-                                                   out_quantized_scale=self.quantized_scales()))
-            except CallAborted as exc:
-                if self.on_abort is not None:
-                    self.on_abort(self, exc)
-                raise
+            self.run(lambda: self.a2a.dispatch(self.num, self.ex, self.exs, self.payload, self.token_ids[T], None,
+                                               do_send=False, out_source_ranges=self.layout_range,
+                                               out_quantized_scale=self.quantized_scales()))
             self.received()
 
     def receive_combine(self) -> None:
         """The combine's receive half, if a hook has not run it yet."""
         if self.state == COMBINE_SENT:
             out, idx, w, y = self.combine_args
-            self.run(lambda: self.a2a.combine(out, idx, w, y, do_send=False))
+            try:
+                self.run(lambda: self.a2a.combine(out, idx, w, y, do_send=False))
+            except (CallAborted, CapacityExceeded) as exc:
+                if self.on_abort is not None:
+                    self.on_abort(self, exc)
+                raise
             self.state, self.combine_args = COMBINED, None
 
     def settle(self) -> None:

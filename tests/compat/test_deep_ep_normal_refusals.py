@@ -155,7 +155,8 @@ def _refusals_rank(a2a, rank):
 
         # Item 5, on the low-latency path of the same Buffer: use_fp8 on rank 0 only at the first fp8 call of
         # its sizes (it builds the fp8 buffers), the others plain (21), then with receive hooks (22): refused
-        # on every rank, nothing built; then bf16 exact, and an fp8 call on every rank builds and serves.
+        # on every rank, nothing built; then bf16 exact; the same with kernel waits (23-24); and an fp8 call on
+        # every rank builds and serves.
         def low_latency(use_fp8=False, hook=False):
             recv, _, h, _, receive = buf.low_latency_dispatch(x, idx, 16, E, use_fp8=use_fp8, return_recv_hook=hook)
             if receive is not None:
@@ -165,12 +166,20 @@ def _refusals_rank(a2a, rank):
             return buf.low_latency_combine(y, idx, w, h)[0]
 
         bf16 = low_latency()
-        for hook in (False, True):
-            attempt_ll = (lambda: low_latency(True)) if rank == 0 else (lambda: low_latency(hook=hook))
-            t0 = time.monotonic()
-            _attempt(attempt_ll, buf, dev, attempts, also=(Exception,))
-            seconds.append(time.monotonic() - t0)
-            exact.append(not buf._ll._slots[0].fp8_outputs and torch.equal(low_latency(), bf16))
+        for kernel_waits in (False, True):
+            if kernel_waits:
+                # 23-24: the same where every rank waits in kernels (one GPU per rank): no host look at the
+                # count rows, so a rank learns of an abort only from what its kernels recorded, at the end
+                # of its combine (tests/e2e/test_abort.py's `_calls_as_kernel_waiter`), on every instance
+                for slot in buf._ll._slots:
+                    for a2a_ in slot.instances.values():
+                        a2a_._status.aborted_sources = lambda epoch: []
+            for hook in (False, True):
+                attempt_ll = (lambda: low_latency(True)) if rank == 0 else (lambda: low_latency(hook=hook))
+                t0 = time.monotonic()
+                _attempt(attempt_ll, buf, dev, attempts, also=(Exception,))
+                seconds.append(time.monotonic() - t0)
+                exact.append(not buf._ll._slots[0].fp8_outputs and torch.equal(low_latency(), bf16))
         fp8 = low_latency(True)
         exact.append(buf._ll._slots[0].fp8_outputs and torch.allclose(fp8.float(), bf16.float(), rtol=0.1, atol=0.02))
     finally:
@@ -200,8 +209,8 @@ def _expected(W: int) -> list:
         ([0], "x: expected a contiguous bfloat16"),
         ([last], "normal-mode dispatch: x could not be staged (RuntimeError: staging broke)"),
         ([last], "normal-mode combine: the expert outputs could not be staged (RuntimeError: staging broke)"),
+    ] + 4 * [
         (None, f"use_fp8 differs between ranks (True on rank 0; {'; '.join(f'False on rank {r}' for r in every[1:])})"),
-        (None, "use_fp8 differs between ranks (True on rank 0"),
     ]
 
 
@@ -219,7 +228,12 @@ def test_normal_mode_refuses_each_bad_call_on_every_rank_and_the_next_is_exact(W
         assert len(attempts) == len(expected), attempts
         # every good call exact: one after each attempt but item 5's, and 13 others
         assert all(exact) and len(exact) == len(expected) + 12, (r, exact)
-        assert max(seconds) < 1.0, (r, seconds)  # a refusal is one host exchange, never a wait for a timeout
+        # A refusal is one host exchange, never a wait for a timeout. Item 5's (the last four) include the
+        # peers' whole call, dispatch and combine (they learn of the abort at its end): 2 s in the interpreter
+        # on a loaded 2-core CPU machine, as README's Errors bullet allows (tests/e2e/test_abort.py too).
+        n5 = 4
+        assert max(seconds[:-n5]) < 1.0, (r, seconds)
+        assert max(seconds[-n5:]) < (1.0 if TEST_DEVICE == "cuda" else 2.0), (r, seconds)
         assert sets == got[0][3] and len(sets) == 1, (r, sets)  # no set built by a refused call
         for i, (raisers, what) in enumerate(expected):
             seen = attempts[i]
