@@ -228,12 +228,13 @@ def test_normal_mode_refuses_each_bad_call_on_every_rank_and_the_next_is_exact(W
         assert len(attempts) == len(expected), attempts
         # every good call exact: one after each attempt but item 5's, and 13 others
         assert all(exact) and len(exact) == len(expected) + 12, (r, exact)
-        # A refusal is one host exchange, never a wait for a timeout. Item 5's (the last four) include the
-        # peers' whole call, dispatch and combine (they learn of the abort at its end): 2 s in the interpreter
-        # on a loaded 2-core CPU machine, as README's Errors bullet allows (tests/e2e/test_abort.py too).
-        n5 = 4
-        assert max(seconds[:-n5]) < 1.0, (r, seconds)
-        assert max(seconds[-n5:]) < (1.0 if TEST_DEVICE == "cuda" else 2.0), (r, seconds)
+        # A refusal is one host exchange, never a wait for a timeout: 1 s on a GPU; 2 s in the interpreter on a
+        # loaded 2-core CPU machine, as README's Errors bullet allows (tests/e2e/test_abort.py too), where a
+        # 3-rank exchange over tcp once took 1.8 s while the whole suite ran. Item 5's (the last four) include
+        # the peers' whole call, dispatch and combine (they learn of the abort at its end).
+        bound = 1.0 if TEST_DEVICE == "cuda" else 2.0
+        slowest = max(range(len(seconds)), key=seconds.__getitem__)
+        assert seconds[slowest] < bound, (r, slowest, attempts[slowest] if slowest < len(attempts) else None, seconds)
         assert sets == got[0][3] and len(sets) == 1, (r, sets)  # no set built by a refused call
         for i, (raisers, what) in enumerate(expected):
             seen = attempts[i]
