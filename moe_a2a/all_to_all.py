@@ -393,7 +393,10 @@ class AllToAll:
             # What kernels recorded of this call: said once it is issued on every rank (so raising here never
             # leaves this rank a call behind its peers), and after its kernels ran (so never by a later call).
             if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-                self._status.await_call_end(self.epoch)
+                try:
+                    self._status.await_call_end(self.epoch)
+                except BaseException as exc:  # a failed kernel wait or proxy: the instance is unusable
+                    self._fail(exc)
             self._raise_recorded()
 
     def abort(self, reason: str) -> None:
