@@ -11,6 +11,7 @@ import torch
 
 from moe_a2a import fingerprint
 from moe_a2a.config import A2AConfig
+from .conftest import interpreter_only
 
 BASE = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=64, in_dtype=torch.bfloat16)
 
@@ -74,6 +75,7 @@ def _rank(rank: int, world: int, store: str, transport: str, node_group: int, qu
     dist.destroy_process_group()
 
 
+@interpreter_only("its ranks run on the CPU (device='cpu')")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport,node_group", [("shm", 2), ("tcp", 1)], ids=["shm-node-local", "tcp-remote"])
