@@ -194,8 +194,12 @@ class LocalCluster:
             # must not start BLAS/OpenMP worker threads at import (numpy's OpenBLAS would).
             for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
                 env[name] = os.environ.get(name) or "1"
-        saved = {k: os.environ.get(k) for k in env}
+        # GPU ranks compile their kernels, whatever this process has set (a CPU run in it may have set it)
+        unset = ["TRITON_INTERPRET"] if self.device == "cuda" else []
+        saved = {k: os.environ.get(k) for k in [*env, *unset]}
         os.environ.update(env)  # the children inherit it (spawn execs with our environment)
+        for k in unset:
+            os.environ.pop(k, None)
         try:
             self._abort_words = ctx.RawArray("q", 2)
             rank_args = (self.world_size, os.path.join(self._store_dir, "store"), self.cfg, self.node_size,
