@@ -221,6 +221,11 @@ def _unpack_tokens_by_expert_kernel(
     out_qscale_ptr=None,  # (R, Q_WORDS) or with CAPACITY (L, CAPACITY, Q_WORDS) 4-byte words, any strides
     stride_out_qscale_r=0, stride_out_qscale_s=0, stride_out_qscale_e=0,
     Q_SCALE_WORD: tl.constexpr = 0, Q_WORDS: tl.constexpr = 0,
+    # A scale output whose rows are adjacent words (row stride 1: DeepEP's column-major scales, a single
+    # column) with CAPACITY: copied after the rows, in tiles of BLOCK_S rows of one expert, so that its
+    # stores coalesce along the rows; BLOCK_SC / BLOCK_QC columns at a time.
+    SCALES_BY_EXPERT: tl.constexpr = False, QSCALES_BY_EXPERT: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 32, BLOCK_SC: tl.constexpr = 1, BLOCK_QC: tl.constexpr = 1,
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -261,6 +266,7 @@ def _unpack_tokens_by_expert_kernel(
                       (pid == 0) & ok, W, L, W_PAD, L_PAD, HAS_RANGES, NODE_SYNC, CAPACITY, ABORT_WORD, CAPACITY_WORD,
                       CALL_ABORTED_WORD, ABORT_AT_COMBINE)
     NPAIR: tl.constexpr = L_PAD * W_PAD
+    cnt_2d, first_2d, rest_2d, split_2d = cnt, first_bytes, rest_bytes, split  # the scale tiles' tables
     cnt = tl.reshape(cnt, (NPAIR,))
     dense_start = tl.reshape(dense_start, (NPAIR,))
     out_start = tl.reshape(out_start, (NPAIR,))
@@ -282,12 +288,29 @@ def _unpack_tokens_by_expert_kernel(
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         dst_words = out_row * stride_out_x_r
         d.copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
-        if HAS_SCALES:  # in the payload's tile shape (copy_row_columns says why)
+        if HAS_SCALES and not SCALES_BY_EXPERT:  # in the payload's tile shape (copy_row_columns says why)
             d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
                                d.expert_row_words(out_row, stride_out_scale_e, stride_out_scale_r, CAPACITY),
                                stride_out_scale_s, is_row, S, BLOCK_W)
-        if Q_WORDS > 0:  # a fused quantisation's scale words, out of the payload into a tensor of their own
+        if Q_WORDS > 0 and not QSCALES_BY_EXPERT:  # a fused quantisation's scale words, into a tensor of their own
             d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
                                d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY),
                                stride_out_qscale_s, is_row, Q_WORDS, BLOCK_W)
 
+    if SCALES_BY_EXPERT or QSCALES_BY_EXPERT:
+        # Expert l's rows c < min(tot[l], CAPACITY) sit at l * C + c: tiles of one expert's rows, whose scale
+        # stores are adjacent words (rows past each expert's count are not written, as DeepEP's).
+        n_rows = tl.where(ok, tl.minimum(tot, CAPACITY), 0)
+        num_scale_tiles = tl.sum((n_rows + BLOCK_S - 1) // BLOCK_S, axis=0).to(tl.int32)
+        for t in range(pid, num_scale_tiles, num_programs):
+            l, c0 = d.expert_scale_tile(t, n_rows, BLOCK_S, L_PAD)
+            c = c0 + tl.arange(0, BLOCK_S).to(tl.int64)
+            l = l.to(tl.int64)
+            is_row = (c < tl.sum(tl.where(tl.arange(0, L_PAD) == l, n_rows, 0), axis=0)) & (l * CAPACITY + c < num_out_rows)
+            src_bytes = d.expert_rows_source(l, c, cnt_2d, first_2d, rest_2d, split_2d, SD_BYTES, L_PAD, W_PAD)
+            if SCALES_BY_EXPERT:
+                d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
+                                   l * stride_out_scale_e + c, stride_out_scale_s, is_row, S, BLOCK_SC)
+            if QSCALES_BY_EXPERT:
+                d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
+                                   l * stride_out_qscale_e + c, stride_out_qscale_s, is_row, Q_WORDS, BLOCK_QC)

@@ -271,6 +271,11 @@ def unpack_tokens_by_expert(
     block_w = launch.chunk_words(copy_words, word_bytes)
     S = cfg.num_scales
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
+    # Outputs whose rows are adjacent words (DeepEP's column-major scales) take per-expert tiles of their own.
+    by_expert = dict(SCALES_BY_EXPERT=bool(C and cfg.has_scales and stride_scale[0] == 1),
+                     QSCALES_BY_EXPERT=bool(C and quant_args and stride_q[0] == 1),
+                     BLOCK_SC=min(next_power_of_2(S), 64) if cfg.has_scales else 1,
+                     BLOCK_QC=min(next_power_of_2(quant_args.get("Q_WORDS", 1)), 64))
     grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
     _UNPACK.launch(
@@ -286,7 +291,7 @@ def unpack_tokens_by_expert(
         HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity, CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED),
         ABORT_WORD=flag_word(Flag.ABORTED),
         num_warps=launch.num_warps(block_r * block_w, word_bytes), out_ranges_ptr=out_source_ranges,
-        HAS_RANGES=out_source_ranges is not None, **quant_args, **sync_args,
+        HAS_RANGES=out_source_ranges is not None, **quant_args, **sync_args, **by_expert,
     )
 
 
