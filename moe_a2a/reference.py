@@ -8,6 +8,10 @@ After them, the variants of issue 32 ("fewer bytes"): dispatch in one row per (t
 expanded by the receiver (`dispatch_per_rank`, equal to `dispatch`), the combine reduced at the sender
 (`combine_reduced_at_sender`), the fp8 combine (`combine_fp8`, and `fp8=True`), and the bytes each rank
 sends per phase under each variant (`bytes_per_phase`, `WIRE_VARIANTS`).
+
+Last, the relay of issue 46 (each token crosses the network once per destination node, fanned out over
+NVLink, the combine reduced inside the experts' node): `dispatch_relay` (equal to `dispatch`), `combine_relay`
+and the bytes and writes per phase (`relay_bytes_per_phase`).
 """
 from __future__ import annotations
 
@@ -494,4 +498,269 @@ def bytes_per_phase(cfg: A2AConfig, indices: Sequence[torch.Tensor], node_size: 
             row["dispatch"][where(q, other)] += int(dispatch[q, other]) * size["dispatch"]
             row["combine"][where(q, other)] += int(combine[q, other]) * size["combine"]
         out.append(row)
+    return out
+
+
+# =====================================================================================================
+# The relay (issue 46): each token crosses the network once per destination node.
+#
+# Nodes are `node_size` consecutive ranks (node(r) = r // node_size). Source s's relay on node n is the rank
+# with s's local index there, `relay_rank(s, n, node_size) = n * node_size + s % node_size`, so every network
+# write stays on one rail (GPU j of one node to GPU j of another). None of this changes a function above.
+#
+# - Dispatch (`dispatch_relay`). Hop 1, network: source s sends each token ONCE to its relay on every other
+#   node that one of the token's live routes hits: a per-rank row (`RankRows`) whose K ids keep the routes on
+#   that node and are -1 elsewhere (the wire carries per k a node-local expert or -1, and the route's position
+#   among s's routes to that expert: the per-rank row's metadata). To the ranks of its own node, itself
+#   included, s sends today's per-rank rows directly. Hop 2, NVLink inside node n: the relay forwards each
+#   hop-1 row, unchanged and in token order, to every rank of n that one of its routes hits, itself included.
+#   Rank r then holds, per source, exactly `dispatch_rows_per_rank`'s rows (ids off r's node -1 for remote
+#   sources) and expands them with `expand_rank_rows`: the output is `dispatch`'s, bitwise. Transport only.
+# - Combine (`combine_relay`), for home rank s and each token t of s:
+#   1. every expert rank r the token hits forms its partial P_r = sum_k w[t, k] * y[row(t, k)] over the live
+#      k whose expert is on r, in fp32, in k order, from +0 (`combine_partials_at_sender`'s sum, not rounded);
+#   2. r on s's node: P_r is rounded once (out_dtype, or fp8 blocks from fp32) and goes to s directly, as
+#      today's combine reduced at the sender does;
+#   3. r on another node m: P_r goes in fp32 over NVLink to the relay of s on m, `relay_rank(s, m)` (r itself
+#      when r is that relay); the relay sums the partials of its node in ascending rank order, in fp32 from
+#      +0, rounds once (out_dtype, or fp8 blocks quantised from the fp32 sum) and sends ONE row per (token,
+#      node) to s over the network;
+#   4. s sums in fp32, the old value first with `out_tokens`, over the nodes in ascending order: its own node's
+#      rows one by one in ascending rank order, each other node's relay row; then casts once to out_dtype.
+#   So with one node, or one rank a node, it is `combine_reduced_at_sender` bitwise; a token whose live
+#   experts are all on one rank gets `combine`'s bits (bf16 rows); otherwise only the order of fp32 adds and
+#   the roundings of rows differ from `combine`: the bound of `combine_reduced_at_sender` holds
+#   (tests/test_reference_relay.py derives it). fp8 (`fp8=True`) applies to every row that reaches a home,
+#   node-local or relayed (as `combine_reduced_at_sender(fp8=True)`); partials to the relay stay fp32.
+# - Bytes (`relay_bytes_per_phase`): per rank and phase, bytes kept, to its node, over the network, the
+#   NVLink bytes of the relay's fan-out and of the fp32 partials, and the network writes a proxy posts.
+# =====================================================================================================
+def relay_rank(source: int, node: int, node_size: int) -> int:
+    """The relay of `source` on `node`: the GPU of that node with the source's local index (rail-aligned)."""
+    return node * node_size + source % node_size
+
+
+def _check_node_size(world_size: int, node_size: int) -> None:
+    if node_size < 1 or world_size % node_size:
+        raise ValueError(f"node_size must divide the world size ({world_size}), got {node_size}")
+
+
+def token_nodes(cfg: A2AConfig, indices: Sequence[torch.Tensor], node_size: int) -> list[torch.Tensor]:
+    """Per source rank s, `[T_s, W / node_size]` bool: token t has at least one live route to a rank of node n."""
+    W = len(indices)
+    _check_node_size(W, node_size)
+    return [hit.reshape(hit.shape[0], W // node_size, node_size).any(2) for hit in token_ranks(cfg, indices)]
+
+
+def _only_on(cfg: A2AConfig, idx: torch.Tensor, first_rank: int, num_ranks: int, W: int) -> torch.Tensor:
+    """`idx` (int64 [n, K]) with every route not on ranks `[first_rank, first_rank + num_ranks)` set to -1."""
+    L = cfg.layout(W).num_local_experts
+    on = (idx >= first_rank * L) & (idx < (first_rank + num_ranks) * L)   # -1 is on no rank
+    return torch.where(on, idx, torch.full_like(idx, -1))
+
+
+class RelayDispatch(NamedTuple):
+    """What a relay dispatch delivers, and what crossed on the way."""
+    out: list[Received]                        # per rank: exactly `dispatch`'s
+    network: dict[tuple[int, int], RankRows]   # (source s, relay q): hop 1, for every node other than s's
+    received: list[list[RankRows]]             # [r][s]: the per-rank rows r expands (direct, or via s's relay)
+
+
+def dispatch_relay(cfg: A2AConfig, xs: Tensors, x_scales: Sequence[torch.Tensor | None] | None,
+                   indices: Tensors, node_size: int, weights: Tensors | None = None) -> RelayDispatch:
+    """Dispatch through the relay (section above). Arguments as `dispatch_rows_per_rank`, and `node_size` ranks
+    a node (dividing W).
+
+    Returns `RelayDispatch`: `out` per rank equals `dispatch(cfg, xs, x_scales, indices)` bitwise (a ValueError
+    alike for an expert over `expert_capacity`); `network[(s, q)]` for every source s and every node n other
+    than s's, q = `relay_rank(s, n)`: the hop-1 rows, one per token of s that hits n, in token order, the K ids
+    kept only where they name an expert on n (-1 elsewhere), the token's K weights when `weights` are given
+    (possibly empty: then no write); `received[r][s]`: the per-rank rows r reads from source s, sent directly
+    (s on r's node: `dispatch_rows_per_rank`'s) or forwarded over NVLink by `relay_rank(s, node(r))` (the
+    hop-1 rows whose ids hit r, ids as in hop 1)."""
+    W = len(xs)
+    _check_node_size(W, node_size)
+    direct = dispatch_rows_per_rank(cfg, xs, x_scales, indices, weights)   # checks every input
+    if x_scales is None:
+        x_scales = [None] * W
+    nodes = W // node_size
+    hits_node = token_nodes(cfg, indices, node_size)
+    L = cfg.layout(W).num_local_experts
+
+    # Hop 1 (network): built from the source's own tensors, one row per (token, remote node).
+    network: dict[tuple[int, int], RankRows] = {}
+    for s in range(W):
+        for n in range(nodes):
+            if n == s // node_size:
+                continue
+            t = torch.nonzero(hits_node[s][:, n]).squeeze(1)                 # token order
+            td = t.to(xs[s].device)
+            network[(s, relay_rank(s, n, node_size))] = RankRows(
+                tokens=t, x=xs[s][td], x_scale=None if x_scales[s] is None else x_scales[s][td],
+                indices=_only_on(cfg, indices[s].to(torch.int64).cpu()[t], n * node_size, node_size, W),
+                weights=None if weights is None else weights[s].float().cpu()[t])
+
+    # Hop 2 (NVLink): a relay forwards each hop-1 row to every rank of its node the row's routes hit.
+    received: list[list[RankRows]] = [[] for _ in range(W)]
+    for r in range(W):
+        n = r // node_size
+        for s in range(W):
+            if s // node_size == n:
+                received[r].append(direct[r][s])                               # same node: as today
+                continue
+            hop1 = network[(s, relay_rank(s, n, node_size))]
+            i = torch.nonzero(((hop1.indices >= r * L) & (hop1.indices < (r + 1) * L)).any(1)).squeeze(1)  # row's ids
+            idev = i.to(hop1.x.device)
+            received[r].append(RankRows(
+                tokens=hop1.tokens[i], x=hop1.x[idev],
+                x_scale=None if hop1.x_scale is None else hop1.x_scale[idev],
+                indices=hop1.indices[i], weights=None if hop1.weights is None else hop1.weights[i]))
+    return RelayDispatch(expand_rank_rows(cfg, received), network, received)
+
+
+class RelayCombine(NamedTuple):
+    """The rows of a relay combine, keyed (sender, home s); each `(tokens int64 [n], rows fp32 [n, H])`."""
+    partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]   # (expert rank r, s): fp32 P_r, all pairs
+    node_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]  # (r, s) on one node: as s reads them
+    relay_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]  # (relay q, s) on two: as s reads them
+
+
+def combine_relay_rows(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: Tensors, node_size: int,
+                       fp8: bool = False) -> RelayCombine:
+    """Every row of a relay combine (steps 1-3 above): `partials[(r, s)]`, expert rank r's fp32 partials for
+    the tokens of home s with a route on r (token order; the ones r sends its relay, or rounds for a home of
+    its node); `node_rows[(r, s)]`, r and s on one node: those rounded once to out_dtype (or fp8 blocks),
+    as s reads them (= `combine_partials_at_sender`'s rows); `relay_rows[(q, s)]`, q = `relay_rank(s,
+    node(q))` on another node than s: one row per token of s hitting q's node, the sum of that node's
+    partials in ascending rank order (fp32 from +0), rounded once, as s reads it. `weights` are the home
+    ranks' (the dispatch's rows carried them to every expert rank: the same bits)."""
+    W = len(indices)
+    _check_node_size(W, node_size)
+    L = cfg.layout(W).num_local_experts
+    H = cfg.hidden_dim
+    rows = expert_rows(cfg, indices)
+    hits = token_ranks(cfg, indices)
+    base = torch.tensor([0] + [y.shape[0] for y in expert_ys], dtype=torch.int64).cumsum(0)
+    all_y = torch.cat([y.float().cpu() for y in expert_ys])      # every expert rank's rows, stacked
+
+    def wire(acc: torch.Tensor) -> torch.Tensor:                  # a row as the home reads it: one rounding
+        return fp8_roundtrip(acc) if fp8 else acc.to(cfg.out_dtype).float()
+
+    partials, node_rows, relay_rows = {}, {}, {}
+    for s in range(W):
+        idx = indices[s].to(torch.int64).cpu()
+        w = weights[s].float().cpu()
+        T = idx.shape[0]
+        acc = torch.zeros(T, W, H, dtype=torch.float32)           # [token, expert rank]: P_r, k order
+        for k in range(idx.shape[1]):
+            live = torch.nonzero(idx[:, k] >= 0).squeeze(1)
+            r = idx[live, k] // L
+            acc[live, r] += w[live, k, None] * all_y[base[r] + rows[s][live, k]]   # (token, k): one rank
+        for r in range(W):
+            t = torch.nonzero(hits[s][:, r]).squeeze(1)
+            partials[(r, s)] = (t, acc[t, r])
+            if r // node_size == s // node_size:
+                node_rows[(r, s)] = (t, wire(acc[t, r]))
+        for m in range(W // node_size):
+            if m == s // node_size:
+                continue
+            first = m * node_size
+            t = torch.nonzero(hits[s][:, first:first + node_size].any(1)).squeeze(1)
+            total = torch.zeros(len(t), H, dtype=torch.float32)
+            for r in range(first, first + node_size):             # ascending local rank
+                sel = torch.nonzero(hits[s][t, r]).squeeze(1)
+                total[sel] += acc[t[sel], r]
+            relay_rows[(relay_rank(s, m, node_size), s)] = (t, wire(total))
+    return RelayCombine(partials, node_rows, relay_rows)
+
+
+def combine_relay(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys: Tensors, node_size: int,
+                  out_tokens: Tensors | None = None, fp8: bool = False) -> list[torch.Tensor]:
+    """Combine through the relay (step 4 above): per home rank s, `[T_s, H]` out_dtype, the fp32 sum over
+    nodes in ascending order of the node's row (its own node: its ranks' rows in ascending rank order), after
+    the old value when `out_tokens` is given, cast once. Arguments and result as `combine`, with `node_size`
+    ranks a node; `fp8`: every row reaching a home in fp8 blocks. Rows from `combine_relay_rows`."""
+    W = len(indices)
+    parts = combine_relay_rows(cfg, indices, weights, expert_ys, node_size, fp8)
+    out = []
+    for s in range(W):
+        T = indices[s].shape[0]
+        acc = torch.zeros(T, cfg.hidden_dim, dtype=torch.float32)
+        if out_tokens is not None:
+            acc += out_tokens[s].float().cpu()
+        home = s // node_size
+        for m in range(W // node_size):                                # ascending node order
+            if m == home:
+                for r in range(m * node_size, (m + 1) * node_size):    # its own node: rank by rank
+                    t, rows = parts.node_rows[(r, s)]
+                    acc[t] += rows
+            else:
+                t, rows = parts.relay_rows[(relay_rank(s, m, node_size), s)]
+                acc[t] += rows
+        out.append(acc.to(cfg.out_dtype).to(weights[s].device))
+    return out
+
+
+# ---- bytes per phase, with the relay ----------------------------------------------------------------
+RELAY_WIRE = Wire("rank", "rank")  # the relay's rows are the per-rank rows (ids and weights travel)
+
+
+def relay_row_bytes(cfg: A2AConfig, fp8: bool = False) -> dict[str, int]:
+    """Bytes of one relay row: "dispatch" (hop 1 and the fan-out: the per-rank row with its K weights,
+    `row_bytes(cfg, RELAY_WIRE)`), "combine" (a row to a home: out_dtype, or fp8 blocks with `fp8`), and
+    "partial" (an fp32 partial to the relay: `round_up(4 H, 16)`)."""
+    size = row_bytes(cfg, Wire("rank", "rank", fp8))
+    return {**size, "partial": round_up(4 * cfg.hidden_dim, ROW_ALIGN_BYTES)}
+
+
+def relay_bytes_per_phase(cfg: A2AConfig, indices: Sequence[torch.Tensor], node_size: int,
+                          fp8: bool = False) -> list[dict]:
+    """Per rank q, what it SENDS per phase with the relay, rows only (count rows and flags excluded):
+
+    - `"dispatch"`: "self" (its rows to itself), "node" (per-rank rows to the other ranks of its node), "remote"
+      (hop-1 rows to its relays on other nodes: the network bytes), "fanout" (as a relay, the hop-1 rows it
+      forwards to the OTHER ranks of its node over NVLink; those it keeps move no bytes);
+    - `"combine"`: "self", "node" (rounded partials to homes of its node, as the sender-reduced combine),
+      "partials" (fp32 partials to the relays of its node other than itself, NVLink), "remote" (as a relay,
+      one row per (token, node) to homes on other nodes: the network bytes);
+    - `"writes"`: per phase, the network writes its proxy posts: the remote nodes it sends rows to (dispatch:
+      nodes its tokens hit; combine: homes of its rail that it relays rows to, one a node).
+
+    "self" and "node" equal `bytes_per_phase(cfg, indices, node_size, RELAY_WIRE)`'s (or its fp8 wire's);
+    sizes from `relay_row_bytes`."""
+    W = len(indices)
+    _check_node_size(W, node_size)
+    size = relay_row_bytes(cfg, fp8)
+    hits = token_ranks(cfg, indices)                                      # [s]: [T_s, W]
+    nhits = token_nodes(cfg, indices, node_size)                          # [s]: [T_s, nodes]
+    pair = torch.stack([h.sum(0) for h in hits])                          # [s, r] per-rank rows
+    npair = torch.stack([h.sum(0) for h in nhits])                        # [s, n] per-node rows
+    node_of = torch.arange(W) // node_size
+    out = []
+    for q in range(W):
+        n, j = q // node_size, q % node_size
+        mine = node_of == n
+        others = (~mine) & (torch.arange(W) % node_size == j)             # sources / homes q relays for
+        remote_nodes = torch.arange(W // node_size) != n
+        relayed = pair[others][:, mine]                                   # [source of q's rail, rank of q's node]
+        d = {"self": int(pair[q, q]) * size["dispatch"],
+             "node": int(pair[q, mine].sum() - pair[q, q]) * size["dispatch"],
+             "remote": int(npair[q, remote_nodes].sum()) * size["dispatch"],
+             "fanout": int(relayed.sum() - relayed[:, j].sum()) * size["dispatch"]}
+        c = {"self": int(pair[q, q]) * size["combine"],
+             "node": int(pair[mine, q].sum() - pair[q, q]) * size["combine"],
+             "partials": int(pair[(~mine) & (torch.arange(W) % node_size != j), q].sum()) * size["partial"],
+             "remote": int(npair[others, n].sum()) * size["combine"]}
+        writes = {"dispatch": int((npair[q, remote_nodes] > 0).sum()), "combine": int((npair[others, n] > 0).sum())}
+        out.append({"dispatch": d, "combine": c, "writes": writes})
+    return out
+
+
+def bytes_per_node(per_rank: Sequence[dict], node_size: int) -> list[dict]:
+    """`bytes_per_phase` or `relay_bytes_per_phase` rows summed over the ranks of each node (same keys)."""
+    _check_node_size(len(per_rank), node_size)
+    out = []
+    for n in range(len(per_rank) // node_size):
+        ranks = per_rank[n * node_size:(n + 1) * node_size]
+        out.append({ph: {key: sum(r[ph][key] for r in ranks) for key in ranks[0][ph]} for ph in ranks[0]})
     return out
