@@ -12,6 +12,8 @@ Buffers of one rank (slots are rows of `dispatch_stride_bytes` or `combine_strid
                            [(W-N)*(h+P) rows] private staging (N = node_size, h = header_rows): per remote
                            peer its count row then its first min(n, P) routes, sent as one range
                  combine:  [W*C rows]  expert outputs staged per (remote) source rank, source-major
+                 relay:    [(W-N)*T rows of round_up(4H, 16) bytes] fp32 partials for the node's relays
+                           (`Layout.relay` only)
     recv buffer  dispatch: [W*P rows]  private region, slot s*P.. for source s
                            [W*S rows]  remainder region, source s at W*P + sum_{s'<s} max(0, n_s' - P)
                  combine:  [C rows]    expert outputs of this rank's routes, at their dispatch send slot
@@ -321,9 +323,10 @@ class A2AConfig:
         """T*K: routes (token, slot) one rank sends at most."""
         return self.max_num_tokens * self.experts_per_token
 
-    def layout(self, world_size: int, node_size: int | None = None) -> "Layout":
-        """Derived sizes for `world_size` ranks, `node_size` per node (default: all on one node)."""
-        return Layout.from_config(self, world_size, node_size if node_size is not None else world_size)
+    def layout(self, world_size: int, node_size: int | None = None, relay: bool = False) -> "Layout":
+        """Derived sizes for `world_size` ranks, `node_size` per node (default: all on one node); `relay`:
+        rows to other nodes go through a relay (`Layout.relay`)."""
+        return Layout.from_config(self, world_size, node_size if node_size is not None else world_size, relay)
 
 
 def _rows_per_token(experts_per_token: int, world_size: int, per_rank: bool) -> int:
@@ -352,9 +355,22 @@ class Layout:
     expert_capacity: int = 0      # rows per local expert in the dispatch output; 0 = compact layout
     rank_rows: bool = False       # dispatch rows per (token, rank): count rows also carry W rows per rank
     combine_rank_rows: bool = False  # combine rows per (token, rank), reduced at the experts' rank
+    # Rows to another node go once per (token, node) to the source's relay there (docs/protocol.md, 3.8);
+    # needs rank_rows and combine_rank_rows. Its partial rows (fp32, one per remote source's row into this
+    # node) are `relay_partial_stride_bytes` apart: round_up(4 H, 16), set by `from_config`.
+    relay: bool = False
+    relay_partial_stride_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.relay and not (self.rank_rows and self.combine_rank_rows):
+            raise ValueError("Layout.relay needs rows per (token, rank) both ways: A2AConfig(dispatch_rows='rank', "
+                             f"combine_rows='rank'), got rank_rows={self.rank_rows}, "
+                             f"combine_rank_rows={self.combine_rank_rows}")
+        if self.relay and self.relay_partial_stride_bytes <= 0:
+            raise ValueError("Layout.relay needs relay_partial_stride_bytes > 0 (build it with from_config)")
 
     @classmethod
-    def from_config(cls, cfg: "A2AConfig", world_size: int, node_size: int) -> "Layout":
+    def from_config(cls, cfg: "A2AConfig", world_size: int, node_size: int, relay: bool = False) -> "Layout":
         W, E = world_size, cfg.num_experts
         if isinstance(W, bool) or not isinstance(W, int) or W < 1:
             raise ValueError(f"world_size must be a positive int, got {W!r}")
@@ -374,7 +390,7 @@ class Layout:
             private = min(send_rows, round_up(ceil_div(2 * cfg.max_routes, W), 8))
         return cls(W, ns, E, cfg.max_num_tokens, cfg.experts_per_token, cfg.expert_padding, private,
                    cfg.dispatch_stride_bytes, cfg.combine_stride_bytes, cfg.expert_capacity or 0, cfg.rank_rows,
-                   cfg.combine_rows == "rank")
+                   cfg.combine_rows == "rank", relay, round_up(4 * cfg.hidden_dim, ROW_ALIGN_BYTES) if relay else 0)
 
     @cached_property
     def num_local_experts(self) -> int:
@@ -491,9 +507,23 @@ class Layout:
         return self.private_stage_offset_bytes + self.private_stage_rows * self.dispatch_stride_bytes
 
     @cached_property
-    def send_bytes(self) -> int:
+    def relay_partial_offset_bytes(self) -> int:
+        """Where the relay's partial region starts in the send buffer: after the combine staging area. Row
+        `base[s] + j` (`plan.relay_partial_bases`) holds this rank's unrounded fp32 partial of remote source s's
+        row j into this node; the source's relay on this node reads it over mapped memory (docs/protocol.md, 3.8)."""
         stage_rows = self.world_size * self.combine_rows if self.has_remote_peers else 0
-        return round_up(self.combine_stage_offset_bytes + stage_rows * self.combine_stride_bytes, PAGE_BYTES)
+        return self.combine_stage_offset_bytes + stage_rows * self.combine_stride_bytes
+
+    @cached_property
+    def relay_partial_rows(self) -> int:
+        """Rows of the partial region: (W - node_size) * T (a remote source sends a node at most one row per
+        token) with the relay and remote peers, else 0."""
+        return (self.world_size - self.node_size) * self.max_num_tokens if self.relay else 0
+
+    @cached_property
+    def send_bytes(self) -> int:
+        return round_up(self.relay_partial_offset_bytes + self.relay_partial_rows * self.relay_partial_stride_bytes,
+                        PAGE_BYTES)
 
     @cached_property
     def combine_recv_offset_bytes(self) -> int:

@@ -190,3 +190,95 @@ def group_targets(writes: np.ndarray, rank: int, src_base: int, dst_base: int) -
     t[:, 1] += src_base
     t[:, 3] += dst_base
     return t
+
+
+# ---- the relay (docs/protocol.md, 3.8): rows to another node go through the source's relay there ----------
+# Here `rows` is the `[W, W]` matrix of rows per (token, destination rank) (the count rows' last W ints):
+# rows[s, q] = rows source s sends rank q, where a remote q is s's relay on q's node or gets none.
+def relay_peers(lay: Layout, rank: int) -> np.ndarray:
+    """[nodes - 1] int64: `rank`'s relay on every other node (the rank there with its local index)."""
+    ns = lay.node_size
+    nodes = np.arange(lay.world_size // ns, dtype=np.int64)
+    return nodes[nodes != lay.node_of(rank)] * ns + rank % ns
+
+
+def relayed_sources(lay: Layout, rank: int) -> np.ndarray:
+    """int64: the remote sources `rank` relays for (those on its rail: the same local index)."""
+    ns = lay.node_size
+    s = np.arange(rank % ns, lay.world_size, ns, dtype=np.int64)
+    return s[s // ns != lay.node_of(rank)]
+
+
+def relay_remainder_offsets(rows: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
+    """[W]: recv-buffer row of `rank` where source s's rows beyond the private region start, relay geometry:
+    only remote sources count (a node source's rows are pulled, and a remote sender cannot know them)."""
+    remote = np.arange(lay.world_size) // lay.node_size != lay.node_of(rank)
+    rest = np.where(remote, np.maximum(rows[:, rank] - lay.private_rows, 0), 0)
+    return lay.world_size * lay.private_slot_rows + np.cumsum(rest) - rest
+
+
+def relay_private_writes(rows: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
+    """`private_writes` through the relay: to each of `rank`'s relays only (`relay_peers`), its count row then
+    its first min(n, P) rows, n = rows[rank, relay] (possibly 0: the count row still goes, and its immediate)."""
+    d = relay_peers(lay, rank)
+    if not len(d):
+        return _NO_WRITES
+    n = rows[rank, d]
+    first = lay.node_of(rank) * lay.node_size
+    index = d - lay.node_size * (d >= first)  # Layout.private_stage_index
+    src = lay.private_stage_header_offset_bytes(0) + index * lay.private_slot_bytes
+    return _writes(d, src, lay.routing_row_bytes + np.minimum(n, lay.private_rows) * lay.dispatch_stride_bytes,
+                   lay.private_header_offset_bytes(rank))
+
+
+def relay_remainder_writes(rows: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
+    """`remainder_writes` through the relay: to each relay that gets more than P rows, the rest, at the relay
+    geometry's place (`relay_remainder_offsets`)."""
+    P, stride = lay.private_rows, lay.dispatch_stride_bytes
+    d = relay_peers(lay, rank)
+    n = rows[rank]
+    off = np.cumsum(n) - n  # rank-major send offsets
+    d = d[n[d] > P]
+    if not len(d):
+        return _NO_WRITES
+    dst = np.array([relay_remainder_offsets(rows, int(q), lay)[rank] for q in d.tolist()], dtype=np.int64)
+    return _writes(d, (off[d] + P) * stride, (n[d] - P) * stride, dst * stride)
+
+
+def relay_expected_dispatch_imms(rows: np.ndarray, rank: int, lay: Layout) -> dict[int, int]:
+    """Relayed source -> DISPATCH immediates `rank` must receive: 1 private (+1 remainder). Other remote
+    sources write nothing here."""
+    s = relayed_sources(lay, rank)
+    return dict(zip(s.tolist(), (1 + (rows[s, rank] > lay.private_rows)).tolist()))
+
+
+def relay_combine_writes(rows: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
+    """`combine_writes` through the relay: to each relayed source s, the rows the relay reduced for it (staged at
+    `combine_stage_offsets(rows[:, rank])[s]`), back to the slots of its rows to this rank in its combine region.
+    Zero-length writes kept (the home counts one immediate per relay)."""
+    s = relayed_sources(lay, rank)
+    if not len(s):
+        return _NO_WRITES
+    stride = lay.combine_stride_bytes
+    n = rows[:, rank]
+    stage = combine_stage_offsets(n)
+    first = rows[s, :rank].sum(1)
+    return _writes(s, lay.combine_stage_offset_bytes + stage[s] * stride, n[s] * stride,
+                   lay.combine_recv_offset_bytes + first * stride)
+
+
+def relay_expected_combine_imms(lay: Layout, rank: int) -> dict[int, int]:
+    """Relay -> COMBINE immediates home `rank` must receive: one from its relay on every other node."""
+    return dict.fromkeys(relay_peers(lay, rank).tolist(), 1)
+
+
+def relay_partial_bases(rows: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
+    """[W] int64: the partial-region row of row 0 of each remote source s into `rank`'s node,
+    `sum_{s' < s remote} rows[s', relay(s', node)]` (dense over every remote source's rows into the node: the
+    same numbering on each of its ranks); -1 for the node's own sources."""
+    ns, W = lay.node_size, lay.world_size
+    node = lay.node_of(rank)
+    s = np.arange(W)
+    remote = s // ns != node
+    n = np.where(remote, rows[s, node * ns + s % ns], 0).astype(np.int64)
+    return np.where(remote, np.cumsum(n) - n, -1)

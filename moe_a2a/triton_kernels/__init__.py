@@ -1,5 +1,5 @@
 """Triton kernels of moe_a2a, laid out as Triton's own `triton_kernels`: one public launcher module per op
-(routing, dispatch, combine, rank_rows, write_plan, quant, node_sync, sync: overview, argument checks,
+(routing, dispatch, combine, rank_rows, relay, write_plan, quant, node_sync, sync: overview, argument checks,
 block sizes and grids, remembered launches) and its `@triton.jit` bodies in a private module beside it
 (`_dispatch_kernels.py` for `dispatch.py`, ...), each kernel named after its launcher plus `_kernel`
 (`unpack_tokens_by_expert` -> `_unpack_tokens_by_expert_kernel`). What they share is private too:

@@ -31,23 +31,43 @@ def _token_routes(indices_ptr, num_tokens, num_experts, K: tl.constexpr, K_PAD: 
 
 
 @triton.jit
+def _row_destination(q, sender, RELAY: tl.constexpr, NODE_SIZE: tl.constexpr):
+    """The rank a row to rank q goes to: q, or with RELAY for q on another node than the sender the sender's
+    relay there (the rank of q's node with the sender's local index: `reference.relay_rank`)."""
+    if RELAY:
+        q = tl.where(q // NODE_SIZE == sender // NODE_SIZE, q, (q // NODE_SIZE) * NODE_SIZE + sender % NODE_SIZE)
+    return q
+
+
+@triton.jit
 def _column(tile, kk, k):
     """Column k of a [N, K_PAD] int tile (-1 where absent): a masked max, no gather needed."""
     return tl.max(tl.where(kk[None, :] == k, tile, -1), axis=1)
 
 
 @triton.jit
-def _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W: tl.constexpr, W_PAD: tl.constexpr):
-    """Per source s, [W_PAD] int64: (n[s] rows s sends this rank, off[s] where they start in s's rank-major
-    send order = sum_{r < rank} rows s sends r, dense[s] = sum_{s' < s} n[s']). An aborting source's row
-    of -1 counts as 0."""
+def _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W: tl.constexpr, W_PAD: tl.constexpr, P: tl.constexpr,
+                      RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1):
+    """Per source s, [W_PAD] int64: (n[s] rows s sends rank col[s], off[s] where they start in s's rank-major
+    send order = sum_{r < col[s]} rows s sends r, dense[s] = sum_{s' < s} n[s'], before[s] = rows of the
+    remainder region before s's run in col[s]'s recv buffer, col[s]). col[s] is this rank, or with RELAY for a
+    source on another node its relay on this node (whose recv buffer holds its rows); the remainder then counts
+    only remote sources (relay geometry, `plan.relay_remainder_offsets`). An aborting source's row of -1
+    counts as 0."""
     s = tl.arange(0, W_PAD)[:, None]
     r = tl.arange(0, W_PAD)[None, :]
     rows = tl.load(rank_rows_ptr + s.to(tl.int64) * stride_rank_rows_w + r, mask=(s < W) & (r < W), other=0)
     rows = tl.maximum(rows, 0).to(tl.int64)
-    n = tl.sum(tl.where(r == rank, rows, 0), axis=1)
-    off = tl.sum(tl.where(r < rank, rows, 0), axis=1)
-    return n, off, tl.cumsum(n, axis=0) - n
+    col = tl.zeros([W_PAD, 1], dtype=tl.int64) + rank
+    rest = tl.maximum(rows - P, 0)
+    if RELAY:
+        remote = (s // NODE_SIZE) != rank // NODE_SIZE
+        col = tl.where(remote, (rank // NODE_SIZE) * NODE_SIZE + s % NODE_SIZE, col)
+        rest = tl.where(remote, rest, 0)
+    n = tl.sum(tl.where(r == col, rows, 0), axis=1)
+    off = tl.sum(tl.where(r < col, rows, 0), axis=1)
+    before = tl.sum(tl.where(r == col, tl.cumsum(rest, axis=0) - rest, 0), axis=1)
+    return n, off, tl.cumsum(n, axis=0) - n, before, tl.reshape(col, (W_PAD,))
 
 
 @triton.jit
@@ -63,20 +83,23 @@ def _rank_row_tile(tile, num_rows, n, dense, W_PAD: tl.constexpr, BLOCK_R: tl.co
 
 
 @triton.jit
-def _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, W: tl.constexpr, W_PAD: tl.constexpr, P: tl.constexpr,
-                     HEADER_ROWS: tl.constexpr, PRIVATE_OFFSET_BYTES: tl.constexpr, SD_BYTES: tl.constexpr):
+def _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, before, W: tl.constexpr, W_PAD: tl.constexpr,
+                     P: tl.constexpr, HEADER_ROWS: tl.constexpr, PRIVATE_OFFSET_BYTES: tl.constexpr,
+                     SD_BYTES: tl.constexpr, peer_recv_bytes_ptr, col, RELAY: tl.constexpr = False):
     """Where source s's rows for this rank are, [W_PAD] int64 each: row j at first[s] + j*Sd for j < split[s],
     else at rest[s] + j*Sd. A node peer's are in its send buffer (from its rank-major offset off[s]); a remote
     one's in this rank's recv buffer, its private slot then its remainder run (`unpack_tokens_by_expert`'s
-    geometry, with rows per (token, rank) in place of routes)."""
+    geometry, with rows per (token, rank) in place of routes), or with RELAY in the recv buffer of its relay
+    col[s] (`peer_recv_bytes_ptr`, the node peers' recv buffers)."""
     s_idx = tl.arange(0, W_PAD)
     peer = tl.load(peer_send_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
     pull = peer >= 0
-    rest = tl.maximum(n - P, 0)
-    remainder_row = W * (HEADER_ROWS + P) + tl.cumsum(rest, axis=0) - rest
+    recv = recv_bytes + tl.zeros([W_PAD], dtype=tl.int64)
+    if RELAY:
+        recv = tl.load(peer_recv_bytes_ptr + col, mask=(s_idx < W) & ~pull, other=0)
     first = tl.where(pull, peer + off * SD_BYTES,
-                     recv_bytes + PRIVATE_OFFSET_BYTES + (s_idx.to(tl.int64) * (HEADER_ROWS + P) + HEADER_ROWS) * SD_BYTES)
-    return first, recv_bytes + (remainder_row - P) * SD_BYTES, tl.where(pull, 1 << 62, P)
+                     recv + PRIVATE_OFFSET_BYTES + (s_idx.to(tl.int64) * (HEADER_ROWS + P) + HEADER_ROWS) * SD_BYTES)
+    return first, recv + (W * (HEADER_ROWS + P) + before - P) * SD_BYTES, tl.where(pull, 1 << 62, P)
 
 
 @triton.jit
@@ -93,6 +116,42 @@ def _pick(table, src, W_PAD: tl.constexpr):
 
 
 @triton.jit
+def _relay_partial_bases(n, remote):
+    """[W_PAD] int64: partial-region row of each remote source's row 0 (`plan.relay_partial_bases`): the
+    rows of the remote sources before it (n[s'] = rows s' sent its relay on this node), dense."""
+    into_node = tl.where(remote > 0, n, 0)
+    return tl.cumsum(into_node, axis=0) - into_node
+
+
+@triton.jit
+def _store_combine_rows(base_ptr, dst_b, h0, acc, row_ok, Y_TY: tl.constexpr, H: tl.constexpr, ITEM_BYTES: tl.constexpr,
+                        ALIGN_BYTES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+                        Q_BLOCK: tl.constexpr, SCALE_OFFSET_BYTES: tl.constexpr, FP8_VIA_BITS: tl.constexpr):
+    """Columns [h0, h0 + BLOCK_H) of the fp32 rows `acc` rounded once into combine rows at byte `dst_b` [BLOCK_R]
+    (rows where `row_ok`): fp8 e4m3 blocks of Q_BLOCK with their fp32 scales (BLOCK_H is whole blocks), bf16
+    to nearest even, or a cast to Y_TY."""
+    # (without the hint every element is stored alone: 2-byte, or 1-byte fp8, stores)
+    dst_b = tl.multiple_of(dst_b, ALIGN_BYTES)
+    cols = h0 + tl.arange(0, BLOCK_H)
+    mask = row_ok[:, None] & (cols < H)[None, :]
+    if FP8:
+        G: tl.constexpr = BLOCK_H // Q_BLOCK
+        q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False, True)
+        d.fp8_e4m3_store(base_ptr, dst_b[:, None] + cols[None, :], tl.reshape(q, (BLOCK_R, BLOCK_H)), mask,
+                         FP8_VIA_BITS)
+        group = h0 // Q_BLOCK + tl.arange(0, G)
+        tl.store(base_ptr.to(tl.pointer_type(tl.float32)) + ((dst_b + SCALE_OFFSET_BYTES) // 4)[:, None] + group[None, :],
+                 tl.reshape(scale, (BLOCK_R, G)), mask=row_ok[:, None] & (group < (H + Q_BLOCK - 1) // Q_BLOCK)[None, :])
+    else:
+        base_y = base_ptr.to(tl.pointer_type(Y_TY))
+        dst = tl.multiple_of(dst_b // ITEM_BYTES, ALIGN_BYTES // ITEM_BYTES if ALIGN_BYTES > ITEM_BYTES else 1)
+        if Y_TY == tl.bfloat16:
+            tl.store(base_y + dst[:, None] + cols[None, :], _f32_to_bf16_rtne(acc), mask=mask)
+        else:
+            tl.store(base_y + dst[:, None] + cols[None, :], acc.to(Y_TY), mask=mask)
+
+
+@triton.jit
 def _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask):
     """acc + w_k * y[row of route k] for the tile's rows whose route k is here (k order, one product and one add,
     each rounded to fp32: the reference's sum)."""
@@ -104,14 +163,33 @@ def _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mas
 
 
 @triton.jit
+def _route_ids(base_i32, meta_words, is_row, kk, K: tl.constexpr):
+    """[BLOCK_R, K_PAD] int64: the K expert ids of each row's metadata (-1 outside the rows and k < K)."""
+    km = is_row[:, None] & (kk[None, :] < K)
+    return tl.load(base_i32 + meta_words[:, None] + kk[None, :], mask=km, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _node_holder(ids, L: tl.constexpr, NODE_SIZE: tl.constexpr):
+    """Per node-local expert id of a relayed row (in [0, NODE_SIZE * L)): the index on the node of the rank
+    holding it, -1 for -1 and anything out of range."""
+    return tl.where((ids >= 0) & (ids < NODE_SIZE * L), ids // L, -1)
+
+
+@triton.jit
 def _expert_rows(base_i32, meta_words, is_row, src, kk, out_start, fit, K: tl.constexpr, L: tl.constexpr,
-                 W_PAD: tl.constexpr, BLOCK_R: tl.constexpr, K_PAD: tl.constexpr):
+                 W_PAD: tl.constexpr, BLOCK_R: tl.constexpr, K_PAD: tl.constexpr, relayed, local_index,
+                 RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1):
     """[BLOCK_R, K_PAD] int64: the expert-major output row of each (received row, k) from the row's metadata
     (local expert l, position pos among the source's routes to it): out_start[l, s] + pos; -1 where route k
     is not for this rank, or past the pair's rows that fit (its count, or the expert capacity). A metadata
-    value out of range is dropped, never written through."""
+    value out of range is dropped, never written through. With RELAY, the rows with `relayed` [BLOCK_R] set
+    carry node-local ids: route k is this rank's when its id // L is this rank's `local_index` on the node."""
     km = is_row[:, None] & (kk[None, :] < K)
-    lk = tl.load(base_i32 + meta_words[:, None] + kk[None, :], mask=km, other=-1).to(tl.int64)
+    lk = _route_ids(base_i32, meta_words, is_row, kk, K)
+    if RELAY:
+        holder = _node_holder(lk, L, NODE_SIZE)
+        lk = tl.where(relayed[:, None], tl.where(holder == local_index, lk - holder * L, -1), lk)
     pk = tl.load(base_i32 + meta_words[:, None] + K + kk[None, :], mask=km, other=0).to(tl.int64)
     valid = km & (lk >= 0) & (lk < L)
     pair = tl.reshape(tl.where(valid, lk * W_PAD + src[:, None], 0), (BLOCK_R * K_PAD,))
@@ -130,11 +208,13 @@ def _first_route_per_rank_kernel(
     out_ptr,         # (T, K) int32, contiguous: out, the destination rank of the token's first route there, else -1
     num_tokens, num_experts,
     K: tl.constexpr, K_PAD: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
+    sender=0, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1,  # the relay: rows to other nodes' relays
 ):
     """Grid: cdiv(T, BLOCK_T). Route (t, k) opens the row of (t, rank of its expert) when no live route
-    k' < k of the token goes to the same rank: `route_tokens` on these ranks then numbers the rows."""
+    k' < k of the token goes to the same rank: `route_tokens` on these ranks then numbers the rows. With RELAY
+    the rank of an expert on another node is `sender`'s relay there: one row per (token, remote node)."""
     tokens, kk, m, expert, live = _token_routes(indices_ptr, num_tokens, num_experts, K, K_PAD, BLOCK_T)
-    dest = tl.where(live, expert // L, -1)
+    dest = tl.where(live, _row_destination(expert // L, sender, RELAY, NODE_SIZE), -1)
     taken = dest < -1  # all False, of the tile's shape
     for j in range(K):
         dj = _column(dest, kk, j)
@@ -156,10 +236,13 @@ def _stamp_rank_rows_kernel(
     SD_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     # Only remote rows staged (SPLIT): rows outside [node_slots[0], node_slots[1]) are at remote_send_bytes.
     node_slots_ptr=None, remote_send_bytes=0, SPLIT: tl.constexpr = False,
+    sender=0, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1,  # the relay (as the first-route kernel)
 ):
     """Grid: cdiv(T, BLOCK_T). Into every row a token opens (the row of (t, rank r)), after the scales: for
     each k, the local expert of route k when it goes to r (else -1), its position among this rank's routes
-    to that expert (its slot minus the expert's first slot), and with HAS_WEIGHTS the K weights."""
+    to that expert (its slot minus the expert's first slot), and with HAS_WEIGHTS the K weights. With RELAY a
+    row to a relay r (another node) names, per k, the node-local expert (expert - first expert of r's node)
+    of each route to that node."""
     tokens, kk, m, expert, live = _token_routes(indices_ptr, num_tokens, num_experts, K, K_PAD, BLOCK_T)
     slot = tl.load(route_slot_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
     live = live & (slot >= 0)  # bound_m and bad indices: route_tokens decided
@@ -168,8 +251,10 @@ def _stamp_rank_rows_kernel(
     first = tl.cumsum(counts, axis=0) - counts
     flat = tl.reshape(tl.where(live, expert, 0), (BLOCK_T * K_PAD,))
     pos = slot - tl.reshape(tl.gather(first, flat, 0), (BLOCK_T, K_PAD))
-    dest = tl.where(live, expert // L, -1)
+    dest = tl.where(live, _row_destination(expert // L, sender, RELAY, NODE_SIZE), -1)
     local = expert - (expert // L) * L
+    if RELAY:  # a relay forwards the row to every rank of its node a route hits: ids relative to the node
+        local = tl.where(dest // NODE_SIZE != sender // NODE_SIZE, expert - (dest // NODE_SIZE) * NODE_SIZE * L, local)
     opens = tl.load(send_row_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
     if HAS_WEIGHTS:
         w = tl.load(weights_ptr + tokens[:, None] * stride_w_t + kk[None, :] * stride_w_k, mask=m, other=0.0)
@@ -221,10 +306,14 @@ def _expand_rank_rows_kernel(
     ERROR_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     aborted_ptr=None, CALL_ABORTED_WORD: tl.constexpr = 0, ABORT_AT_COMBINE: tl.constexpr = False,
     out_ranges_ptr=None, HAS_RANGES: tl.constexpr = False,
+    # The relay: a remote source's rows are in its relay's recv buffer (a node peer's: peer_recv_bytes_ptr)
+    peer_recv_bytes_ptr=None, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1,
 ):
     """Compiled as `moe_a2a::dispatch()`. Grid: (G,) persistent programs over tiles of BLOCK_R received rows
     (numbered source-major). Each row is read once and written to the output row of every k its metadata
-    names (`_expert_rows`): the expert-major output of `unpack_tokens_by_expert`, same rows, same order."""
+    names (`_expert_rows`): the expert-major output of `unpack_tokens_by_expert`, same rows, same order. With
+    RELAY a remote source's rows are all the rows it sent its relay on this node (node-local ids); the payload
+    of a row none of whose routes is this rank's is not read."""
     pid = tl.program_id(0)
     ok = pid >= 0
     if NODE_SYNC:
@@ -239,9 +328,11 @@ def _expand_rank_rows_kernel(
     NPAIR: tl.constexpr = L_PAD * W_PAD
     out_start = tl.reshape(out_start, (NPAIR,))
     fit = tl.reshape(fit, (NPAIR,))
-    n, off, dense = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD)
-    first, rest, split = _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, W, W_PAD, P, HEADER_ROWS,
-                                          PRIVATE_OFFSET_BYTES, SD_BYTES)
+    n, off, dense, before, col = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD, P, RELAY,
+                                                   NODE_SIZE)
+    first, rest, split = _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, before, W, W_PAD, P, HEADER_ROWS,
+                                          PRIVATE_OFFSET_BYTES, SD_BYTES, peer_recv_bytes_ptr, col, RELAY)
+    remote = ((tl.arange(0, W_PAD) // NODE_SIZE) != rank // NODE_SIZE).to(tl.int32)
     num_rows = tl.where(ok, tl.sum(n, axis=0), 0)
 
     word_ty: tl.constexpr = out_x_ptr.dtype.element_ty
@@ -252,12 +343,15 @@ def _expand_rank_rows_kernel(
         is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
         src_bytes = _row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES)
         rows = _expert_rows(base_i32, (src_bytes + META_OFFSET_BYTES) // 4, is_row, src, kk, out_start, fit, K, L,
-                            W_PAD, BLOCK_R, K_PAD)
+                            W_PAD, BLOCK_R, K_PAD, _pick(remote, src, W_PAD) > 0, rank % NODE_SIZE, RELAY, NODE_SIZE)
         rows = tl.where(rows < num_out_rows, rows, -1)
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
+        needed = is_row
+        if RELAY:  # a relayed row for node peers only: its payload stays where it is
+            needed = is_row & (tl.max(rows, axis=1) >= 0)
         for c0 in range(0, X_WORDS, BLOCK_W):  # each chunk read once, written to every expert row of the row
             cols = c0 + tl.arange(0, BLOCK_W)
-            mask = is_row[:, None] & (cols < X_WORDS)[None, :]
+            mask = needed[:, None] & (cols < X_WORDS)[None, :]
             v = tl.load(base_words + src_words[:, None] + cols[None, :], mask=mask)
             for k in range(K):
                 out_row = _column(rows, kk, k)
@@ -266,7 +360,7 @@ def _expand_rank_rows_kernel(
         if HAS_SCALES:  # chunks of BLOCK_W columns, as the payload (copy_row_columns says why)
             for c0 in range(0, S, BLOCK_W):
                 cols = c0 + tl.arange(0, BLOCK_W)
-                mask = is_row[:, None] & (cols < S)[None, :]
+                mask = needed[:, None] & (cols < S)[None, :]
                 v = tl.load(base_i32 + ((src_bytes + SCALE_OFFSET_BYTES) // 4)[:, None] + cols[None, :], mask=mask)
                 for k in range(K):
                     out_row = _column(rows, kk, k)
@@ -305,26 +399,33 @@ def _reduce_rank_rows_by_source_kernel(
     PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0, ERROR_WORD: tl.constexpr = 0,
     PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     aborted_ptr=None, ABORT_BYTES: tl.constexpr = 0,
+    # The relay: remote sources' rows walked as the expand's RELAY, their partials kept fp32 at partial_bytes
+    partial_bytes=0, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1, PARTIAL_STRIDE_BYTES: tl.constexpr = 0,
 ):
     """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
     BLOCK_R received rows (as the expand) for each BLOCK_H-element chunk of the hidden dimension. Row j of
     source s: partial = sum_k w_k * y[row_k] over the k whose expert is here, in fp32
     in k order, rounded once to out_dtype and stored in s's recv buffer at the slot of its dispatch row
-    (combine region + (off[s] + j) * Sc). With NODE_SYNC the last program tells every node peer (as the
-    route-row combine pack does)."""
+    (combine region + (off[s] + j) * Sc). With RELAY, row j of a remote source s (in its relay's recv buffer)
+    with a route here: the partial unrounded, at row base[s] + j of this rank's partial region
+    (`plan.relay_partial_bases`), for the relay's `_reduce_relayed_rows_kernel`. With NODE_SYNC the last
+    program tells every node peer (as the route-row combine pack does)."""
     pid = tl.program_id(0)
     _, _, out_start, _, _, _, _, fit, _ = d.recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
     NPAIR: tl.constexpr = L_PAD * W_PAD
     out_start = tl.reshape(out_start, (NPAIR,))
     fit = tl.reshape(fit, (NPAIR,))
-    n, off, dense = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD)
+    n, off, dense, before, col = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD, P, RELAY,
+                                                   NODE_SIZE)
     num_rows = tl.sum(n, axis=0)
     if NODE_SYNC:
         num_rows = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_rows, 0)
-    first, rest, split = _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, W, W_PAD, P, HEADER_ROWS,
-                                          PRIVATE_OFFSET_BYTES, SD_BYTES)
+    first, rest, split = _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, before, W, W_PAD, P, HEADER_ROWS,
+                                          PRIVATE_OFFSET_BYTES, SD_BYTES, peer_recv_bytes_ptr, col, RELAY)
     s_idx = tl.arange(0, W_PAD)
+    remote = ((s_idx // NODE_SIZE) != rank // NODE_SIZE).to(tl.int32)
+    pbase = _relay_partial_bases(n, remote)
     home = tl.load(peer_recv_bytes_ptr + s_idx, mask=s_idx < W, other=-1)
     # A node home's reduced rows go to its combine region at its rows' slots; a remote home's are staged
     # source-major for the proxy's combine write (`plan.combine_stage_offsets`, rows per (token, rank)).
@@ -335,20 +436,18 @@ def _reduce_rank_rows_by_source_kernel(
                                         KERNEL_WAIT), num_rows, 0)
 
     y_ty: tl.constexpr = expert_y_ptr.dtype.element_ty
-    base_y = base_ptr.to(tl.pointer_type(y_ty))
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
     base_f32 = base_ptr.to(tl.pointer_type(tl.float32))
     kk = tl.arange(0, K_PAD)
     for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
         is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
         meta = (_row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES) + META_OFFSET_BYTES) // 4
-        rows = _expert_rows(base_i32, meta, is_row, src, kk, out_start, fit, K, L, W_PAD, BLOCK_R, K_PAD)
+        relayed = _pick(remote, src, W_PAD) > 0
+        rows = _expert_rows(base_i32, meta, is_row, src, kk, out_start, fit, K, L, W_PAD, BLOCK_R, K_PAD, relayed,
+                            rank % NODE_SIZE, RELAY, NODE_SIZE)
         rows = tl.where(rows < num_y_rows, rows, -1)
         w = tl.load(base_f32 + meta[:, None] + 2 * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
                     other=0.0)
-        # (without the hint every element is stored alone: 2-byte, or 1-byte fp8, stores)
-        dst_b = tl.multiple_of(_pick(back, src, W_PAD) + j * SC_BYTES, ALIGN_BYTES)
-        dst = tl.multiple_of(dst_b // ITEM_BYTES, ALIGN_BYTES // ITEM_BYTES if ALIGN_BYTES > ITEM_BYTES else 1)
         h0 = tl.program_id(1) * BLOCK_H  # one chunk of the hidden dimension per program: many loads in flight
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = is_row[:, None] & (cols < H)[None, :]
@@ -359,18 +458,15 @@ def _reduce_rank_rows_by_source_kernel(
         else:  # a long top-k: a loop, not K copies of the body
             for k in range(K):
                 acc = _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask)
-        if FP8:  # the fp32 partial quantised in blocks of Q_BLOCK (BLOCK_H is whole blocks)
-            G: tl.constexpr = BLOCK_H // Q_BLOCK
-            q, scale = d.fp8_block_quantize(tl.reshape(acc, (BLOCK_R * G, Q_BLOCK)), False, True)
-            d.fp8_e4m3_store(base_ptr, dst_b[:, None] + cols[None, :], tl.reshape(q, (BLOCK_R, BLOCK_H)), mask,
-                             FP8_VIA_BITS)
-            group = h0 // Q_BLOCK + tl.arange(0, G)
-            tl.store(base_f32 + ((dst_b + SCALE_OFFSET_BYTES) // 4)[:, None] + group[None, :],
-                     tl.reshape(scale, (BLOCK_R, G)), mask=is_row[:, None] & (group < (H + Q_BLOCK - 1) // Q_BLOCK)[None, :])
-        elif y_ty == tl.bfloat16:
-            tl.store(base_y + dst[:, None] + cols[None, :], _f32_to_bf16_rtne(acc), mask=mask)
-        else:
-            tl.store(base_y + dst[:, None] + cols[None, :], acc.to(y_ty), mask=mask)
+        rounded = is_row
+        if RELAY:  # a remote source's row with a route here: the fp32 partial, for its relay on this node
+            holder = _node_holder(_route_ids(base_i32, meta, is_row, kk, K), L, NODE_SIZE)
+            has = tl.max(tl.where(holder == rank % NODE_SIZE, 1, 0), axis=1) > 0
+            at = (partial_bytes + (_pick(pbase, src, W_PAD) + j) * PARTIAL_STRIDE_BYTES) // 4
+            tl.store(base_f32 + at[:, None] + cols[None, :], acc, mask=(relayed & has)[:, None] & (cols < H)[None, :])
+            rounded = is_row & ~relayed
+        _store_combine_rows(base_ptr, _pick(back, src, W_PAD) + j * SC_BYTES, h0, acc, rounded, y_ty, H, ITEM_BYTES,
+                            ALIGN_BYTES, BLOCK_R, BLOCK_H, FP8, Q_BLOCK, SCALE_OFFSET_BYTES, FP8_VIA_BITS)
     if NODE_SYNC:
         d.combine_send_epilogue(base_ptr, counter_ptr, failed_ptr, peer_sync_bytes_ptr, aborted_ptr, epoch_ptr, flags_ptr,
                                 rank, node_first, READY_BYTES, ABORT_BYTES, NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)

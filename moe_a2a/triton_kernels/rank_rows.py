@@ -61,6 +61,16 @@ def _fp8_args(cfg: A2AConfig, device: torch.device) -> dict:
                 FP8_VIA_BITS=device.type != "cuda")
 
 
+def _relay_recv_args(layout: Layout, peer_recv_bytes: torch.Tensor | None, device: torch.device) -> dict:
+    """Kernel arguments of a receiver's relay walk (`layout.relay`): the node peers' recv buffers."""
+    if not layout.relay:
+        if peer_recv_bytes is not None:
+            check.fail("peer_recv_bytes", "None (layout.relay is False)", "a tensor")
+        return {}
+    check.peer_table("peer_recv_bytes", peer_recv_bytes, layout.world_size, device)
+    return dict(peer_recv_bytes_ptr=peer_recv_bytes, RELAY=True, NODE_SIZE=layout.node_size)
+
+
 def _check_rank_layout(cfg: A2AConfig, layout: Layout) -> tuple[int, int]:
     check.config(cfg)
     check.layout(layout, cfg)
@@ -71,7 +81,7 @@ def _check_rank_layout(cfg: A2AConfig, layout: Layout) -> tuple[int, int]:
 
 def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: torch.Tensor,
                          out_rank_slot: torch.Tensor, scratch: torch.Tensor, bound_m: torch.Tensor | None = None,
-                         abort: bool = False, **routing_args) -> None:
+                         abort: bool = False, rank: int | None = None, **routing_args) -> None:
     """Rows per destination rank and the row each route opens.
 
     Args:
@@ -85,28 +95,39 @@ def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: t
             launches can be remembered).
         bound_m, abort: as `route_tokens`; `routing_args`: its `out_node_slots` / `node_experts` (here this
             node's ranks) and `out_send_row` / `private_stage` (remote peers' first rows staged privately).
+        rank: this rank, needed with `layout.relay`: a route to another node's expert then opens the row of (t,
+            this rank's relay on that node), so rows to ranks of other nodes go to relays only (one per (token, node)).
     No host sync; CUDA-graph safe. Two or three launches."""
-    key = _key(indices, layout, out_rank_rows, out_rank_slot, scratch, bound_m, bool(abort))  # (the first launch's)
+    key = _key(indices, layout, out_rank_rows, out_rank_slot, scratch, bound_m, bool(abort), rank)  # (the first launch's)
     if key is None or not _FIRST.hit(key):
         check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
-        _first_route_per_rank(indices, layout, out_rank_slot, scratch, key)
+        _first_route_per_rank(indices, layout, out_rank_slot, scratch, key, rank)
     route_tokens(scratch, layout.world_size, out_counts=out_rank_rows, out_route_slot=out_rank_slot, bound_m=bound_m,
                  abort=abort, **routing_args)
 
 
-def _first_route_per_rank(indices, layout, out_rank_slot, scratch, key) -> None:
+def _relay_args(layout: Layout, rank: int | None) -> dict:
+    """Kernel arguments of the send half's relay mapping (`layout.relay`; nothing otherwise)."""
+    if not layout.relay:
+        return {}
+    check.integer("rank", rank, 0, layout.world_size)
+    return dict(sender=rank, RELAY=True, NODE_SIZE=layout.node_size)
+
+
+def _first_route_per_rank(indices, layout, out_rank_slot, scratch, key, rank) -> None:
     T, K = indices.shape
     for name, t in (("out_rank_slot", out_rank_slot), ("scratch", scratch)):
         check.tensor(name, t, dtypes=(torch.int32,), shape=(T, K), device=indices.device, strides="contiguous")
     # T = 0 launches too (nothing to do): a remembered launch then needs no second path
     _FIRST.launch(key, (max(1, ceil_div(T, BLOCK_TOKENS)),), indices, scratch, T, layout.num_experts,
-                  K=K, K_PAD=next_power_of_2(K), L=layout.num_local_experts, BLOCK_T=BLOCK_TOKENS, num_warps=4)
+                  K=K, K_PAD=next_power_of_2(K), L=layout.num_local_experts, BLOCK_T=BLOCK_TOKENS, num_warps=4,
+                  **_relay_args(layout, rank))
 
 
 def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, send_row: torch.Tensor, counts: torch.Tensor,
                     weights: torch.Tensor | None, send_base: torch.Tensor, send_offset_bytes: int, cfg: A2AConfig,
                     layout: Layout, remote_send_offset_bytes: int | None = None,
-                    node_slots: torch.Tensor | None = None) -> None:
+                    node_slots: torch.Tensor | None = None, rank: int | None = None) -> None:
     """Write the metadata of every row this rank sends (`A2AConfig.rank_meta_offset_bytes`): per k, the
     local expert of route k when it goes to the row's rank (else -1) and its position among this rank's
     routes to that expert; with `cfg.combine_rows == "rank"` also the K weights.
@@ -120,9 +141,11 @@ def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, send_row: t
         weights: `[T, K]` float32 (any strides) when `cfg.combine_rows == "rank"`, else None.
         send_base, send_offset_bytes: the byte address space and the send buffer's offset in it.
         remote_send_offset_bytes, node_slots: only remote rows staged, as the pack's (both or neither).
+        rank: this rank, needed with `layout.relay`: a row to a relay (another node) then names per k the
+            node-local expert (`expert - first expert of the relay's node`) of each route to that node.
     No host sync; CUDA-graph safe."""
     key = _key(indices, route_slot, send_row, counts, weights, send_base, send_offset_bytes, cfg, layout,
-               remote_send_offset_bytes, node_slots)
+               remote_send_offset_bytes, node_slots, rank)
     if key is not None and _STAMP.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -144,24 +167,28 @@ def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, send_row: t
                   weights.stride(0) if with_weights else 0, weights.stride(1) if with_weights else 0,
                   K=K, K_PAD=next_power_of_2(K), L=L, E_PAD=next_power_of_2(E), BLOCK_T=BLOCK_TOKENS,
                   SD_BYTES=cfg.dispatch_stride_bytes, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
-                  HAS_WEIGHTS=with_weights, num_warps=4, **split)
+                  HAS_WEIGHTS=with_weights, num_warps=4, **split, **_relay_args(layout, rank))
 
 
 def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Tensor,
                      out_expert_x_scale: torch.Tensor | None, counts: torch.Tensor, rank_rows: torch.Tensor,
                      rank: int, base: torch.Tensor, peer_send_bytes: torch.Tensor, recv_bytes: int, cfg: A2AConfig,
                      layout: Layout, node: NodeSync | None = None, copy_bytes: int | None = None,
-                     out_source_ranges: torch.Tensor | None = None) -> None:
+                     out_source_ranges: torch.Tensor | None = None, peer_recv_bytes: torch.Tensor | None = None) -> None:
     """The receive half of per-rank dispatch rows: `unpack_tokens_by_expert`'s outputs (same rows, same
     order, `reference.dispatch`), each received row read once and written to every expert row it names.
 
     Args: as `dispatch.unpack_tokens_by_expert` (scales `[R, num_scales]`; a node peer's rows are pulled from
     its send buffer, a remote source's are in this rank's recv buffer at `recv_bytes`, its private slot then
     its remainder run), plus `rank_rows`: `[W, W]` int32, row s = rows source s sends to each rank (the count
-    rows' last W ints). No host sync; CUDA-graph safe."""
+    rows' last W ints). With `layout.relay`, `peer_recv_bytes`: `[W]` int64, the node peers' recv buffers from
+    `base` (this rank's too; -1: remote): a remote source's rows are all the rows it sent its relay on this node,
+    in that relay's recv buffer (its private slot, then its run of the relay geometry,
+    `plan.relay_remainder_offsets`), and only those with a route here are read past their metadata.
+    No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "dispatch_recv", base)
     key = _key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank_rows, rank, base, peer_send_bytes,
-               recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges)
+               recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, peer_recv_bytes)
     if key is not None and _EXPAND.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -182,6 +209,7 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
     if out_source_ranges is not None:
         check.tensor("out_source_ranges", out_source_ranges, dtypes=(torch.int64,), shape=(L, W), device=device,
                      strides="contiguous")
+    relay = _relay_recv_args(layout, peer_recv_bytes, device)
     out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
     word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, base.data_ptr(),
                                                recv_bytes, layout.private_offset_bytes, cfg.dispatch_stride_bytes)
@@ -205,13 +233,13 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
         BLOCK_W=block_w, HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity,
         CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED), ABORT_WORD=flag_word(Flag.ABORTED),
         out_ranges_ptr=out_source_ranges, HAS_RANGES=out_source_ranges is not None,
-        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args)
+        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args, **relay)
 
 
 def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, rank_rows: torch.Tensor, rank: int,
                                base: torch.Tensor, peer_send_bytes: torch.Tensor, peer_recv_bytes: torch.Tensor,
                                recv_bytes: int, stage_bytes: int, cfg: A2AConfig, layout: Layout,
-                               node: NodeSync | None = None) -> None:
+                               node: NodeSync | None = None, partial_bytes: int | None = None) -> None:
     """The combine send half with `combine_rows="rank"`: for every row this rank received, the sum over its
     k whose expert is here of `w_k * expert_y[row of (l_k, pos_k)]`, in fp32 in k order, rounded once to
     out_dtype, into the home's recv buffer (combine region) at the slot of the row it sent.
@@ -222,10 +250,14 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     `peer_recv_bytes`: `[W]` int64, node peers' recv buffers from `base` (-1: remote); `stage_bytes`: this
     rank's combine staging area, where rows for remote home s go at row `sum_{s' < s} rows s' sent here`
     (the combine write plan's source, `plan.combine_stage_offsets` in rows per (token, rank)).
+    With `layout.relay`, `partial_bytes`: this rank's partial region from `base` (`Layout.relay_partial_offset_bytes`
+    of its send buffer): a remote source's rows are walked as `expand_rank_rows` walks them (in its relay's recv
+    buffer, `peer_recv_bytes`), and each with a route here leaves its fp32 partial, unrounded, at row
+    `plan.relay_partial_bases(...)[s] + j` there for the relay (`relay.reduce_relayed_rows`); nothing is staged.
     No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "combine_send", base)
     key = _key(expert_y, counts, rank_rows, rank, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,
-               cfg, layout, node)
+               cfg, layout, node, partial_bytes)
     if key is not None and _BY_SOURCE.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -240,6 +272,15 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     check.peer_table("peer_recv_bytes", peer_recv_bytes, W, device)
     check.integer("recv_bytes", recv_bytes)
     check.integer("stage_bytes", stage_bytes)
+    relay = {}
+    if layout.relay:
+        check.integer("partial_bytes", partial_bytes)
+        if (base.data_ptr() + partial_bytes) % 16:
+            check.fail("partial_bytes", "base + it 16-byte aligned (fp32 partial rows)", str(partial_bytes))
+        relay = dict(partial_bytes=partial_bytes, RELAY=True, NODE_SIZE=layout.node_size,
+                     PARTIAL_STRIDE_BYTES=layout.relay_partial_stride_bytes)
+    elif partial_bytes is not None:
+        check.fail("partial_bytes", "None (layout.relay is False)", str(partial_bytes))
     H, item = cfg.hidden_dim, cfg.out_itemsize
     grid, block_r = launch.persistent_grid(device, layout, REDUCE_ROWS_PER_TILE)
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 2 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
@@ -262,7 +303,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, ITEM_BYTES=item,
         BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity, ALIGN_BYTES=align,
-        num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args,
+        num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args, **relay,
         # `acc + w * y` as two roundings, as the reference: an FMA moves a partial by an ulp, which flips its
         # fp8 rounding at ties (0.3% of elements with the toy expert's coarse outputs, reproduced on CPU)
         **no_fma)
