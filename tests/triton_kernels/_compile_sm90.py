@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile).
     python3 -m tests.triton_kernels._compile_sm90 pack           # dispatch pack (copy and fused fp8), quantize_fp8
     python3 -m tests.triton_kernels._compile_sm90 wait           # the separate wait, shrink mode's included
     python3 -m tests.triton_kernels._compile_sm90 rank_rows      # per-rank rows' kernels, RANK_ROWS write plans
+    python3 -m tests.triton_kernels._compile_sm90 relay          # the relay's variants and reduce_relayed_rows
 """
 import inspect
 import sys
@@ -225,9 +226,61 @@ def main_rank_rows() -> None:
     print("compiled", [k.name for k in kernels])
 
 
+def main_relay() -> None:
+    """The relay's kernels (`relay.py`, RELAY variants of `rank_rows.py`'s) at W=16 on two nodes of 8, bf16 and
+    fp8 combine rows, with node synchronisation and a proxy."""
+    import triton.language as tl
+
+    from moe_a2a.triton_kernels import _rank_rows_kernels as rk
+    from moe_a2a.triton_kernels import _relay_kernels
+
+    kernels = []
+    for fp8 in (False, True):
+        cfg = A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=7168,
+                        in_dtype=torch.float8_e4m3fn, dispatch_rows="rank", combine_rows="rank", combine_fp8=fp8)
+        lay = cfg.layout(16, 8, relay=True)
+        L = lay.num_local_experts
+        shape = dict(W=16, L=L, W_PAD=16, K=8, K_PAD=8)
+        relay = dict(RELAY=True, NODE_SIZE=8)
+        sync = dict(NODE_SYNC=True, HAS_PROXY=True, USE_PTX=True, NODE=8, KERNEL_WAIT=True)
+        ptrs = dict(failed_ptr="*i64", counter_ptr="*i32", epoch_ptr="*i64", flags_ptr="*i64",
+                    peer_sync_bytes_ptr="*i64", aborted_ptr="*i64", counts_ptr="*i32", rank_rows_ptr="*i32",
+                    base_ptr="*u8", peer_send_bytes_ptr="*i64", peer_recv_bytes_ptr="*i64",
+                    peer_partial_bytes_ptr="*i64", indices_ptr="*i32", out_ptr="*i32", route_slot_ptr="*i32",
+                    send_row_ptr="*i32", weights_ptr="*fp32", out_num_tokens_ptr="*i32", out_x_ptr="*i32",
+                    out_scale_ptr="*i32", out_ranges_ptr="*i64", expert_y_ptr="*bf16")
+        fp8_args = dict(FP8=fp8, Q_BLOCK=128, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=False)
+        places = dict(P=lay.private_rows, HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0,
+                      META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes)
+        kernels += [
+            _compile(rk._first_route_per_rank_kernel, ptrs, dict(K=8, K_PAD=8, L=L, BLOCK_T=32, **relay)),
+            _compile(rk._stamp_rank_rows_kernel, ptrs,
+                     dict(K=8, K_PAD=8, L=L, E_PAD=256, BLOCK_T=32, SD_BYTES=cfg.dispatch_stride_bytes,
+                          META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, HAS_WEIGHTS=True, **relay)),
+            _compile(rk._expand_rank_rows_kernel, ptrs,
+                     dict(PAD=1, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
+                          WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512, HAS_SCALES=True, CAPACITY=0,
+                          CAPACITY_WORD=1, ABORT_WORD=2, L_PAD=L, NODE_PAD=8, **places, **shape, **sync, **relay)),
+            _compile(rk._reduce_rank_rows_by_source_kernel, ptrs,
+                     dict(PAD=1, H=7168, SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
+                          ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, L_PAD=L, ALIGN_BYTES=16,
+                          PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes, **fp8_args, **places, **shape, **sync,
+                          **relay)),
+            _compile(_relay_kernels._reduce_relayed_rows_kernel, ptrs,
+                     dict(H=7168, SC_BYTES=cfg.combine_stride_bytes, PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes,
+                          ITEM_BYTES=2, Y_TY=tl.bfloat16, BLOCK_R=16, BLOCK_H=256, ALIGN_BYTES=16, NODE_PAD=8,
+                          L=L, W=16, W_PAD=16, K=8, K_PAD=8, NODE_SIZE=8, **places, **fp8_args, **sync)),
+        ]
+    for k in kernels:
+        assert k.asm.get("cubin"), "no cubin"
+    print("compiled", [k.name for k in kernels])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "rank_rows":
         main_rank_rows()
+    elif sys.argv[1] == "relay":
+        main_relay()
     elif sys.argv[1] == "pack":
         main_pack()
     elif sys.argv[1] == "wait":

@@ -53,6 +53,13 @@ def test_rank_row_kernels_compile_for_sm90():
     assert _launch.DISPATCH_SYMBOL in r.stdout and _launch.COMBINE_SYMBOL in r.stdout, r.stdout
 
 
+@pytest.mark.timeout(300)
+def test_relay_kernels_compile_for_sm90():
+    r = _compile("relay")
+    _check(r)
+    assert _launch.DISPATCH_SYMBOL in r.stdout and _launch.COMBINE_SYMBOL in r.stdout, r.stdout
+
+
 def _check(r: subprocess.CompletedProcess) -> None:
     hint = ("\n(Triton's wheel ships ptxas in triton/backends/nvidia/bin; TRITON_PTXAS_PATH overrides it: a "
             "missing one is a broken install)" if "ptxas" in r.stderr.lower() else "")
