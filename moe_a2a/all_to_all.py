@@ -22,6 +22,7 @@ from .runtime.tracing import Tracer
 from .runtime.wiring import Wiring
 from .triton_kernels import combine as combine_kernels
 from .triton_kernels import dispatch as dispatch_kernels
+from .triton_kernels import relay as relay_kernels
 from .triton_kernels import rank_rows, routing, write_plan
 from .triton_kernels.node_sync import launch_wait_apart
 from .triton_kernels.quant import Fp8Quantize
@@ -530,13 +531,14 @@ class AllToAll:
             # pack's count-row copy and publish come last, so the rows' metadata is in place when peers read it
             T = x.shape[0]
             opened = self._rank_slot[:T]
+            relay = {"rank": self.rank} if self.layout.relay else {}  # rows to other nodes go to the relays
             rank_rows.route_tokens_by_rank(indices, self.layout, w.rank_rows[self.rank], opened,
                                            self._rank_scratch[:T], bound_m=bound_m, abort=abort,
-                                           **w.rank_split["route"], **staged)
+                                           **w.rank_split["route"], **staged, **relay)
             if not self.with_proxy:
                 rows = opened
             rank_rows.stamp_rank_rows(indices, slot, rows, w.own_counts, weights, w.base, w.send_offset_bytes,
-                                      self.cfg, self.layout, **w.rank_split["pack"])
+                                      self.cfg, self.layout, **w.rank_split["pack"], **relay)
         if self.with_proxy:  # the proxy posts the private writes this plans once the pack says SEND_READY
             write_plan.plan_private_writes(w.counts, w.write_tables, w.node.epoch, w.flags, self.rank,
                                            self.layout, w.base, w.stage_send_offset_bytes)
@@ -553,13 +555,15 @@ class AllToAll:
             self._status.host_wait("dispatch_plan", self.epoch)
             write_plan.plan_remainder_and_combine_writes(w.counts, w.write_tables, w.node, w.base,
                                                          w.stage_recv_offset_bytes, self.rank, self.layout,
-                                                         combine_rank=self.cfg.combine_rows == "rank")
+                                                         combine_rank=self.cfg.combine_rows == "rank",
+                                                         relay_recv_bytes=w.relay_recv_bytes)
         self._status.host_wait("dispatch_recv", self.epoch)
         aborted = self._status.aborted_sources(self.epoch)
         if self.cfg.rank_rows:
+            relay = {"peer_recv_bytes": w.peer_stage_recv_bytes} if self.layout.relay else {}  # relayed rows
             rank_rows.expand_rank_rows(out_num, out_x, out_x_scale, w.counts, w.rank_rows, self.rank, w.base,
                                        w.peer_send_bytes, w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,
-                                       copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges)
+                                       copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges, **relay)
         else:
             self._unpack(out_num, out_x, out_x_scale, out_source_ranges, out_quantized_scale)
         self._state = _DISPATCH_DONE
@@ -600,10 +604,17 @@ class AllToAll:
         w = self._w
         self._status.host_wait("combine_send", self.epoch)
         if self.cfg.combine_rows == "rank":
+            lay, stage = self.layout, w.stage_send_offset_bytes + self.layout.combine_stage_offset_bytes
+            relay = lay.relay and self.with_proxy
             rank_rows.reduce_rank_rows_by_source(
                 expert_y, w.counts, w.rank_rows, self.rank, w.base, w.peer_send_bytes, w.peer_recv_bytes,
-                w.stage_recv_offset_bytes, w.stage_send_offset_bytes + self.layout.combine_stage_offset_bytes, self.cfg,
-                self.layout, node=w.node)
+                w.stage_recv_offset_bytes, stage, self.cfg, lay, node=w.node,
+                **({"partial_bytes": w.send_offset_bytes + lay.relay_partial_offset_bytes,
+                    "relay_recv_bytes": w.peer_stage_recv_bytes} if relay else {}))
+            if relay:  # the node's partials of the rows this rank relayed: summed, staged for their homes
+                self._status.host_wait("combine_relay", self.epoch)
+                relay_kernels.reduce_relayed_rows(w.rank_rows, self.rank, w.base, w.peer_partial_bytes,
+                                                  w.stage_recv_offset_bytes, stage, self.cfg, lay, node=w.node)
             self._state = _COMBINE_SENT
             return
         combine_kernels.pack_combine_by_source(

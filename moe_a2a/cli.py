@@ -20,7 +20,7 @@ def demo_device(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import _util as t
-    from .bench.main import WIRE_NAMES
+    from .bench.main import WIRE_CHOICES
     from .bench.main import __doc__ as bench_doc
     from .bench.main import build_parser as build_bench_parser
 
@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--iters", type=t.positive_int, default=None,
                       help="calls per rank (default 3 on CPU, 20 on GPU)")
     demo.add_argument("--timeout", type=t.positive_float, default=60.0, help="seconds before any wait gives up")
-    demo.add_argument("--wire", default="per_route", choices=WIRE_NAMES,
+    demo.add_argument("--wire", default="per_route", choices=WIRE_CHOICES,
                       help="how rows travel (reference.WIRE_VARIANTS: A2AConfig's dispatch_rows, combine_rows, "
-                           "combine_fp8; A2AConfig's docstring says where each works); default per_route")
+                           "combine_fp8; relay / relay_fp8 add A2AConfig.relay; A2AConfig's docstring says where "
+                           "each works); default per_route")
     demo.set_defaults(error=demo.error)
 
     sizes = sub.add_parser(
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     sizes.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"],
                        help="dispatch payload: bf16, or fp8 e4m3 with an fp32 scale per 128 (default bf16); "
                             "the combine is bf16")
+    sizes.add_argument("--wire", default="per_route", choices=WIRE_CHOICES,
+                       help="how rows travel (as `moe-a2a bench e2e --wire`): per-rank rows shrink the buffers, the "
+                            "relay adds its fp32 partial region (default per_route)")
     sizes.add_argument("--json", action="store_true", help="print the report as JSON")
     sizes.set_defaults(error=sizes.error)
 
@@ -129,6 +133,7 @@ def _run_sizes(args) -> int:
 
     import torch
 
+    from .bench.demo import wire_config
     from .compat.deep_ep import Buffer
     from .config import A2AConfig
     from .runtime.traffic import sizes_report
@@ -139,6 +144,7 @@ def _run_sizes(args) -> int:
     cfg = A2AConfig(max_num_tokens=args.tokens, num_experts=args.experts, experts_per_token=args.topk,
                     hidden_dim=args.hidden, in_dtype=torch.float8_e4m3fn if args.dtype == "fp8" else torch.bfloat16,
                     out_dtype=torch.bfloat16)
+    cfg = wire_config(cfg, args.wire)
     rep = sizes_report(cfg, args.world, node)
     # The facade's own instances for these shapes (compat/_slots.instance_bytes), not DeepEP's formula.
     rep["deep_ep_facade_hint_bytes"] = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, args.world,
@@ -152,6 +158,8 @@ def _run_sizes(args) -> int:
           f"{rows['count_row_bytes']} B; private rows per sender {rows['private_rows']}")
     first = next(iter(rep["placements"].values()))
     print(f"  send buffer  {_mib(first['send_bytes'])}\n  recv buffer  {_mib(first['recv_bytes'])}")
+    if rows.get("relay_partial_bytes"):
+        print(f"    of which the relay's fp32 partials (send buffer) {_mib(rows['relay_partial_bytes'])}")
     print("  one rank, per placement (AllToAll(buffers=...); on a GPU):")
     for name, b in rep["placements"].items():
         print(f"    {name:<7} GPU {_mib(b['device_bytes'])}   host (segment) {_mib(b['host_bytes'])}")

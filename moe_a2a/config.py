@@ -137,6 +137,12 @@ class A2AConfig:
             `combine_stride_bytes` is `round_up(H, 16) + round_up(4 * ceil(H / 128), 16)`: about half a
             bf16 row on every path (node-local pushes, the proxy's writes, the emulated NIC). `expert_y`
             and the combined tokens stay `out_dtype`.
+        relay: False (default): a token's rows go to each rank its experts are on, across nodes too. True
+            (needs dispatch_rows="rank" and combine_rows="rank"): a token crosses the network once per
+            destination node, to the rank with the sender's local index there (its relay: one rail), whose node
+            peers read it over their mapped memory; the combine is reduced inside the experts' node (fp32
+            partials summed by the relay in rank order) and one row per (token, node) goes home
+            (`reference.dispatch_relay`, `combine_relay`; docs/protocol.md, 3.8). On one node it changes nothing.
     """
 
     __hash__, __getstate__ = _cached_hash, _state_without_hash
@@ -155,6 +161,7 @@ class A2AConfig:
     dispatch_rows: str = "route"
     combine_rows: str = "route"
     combine_fp8: bool = False
+    relay: bool = False
     _scale_block: int | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -212,6 +219,12 @@ class A2AConfig:
                              "with the dispatch rows)")
         if not isinstance(self.combine_fp8, bool):
             raise ValueError(f"A2AConfig.combine_fp8 must be a bool, got {self.combine_fp8!r}")
+        if not isinstance(self.relay, bool):
+            raise ValueError(f"A2AConfig.relay must be a bool, got {self.relay!r}")
+        if self.relay and (self.dispatch_rows, self.combine_rows) != ("rank", "rank"):
+            raise ValueError(f"A2AConfig.relay=True needs dispatch_rows='rank' and combine_rows='rank' (the relay "
+                             f"forwards per-rank rows and reduces the combine in the node), got "
+                             f"dispatch_rows={self.dispatch_rows!r}, combine_rows={self.combine_rows!r}")
         if scale_block is not None and scale_block > MAX_CONFIG_VALUES["hidden_dim"]:
             raise ValueError(f"A2AConfig.scale_block must be <= {MAX_CONFIG_VALUES['hidden_dim']:,}, "
                              f"got {scale_block:,}")
@@ -323,10 +336,11 @@ class A2AConfig:
         """T*K: routes (token, slot) one rank sends at most."""
         return self.max_num_tokens * self.experts_per_token
 
-    def layout(self, world_size: int, node_size: int | None = None, relay: bool = False) -> "Layout":
+    def layout(self, world_size: int, node_size: int | None = None, relay: bool | None = None) -> "Layout":
         """Derived sizes for `world_size` ranks, `node_size` per node (default: all on one node); `relay`:
-        rows to other nodes go through a relay (`Layout.relay`)."""
-        return Layout.from_config(self, world_size, node_size if node_size is not None else world_size, relay)
+        rows to other nodes go through a relay (`Layout.relay`; default `self.relay`)."""
+        return Layout.from_config(self, world_size, node_size if node_size is not None else world_size,
+                                  self.relay if relay is None else relay)
 
 
 def _rows_per_token(experts_per_token: int, world_size: int, per_rank: bool) -> int:

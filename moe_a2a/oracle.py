@@ -16,6 +16,8 @@ exact wherever the result is determined:
   reduced at the experts' rank) it is held against `reference.combine_reduced_at_sender(fp8=cfg.combine_fp8)`,
   with the same bound: exact on the CPU; on a GPU an FMA in a partial sum may move that partial's one
   rounding for the wire, which the one-ulp bound does not cover in general (not yet run on a GPU).
+  With `cfg.relay` (the combine reduced inside the experts' node) against `reference.combine_relay`, which
+  needs the run's `node_size`.
 
 A rank function records a call with `record_call` after filling its outputs with `fill_sentinel`;
 `tests/test_oracle.py` mutates correct results (one dropped route, two swapped rows, a written padding
@@ -86,25 +88,29 @@ def default_max_ulps(device_type: str) -> int:
     return 0 if device_type == "cpu" else 1
 
 
-def check_against_reference(cfg: A2AConfig, results: list, max_ulps: int | None = None) -> list[str]:
+def check_against_reference(cfg: A2AConfig, results: list, max_ulps: int | None = None,
+                            node_size: int | None = None) -> list[str]:
     """Compare every call of every rank with `reference`; return the problems found (empty = all good).
 
     `results[r]["calls"]` are rank r's calls in order, each a `record_call` dict; call i of every rank
     belongs to the same collective call. `max_ulps`: the weighted sum's bound (default by where the
-    call ran: `default_max_ulps`)."""
+    call ran: `default_max_ulps`). `node_size`: ranks per node of the run, needed with `cfg.relay`."""
     problems = []
     for it in range(len(results[0]["calls"])):
         calls = [res["calls"][it] for res in results]
         inputs = [(c["x"], c["x_scale"], c["indices"], c["weights"], c["out_before"] if "out_before" in c else None)
                   for c in calls]
-        problems += check_call(cfg, inputs, dict(enumerate(calls)), max_ulps, where=f"call {it} ")
+        problems += check_call(cfg, inputs, dict(enumerate(calls)), max_ulps, where=f"call {it} ", node_size=node_size)
     return problems
 
 
-def check_call(cfg: A2AConfig, inputs: list, got: dict, max_ulps: int | None = None, where: str = "") -> list[str]:
+def check_call(cfg: A2AConfig, inputs: list, got: dict, max_ulps: int | None = None, where: str = "",
+               node_size: int | None = None) -> list[str]:
     """One collective call: `inputs[s] = (x, x_scale, indices, weights, out_before)` of every source rank
     (out_before None unless `accumulate=True`), `got[r]` the `record_call` dict of each rank checked
-    (all or some). Returns the problems found."""
+    (all or some), `node_size` the run's (needed with `cfg.relay`). Returns the problems found."""
+    if getattr(cfg, "relay", False) and node_size is None:
+        raise ValueError("check_call: cfg.relay=True: the combine depends on the node size; pass node_size")
     missing = [r for r, c in got.items() if "tail_untouched" not in c]
     if missing:
         return [f"{where}ranks {missing}: not recorded with oracle.record_call"]
@@ -123,7 +129,9 @@ def check_call(cfg: A2AConfig, inputs: list, got: dict, max_ulps: int | None = N
         return problems  # the rows are laid out by the counts: the combine has nothing to compare against
     ys = [toy_expert(ex, exs, cfg) for _, ex, exs in ref]
     olds = None if olds[0] is None else olds
-    if cfg.combine_rows == "rank":  # reduced at the experts' rank, with the weights the dispatch carried
+    if getattr(cfg, "relay", False):  # reduced inside the experts' node, one row per (token, node) home
+        outs = reference.combine_relay(cfg, indices, weights, ys, node_size, out_tokens=olds, fp8=cfg.combine_fp8)
+    elif cfg.combine_rows == "rank":  # reduced at the experts' rank, with the weights the dispatch carried
         outs = reference.combine_reduced_at_sender(cfg, indices, weights, ys, olds, fp8=cfg.combine_fp8)
     else:
         combine = reference.combine_fp8 if cfg.combine_fp8 else reference.combine

@@ -70,3 +70,20 @@ def test_bad_sizes_flags_are_one_line_errors(capsys, argv, needle):
 def test_sizes_the_config_refuses_are_exit_2_naming_why(capsys):
     assert cli_main(["sizes", "--world", "3"]) == 2    # 256 experts over 3 ranks
     assert "divisible by world_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wire", ["relay", "relay_fp8", "sender_reduced"])
+def test_sizes_of_a_wire_count_the_relays_partial_region(capsys, wire):
+    """`--wire` sizes the buffers of that wire's config: the relay's send buffer holds its fp32 partial region,
+    `(W - node) * T` rows of `round_up(4H, 16)` bytes, and nothing else differs from the sender-reduced rows'."""
+    T, H, E, K, W, N = 32, 96, 32, 4, 8, 4
+    argv = ["--tokens", str(T), "--hidden", str(H), "--experts", str(E), "--topk", str(K), "--world", str(W),
+            "--node-size", str(N), "--wire", wire]
+    rep = _sizes(capsys, *argv)
+    plain = _sizes(capsys, *argv[:-1], "sender_reduced_fp8" if wire.endswith("fp8") else "sender_reduced")
+    partial = (W - N) * T * 4 * H if wire.startswith("relay") else 0
+    assert rep["rows"]["relay_partial_bytes"] == partial
+    assert rep["config"].endswith(f"relay={wire.startswith('relay')})")
+    for name, b in rep["placements"].items():
+        assert b["send_bytes"] - plain["placements"][name]["send_bytes"] in range(partial, partial + 4096), name
+        assert b["recv_bytes"] == plain["placements"][name]["recv_bytes"], name

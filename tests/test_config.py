@@ -228,3 +228,17 @@ def test_combine_fp8_sizes_the_combine_slots_and_is_validated():
     for bad in (1, 0, "yes", None):
         with pytest.raises(ValueError, match="combine_fp8 must be a bool"):
             A2AConfig(combine_fp8=bad)
+
+
+def test_the_relay_needs_rows_per_rank_both_ways_and_is_a_bool():
+    """`A2AConfig(relay=True)` forwards per-rank rows and reduces the combine in the node: refused otherwise, and
+    its layout's partial region exists only across nodes."""
+    with pytest.raises(ValueError, match="relay=True needs dispatch_rows='rank' and combine_rows='rank'"):
+        A2AConfig(dispatch_rows="rank", relay=True)
+    with pytest.raises(ValueError, match="relay must be a bool"):
+        A2AConfig(dispatch_rows="rank", combine_rows="rank", relay=1)
+    cfg = A2AConfig(max_num_tokens=8, num_experts=16, experts_per_token=2, hidden_dim=40, dispatch_rows="rank",
+                    combine_rows="rank", relay=True)
+    assert cfg.layout(8, 2).relay and cfg.layout(8, 2).relay_partial_rows == 6 * 8
+    assert cfg.layout(8).relay_partial_rows == 0  # one node: nothing is relayed
+    assert not cfg.layout(8, 2, relay=False).relay

@@ -178,3 +178,23 @@ def test_ulp_distance_counts_representable_values_across_zero():
     assert ulp_distance(a, b).tolist() == [0, 0, 1, 1, 2 * 0x3F80]
     tiny = torch.tensor([1], dtype=torch.int16).view(torch.bfloat16)  # the smallest positive bf16
     assert ulp_distance(tiny, -tiny).item() == 2
+
+
+def test_the_relay_is_held_to_combine_relay_with_the_runs_node_size():
+    """`cfg.relay`: the combine depends on the node size (`reference.combine_relay`); without it the oracle refuses
+    to judge, and with it a relay result passes where the sender-reduced one (its node size 1 view) differs."""
+    W, node = 4, 2
+    cfg = A2AConfig(max_num_tokens=6, num_experts=8, experts_per_token=3, hidden_dim=32, in_dtype=torch.bfloat16,
+                    dispatch_rows="rank", combine_rows="rank", relay=True)
+    results = correct_results(W, cfg, 3, "random")
+    calls = [res["calls"][0] for res in results]
+    ref = reference.dispatch(cfg, [c["x"] for c in calls], None, [c["indices"] for c in calls])
+    ys = [toy_expert(ex, exs, cfg) for _, ex, exs in ref]
+    outs = reference.combine_relay(cfg, [c["indices"] for c in calls], [c["weights"] for c in calls], ys, node)
+    for c, out in zip(calls, outs):
+        c["out"] = out
+    with pytest.raises(ValueError, match="pass node_size"):
+        check_against_reference(cfg, results)
+    assert check_against_reference(cfg, results, node_size=node) == []
+    _bump(calls[3]["out"], (0, 0), 1)
+    assert check_against_reference(cfg, results, node_size=node) != []

@@ -30,7 +30,7 @@
 #                                                  from the checkout at $DEEPEP (default out/deepep; its commit
 #                                                  from $DEEPEP/COMMIT or git), with --shrink-test from 6 GPUs;
 #                                                  the facade's cost (graph, eager, host split) and its Python
-#   bash benchmarks/gpu/run.sh mps [node-local|deepep|protocol|bytes]
+#   bash benchmarks/gpu/run.sh mps [node-local|deepep|protocol|bytes|relay]
 #                                                  several ranks on one GPU under MPS (started and stopped here):
 #                                                  the CUDA-graph tests with kernel waits (shrink mode in a graph
 #                                                  included) and the facade's shrink tests; DeepEP's low-latency
@@ -38,7 +38,9 @@
 #                                                  and its normal-mode test (test_intranode.py) at 2 and 8;
 #                                                  the protocol's cost: graphs all on one node vs over the
 #                                                  emulated NIC, 2 / 4 / 8 ranks, decode and prefill; issue 32's
-#                                                  wire variants (bytes and time), ~8 min
+#                                                  wire variants (bytes and time), ~8 min; issue 46's relay
+#                                                  beside per-rank and per-route rows over the emulated NIC at
+#                                                  full speed and EFA-like (relay_full/, relay_efa/), ~8 min
 #
 # Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
 # runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
@@ -51,9 +53,9 @@ part=${2:-all}
 case "$suite:$part" in
   quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more|emulated:all) ;;
   gpu-tests:all|gpu-tests:1|gpu-tests:2|gpu-tests:3) ;;
-  compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep|mps:protocol|mps:bytes) ;;
+  compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep|mps:protocol|mps:bytes|mps:relay) ;;
   *) echo "usage: bash benchmarks/gpu/run.sh quick | gpu-tests [1|2|3|all] | full [tests|bench] | cross-node [decode|more] | emulated" \
-          "| compat [tests|deepep|cost] | mps [node-local|deepep|protocol|bytes]" >&2; exit 2 ;;
+          "| compat [tests|deepep|cost] | mps [node-local|deepep|protocol|bytes|relay]" >&2; exit 2 ;;
 esac
 RES=${OUT:+$OUT/$suite}
 RES=${RES:-docs/results/$suite}
@@ -299,6 +301,37 @@ mps:all|mps:bytes)
     fi
     step 90 moe-a2a bench e2e --graph --no-nccl --world "$w" --node "$n" --transport "$t" --preset "$p" \
          --wire "$v" --iters 100 --warmup 10 --timeout 30 --json "$RES/e2e_bytes_w${w}n${n}_${p}_${v}.json"
+  done
+  mps_stop
+  ;;&
+mps:all|mps:relay)
+  # Issue 46: the relay (once per (token, node) across nodes) beside the sender-reduced per-rank rows and the
+  # route rows, in one run, CUDA graphs under MPS over the emulated NIC, at full speed and EFA-like
+  # (MOE_A2A_EMULATED_NIC=$RELAY_NIC, default 12us,25GBps: a latency per message and a bandwidth cap per NIC):
+  # 8 ranks as 2 x 4, decode and prefill, then 16 as 2 x 8 at decode (where MPS carries them). One JSON a step
+  # in $RES/relay_full/ and $RES/relay_efa/ (bytes per rank, the oracle's verdict at decode); summarise each
+  # folder with summarise_bytes.py. A step not started RELAY_BUDGET_S (default 420) s after the first is skipped.
+  plan=()
+  for nic in full efa; do
+    for p in decode prefill; do for v in per_route sender_reduced relay; do plan+=("$nic 8 4 $p $v"); done; done
+    for v in per_route sender_reduced relay; do plan+=("$nic 16 8 decode $v"); done
+  done
+  printf '  %s\n' "${plan[@]}" | tee -a "$RES/log.txt"
+  mps_start
+  budget=${RELAY_BUDGET_S:-420}
+  begin=$SECONDS
+  for s in "${plan[@]}"; do
+    read -r nic w n p v <<<"$s"
+    if [ $((SECONDS - begin)) -ge "$budget" ]; then
+      echo "=== skipped: $nic w$w n$n $p $v (past RELAY_BUDGET_S=$budget s)" | tee -a "$RES/log.txt"
+      failed=$((failed + 1))
+      continue
+    fi
+    mkdir -p "$RES/relay_$nic"
+    if [ "$nic" = efa ]; then setting=${RELAY_NIC:-12us,25GBps}; else setting=""; fi
+    step 90 env ${setting:+MOE_A2A_EMULATED_NIC=$setting} moe-a2a bench e2e --graph --no-nccl --world "$w" \
+         --node "$n" --transport emulated --preset "$p" --wire "$v" --iters 50 --warmup 10 --timeout 30 \
+         --json "$RES/relay_$nic/e2e_w${w}n${n}_${p}_${v}.json"
   done
   mps_stop
   ;;

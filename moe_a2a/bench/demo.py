@@ -46,14 +46,16 @@ def make_inputs(cfg: A2AConfig, rank: int, num_tokens: int, seed: int, routing: 
 
 def wire_config(cfg: A2AConfig, wire: str) -> A2AConfig:
     """`cfg` with the rows of `reference.WIRE_VARIANTS[wire]` (issue 32's levers: `dispatch_rows`,
-    `combine_rows`, `combine_fp8`)."""
+    `combine_rows`, `combine_fp8`), or for "relay" / "relay_fp8" those of "sender_reduced" /
+    "sender_reduced_fp8" through the relay (`A2AConfig.relay`)."""
     import dataclasses
 
     from ..reference import WIRE_VARIANTS
 
-    w = WIRE_VARIANTS[wire]
+    relay = wire in ("relay", "relay_fp8")
+    w = WIRE_VARIANTS[{"relay": "sender_reduced", "relay_fp8": "sender_reduced_fp8"}.get(wire, wire)]
     return dataclasses.replace(cfg, dispatch_rows=w.dispatch_rows, combine_rows=w.combine_rows,
-                               combine_fp8=w.combine_fp8)
+                               combine_fp8=w.combine_fp8, relay=relay)
 
 
 def call_tensors(a2a, rank: int, seed: int) -> tuple:
@@ -152,7 +154,7 @@ def run_demo(world_size: int = 4, node_size: int = 2, transport: str = "auto", d
         print(f"  send/recv buffers: {placement}: {_PLACEMENTS.get(placement, placement)}"
               + (f"\n    ({reason})" if reason else ""))
         results = cluster.run(rank_roundtrip, cfg.max_num_tokens, 0, iters)
-    problems = check_against_reference(cfg, results)
+    problems = check_against_reference(cfg, results, node_size=node_size)
     unit, scale = ("µs", 1.0) if device == "cuda" else ("ms", 1e-3)  # the interpreter takes milliseconds
     print(f"\n  {'phase':<16}{'median ' + unit:>12}{'min ' + unit:>12}   (over {iters} calls x {world_size} ranks; "
           f"first call excluded when iters > 1)")

@@ -171,7 +171,8 @@ def run(world: int, node: int, presets: list[str], iters: int, warmup: int, time
         row = {"config": str(cfg), "graph": graph, "eager": [g.pop("eager") for g in graph],
                "floor": floor_us(cfg, world), "bytes_per_rank": [g["trace"]["bytes"] for g in graph]}
         if check:
-            row["check"] = {"calls": 1, "problems": check_against_reference(cfg, [g.pop("checked") for g in graph])}
+            row["check"] = {"calls": 1, "problems": check_against_reference(cfg, [g.pop("checked") for g in graph],
+                                                                             node_size=node)}
         if nccl:
             from .nccl import run as run_nccl
 

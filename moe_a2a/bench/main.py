@@ -27,6 +27,9 @@ from ._util import write_json as _write
 # The names of reference.WIRE_VARIANTS (issue 32's levers), spelled here so that the parser needs no torch;
 # tests/bench/test_e2e_wire.py holds them to the reference's.
 WIRE_NAMES = ("per_route", "per_rank_dispatch", "sender_reduced", "fp8_combine", "sender_reduced_fp8")
+# Issue 46's relay over the sender-reduced rows (A2AConfig.relay; `bench.demo.wire_config`): the choices of --wire.
+RELAY_WIRE_NAMES = ("relay", "relay_fp8")
+WIRE_CHOICES = WIRE_NAMES + RELAY_WIRE_NAMES
 
 
 def _stats(samples: list[float]) -> dict:
@@ -206,7 +209,7 @@ def run_e2e(args) -> int:
                       timeout_s=args.timeout, proxies=args.proxies or "auto", buffers=args.buffers) as cl:
         res, nbytes, checked = (list(col) for col in zip(*cl.run(_e2e_rank, args.iters, args.warmup, 0,
                                                                   args.trace_proxy, check)))
-    problems = check_against_reference(cfg, checked) if check else []
+    problems = check_against_reference(cfg, checked, node_size=args.node) if check else []
     print(f"end to end, {args.world} ranks ({args.node} per node), transport {args.transport}, wire {args.wire}, "
           f"{device}: {cfg}")
     print(f"{'phase':<16}" + "".join(f"{'rank ' + str(r):>12}" for r in range(args.world)) + "   (median µs)")
@@ -399,10 +402,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="GPU: CUDA-graph replay, eager, the NCCL baseline and the floor side by side, at decode "
                         "and prefill (--preset picks one), one rank per GPU where there are several")
     e.add_argument("--no-nccl", action="store_true", help="with --graph: skip the NCCL baseline")
-    e.add_argument("--wire", default="per_route", choices=WIRE_NAMES,
+    e.add_argument("--wire", default="per_route", choices=WIRE_CHOICES,
                    help="how rows travel (reference.WIRE_VARIANTS, issue 32): per-rank dispatch rows, the combine "
                         "reduced at the experts' rank, fp8 combine rows (A2AConfig's dispatch_rows, combine_rows, "
-                        "combine_fp8); default per_route")
+                        "combine_fp8); relay / relay_fp8: sender_reduced / sender_reduced_fp8 through the relay "
+                        "(A2AConfig.relay: once per (token, node) across nodes); default per_route")
     e.add_argument("--trace-proxy", action="store_true",
                    help="without --graph: also the proxy's own spans of every timed call (posting, planned "
                         "writes), to compare with benchmarks/proxy.py")

@@ -273,6 +273,10 @@ HALF_FLAGS = {
     # row, writes the remainder and combine tables and raises REMAINDER_PLANNED.
     "dispatch_plan": HalfFlags(Flag.COUNT_ROWS_READY, 0, Flag.REMAINDER_PLANNED, Flag.STATUS_DISPATCH_PLAN,
                                "dispatch: every peer's count row (for the remainder plan)"),
+    # The relay's reduce of the node's partials (combine send, second kernel): every node peer's partials and
+    # the proxy's combine writes of the previous call out of the staging area it fills.
+    "combine_relay": HalfFlags(Flag.COMBINE_WRITES_DONE, -1, Flag.COMBINE_SEND_READY, Flag.STATUS_COMBINE_SEND,
+                               "combine: the node's partials (relay)"),
     # Host waits on a GPU only: the plan kernel has copied the remote count rows in (the host reads them).
     "dispatch_planned": HalfFlags(Flag.REMAINDER_PLANNED, 0, None, Flag.STATUS_DISPATCH_PLAN,
                                   "dispatch: the plan kernel (remote count rows copied in)"),

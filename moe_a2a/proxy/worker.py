@@ -151,7 +151,10 @@ class Proxy:
         self.peers = [p for p in range(lay.world_size) if p != r]
         # Our share of the remote peers: we post to them and count their immediates (all of them with
         # one proxy). `group` still holds every peer: a peer's position is its rank, less one past ours.
-        self.remote = [p for p in lay.remote_peers(r) if p % self.shards == self.shard]
+        # With the relay (docs/protocol.md, 3.8) only the remote peers of our rail: our relays on other nodes,
+        # and the sources we relay for.
+        rail = [p for p in lay.remote_peers(r) if not lay.relay or p % lay.node_size == r % lay.node_size]
+        self.remote = [p for p in rail if p % self.shards == self.shard]
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
         # The node peers' segments, mapped now (they are unlinked once every process has mapped them): when
         # our model process dies, the primary writes its death into their ERROR words (`report_owner_death`).
@@ -164,6 +167,14 @@ class Proxy:
                 except OSError:  # that peer already gone: its own proxy reports it
                     pass
         self._owner_death_reported = False
+        # With the relay a node peer's kernels read what landed at us (and ours what landed at them): the
+        # primaries of the node raise COUNT_ROWS_READY and DISPATCH_RECV_READY once every one has its rows.
+        self._node_words: list[tuple[int, ShardWords]] = []
+        self._relay_segments: list[SharedSegment] = []  # kept mapped while we read their words
+        if self.primary and lay.relay:
+            for p in self.node_peers:
+                self._relay_segments.append(SharedSegment(table[p][2]))
+                self._node_words.append((p, ShardWords(self._relay_segments[-1], lay)))
         # Same-node peers' epochs in our sync area: their count rows are in our routing area once
         # their dispatch_ready word reaches the epoch.
         self.node_ready = self.seg.numpy(lay.segment_sync_offset_bytes + lay.dispatch_ready_offset_bytes,
@@ -349,11 +360,31 @@ class Proxy:
                                    f"{self.shards})")
             self._idle(start)
 
-    def _step_done(self, word: ShardWord, flag: Flag, epoch: int, what: str, stamp: int) -> None:
-        """This shard finished a step of `epoch`: once every shard has (`_reached`), stamp the trace event
-        `stamp` and, on the primary, raise the kernels' `flag`. Stamp first: the model reads the trace as
-        soon as it sees the flag."""
+    def _node_reached(self, word: ShardWord, epoch: int, what: str) -> None:
+        """The relay, primary only: publish our (every shard's) step `word` for `epoch` in our shard-0 line,
+        then wait until every node peer's primary has published it too."""
+        if not self._node_words:
+            return
+        self.shard_words.set(0, word, epoch)
+        start, late = time.monotonic(), self._node_words
+        while True:
+            late = [(p, words) for p, words in late if words.get(0, word) < epoch]
+            if not late:
+                return
+            if self.flags[Flag.ERROR]:
+                raise _Stop()
+            if time.monotonic() - start > self.spec.timeout_s:
+                raise TimeoutError(f"rank {self.rank}: {what} (epoch {epoch}) timed out after {self.spec.timeout_s:g}s "
+                                   f"waiting for the node's relays {[p for p, _ in late]}")
+            self._idle(start)
+
+    def _step_done(self, word: ShardWord, flag: Flag, epoch: int, what: str, stamp: int, node: bool = False) -> None:
+        """This shard finished a step of `epoch`: once every shard has (`_reached`), and with `node` every
+        node peer's primary (`_node_reached`, the relay), stamp the trace event `stamp` and, on the primary,
+        raise the kernels' `flag`. Stamp first: the model reads the trace as soon as it sees the flag."""
         self._reached(word, epoch, what)
+        if node and self.primary:
+            self._node_reached(word, epoch, what)
         self.mark(stamp)
         if self.primary:
             self.flags[flag] = epoch
@@ -393,6 +424,7 @@ class Proxy:
         # once the other shards' sources have landed too.
         self._reached(ShardWord.ROWS_LANDED, e, "dispatch: count rows")
         if self.primary:
+            self._node_reached(ShardWord.ROWS_LANDED, e, "dispatch: count rows")
             self.flags[F.COUNT_ROWS_READY] = e
         mark(4)  # count_rows_received
         if self.flags[F.REMAINDER_WRITES]:
@@ -402,7 +434,8 @@ class Proxy:
         self._count_posted(F.DISPATCH_WRITES_POSTED, ShardWord.DISPATCH_POSTED, self.engine.writes_posted - posted)
         if more:  # the peers whose private write said a remainder follows
             self.wait_peers(e, "dispatch: tokens", frozenset(imms.remainder_of[i] for i in more))
-        self._step_done(ShardWord.DISPATCH_RECV, F.DISPATCH_RECV_READY, e, "dispatch: tokens", 6)  # dispatch_received
+        self._step_done(ShardWord.DISPATCH_RECV, F.DISPATCH_RECV_READY, e, "dispatch: tokens", 6,  # dispatch_received
+                        node=True)
         self.engine.wait_writes()  # our reads of the send buffer are over: the kernels may refill it
         self._step_done(ShardWord.DISPATCH_WRITES_DONE, F.DISPATCH_WRITES_DONE, e, "dispatch: writes done",
                         7)  # dispatch_writes_done
@@ -527,6 +560,8 @@ class Proxy:
         for mem in self._mapped:
             mem.close()
         for _, seg in self._peer_segments:
+            seg.close()
+        for seg in self._relay_segments:
             seg.close()
 
 

@@ -61,6 +61,11 @@ class Placement:
         """(send, recv) addresses where rows to and from other nodes are (the proxy's view)."""
         return self.own()
 
+    def peer_staging_recv(self, peer_recv: int, peer_segment: SharedSegment | None) -> int:
+        """Where a node peer receives rows from other nodes (`staging` of that peer), given its mapped recv
+        buffer and segment: the relay's kernels read what landed at the node's other ranks."""
+        return peer_recv
+
     def unlink(self) -> None:
         """Remove the files of this rank's buffers once every node peer has mapped them (none by default)."""
 
@@ -175,6 +180,9 @@ class StagedPlacement(Placement):
 
     def staging(self) -> tuple[int, int]:
         return Placement.own(self)
+
+    def peer_staging_recv(self, peer_recv: int, peer_segment: SharedSegment | None) -> int:
+        return peer_segment.addr + self.layout.recv_offset_bytes
 
 
 class NicPlacement(Placement):

@@ -200,9 +200,12 @@ class Status:
         return [s for s in range(w.layout.world_size) if s != w.rank and col[s] < 0]
 
     def aborted_message(self, epoch: int, sources: list[int]) -> str:
-        return (f"rank {self.w.rank}: call {epoch} was aborted by rank {', '.join(map(str, sources))}: its input "
-                f"was rejected or one of its experts overflowed expert_capacity (its own error there says which); "
-                f"every output of that call is void; the next call proceeds normally")
+        lay = self.w.layout
+        relayed = getattr(lay, "relay", False) and any(not lay.same_node(s, self.w.rank) for s in sources)
+        return (f"rank {self.w.rank}: call {epoch} was aborted by rank {', '.join(map(str, sources))}"
+                + (" (or, at its combine, by a rank of its node: a relay passes on its node's aborts)" if relayed else "")
+                + ": its input was rejected or one of its experts overflowed expert_capacity (its own error there "
+                  "says which); every output of that call is void; the next call proceeds normally")
 
     # ---- host waits -------------------------------------------------------------------------------
     def host_wait(self, half: str, epoch: int) -> None:
@@ -211,7 +214,7 @@ class Status:
         if w.ready_words is None:
             return
         flag, delta, _, _, what = HALF_FLAGS[half]
-        words = w.ready_words[half.split("_")[0]] if half.endswith("recv") else None
+        words = w.ready_words[half.split("_")[0]] if half.endswith(("recv", "relay")) else None
         first, n = w.node.node_first, w.node.node_size
         if self.forger is not None:
             self.forger.apply()

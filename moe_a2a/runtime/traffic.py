@@ -50,6 +50,10 @@ def call_bytes(counts, layout, cfg, rank: int, rank_rows=None) -> dict[str, dict
       aborted the call) counts no rows.
     The strides are the slots the kernels and the proxy move (a quantised call's unpack copies fewer bytes
     of each node row; not counted here). Flags, immediates and epoch words are not counted.
+    With the relay (`layout.relay`) the remote pairs are the rail's (a rank and its relays: `rank_rows` holds
+    the rows per (token, node) there, 0 for the other remote ranks) and a count row crosses to those only;
+    the relay's node traffic (its node peers reading what landed at it, their fp32 partials to it) is not in
+    the count matrix and not counted (`reference.relay_bytes_per_phase` has it).
 
     Args:
         counts: `[W, E]` int32 (tensor or array): row s = routes source s sends to each expert, as every
@@ -76,9 +80,11 @@ def call_bytes(counts, layout, cfg, rank: int, rank_rows=None) -> dict[str, dict
         if peer == rank:
             continue
         where = "node" if layout.same_node(rank, peer) else "remote"
+        off_rail = where == "remote" and getattr(layout, "relay", False) and (
+            peer % layout.node_size != rank % layout.node_size)
         d, c = out["dispatch"], out["combine"]
-        d[where + "_sent"] += int(rows["dispatch"][rank, peer]) * stride["dispatch"] + head
-        d[where + "_received"] += int(rows["dispatch"][peer, rank]) * stride["dispatch"] + head
+        d[where + "_sent"] += int(rows["dispatch"][rank, peer]) * stride["dispatch"] + (0 if off_rail else head)
+        d[where + "_received"] += int(rows["dispatch"][peer, rank]) * stride["dispatch"] + (0 if off_rail else head)
         c[where + "_sent"] += int(rows["combine"][peer, rank]) * stride["combine"]      # back to home peer
         c[where + "_received"] += int(rows["combine"][rank, peer]) * stride["combine"]  # from expert peer
     return out
@@ -132,7 +138,8 @@ def sizes_report(cfg, world_size: int, node_size: int | None = None) -> dict:
     return {"config": str(cfg), "world": world_size, "node": lay.node_size,
             "rows": {"dispatch_stride_bytes": cfg.dispatch_stride_bytes,
                      "combine_stride_bytes": cfg.combine_stride_bytes, "count_row_bytes": count_row_bytes(lay),
-                     "private_rows": lay.private_rows, "max_dispatch_rows": lay.max_dispatch_rows},
+                     "private_rows": lay.private_rows, "max_dispatch_rows": lay.max_dispatch_rows,
+                     "relay_partial_bytes": lay.relay_partial_rows * lay.relay_partial_stride_bytes},
             "placements": {p: buffer_bytes(lay, p, "cuda") for p in placements_for(lay)}}
 
 

@@ -125,6 +125,9 @@ class Wiring:
     send_offset_bytes / recv_offset_bytes: this rank's buffers; stage_*: where rows to and from other
         nodes are (the same unless the placement splits by node).
     peer_send_bytes / peer_recv_bytes: `[W]` int64 offsets of node peers' buffers (-1: remote peer).
+    peer_stage_recv_bytes: `[W]` int64, where each node peer receives other nodes' rows (-1: remote peer);
+        relay_recv_bytes: the same for this node's ranks by local index; peer_partial_bytes: `[W]` the node
+        peers' relay partial regions (the relay only, else None).
     node: the kernels' `NodeSync`.  counts: `[W, E]` int32 count matrix of the sync area (own_counts: this rank's row).
     rank_rows: `[W, W]` int32, row s = rows source s sends to each rank (per-rank dispatch rows; else None).
     flags / flags_host / flags_np: the flags area on the device, as a CPU tensor, as numpy.
@@ -259,6 +262,7 @@ class Wiring:
 
         send, recv = self.buffers.own()
         send_at, recv_at, seg_at = {r: send}, {r: recv}, {r: seg.addr}
+        stage_recv_at = {r: self.buffers.staging()[1]}
         for p in lay.node_peers(r):
             if p == r:
                 continue
@@ -270,6 +274,8 @@ class Wiring:
                     other.register_cuda()
                 seg_at[p] = other.addr
             send_at[p], recv_at[p] = self.buffers.map_peer(table[p].buffers, other)
+            if self.with_proxy:  # (the peers' segments are mapped then)
+                stage_recv_at[p] = self.buffers.peer_staging_recv(recv_at[p], other)
         sync_at = ({p: a + lay.recv_sync_offset_bytes for p, a in recv_at.items()} if self.device_sync
                    else {p: a + lay.segment_sync_offset_bytes for p, a in seg_at.items()})
         # Kernels address everything as byte offsets >= 0 from the lowest address (a negative offset
@@ -307,6 +313,16 @@ class Wiring:
             tables["send"][p], tables["recv"][p], tables["sync"][p] = send_at[p] - lo, recv_at[p] - lo, sync_at[p] - lo
         self.peer_send_bytes = tables["send"].to(dev)
         self.peer_recv_bytes = tables["recv"].to(dev)
+        # The relay (docs/protocol.md, 3.8): where each node peer receives the network's rows (its relayed rows
+        # and their count rows), and its partial region (the node's fp32 partials of relayed rows).
+        stage_recv = torch.full((W,), -1, dtype=torch.int64)
+        for p, a in stage_recv_at.items():
+            stage_recv[p] = a - lo
+        first = lay.node_of(r) * lay.node_size
+        self.peer_stage_recv_bytes = stage_recv.to(dev)
+        self.relay_recv_bytes = stage_recv[first:first + lay.node_size].to(dev)
+        self.peer_partial_bytes = torch.where(tables["send"] >= 0, tables["send"] + lay.relay_partial_offset_bytes,
+                                              tables["send"]).to(dev) if lay.relay else None
         self._views(sync_at[r], tables["sync"].to(dev))
         # Every process that maps our files (node peers, our proxies) has now done so: unlink them, so that
         # nothing outlives the processes whoever kills them (torchrun, SIGKILL, a segfault).

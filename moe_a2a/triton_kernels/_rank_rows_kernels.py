@@ -401,6 +401,7 @@ def _reduce_rank_rows_by_source_kernel(
     aborted_ptr=None, ABORT_BYTES: tl.constexpr = 0,
     # The relay: remote sources' rows walked as the expand's RELAY, their partials kept fp32 at partial_bytes
     partial_bytes=0, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1, PARTIAL_STRIDE_BYTES: tl.constexpr = 0,
+    relay_recv_bytes_ptr=None,  # (W,) int64: where node peers receive other nodes' rows (the relayed rows)
 ):
     """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
     BLOCK_R received rows (as the expand) for each BLOCK_H-element chunk of the hidden dimension. Row j of
@@ -422,7 +423,7 @@ def _reduce_rank_rows_by_source_kernel(
     if NODE_SYNC:
         num_rows = tl.where(tl.load(failed_ptr, volatile=True) == 0, num_rows, 0)
     first, rest, split = _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, before, W, W_PAD, P, HEADER_ROWS,
-                                          PRIVATE_OFFSET_BYTES, SD_BYTES, peer_recv_bytes_ptr, col, RELAY)
+                                          PRIVATE_OFFSET_BYTES, SD_BYTES, relay_recv_bytes_ptr, col, RELAY)
     s_idx = tl.arange(0, W_PAD)
     remote = ((s_idx // NODE_SIZE) != rank // NODE_SIZE).to(tl.int32)
     pbase = _relay_partial_bases(n, remote)

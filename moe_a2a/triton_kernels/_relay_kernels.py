@@ -35,6 +35,7 @@ def _reduce_relayed_rows_kernel(
     NODE_SYNC: tl.constexpr = False, HAS_PROXY: tl.constexpr = False, USE_PTX: tl.constexpr = False,
     STATUS_WORD: tl.constexpr = 0, PROXY_WAIT_WORD: tl.constexpr = 0, PROXY_DELTA: tl.constexpr = 0,
     ERROR_WORD: tl.constexpr = 0, PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
+    ABORT_BYTES: tl.constexpr = 0, CALL_ABORTED_WORD: tl.constexpr = 0,  # a node peer's abort, forwarded
 ):
     """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
     BLOCK_R rows of the sources this rank relays for (remote, on its rail), numbered source-major, for each
@@ -84,6 +85,23 @@ def _reduce_relayed_rows_kernel(
     if NODE_SYNC:
         if HAS_PROXY:  # every program's staged rows are visible before the proxy is told to post them
             if d.node_arrive(counter_ptr, USE_PTX):
+                if ABORT_BYTES > 0:  # a node peer aborted the call at its combine: our homes learn it from us
+                    _forward_node_abort(base_ptr, sync_bytes, epoch_ptr, flags_ptr, node_first, ABORT_BYTES,
+                                        CALL_ABORTED_WORD, NODE, NODE_PAD)
                 if tl.load(failed_ptr, volatile=True) == 0:
                     d.node_publish(base_ptr, peer_sync_bytes_ptr, READY_BYTES, epoch_ptr, flags_ptr, rank, node_first,
                                    0, True, PROXY_SIGNAL_WORD, USE_PTX)
+
+
+@triton.jit
+def _forward_node_abort(base_ptr, sync_bytes, epoch_ptr, flags_ptr, node_first, ABORT_BYTES: tl.constexpr,
+                        CALL_ABORTED_WORD: tl.constexpr, NODE: tl.constexpr, NODE_PAD: tl.constexpr):
+    """Flag.CALL_ABORTED = e when a node peer's combine_aborted word (written before its combine_ready, which
+    the prologue acquired) says it aborted call e: the proxy then sends this rank's homes COMBINE_ABORTED, as it
+    does for an abort of its own (its rows carry that peer's partials, which it never wrote)."""
+    epoch = tl.load(epoch_ptr)
+    i = tl.arange(0, NODE_PAD)
+    words = tl.load(base_ptr.to(tl.pointer_type(tl.int64)) + (sync_bytes + ABORT_BYTES) // 8 + node_first + i,
+                    mask=i < NODE, other=0, volatile=True)
+    if tl.max(tl.where(words >= epoch, 1, 0), axis=0) > 0:
+        tl.store(flags_ptr + CALL_ABORTED_WORD, epoch)

@@ -61,6 +61,7 @@ def _plan_private_writes_kernel(
     SLOT_BYTES: tl.constexpr,          # Layout.private_slot_bytes
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HEADERS: tl.constexpr,
     RANK_ROWS: tl.constexpr = False,   # per-rank rows: the rows to each peer are the count row's last W ints
+    RELAY: tl.constexpr = False,       # the relay: writes only to the remote peers of this rank's rail
 ):
     """Grid (1,): the private write to every remote peer (`plan.private_writes`): one source range, the
     peer's slot of the private staging region, whose header gets this rank's count row here (with HEADERS)
@@ -72,6 +73,8 @@ def _plan_private_writes_kernel(
         n = _routes_row(counts_ptr, stride_counts_w, rank, W, L, W_PAD, L_PAD)
     peer = tl.arange(0, W_PAD)
     remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
+    if RELAY:  # a source writes only to its relays, the GPUs with its local index (one rail)
+        remote = remote & (peer % NODE == rank % NODE)
     index = tl.where(peer >= node_first + NODE, peer - NODE, peer).to(tl.int64)  # Layout.private_stage_index
     more = n > P
     kind = tl.where(more, _DISPATCH_MORE, _DISPATCH)
@@ -118,6 +121,9 @@ def _plan_remainder_and_combine_writes_kernel(
     MAX_RANK_ROWS: tl.constexpr = 0,    # Layout.send_rows: the most rows per (token, rank) a source sends
     RANK_ROWS: tl.constexpr = False,    # per-rank rows: a count row ends with W rows per rank (at int W*L), and
     COMBINE_RANK: tl.constexpr = False,  # the dispatch moves those rows; COMBINE_RANK: the combine too
+    # The relay (Layout.relay): a remote source's count row landed in its relay's recv buffer, the node peer
+    # with its local index, at `relay_recv_ptr[s % NODE]` (offsets from base) + HEADER0_BYTES + s*SLOT_BYTES.
+    relay_recv_ptr=None, HEADER0_BYTES: tl.constexpr = 0, RELAY: tl.constexpr = False,
 ):
     """Grid (1,), four warps: once the proxy says every private write has landed (COUNT_ROWS_READY),
     one pass over the W count rows, BLOCK_S at a time as [BLOCK_S, W, L] tiles: the remote sources' rows
@@ -146,7 +152,11 @@ def _plan_remainder_and_combine_writes_kernel(
             is_remote = (s3 < node_first) | (s3 >= node_first + NODE)
             m = (s3 < W) & (d3 < W) & (l3 < L)
             c = tl.load(counts_ptr + s3.to(tl.int64) * stride_counts_w + expert, mask=m & ~is_remote, other=0)
-            c += tl.load(headers + s3.to(tl.int64) * SLOT_WORDS + expert, mask=m & is_remote, other=0)
+            # [BLOCK_S] int32 words from `headers`: where each remote source's count row landed
+            hw = s1.to(tl.int64) * SLOT_WORDS
+            if RELAY:
+                hw += (tl.load(relay_recv_ptr + s1 % NODE, mask=s1 < W, other=0) + HEADER0_BYTES - headers_bytes) // 4
+            c += tl.load(headers + hw[:, None, None] + expert, mask=m & is_remote, other=0)
             tl.store(counts_ptr + s3.to(tl.int64) * stride_counts_w + expert, c, mask=m & is_remote)
             # Sound rows: all -1 (the source aborted the call), or non-negative with at most T*K routes.
             lo = tl.min(tl.min(tl.where(m, c, 0), axis=2), axis=1)
@@ -163,7 +173,7 @@ def _plan_remainder_and_combine_writes_kernel(
                 rr = tl.load(counts_ptr + s2.to(tl.int64) * stride_counts_w + W * L + d2,
                              mask=m2 & ~((s2 < node_first) | (s2 >= node_first + NODE)), other=0)
                 remote2 = (s2 < node_first) | (s2 >= node_first + NODE)
-                rr += tl.load(headers + s2.to(tl.int64) * SLOT_WORDS + W * L + d2, mask=m2 & remote2, other=0)
+                rr += tl.load(headers + hw[:, None] + W * L + d2, mask=m2 & remote2, other=0)
                 tl.store(counts_ptr + s2.to(tl.int64) * stride_counts_w + W * L + d2, rr, mask=m2 & remote2)
                 lo_r = tl.min(tl.where(m2, rr, 0), axis=1)
                 hi_r = tl.max(tl.where(m2, rr, -1), axis=1)
@@ -174,7 +184,10 @@ def _plan_remainder_and_combine_writes_kernel(
                 if COMBINE_RANK:
                     back = sent
             n += tl.sum(tl.where(s2 == rank, sent, 0), axis=0)
-            before += tl.sum(tl.where(s2 < rank, tl.maximum(sent - P, 0), 0), axis=0)
+            if RELAY:  # a relay's remainder region holds only other nodes' sources (no sender knows the rest)
+                before += tl.sum(tl.where((s2 < rank) & (s2 // NODE != d2 // NODE), tl.maximum(sent - P, 0), 0), axis=0)
+            else:
+                before += tl.sum(tl.where(s2 < rank, tl.maximum(sent - P, 0), 0), axis=0)
             to_me = tl.sum(tl.where(d2 == rank, back, 0), axis=1)  # [BLOCK_S]
             below = tl.sum(tl.where(d2 < rank, back, 0), axis=1)
             row_of = s2 == d2                                       # block row i is source s0 + i
@@ -186,7 +199,7 @@ def _plan_remainder_and_combine_writes_kernel(
         else:
             _store_plans(remainder_ptr, combine_ptr, flags_ptr + SIGNAL_WORD, epoch_ptr, peer, rank, node_first,
                          n, before, n_src, first, NODE, P, PRIVATE_SLOT_ROWS, DISPATCH_STRIDE_BYTES,
-                         COMBINE_STRIDE_BYTES, COMBINE_STAGE_BYTES, COMBINE_RECV_BYTES, W, W_PAD, USE_PTX)
+                         COMBINE_STRIDE_BYTES, COMBINE_STAGE_BYTES, COMBINE_RECV_BYTES, W, W_PAD, USE_PTX, RELAY)
 
 
 @triton.jit
@@ -194,10 +207,12 @@ def _store_plans(remainder_ptr, combine_ptr, planned_ptr, epoch_ptr, peer, rank,
                  NODE: tl.constexpr, P: tl.constexpr, PRIVATE_SLOT_ROWS: tl.constexpr,
                  DISPATCH_STRIDE_BYTES: tl.constexpr, COMBINE_STRIDE_BYTES: tl.constexpr,
                  COMBINE_STAGE_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr,
-                 W: tl.constexpr, W_PAD: tl.constexpr, USE_PTX: tl.constexpr):
+                 W: tl.constexpr, W_PAD: tl.constexpr, USE_PTX: tl.constexpr, RELAY: tl.constexpr):
     """The REMAINDER and COMBINE tables from the pass's sums, then REMAINDER_PLANNED (release)."""
     epoch = tl.load(epoch_ptr)
     remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
+    if RELAY:  # this rank exchanges writes with its rail only: its relays, and the sources it relays for
+        remote = remote & (peer % NODE == rank % NODE)
     me = tl.full([W_PAD], 0, tl.int64) + rank
     # ---- remainder: this rank's routes past the private region, to every remote d with n[d] > P; they
     # land after the private slots and the remainders of every source s < rank (same-node sources

@@ -133,7 +133,7 @@ class NodeSync:
             args.update(counter_ptr=self.counter, PROXY_SIGNAL_WORD=flag_word(signal_flag))
         if half == "dispatch_send":
             args.update(rank=self.rank, COUNTS_BYTES=self.counts_bytes, E=self.num_experts, E_PAD=next_power_of_2(self.num_experts))
-        if half in ("dispatch_recv", "combine_recv"):
+        if half in ("dispatch_recv", "combine_recv", "combine_relay"):
             args.update(NODE_PAD=next_power_of_2(self.node_size))
         if self.aborted is not None:  # aborts at combine: raised by unpack, told by pack, read by reduce
             if half == "dispatch_recv":
@@ -141,6 +141,8 @@ class NodeSync:
                             ABORT_AT_COMBINE=True)
             elif half == "combine_send":
                 args.update(aborted_ptr=self.aborted, ABORT_BYTES=self.combine_aborted_bytes)
+            elif half == "combine_relay":  # the relay forwards a node peer's abort to its homes
+                args.update(ABORT_BYTES=self.combine_aborted_bytes, CALL_ABORTED_WORD=flag_word(Flag.CALL_ABORTED))
             elif half == "combine_recv":
                 args.update(rank=self.rank, ABORT_BYTES=self.combine_aborted_bytes,
                             ABORTED_WORD=flag_word(Flag.ABORTED))
@@ -152,7 +154,7 @@ def launch_wait_apart(node: NodeSync | None, half: str, base: torch.Tensor) -> N
     node peers' words and the proxy's flag; producers, with remote peers, for the proxy's previous writes."""
     if node is None or not node.wait_apart:
         return
-    consumer = half.endswith("recv")
+    consumer = half.endswith(("recv", "relay"))  # the relay's reduce consumes its node peers' partials
     if not consumer and not node.with_proxy:
         return
     key = (node, half, base.data_ptr())

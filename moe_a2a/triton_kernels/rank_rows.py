@@ -239,7 +239,8 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
 def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, rank_rows: torch.Tensor, rank: int,
                                base: torch.Tensor, peer_send_bytes: torch.Tensor, peer_recv_bytes: torch.Tensor,
                                recv_bytes: int, stage_bytes: int, cfg: A2AConfig, layout: Layout,
-                               node: NodeSync | None = None, partial_bytes: int | None = None) -> None:
+                               node: NodeSync | None = None, partial_bytes: int | None = None,
+                               relay_recv_bytes: torch.Tensor | None = None) -> None:
     """The combine send half with `combine_rows="rank"`: for every row this rank received, the sum over its
     k whose expert is here of `w_k * expert_y[row of (l_k, pos_k)]`, in fp32 in k order, rounded once to
     out_dtype, into the home's recv buffer (combine region) at the slot of the row it sent.
@@ -252,12 +253,14 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     (the combine write plan's source, `plan.combine_stage_offsets` in rows per (token, rank)).
     With `layout.relay`, `partial_bytes`: this rank's partial region from `base` (`Layout.relay_partial_offset_bytes`
     of its send buffer): a remote source's rows are walked as `expand_rank_rows` walks them (in its relay's recv
-    buffer, `peer_recv_bytes`), and each with a route here leaves its fp32 partial, unrounded, at row
-    `plan.relay_partial_bases(...)[s] + j` there for the relay (`relay.reduce_relayed_rows`); nothing is staged.
+    buffer: `relay_recv_bytes`, `[W]` int64, where each node peer receives other nodes' rows, by default
+    `peer_recv_bytes`), and each with a route here leaves its fp32 partial, unrounded, at row
+    `plan.relay_partial_bases(...)[s] + j` there for the relay (`relay.reduce_relayed_rows`); nothing is staged,
+    so the kernel neither waits for the proxy's previous combine writes nor tells it (the relay's reduce does).
     No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "combine_send", base)
     key = _key(expert_y, counts, rank_rows, rank, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,
-               cfg, layout, node, partial_bytes)
+               cfg, layout, node, partial_bytes, relay_recv_bytes)
     if key is not None and _BY_SOURCE.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -277,8 +280,11 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         check.integer("partial_bytes", partial_bytes)
         if (base.data_ptr() + partial_bytes) % 16:
             check.fail("partial_bytes", "base + it 16-byte aligned (fp32 partial rows)", str(partial_bytes))
+        if relay_recv_bytes is None:
+            relay_recv_bytes = peer_recv_bytes
+        check.peer_table("relay_recv_bytes", relay_recv_bytes, W, device)
         relay = dict(partial_bytes=partial_bytes, RELAY=True, NODE_SIZE=layout.node_size,
-                     PARTIAL_STRIDE_BYTES=layout.relay_partial_stride_bytes)
+                     PARTIAL_STRIDE_BYTES=layout.relay_partial_stride_bytes, relay_recv_bytes_ptr=relay_recv_bytes)
     elif partial_bytes is not None:
         check.fail("partial_bytes", "None (layout.relay is False)", str(partial_bytes))
     H, item = cfg.hidden_dim, cfg.out_itemsize
@@ -294,6 +300,8 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     align = launch.align_words(1, base.data_ptr(), stage_bytes, layout.combine_recv_offset_bytes,
                                cfg.combine_stride_bytes)
     sync_args = {} if node is None else node.kernel_args("combine_send", device)
+    if relay and sync_args:  # staging and telling the proxy are the relay's reduce's (`relay.reduce_relayed_rows`)
+        sync_args["HAS_PROXY"] = False
     _BY_SOURCE.launch(
         key, grid, expert_y, counts, rank_rows, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,
         rank, R, counts.stride(0), rank_rows.stride(0), expert_y.stride(0) if R else H,

@@ -79,12 +79,12 @@ def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch:
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         STAGE_HEADER_BYTES=lay.private_stage_header_offset_bytes(0), SLOT_BYTES=lay.private_slot_bytes,
         E=E, E_PAD=e_pad, BLOCK_P=max(1, min(next_power_of_2(max(W - lay.node_size, 1)), 4096 // e_pad)),
-        HEADERS=base is not None, RANK_ROWS=lay.rank_rows, num_warps=4)
+        HEADERS=base is not None, RANK_ROWS=lay.rank_rows, RELAY=lay.relay, num_warps=4)
 
 
 def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.Tensor, node: NodeSync,
                                       base: torch.Tensor, recv_bytes: int, rank: int, lay: Layout,
-                                      combine_rank: bool = False) -> None:
+                                      combine_rank: bool = False, relay_recv_bytes: torch.Tensor | None = None) -> None:
     """Wait (on the device, unless the host waited: `node.kernel_waits`) until `Flag.COUNT_ROWS_READY`
     reaches this call's epoch; copy the remote sources' count rows from their private-slot headers (in the
     recv buffer at `base[recv_bytes:]`) into `counts`; check every row; write the REMAINDER and COMBINE
@@ -100,12 +100,21 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
             the combine writes count rows per rank, not routes.
         write_tables: `[WriteTable.NUM_TABLES, W, 4]` int64.
         base: 1-D uint8 tensor: the byte address space the recv buffer is in (`recv_bytes` from its start).
+        relay_recv_bytes: with the relay (`lay.relay`, required then): `[node_size]` int64 on the counts' device,
+            where each rank of this node (by local index) receives the network's rows, from `base`: a remote
+            source's count row is read from its relay's private slot (`Layout.private_header_offset_bytes`),
+            the remainder writes land after other nodes' sources only, and only rail peers get rows.
     Asynchronous on a GPU and safe in a CUDA graph; one program."""
     key = (launch.tensor_key(counts), launch.tensor_key(write_tables), node, base.data_ptr(), recv_bytes, rank, lay,
-           combine_rank)
+           combine_rank, launch.tensor_key(relay_recv_bytes))
     if _REST.hit(key):
         return
     _check(counts, write_tables, lay)
+    relay = {}
+    if lay.relay:
+        check.tensor("relay_recv_bytes", relay_recv_bytes, dtypes=(torch.int64,), shape=(lay.node_size,),
+                     device=counts.device)
+        relay = dict(relay_recv_ptr=relay_recv_bytes, HEADER0_BYTES=lay.private_header_offset_bytes(0), RELAY=True)
     on_gpu = counts.device.type == "cuda"
     wait, _, signal, status, _ = HALF_FLAGS["dispatch_plan"]
     W, L = lay.world_size, lay.num_local_experts
@@ -122,7 +131,7 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
         PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
         STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS),
         SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
-        RANK_ROWS=lay.rank_rows, COMBINE_RANK=combine_rank, MAX_RANK_ROWS=lay.send_rows, num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
+        RANK_ROWS=lay.rank_rows, COMBINE_RANK=combine_rank, MAX_RANK_ROWS=lay.send_rows, **relay, num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
 
 
 _PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)

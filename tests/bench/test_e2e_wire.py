@@ -1,6 +1,7 @@
 """`moe-a2a bench e2e --wire` (issue 32's levers): the names are reference.WIRE_VARIANTS', the oracle holds a
 sender-reduced combine to `reference.combine_reduced_at_sender`, and a run over one node (CPU, interpreter)
 checks a call against the reference and writes the variant and the bytes of its rows."""
+import dataclasses
 import json
 
 import pytest
@@ -32,6 +33,19 @@ def test_wire_config_sets_the_three_fields(name):
     w = reference.WIRE_VARIANTS[name]
     assert (cfg.dispatch_rows, cfg.combine_rows, cfg.combine_fp8) == (w.dispatch_rows, w.combine_rows, w.combine_fp8)
     assert cfg.max_num_tokens == 4 and cfg.hidden_dim == 32
+
+
+@pytest.mark.parametrize("name,rows", [("relay", "sender_reduced"), ("relay_fp8", "sender_reduced_fp8")])
+def test_the_relay_wires_are_the_sender_reduced_rows_through_the_relay(name, rows):
+    from moe_a2a.bench.demo import wire_config
+    from moe_a2a.bench.main import WIRE_CHOICES
+    from moe_a2a.config import A2AConfig
+
+    base = A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=32)
+    cfg = wire_config(base, name)
+    assert name in WIRE_CHOICES and cfg.relay
+    assert cfg == dataclasses.replace(wire_config(base, rows), relay=True)
+    assert not wire_config(base, rows).relay
 
 
 def _recorded(cfg, xs, xss, idx, ws, outs) -> dict:

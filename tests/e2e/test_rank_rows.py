@@ -60,7 +60,9 @@ def _call(a2a, rank, cfg, xs, scales, idxs, ws, bound, accumulate):
     return tuple(None if t is None else t.cpu() for t in (num, ex, exs, y, old, out))
 
 
-def _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate):
+def check_dispatch(cfg, world, results, xs, scales, idxs, bound):
+    """Every rank's dispatch output (`_call`'s results) against `reference.dispatch` bit for bit, routes past
+    `bound` dead; returns those live indices."""
     live = [idx.clone() for idx in idxs]
     if bound is not None:
         for s in range(world):
@@ -80,6 +82,11 @@ def _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate):
             assert torch.equal(ex[:rows].view(torch.uint8), rex.view(torch.uint8)), r
             if cfg.has_scales:
                 assert torch.equal(exs[:rows], rexs), r
+    return live
+
+
+def _check(cfg, world, results, xs, scales, idxs, ws, bound, accumulate):
+    live = check_dispatch(cfg, world, results, xs, scales, idxs, bound)
     ys = [res[3] for res in results]
     olds = [res[4] for res in results] if accumulate else None
     if cfg.combine_rows == "rank":
@@ -145,12 +152,19 @@ CONFIGS = {
 CONFIGS = {k: v for k, v in CONFIGS.items() if TEST_DEVICE == "cpu" or v[3] != "memfd"}
 
 
+def open_cluster(configs: dict, name: str, make_cfg):
+    """(cluster, cfg, world, node) of `configs[name]` = (world, node size, transport, buffers, config fields)."""
+    world, node, transport, buffers, kw = configs[name]
+    cfg = make_cfg(world, **kw)
+    cl = LocalCluster(cfg, world_size=world, node_size=node, transport=transport, buffers=buffers,
+                      device=TEST_DEVICE, timeout_s=60)
+    return cl, cfg, world, node
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def cluster(request):
-    world, node, transport, buffers, kw = CONFIGS[request.param]
-    cfg = _cfg(world, **kw)
-    with LocalCluster(cfg, world_size=world, node_size=node, transport=transport, buffers=buffers,
-                      device=TEST_DEVICE, timeout_s=60) as cl:
+    cl, cfg, world, _ = open_cluster(CONFIGS, request.param, _cfg)
+    with cl:
         yield cl, cfg, world
 
 

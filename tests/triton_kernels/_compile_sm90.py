@@ -248,7 +248,7 @@ def main_relay() -> None:
                     base_ptr="*u8", peer_send_bytes_ptr="*i64", peer_recv_bytes_ptr="*i64",
                     peer_partial_bytes_ptr="*i64", indices_ptr="*i32", out_ptr="*i32", route_slot_ptr="*i32",
                     send_row_ptr="*i32", weights_ptr="*fp32", out_num_tokens_ptr="*i32", out_x_ptr="*i32",
-                    out_scale_ptr="*i32", out_ranges_ptr="*i64", expert_y_ptr="*bf16")
+                    out_scale_ptr="*i32", out_ranges_ptr="*i64", expert_y_ptr="*bf16", relay_recv_bytes_ptr="*i64")
         fp8_args = dict(FP8=fp8, Q_BLOCK=128, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=False)
         places = dict(P=lay.private_rows, HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0,
                       META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes)
@@ -269,7 +269,8 @@ def main_relay() -> None:
             _compile(_relay_kernels._reduce_relayed_rows_kernel, ptrs,
                      dict(H=7168, SC_BYTES=cfg.combine_stride_bytes, PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes,
                           ITEM_BYTES=2, Y_TY=tl.bfloat16, BLOCK_R=16, BLOCK_H=256, ALIGN_BYTES=16, NODE_PAD=8,
-                          L=L, W=16, W_PAD=16, K=8, K_PAD=8, NODE_SIZE=8, **places, **fp8_args, **sync)),
+                          L=L, W=16, W_PAD=16, K=8, K_PAD=8, NODE_SIZE=8, ABORT_BYTES=lay.combine_aborted_offset_bytes,
+                          CALL_ABORTED_WORD=3, **places, **fp8_args, **sync)),
         ]
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"

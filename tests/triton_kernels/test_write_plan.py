@@ -208,3 +208,63 @@ def test_a_corrupt_count_row_is_refused_before_any_offset(corrupt):
     assert int(node.failed) == 1
     assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == 0
     assert (tables[int(WriteTable.REMAINDER):] == -7).all()
+
+
+@settings(max_examples=12, deadline=None)
+@given(nodes=st.integers(2, 4), node=st.integers(1, 4), L=st.integers(1, 2), T=st.integers(1, 6),
+       private=st.sampled_from([0, 1, 3]), epoch=st.integers(1, 1 << 20), data=st.data())
+def test_relay_write_tables_go_along_the_rail_and_equal_plan(nodes, node, L, T, private, epoch, data):
+    """The relay (`Layout.relay`): a rank's PRIVATE and REMAINDER writes go to its relays only, its COMBINE writes
+    to the sources it relays for, as `plan.relay_*` say (relay remainder geometry); every remote source's count
+    row is copied in from its relay's recv buffer (this rank's or a node peer's), none from elsewhere."""
+    W, K = nodes * node, 2
+    cfg = A2AConfig(max_num_tokens=T, num_experts=W * L, experts_per_token=K, hidden_dim=8, in_dtype=torch.float32,
+                    max_private_tokens=private, dispatch_rows="rank", combine_rows="rank", relay=True)
+    lay = cfg.layout(W, node)
+    E, C = lay.num_experts, lay.count_row_ints
+    rank = data.draw(st.integers(0, W - 1), label="rank")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
+    counts = np.zeros((W, C), np.int64)
+    for s in range(W):  # T tokens of K routes (-1: none); a row per (token, destination): the expert's rank on
+        # s's node, s's relay on any other
+        experts = rng.integers(-1, E, (T, K))
+        counts[s, :E] = np.bincount(experts[experts >= 0], minlength=E)
+        q = experts // L
+        dest = np.where(q // node == s // node, q, q // node * node + s % node)
+        for t in range(T):
+            for d in set(dest[t][experts[t] >= 0].tolist()):
+                counts[s, E + d] += 1
+    first = lay.node_of(rank) * node
+    recv_at = [RECV_BYTES + i * (lay.private_header_offset_bytes(W - 1) + lay.routing_row_bytes + 64)
+               for i in range(node)]
+    base = torch.full((recv_at[-1] + lay.private_header_offset_bytes(W - 1) + lay.routing_row_bytes + 64,), 0x5A,
+                      dtype=torch.uint8)
+    mine = torch.tensor(counts, dtype=torch.int32)
+    for s in range(W):
+        if s // node != rank // node:  # its count row landed at its relay on this node
+            at = recv_at[s % node] + lay.private_header_offset_bytes(s)
+            base[at: at + 4 * C] = mine[s].view(torch.uint8)
+            mine[s] = -12345
+    flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
+    flags[flag_word(Flag.COUNT_ROWS_READY)] = epoch
+    node_sync = _node(lay, rank, epoch, flags, kernel_waits=False)
+    mine = mine.to(DEVICE)
+    tables = torch.full((int(WriteTable.NUM_TABLES), W, 4), -7, dtype=torch.int64, device=DEVICE)
+    write_plan.plan_private_writes(mine[:, :E], tables, node_sync.epoch, flags, rank, lay)
+    write_plan.plan_remainder_and_combine_writes(
+        mine[:, :E], tables, node_sync, base.to(DEVICE), recv_at[rank % node], rank, lay, combine_rank=True,
+        relay_recv_bytes=torch.tensor(recv_at, dtype=torch.int64, device=DEVICE))
+    assert int(node_sync.failed) == 0 and int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == epoch
+    np.testing.assert_array_equal(mine.cpu().numpy(), counts)
+    rows = counts[:, E:]
+    want = np.zeros((int(WriteTable.NUM_TABLES), W, 4), np.int64)
+    for peer, src, n, dst in plan.relay_private_writes(rows, rank, lay).tolist():
+        kind = Imm.DISPATCH_MORE if rows[rank, peer] > private else Imm.DISPATCH
+        want[WriteTable.PRIVATE, peer] = (src, n, dst, encode_imm(kind, rank, epoch))
+    for peer, src, n, dst in plan.relay_remainder_writes(rows, rank, lay).tolist():
+        want[WriteTable.REMAINDER, peer] = (src, n, dst, encode_imm(Imm.DISPATCH_REMAINDER, rank, epoch))
+    for peer, src, n, dst in plan.relay_combine_writes(rows, rank, lay).tolist():
+        want[WriteTable.COMBINE, peer] = (src, n, dst, encode_imm(Imm.COMBINE, rank, epoch))
+    np.testing.assert_array_equal(tables.cpu().numpy(), want)
+    assert int(flags[flag_word(Flag.REMAINDER_WRITES)]) == sum(
+        int(rows[rank, p] > private) for p in plan.relay_peers(lay, rank).tolist())
