@@ -1,5 +1,5 @@
 """The relay (`A2AConfig(relay=True)`, docs/protocol.md 3.8) end to end: LocalCluster ranks as 2-4 simulated nodes
-(real processes, real libfabric shm/tcp between the proxies), kernels in the interpreter, against reference.py:
+(real processes, real libfabric shm/tcp or the emulated NIC between the proxies), kernels in the interpreter, against reference.py:
 every rank's dispatch output is `reference.dispatch`'s bit for bit, the combined tokens
 `reference.combine_relay`'s (bf16 and fp8 rows), for random routings with -1 routes, duplicated experts,
 skew, bound_m and accumulate; and the proxies write only along their rail (nodes - 1 writes a phase)."""
@@ -42,6 +42,7 @@ CONFIGS = {
     "W4-N2-SHM-P1": (4, 2, "shm", "auto", dict(max_private_tokens=1)),
     "W6-N3-TCP-fp8-staged": (6, 3, "tcp", "staged", dict(combine_fp8=True, in_dtype=torch.float8_e4m3fn)),
     "W4-N1-TCP-memfd-P0": (4, 1, "tcp", "memfd", dict(max_private_tokens=0)),
+    "W4-N2-emulated-P2": (4, 2, "emulated", "auto", dict(max_private_tokens=2)),  # the emulated NIC's carrier
 }
 CONFIGS = {k: v for k, v in CONFIGS.items() if TEST_DEVICE == "cpu" or v[3] != "memfd"}  # (CPU's stand-in)
 
