@@ -175,26 +175,14 @@ def _reduce_combined_tokens_kernel(
 
     y_ty: tl.constexpr = out_tokens_ptr.dtype.element_ty
     base_y = base_ptr.to(tl.pointer_type(y_ty))
-    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = is_live[:, None] & (cols < H)[None, :]
-    out_ptrs = out_tokens_ptr + tokens[:, None] * stride_out_t + cols[None, :]
-    if ACCUMULATE:
-        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    if SPLIT:
-        node_slot_lo = tl.load(node_slots_ptr)  # (not `node_first`: that names the node's first rank)
-        node_slot_hi = tl.load(node_slots_ptr + 1)
+    cols, mask, out_ptrs, acc = d.token_sum_start(out_tokens_ptr, tokens, is_live, stride_out_t, chunk, H, BLOCK_T,
+                                                  BLOCK_H, ACCUMULATE)
     for k in range(K):  # k order: the fp32 sum is rounded exactly as in the reference
         slot = tl.load(route_slot_ptr + tokens * stride_slot_t + k * stride_slot_k,
                        mask=is_live, other=-1).to(tl.int64)
         has_slot = (slot >= 0) & (slot < MAX_SLOTS)
         w = tl.load(weights_ptr + tokens * stride_w_t + k * stride_w_k, mask=has_slot, other=0.0)
-        if SPLIT:  # outputs of this node's experts were pushed into device memory, the others' staged
-            row_bytes = tl.where((slot >= node_slot_lo) & (slot < node_slot_hi), recv_bytes, remote_recv_bytes) \
-                + slot * SC_BYTES
-        else:
-            row_bytes = recv_bytes + slot * SC_BYTES
+        row_bytes = d.combine_row_bytes(slot, recv_bytes, remote_recv_bytes, node_slots_ptr, SC_BYTES, SPLIT)
         row = tl.multiple_of(row_bytes // ITEM_BYTES, ALIGN_ELEMS)
         if FP8:  # fp32(q) * scale, one rounding, as reference.combine_fp8
             y = d.fp8_load_dequantized(base_ptr, row, chunk * BLOCK_H, is_live & has_slot, H, BLOCK_H,

@@ -570,6 +570,49 @@ def live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M
     return tokens, tokens < num_live
 
 
+@triton.jit
+def consumer_prologue(base_ptr, ready_bytes, epoch_ptr, failed_ptr, flags_ptr, node_first, timeout_ns, max_spins,
+                      NODE: tl.constexpr, NODE_PAD: tl.constexpr, HAS_PROXY: tl.constexpr, PROXY_WAIT_WORD: tl.constexpr,
+                      PROXY_DELTA: tl.constexpr, ERROR_WORD: tl.constexpr, STATUS_WORD: tl.constexpr,
+                      USE_PTX: tl.constexpr, KERNEL_WAIT: tl.constexpr, NODE_SYNC: tl.constexpr):
+    """A receiving kernel's first step: with NODE_SYNC `node_wait` for its node peers' words (and the proxy's
+    flag), else nothing to wait for. True when the program may go on."""
+    ok = tl.program_id(0) >= 0
+    if NODE_SYNC:
+        ok = node_wait(base_ptr, ready_bytes, epoch_ptr, failed_ptr, flags_ptr, node_first, timeout_ns, max_spins,
+                       NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD, STATUS_WORD, USE_PTX,
+                       KERNEL_WAIT)
+    return ok
+
+
+@triton.jit
+def token_sum_start(out_tokens_ptr, tokens, is_live, stride_out_t, chunk, H: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """A combine receive's tile of tokens x one hidden chunk: (columns, mask, output pointers, fp32 accumulator,
+    starting from the old value with ACCUMULATE, else +0)."""
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = is_live[:, None] & (cols < H)[None, :]
+    out_ptrs = out_tokens_ptr + tokens[:, None] * stride_out_t + cols[None, :]
+    if ACCUMULATE:
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    return cols, mask, out_ptrs, acc
+
+
+@triton.jit
+def combine_row_bytes(slot, recv_bytes, remote_recv_bytes, node_slots_ptr, SC_BYTES: tl.constexpr,
+                      SPLIT: tl.constexpr):
+    """Where the combine row of each `slot` landed: the recv buffer's combine region, or with only remote rows
+    staged (SPLIT) the staging one for slots outside this node's range `node_slots_ptr[0:2]` (docs/protocol.md,
+    3.6; not `node_first`, which names the node's first rank)."""
+    if SPLIT:
+        lo = tl.load(node_slots_ptr)
+        hi = tl.load(node_slots_ptr + 1)
+        return tl.where((slot >= lo) & (slot < hi), recv_bytes, remote_recv_bytes) + slot * SC_BYTES
+    return recv_bytes + slot * SC_BYTES
+
+
 # ================================================================================================
 # fp8 combine rows (A2AConfig.combine_fp8): quantise rows into slots, load and dequantise chunks
 #

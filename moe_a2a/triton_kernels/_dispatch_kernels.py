@@ -240,11 +240,9 @@ def _unpack_tokens_by_expert_kernel(
     row and its packed send buffer); after a failed wait nothing is written."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    ok = pid >= 0
-    if NODE_SYNC:
-        ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
-                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
+    ok = d.consumer_prologue(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first, timeout_ns,
+                             max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                             STATUS_WORD, USE_PTX, KERNEL_WAIT, NODE_SYNC)
     cnt, dense_start, out_start, block_start, n_src, tot, num_rows, fit, aborted = d.recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
 

@@ -103,6 +103,23 @@ def _rank_row_places(peer_send_bytes_ptr, recv_bytes, n, off, before, W: tl.cons
 
 
 @triton.jit
+def _tile_rows(tile, num_rows, n, dense, first, rest, split, W_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+               SD_BYTES: tl.constexpr):
+    """The rows of a tile of the walk (`_rank_row_tile`) and where each is (`_row_bytes`): (is_row, source, j,
+    byte offset from base)."""
+    is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
+    return is_row, src, j, _row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES)
+
+
+@triton.jit
+def _tile_meta(tile, num_rows, n, dense, first, rest, split, W_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+               SD_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr):
+    """As `_tile_rows`, with the int32 word of each row's metadata (the reduces read no payload)."""
+    is_row, src, j, at = _tile_rows(tile, num_rows, n, dense, first, rest, split, W_PAD, BLOCK_R, SD_BYTES)
+    return is_row, src, j, (at + META_OFFSET_BYTES) // 4
+
+
+@triton.jit
 def _row_bytes(src, j, first, rest, split, W_PAD: tl.constexpr, SD_BYTES: tl.constexpr):
     """[BLOCK_R] int64: where row j of source src is (`_rank_row_places`)."""
     at = tl.where(j < _pick(split, src, W_PAD), _pick(first, src, W_PAD), _pick(rest, src, W_PAD))
@@ -315,11 +332,9 @@ def _expand_rank_rows_kernel(
     RELAY a remote source's rows are all the rows it sent its relay on this node (node-local ids); the payload
     of a row none of whose routes is this rank's is not read."""
     pid = tl.program_id(0)
-    ok = pid >= 0
-    if NODE_SYNC:
-        ok = d.node_wait(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first,
-                         timeout_ns, max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
-                         STATUS_WORD, USE_PTX, KERNEL_WAIT)
+    ok = d.consumer_prologue(base_ptr, sync_bytes + READY_BYTES, epoch_ptr, failed_ptr, flags_ptr, node_first, timeout_ns,
+                             max_spins, NODE, NODE_PAD, HAS_PROXY, PROXY_WAIT_WORD, PROXY_DELTA, ERROR_WORD,
+                             STATUS_WORD, USE_PTX, KERNEL_WAIT, NODE_SYNC)
     cnt, _, out_start, _, _, tot, _, fit, aborted = d.recv_pair_tables(
         counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
     d.report_received(out_num_tokens_ptr, out_ranges_ptr, flags_ptr, epoch_ptr, aborted_ptr, cnt, tot, aborted,
@@ -340,8 +355,7 @@ def _expand_rank_rows_kernel(
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
     kk = tl.arange(0, K_PAD)
     for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
-        is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
-        src_bytes = _row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES)
+        is_row, src, j, src_bytes = _tile_rows(tile, num_rows, n, dense, first, rest, split, W_PAD, BLOCK_R, SD_BYTES)
         rows = _expert_rows(base_i32, (src_bytes + META_OFFSET_BYTES) // 4, is_row, src, kk, out_start, fit, K, L,
                             W_PAD, BLOCK_R, K_PAD, _pick(remote, src, W_PAD) > 0, rank % NODE_SIZE, RELAY, NODE_SIZE)
         rows = tl.where(rows < num_out_rows, rows, -1)
@@ -441,8 +455,8 @@ def _reduce_rank_rows_by_source_kernel(
     base_f32 = base_ptr.to(tl.pointer_type(tl.float32))
     kk = tl.arange(0, K_PAD)
     for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
-        is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
-        meta = (_row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES) + META_OFFSET_BYTES) // 4
+        is_row, src, j, meta = _tile_meta(tile, num_rows, n, dense, first, rest, split, W_PAD, BLOCK_R, SD_BYTES,
+                                          META_OFFSET_BYTES)
         relayed = _pick(remote, src, W_PAD) > 0
         rows = _expert_rows(base_i32, meta, is_row, src, kk, out_start, fit, K, L, W_PAD, BLOCK_R, K_PAD, relayed,
                             rank % NODE_SIZE, RELAY, NODE_SIZE)
@@ -519,23 +533,12 @@ def _reduce_rank_rows_by_token_kernel(
     slot = tl.sort(tl.where((slot >= 0) & (slot < MAX_SLOTS), slot, _NO_SLOT), dim=1)
     y_ty: tl.constexpr = out_tokens_ptr.dtype.element_ty
     base_y = base_ptr.to(tl.pointer_type(y_ty))
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = is_live[:, None] & (cols < H)[None, :]
-    out_ptrs = out_tokens_ptr + tokens[:, None] * stride_out_t + cols[None, :]
-    if ACCUMULATE:
-        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    if SPLIT:
-        node_slot_lo = tl.load(node_slots_ptr)
-        node_slot_hi = tl.load(node_slots_ptr + 1)
+    cols, mask, out_ptrs, acc = d.token_sum_start(out_tokens_ptr, tokens, is_live, stride_out_t, tl.program_id(1), H,
+                                                  BLOCK_T, BLOCK_H, ACCUMULATE)
     for i in range(K):
         s = tl.min(tl.where(kk[None, :] == i, slot, _NO_SLOT), axis=1).to(tl.int64)
         has = s < _NO_SLOT
-        if SPLIT:  # rows of this node's ranks were pushed into device memory, the others' staged
-            at = tl.where((s >= node_slot_lo) & (s < node_slot_hi), recv_bytes, remote_recv_bytes) + s * SC_BYTES
-        else:
-            at = recv_bytes + s * SC_BYTES
+        at = d.combine_row_bytes(s, recv_bytes, remote_recv_bytes, node_slots_ptr, SC_BYTES, SPLIT)
         if FP8:
             y = d.fp8_load_dequantized(base_ptr, at, tl.program_id(1) * BLOCK_H, is_live & has, H, BLOCK_H,
                                        SCALE_OFFSET_BYTES, Q_BLOCK, FP8_VIA_BITS)

@@ -8,8 +8,8 @@ import triton.language as tl
 
 from . import _details as d
 from . import _launch as launch
-from ._rank_rows_kernels import (_node_holder, _pick, _rank_row_places, _rank_row_sources, _rank_row_tile,
-                                 _relay_partial_bases, _route_ids, _row_bytes, _store_combine_rows)
+from ._rank_rows_kernels import (_node_holder, _pick, _rank_row_places, _rank_row_sources, _relay_partial_bases,
+                                 _route_ids, _store_combine_rows, _tile_meta)
 
 
 @triton.jit(repr=launch.compiled_as(launch.COMBINE_SYMBOL))
@@ -67,8 +67,8 @@ def _reduce_relayed_rows_kernel(
     base_f32 = base_ptr.to(tl.pointer_type(tl.float32))
     kk = tl.arange(0, K_PAD)
     for tile in range(pid, tl.cdiv(num_rows, BLOCK_R).to(tl.int32), tl.num_programs(0)):
-        is_row, src, j = _rank_row_tile(tile, num_rows, n, dense, W_PAD, BLOCK_R)
-        meta = (_row_bytes(src, j, first, rest, split, W_PAD, SD_BYTES) + META_OFFSET_BYTES) // 4
+        is_row, src, j, meta = _tile_meta(tile, num_rows, n, dense, first, rest, split, W_PAD, BLOCK_R, SD_BYTES,
+                                          META_OFFSET_BYTES)
         holder = _node_holder(_route_ids(base_i32, meta, is_row, kk, K), L, NODE_SIZE)
         prow = _pick(pbase, src, W_PAD) + j
         h0 = tl.program_id(1) * BLOCK_H

@@ -236,6 +236,22 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
         num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args, **relay)
 
 
+def reduce_launch_shape(cfg: A2AConfig, layout: Layout, device: torch.device) -> tuple:
+    """(grid, rows per tile, hidden chunk, fp8 kernel arguments, compile options) of the kernels that walk
+    received per-rank rows to reduce them (`reduce_rank_rows_by_source`, `relay.reduce_relayed_rows`): persistent
+    programs over row tiles, side by side for each chunk of the hidden dimension (the walk repeated per chunk),
+    compiled without FP contraction (`acc + w * y` as two roundings, as the reference: an FMA moves a partial by an
+    ulp, which flips its fp8 rounding at ties)."""
+    grid, block_r = launch.persistent_grid(device, layout, REDUCE_ROWS_PER_TILE)
+    H = cfg.hidden_dim
+    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 2 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
+    fp8 = _fp8_args(cfg, device)
+    if fp8:  # whole quantisation blocks per chunk
+        block_h = max(block_h, COMBINE_FP8_BLOCK)
+    no_fma = {"enable_fp_fusion": False} if device.type == "cuda" else {}  # (the interpreter never fuses)
+    return (grid[0], ceil_div(H, block_h)), block_r, block_h, fp8, no_fma
+
+
 def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, rank_rows: torch.Tensor, rank: int,
                                base: torch.Tensor, peer_send_bytes: torch.Tensor, peer_recv_bytes: torch.Tensor,
                                recv_bytes: int, stage_bytes: int, cfg: A2AConfig, layout: Layout,
@@ -288,13 +304,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     elif partial_bytes is not None:
         check.fail("partial_bytes", "None (layout.relay is False)", str(partial_bytes))
     H, item = cfg.hidden_dim, cfg.out_itemsize
-    grid, block_r = launch.persistent_grid(device, layout, REDUCE_ROWS_PER_TILE)
-    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 2 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
-    fp8 = _fp8_args(cfg, device)
-    if fp8:  # whole quantisation blocks per chunk
-        block_h = max(block_h, COMBINE_FP8_BLOCK)
-    grid = (grid[0], ceil_div(H, block_h))  # the hidden chunks side by side (the row walk is repeated per chunk)
-    no_fma = {"enable_fp_fusion": False} if device.type == "cuda" else {}  # (the interpreter never fuses)
+    grid, block_r, block_h, fp8, no_fma = reduce_launch_shape(cfg, layout, device)
     # Destination rows: node homes' combine regions (buffers placed as `base`'s, as the route rows' pack
     # assumes) or the staging area, at multiples of the combine stride.
     align = launch.align_words(1, base.data_ptr(), stage_bytes, layout.combine_recv_offset_bytes,
@@ -312,9 +322,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, ITEM_BYTES=item,
         BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity, ALIGN_BYTES=align,
         num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args, **relay,
-        # `acc + w * y` as two roundings, as the reference: an FMA moves a partial by an ulp, which flips its
-        # fp8 rounding at ties (0.3% of elements with the toy expert's coarse outputs, reproduced on CPU)
-        **no_fma)
+        **no_fma)  # (fp8 ties flipped by an FMA: 0.3% of elements with the toy expert's coarse outputs, on CPU too)
 
 
 def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor, recv_base: torch.Tensor,

@@ -21,12 +21,11 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..config import COMBINE_FP8_BLOCK, A2AConfig, Layout, ceil_div, next_power_of_2
+from ..config import A2AConfig, Layout, next_power_of_2
 from . import _checks as check
 from . import _launch as launch
-from .combine import MAX_REDUCE_BLOCK_H
 from .node_sync import NodeSync, launch_wait_apart
-from .rank_rows import REDUCE_ROWS_PER_TILE, _fp8_args, _key
+from .rank_rows import _key, reduce_launch_shape
 from ._relay_kernels import _reduce_relayed_rows_kernel
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -77,15 +76,9 @@ def reduce_relayed_rows(rank_rows: torch.Tensor, rank: int, base: torch.Tensor, 
     check.integer("recv_bytes", recv_bytes)
     check.integer("stage_bytes", stage_bytes)
     H, item = cfg.hidden_dim, cfg.out_itemsize
-    grid, block_r = launch.persistent_grid(device, layout, REDUCE_ROWS_PER_TILE)
-    block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 2 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
-    fp8 = _fp8_args(cfg, device)
-    if fp8:  # whole quantisation blocks per chunk
-        block_h = max(block_h, COMBINE_FP8_BLOCK)
-    grid = (grid[0], ceil_div(H, block_h))
+    grid, block_r, block_h, fp8, no_fma = reduce_launch_shape(cfg, layout, device)
     align = launch.align_words(1, base.data_ptr(), stage_bytes, cfg.combine_stride_bytes)
     sync_args = {} if node is None else node.kernel_args("combine_relay", device)
-    no_fma = {"enable_fp_fusion": False} if device.type == "cuda" else {}  # fp8 scales as the reduce by source's
     _RELAYED.launch(
         key, grid, rank_rows, base, peer_partial_bytes, recv_bytes, stage_bytes, rank, rank_rows.stride(0),
         W=W, W_PAD=next_power_of_2(W), L=layout.num_local_experts, K=cfg.experts_per_token,
