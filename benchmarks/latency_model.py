@@ -40,7 +40,7 @@ date; derived from measured ones; the workload's configuration; or ASSUMPTION).
 
 Issue 32's levers are options of the walk, their kernels charged as measured at 2 ranks; issue 46's runs of
 them on one H200 under MPS are set against it with every row held out (:func:`issue46_rows`: within 25 %, or
-the term the walk lacks named); and ``relay=True`` walks issue 46's relay, which is not implemented (one write
+the term the walk lacks named); and ``relay=True`` walks issue 46's relay, implemented but not yet timed on a GPU (one write
 per remote node, the NVLink fan-out and the node-level reduce as GPU terms): predictions only.
 
 Run from the repository root (the page docs/latency-model.md shows its tables):
@@ -75,7 +75,7 @@ GPUS_PER_NODE = 8                 # p5en / DGX H200
 RANK_ROW_IDS_BYTES = 8 * TOPK     # 64 B: per k an int32 local expert and an int32 position
 RANK_ROW_WEIGHTS_BYTES = 4 * TOPK  # 32 B
 FP8_COMBINE_ROW_BYTES = 7392      # 7168 + 56 x 4
-# The relay (issue 46, not implemented): a GPU's weighted partial of a token goes to the relay in fp32 (the
+# The relay (issue 46, not yet timed): a GPU's weighted partial of a token goes to the relay in fp32 (the
 # combine "reduced inside the experts' node in fp32"); a bf16 partial would halve these NVLink bytes.
 RELAY_PARTIAL_ROW_BYTES = 2 * COMBINE_ROW_BYTES   # ASSUMPTION: 7168 fp32
 
@@ -787,7 +787,7 @@ def _combine(s: Setup) -> Path:
 
 
 def _dispatch_relay(s: Setup, early: bool = False) -> Path:
-    """The relay's dispatch (issue 46; not implemented): per remote node one write of the tokens that hit it
+    """The relay's dispatch (issue 46; not yet timed): per remote node one write of the tokens that hit it
     (each once, with the K routes' ids, positions and weights) to the GPU with our local index there; that
     relay's proxy counts the nodes - 1 immediates, its plan kernel reads the count rows, the node's relays
     learn each other's counts (a peer hand-off), and its forward kernel writes a row per (token, rank) into
@@ -1310,7 +1310,7 @@ LEVERS = [
     ("all three, `--speed bench`", {"rank_rows": True, "sender_reduce": True, "fp8_combine": True, "speed": "bench"}),
     ("all three, `--efa-efficiency 0.45`",
      {"rank_rows": True, "sender_reduce": True, "fp8_combine": True, "efa_efficiency": 0.45}),
-    ("`--wire relay` (issue 46, not implemented): one write per remote node, NVLink fan-out, reduced in the node",
+    ("`--wire relay` (issue 46, not yet timed): one write per remote node, NVLink fan-out, reduced in the node",
      {"relay": True}),
     ("`--wire relay --fp8-combine`", {"relay": True, "fp8_combine": True}),
 ]
@@ -1545,7 +1545,7 @@ def format_issue46_bytes() -> str:
     return "\n".join(lines)
 
 
-# ---- the relay, modelled (issue 46, item 4; the protocol is not implemented: these are predictions) --------
+# ---- the relay, modelled (issue 46, item 4; the protocol is not yet timed: these are predictions) ----------
 def relay_bytes_per_rank(world: int, node: int = GPUS_PER_NODE, fp8_combine: bool = False) -> dict:
     """MB one rank moves per decode call with the relay (uniform top-8): over the network per phase (rows
     only), with one row per (token, rank) instead (the sender-reduced variant), and over NVLink its fan-out
@@ -1811,7 +1811,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-combine", action="store_true", help="combine rows in fp8 e4m3 + fp32 scales")
     ap.add_argument("--wire", choices=tuple(WIRES), default=None,
                     help="a wire variant by name (moe_a2a/reference.py WIRE_VARIANTS), or the relay of issue 46 "
-                         "(not implemented: a prediction); instead of --rank-rows / --sender-reduce, with "
+                         "(not yet timed: a prediction); instead of --rank-rows / --sender-reduce, with "
                          "--fp8-combine where it applies")
     ap.add_argument("--relay-split", action="store_true",
                     help="what-if with --wire relay: each relay write split over the GPU's NICs")
@@ -1865,7 +1865,7 @@ def main(argv: list[str] | None = None) -> int:
     relay_kw = {k: v for k, v in kw.items() if k in ("speed", "post_us", "host_staged", "efa_efficiency", "proxies",
                                                      "relay_split")}
     relay = relay_table(**relay_kw)
-    print("\nThe relay, modelled (issue 46; the protocol is not implemented: MODEL predictions, µs)")
+    print("\nThe relay, modelled (issue 46; the protocol is not yet timed: MODEL predictions, µs)")
     print(format_relay_bytes())
     print(format_relay(relay))
     print(format_relay_sensitivity())

@@ -711,7 +711,7 @@ def test_the_emulated_nic_s_settings():
         lm.predict(16, "efa", emulated_nic=(12.0, 25.0))
 
 
-# ---- the relay (issue 46, item 4): a model of a protocol that is not implemented ---------------------------
+# ---- the relay (issue 46, item 4): a model of a protocol not yet timed on a GPU ------------------------------
 def test_the_relay_reproduces_the_issue_s_bytes_table():
     """256 experts, top-8, 8 GPUs a node: a token hits 3.26 / 5.45 / 6.72 remote ranks and 1.00 / 2.71 / 4.63
     remote nodes at EP16 / 32 / 64, so one row per (token, node) sends 3.3x / 2.0x / 1.45x fewer network rows
@@ -794,7 +794,7 @@ def test_the_relay_against_issue_46_s_targets():
             assert r["target"] is None and "no target" in line
     page = (ROOT / "docs" / "latency-model.md").read_text()
     relay = page[page.index("## The relay, modelled"):]
-    assert "predictions, not measurements" in relay and "not implemented" in relay
+    assert "predictions, not measurements" in relay and "not been timed on a GPU" in relay
 
 
 def test_main_takes_the_wire_by_name_and_the_relay(tmp_path, capsys):
