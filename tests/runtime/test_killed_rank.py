@@ -19,7 +19,7 @@ TIMEOUT_S = 20.0  # the peers' own timeout: without the report they would raise 
 BOUND_S = 2.0     # README's Errors bullet: a killed rank is known to its peers within 2 s
 
 
-def _rank(comm, store: str, node_size: int, transport: str, victim: int, device: str = "cpu"):
+def _rank(comm, store: str, node_size: int, transport: str, victim: int, device: str = "cpu", relay: bool = False):
     """One rank; on a GPU (`device="cuda"`) with kernel waits: the peers' waits are kernels, and `check()`
     after the combine says what they saw."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -33,8 +33,9 @@ def _rank(comm, store: str, node_size: int, transport: str, victim: int, device:
     if device == "cuda":
         device = torch.device("cuda", comm.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    rows = dict(dispatch_rows="rank", combine_rows="rank", relay=True) if relay else {}
     cfg = A2AConfig(max_num_tokens=2, num_experts=2 * comm.size, experts_per_token=2, hidden_dim=16,
-                    in_dtype=torch.bfloat16)
+                    in_dtype=torch.bfloat16, **rows)
     a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=device, timeout_s=TIMEOUT_S,
                    **({} if str(device) == "cpu" else {"gpu_wait": "kernel"}))
     g = torch.Generator().manual_seed(comm.rank)
@@ -45,7 +46,7 @@ def _rank(comm, store: str, node_size: int, transport: str, victim: int, device:
     out = torch.zeros(2, 16, dtype=cfg.out_dtype, device=device)
 
     def call(die: bool = False) -> None:
-        a2a.dispatch(num, ex, exs, x, None, idx)
+        a2a.dispatch(num, ex, exs, x, None, idx, **({"weights": w} if relay else {}))
         if die:
             comm.allgather("dispatched")
             comm.die()  # SIGKILL mid-call: the peers are in this call's combine, waiting for this rank
@@ -104,4 +105,21 @@ def test_a_rank_killed_outright_is_known_to_kernel_waits_within_two_seconds(tmp_
         elapsed, err = result
         print(f"rank {rank}: {elapsed:.3f} s: {err}")
         assert err is not None and f"rank {victim}" in err and "missing peers [1]" in err, (rank, elapsed, err)
+        assert elapsed < BOUND_S, (rank, elapsed, err)
+
+
+@interpreter_only("its ranks run on the CPU")
+@pytest.mark.timeout(120)
+def test_a_relay_killed_outright_is_known_to_every_rank_within_two_seconds(tmp_path):
+    """W = 4 as 2 nodes of 2 through the relay (`A2AConfig(relay=True)`): rank 1 dies mid-call. It is the relay of
+    rank 3 on node 0 and holds partials rank 0's relay reduce waits for; ranks 2 and 3 wait only for their relays'
+    rows. Every rank knows within 2 s, naming rank 1."""
+    victim = 1
+    results = run_peers(4, _rank, str(tmp_path / "store"), 2, "shm", victim, "cpu", True, timeout_s=100)
+    assert isinstance(results[victim], Died), results[victim]
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        elapsed, err = result
+        assert err is not None and f"rank {victim}" in err, (rank, elapsed, err)
         assert elapsed < BOUND_S, (rank, elapsed, err)
