@@ -605,13 +605,12 @@ class AllToAll:
         self._status.host_wait("combine_send", self.epoch)
         if self.cfg.combine_rows == "rank":
             lay, stage = self.layout, w.stage_send_offset_bytes + self.layout.combine_stage_offset_bytes
-            relay = lay.relay and self.with_proxy
             rank_rows.reduce_rank_rows_by_source(
                 expert_y, w.counts, w.rank_rows, self.rank, w.base, w.peer_send_bytes, w.peer_recv_bytes,
                 w.stage_recv_offset_bytes, stage, self.cfg, lay, node=w.node,
                 **({"partial_bytes": w.send_offset_bytes + lay.relay_partial_offset_bytes,
-                    "relay_recv_bytes": w.peer_stage_recv_bytes} if relay else {}))
-            if relay:  # the node's partials of the rows this rank relayed: summed, staged for their homes
+                    "relay_recv_bytes": w.peer_stage_recv_bytes} if lay.relay else {}))
+            if lay.relay and self.with_proxy:  # the node's partials of the rows this rank relayed, staged for home
                 self._status.host_wait("combine_relay", self.epoch)
                 relay_kernels.reduce_relayed_rows(w.rank_rows, self.rank, w.base, w.peer_partial_bytes,
                                                   w.stage_recv_offset_bytes, stage, self.cfg, lay, node=w.node)

@@ -43,6 +43,7 @@ CONFIGS = {
     "W6-N3-TCP-fp8-staged": (6, 3, "tcp", "staged", dict(combine_fp8=True, in_dtype=torch.float8_e4m3fn)),
     "W4-N1-TCP-memfd-P0": (4, 1, "tcp", "memfd", dict(max_private_tokens=0)),
     "W4-N2-emulated-P2": (4, 2, "emulated", "auto", dict(max_private_tokens=2)),  # the emulated NIC's carrier
+    "W2-one-node": (2, 2, "shm", "auto", {}),  # nothing to relay: the sender-reduced rows' call
 }
 CONFIGS = {k: v for k, v in CONFIGS.items() if TEST_DEVICE == "cpu" or v[3] != "memfd"}  # (CPU's stand-in)
 
