@@ -311,10 +311,10 @@ mps:all|mps:relay)
   # 8 ranks as 2 x 4, decode and prefill, then 16 as 2 x 8 at decode (where MPS carries them). One JSON a step
   # in $RES/relay_full/ and $RES/relay_efa/ (bytes per rank, the oracle's verdict at decode); summarise each
   # folder with summarise_bytes.py. A step not started RELAY_BUDGET_S (default 420) s after the first is skipped.
+  # EFA-like first, decode before prefill: what a shortened run (RELAY_BUDGET_S) reaches is what matters most.
   plan=()
-  for nic in full efa; do
-    for p in decode prefill; do for v in per_route sender_reduced relay; do plan+=("$nic 8 4 $p $v"); done; done
-    for v in per_route sender_reduced relay; do plan+=("$nic 16 8 decode $v"); done
+  for shape in "8 4 decode" "16 8 decode" "8 4 prefill"; do
+    for nic in efa full; do for v in per_route sender_reduced relay; do plan+=("$nic ${shape% *} ${shape##* } $v"); done; done
   done
   printf '  %s\n' "${plan[@]}" | tee -a "$RES/log.txt"
   mps_start
