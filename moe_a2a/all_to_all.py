@@ -61,8 +61,8 @@ class AllToAll:
         nics: the NICs (libfabric domains) this rank's proxies drive, peers sharded over them: "auto" (over
             efa or verbs the NICs under this rank's GPU's PCIe switch, its share of them, `a2a.nics.rule`
             and `.reason` saying how they were chosen; over tcp/shm the provider's first) or a list of names.
-        proxies: proxy processes per rank, peer p carried by proxy p % k: an int in [1, remote peers] or
-            "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
+        proxies: proxy processes per rank, peer p carried by proxy p % k (`Layout.proxy_shard`): an int in
+            [1, wire peers] or "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
         rank_mask: shrink mode (`runtime.shrink.RankMask`, shareable between instances): a peer that a
             wait times out on is masked instead of failing the call, which goes on without it; routes to
             masked ranks' experts are dropped (docs/protocol.md, section 6, shrink mode). The wait that masks
@@ -426,7 +426,7 @@ class AllToAll:
         """RDMA writes this rank's proxies have posted so far, per phase: `{"dispatch": n, "combine": m}`
         (cumulative, summed over the proxies; zero when every rank is on one node). After the proxies
         finished a call's phase. `per_proxy=True`: one such dict per proxy (proxy j posts to the remote
-        peers p with p % k == j)."""
+        peers `Layout.proxy_shard` gives it)."""
         out = [{"dispatch": int(self._w.flags_np[flag_word(Flag.DISPATCH_WRITES_POSTED)]),
                 "combine": int(self._w.flags_np[flag_word(Flag.COMBINE_WRITES_POSTED)])}]
         if self.num_proxies > 1:  # the primary counts in the flags, the others in their shard words

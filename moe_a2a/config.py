@@ -697,6 +697,25 @@ class Layout:
     def remote_peers(self, rank: int) -> list[int]:
         return [p for p in range(self.world_size) if not self.same_node(rank, p)]
 
+    def rail_peers(self, rank: int) -> list[int]:
+        """The ranks with `rank`'s local index on the other nodes, by node: with the relay (docs/protocol.md,
+        3.8) its relays there, and the sources it relays for."""
+        ns, mine = self.node_size, self.node_of(rank)
+        return [n * ns + rank % ns for n in range(self.world_size // ns) if n != mine]
+
+    def wire_peers(self, rank: int) -> list[int]:
+        """The remote peers `rank`'s proxies post to and count immediates from: every remote peer, or with
+        the relay its rail only."""
+        return self.rail_peers(rank) if self.relay else self.remote_peers(rank)
+
+    def proxy_shard(self, rank: int, peer: int, shards: int) -> int:
+        """Which of `rank`'s `shards` proxies carries `peer` (docs/protocol.md, 3.5): `peer % shards`, or
+        for a rail peer under the relay its place on the rail, since rail peers are congruent modulo
+        `node_size` and `peer % shards` would give one proxy all of them."""
+        if self.relay and not self.same_node(rank, peer) and peer % self.node_size == rank % self.node_size:
+            return (self.node_of(peer) - (self.node_of(peer) > self.node_of(rank))) % shards
+        return peer % shards
+
     def node_peers(self, rank: int) -> list[int]:
         """Ranks on this rank's node, itself included."""
         first = self.node_of(rank) * self.node_size

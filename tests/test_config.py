@@ -242,3 +242,28 @@ def test_the_relay_needs_rows_per_rank_both_ways_and_is_a_bool():
     assert cfg.layout(8, 2).relay and cfg.layout(8, 2).relay_partial_rows == 6 * 8
     assert cfg.layout(8).relay_partial_rows == 0  # one node: nothing is relayed
     assert not cfg.layout(8, 2, relay=False).relay
+
+
+@pytest.mark.parametrize("world,node,shards", [(8, 2, 2), (16, 4, 3), (6, 3, 1), (12, 2, 4)])
+def test_wire_peers_and_proxy_shards_pair_up_and_split_the_rail(world, node, shards):
+    """`Layout.wire_peers`: every remote peer, or with the relay the rail (the same local index on every other
+    node, `plan.relay_peers`); `proxy_shard`: the proxy of rank r that carries peer p talks to p's proxy
+    `proxy_shard(p, r)`, which carries r (both ends agree), and the relay's rail peers, all congruent modulo the
+    node size, spread over the shards as evenly as their count allows (`p % shards` gave one proxy all of them)."""
+    from moe_a2a.protocol import plan
+
+    base = dict(max_num_tokens=8, num_experts=2 * world, experts_per_token=2, hidden_dim=64, dispatch_rows="rank",
+                combine_rows="rank")
+    for relay in (False, True):
+        lay = A2AConfig(**base, relay=relay).layout(world, node)
+        for r in range(world):
+            wire = lay.wire_peers(r)
+            assert wire == (lay.rail_peers(r) if relay else lay.remote_peers(r))
+            if relay:
+                assert wire == plan.relay_peers(lay, r).tolist() == plan.relayed_sources(lay, r).tolist()
+                assert all(p % node == r % node and not lay.same_node(p, r) for p in wire)
+            loads = [sum(lay.proxy_shard(r, p, shards) == j for p in wire) for j in range(shards)]
+            assert max(loads) - min(loads) <= (1 if relay else len(wire)), (relay, r, loads)
+            for p in wire:
+                assert r in lay.wire_peers(p)
+                assert 0 <= lay.proxy_shard(r, p, shards) < shards

@@ -197,16 +197,12 @@ def group_targets(writes: np.ndarray, rank: int, src_base: int, dst_base: int) -
 # rows[s, q] = rows source s sends rank q, where a remote q is s's relay on q's node or gets none.
 def relay_peers(lay: Layout, rank: int) -> np.ndarray:
     """[nodes - 1] int64: `rank`'s relay on every other node (the rank there with its local index)."""
-    ns = lay.node_size
-    nodes = np.arange(lay.world_size // ns, dtype=np.int64)
-    return nodes[nodes != lay.node_of(rank)] * ns + rank % ns
+    return np.asarray(lay.rail_peers(rank), dtype=np.int64)
 
 
 def relayed_sources(lay: Layout, rank: int) -> np.ndarray:
     """int64: the remote sources `rank` relays for (those on its rail: the same local index)."""
-    ns = lay.node_size
-    s = np.arange(rank % ns, lay.world_size, ns, dtype=np.int64)
-    return s[s // ns != lay.node_of(rank)]
+    return np.asarray(lay.rail_peers(rank), dtype=np.int64)
 
 
 def relay_remainder_offsets(rows: np.ndarray, rank: int, lay: Layout) -> np.ndarray:

@@ -35,7 +35,7 @@ class ProxySpec:
     # cannot reach the proxy's endpoint (docs/threat-model.md). No effect on shm/efa/verbs.
     local_only: bool = False
     # This process is proxy `shard` of `shards` of its rank: it carries the remote peers p with
-    # p % shards == shard. Shard 0 (the primary) raises the flags the kernels read.
+    # layout.proxy_shard(rank, p, shards) == shard. Shard 0 (the primary) raises the flags the kernels read.
     shard: int = 0
     shards: int = 1
     # Where the proxy runs (topology.choose_proxy_cpus): MOE_A2A_PROXY_CPUS as the model process read

@@ -80,8 +80,8 @@ class Flag(enum.IntEnum):
     NUM_FLAGS = 28
 
 
-# Several proxy processes per rank (`AllToAll(proxies=k)`): proxy j carries the remote peers p with
-# p % k == j. Each proxy publishes its progress in one 64-byte line of the segment's shard area
+# Several proxy processes per rank (`AllToAll(proxies=k)`): proxy j carries the remote peers p that
+# `Layout.proxy_shard` gives it. Each proxy publishes its progress in one 64-byte line of the segment's shard area
 # (`Layout.shard_offset_bytes`, MAX_PROXY_SHARDS lines, fixed so the layout does not depend on k); the
 # primary (j = 0) raises the flags the kernels read only once every shard's word reached the epoch.
 MAX_PROXY_SHARDS = 16

@@ -30,7 +30,7 @@ No barrier: dispatch and combine use separate regions, and every peer's next wri
 in causal order, something we sent it after we finished reading what it overwrites.
 
 Several proxies per rank (`AllToAll(proxies=k)`, docs/protocol.md, "Proxy shards"): proxy j carries
-only the remote peers p with p % k == j (it posts to them and counts their immediates), so k Python
+only its share of the remote peers, `Layout.proxy_shard` (it posts to them and counts their immediates), so k Python
 processes post in parallel. Shard 0, the primary, alone raises the proxy -> GPU flags, each once every
 shard has reached that step (`ShardWord`s in the segment); with k = 1 there is nothing to wait for.
 
@@ -151,10 +151,8 @@ class Proxy:
         self.peers = [p for p in range(lay.world_size) if p != r]
         # Our share of the remote peers: we post to them and count their immediates (all of them with
         # one proxy). `group` still holds every peer: a peer's position is its rank, less one past ours.
-        # With the relay (docs/protocol.md, 3.8) only the remote peers of our rail: our relays on other nodes,
-        # and the sources we relay for.
-        rail = [p for p in lay.remote_peers(r) if not lay.relay or p % lay.node_size == r % lay.node_size]
-        self.remote = [p for p in rail if p % self.shards == self.shard]
+        # With the relay (docs/protocol.md, 3.8) only the remote peers of our rail.
+        self.remote = [p for p in lay.wire_peers(r) if lay.proxy_shard(r, p, self.shards) == self.shard]
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
         # The node peers' segments, mapped now (they are unlinked once every process has mapped them): when
         # our model process dies, the primary writes its death into their ERROR words (`report_owner_death`).

@@ -117,9 +117,7 @@ def plan(cfg: A2AConfig, group, node_group, transport: str, device, timeout_s: f
                              f"one node), the proxies' remote ones are taken in by the host")
     chosen = wiring.choose_transport(transport, hosts)
     chosen_nics = wiring.choose_nics(nics, chosen, rank, layout, device=device)
-    # (with the relay a rank writes to its rail only: its relay on every other node)
-    wire_peers = layout.world_size // layout.node_size - 1 if layout.relay else len(layout.remote_peers(rank))
-    num_proxies = wiring.choose_proxies(proxies, chosen, chosen_nics, wire_peers)
+    num_proxies = wiring.choose_proxies(proxies, chosen, chosen_nics, len(layout.wire_peers(rank)))
     # Every rank on this host: the proxies listen on loopback only (docs/threat-model.md), unless the
     # caller named the NICs to use.
     return Plan(group=group, rank=rank, world_size=world_size, device=device, timeout_s=float(timeout_s),

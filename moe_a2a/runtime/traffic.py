@@ -76,12 +76,12 @@ def call_bytes(counts, layout, cfg, rank: int, rank_rows=None) -> dict[str, dict
     stride = {"dispatch": cfg.dispatch_stride_bytes, "combine": cfg.combine_stride_bytes}
     head = count_row_bytes(layout)
     out = {ph: dict.fromkeys(DIRECTIONS, 0) for ph in PHASES}
+    on_wire = layout.wire_peers(rank)
     for peer in range(layout.world_size):
         if peer == rank:
             continue
         where = "node" if layout.same_node(rank, peer) else "remote"
-        off_rail = where == "remote" and getattr(layout, "relay", False) and (
-            peer % layout.node_size != rank % layout.node_size)
+        off_rail = where == "remote" and peer not in on_wire
         d, c = out["dispatch"], out["combine"]
         d[where + "_sent"] += int(rows["dispatch"][rank, peer]) * stride["dispatch"] + (0 if off_rail else head)
         d[where + "_received"] += int(rows["dispatch"][peer, rank]) * stride["dispatch"] + (0 if off_rail else head)

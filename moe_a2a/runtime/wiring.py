@@ -254,9 +254,10 @@ class Wiring:
         self.device_sync = not self.with_proxy and not any(map(waits_on_host, range(W)))
         # Kernel waits read the epoch from the device, so a replayed CUDA graph uses the replay's epoch.
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=dev) if on_gpu else None
-        # Our proxy p % k carries peer p, and p's proxy r % k carries us: every one of our proxies gets
-        # entry r % k of each peer, and uses only its share.
-        mine = [(t.addresses[r % k], t.regions[r % k], t.segment, t.gpu_regions[r % k]) for t in table]
+        # Our proxy proxy_shard(r, p) carries peer p, and p's proxy proxy_shard(p, r) carries us: every one
+        # of our proxies gets that entry of each peer, and uses only its share.
+        at = [lay.proxy_shard(p, r, k) for p in range(W)]
+        mine = [(t.addresses[j], t.regions[j], t.segment, t.gpu_regions[j]) for t, j in zip(table, at)]
         for h in self.proxies:
             h.finish(mine, max(self.timeout_s, STARTUP_S), not self.with_proxy)
 

@@ -69,27 +69,31 @@ def test_relay_matches_reference(cluster, seed, skew, accumulate, data):
 def _one_call_report(a2a, rank, cfg, xs, idxs, ws):
     dev = a2a.device
     num, ex, exs = a2a.empty_dispatch_outputs()
-    before = a2a.writes_posted()
+    before = a2a.writes_posted(per_proxy=True)
     a2a.dispatch(num, ex, exs, xs[rank].to(dev), None, idxs[rank].to(dev), weights=ws[rank].to(dev))
     y = torch.ones(ex.shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev)
     a2a.combine(torch.zeros(xs[rank].shape[0], cfg.hidden_dim, dtype=cfg.out_dtype, device=dev), idxs[rank].to(dev),
                 ws[rank].to(dev), y)
-    after = a2a.writes_posted()
-    return {ph: after[ph] - before[ph] for ph in after}, a2a.bytes_last_call()
+    after = a2a.writes_posted(per_proxy=True)
+    return [{ph: a[ph] - b[ph] for ph in a} for a, b in zip(after, before)], a2a.bytes_last_call()
 
 
 @pytest.mark.parametrize("relay", [True, False])
 def test_a_rank_writes_once_per_remote_node_and_its_network_bytes_are_the_references(relay):
-    """W = 6 as 3 nodes of 2, P large (no remainders): with the relay a proxy posts nodes - 1 = 2 writes a phase
-    (to its rail), without it W - node = 4; the network bytes a rank sends are the hop-1 rows (one per (token,
-    remote node)) and one count row per relay, as `reference.relay_bytes_per_phase` counts them."""
+    """W = 6 as 3 nodes of 2, P large (no remainders): with the relay a rank posts nodes - 1 = 2 writes a phase
+    (to its rail), one by each of its 2 proxies (rail peers are congruent modulo the node size: sharded by their
+    place on the rail, not by rank), without it W - node = 4 from one proxy; the network bytes a rank sends are
+    the hop-1 rows (one per (token, remote node)) and one count row per relay, as
+    `reference.relay_bytes_per_phase` counts them."""
     world, node = 6, 2
     cfg = _cfg(world, relay=relay, max_private_tokens=T * K)
     xs, _, idxs, ws = _inputs(cfg, world, 5, False, [T] * world)
-    with LocalCluster(cfg, world_size=world, node_size=node, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+    with LocalCluster(cfg, world_size=world, node_size=node, transport="shm", device=TEST_DEVICE, timeout_s=60,
+                      proxies=2 if relay else 1) as cl:
         got = cl.run(_one_call_report, cfg, xs, idxs, ws)
+    per_proxy = [{"dispatch": 1, "combine": 1}] * 2 if relay else [{"dispatch": 4, "combine": 4}]
+    assert [w for w, _ in got] == [per_proxy] * world
     writes = world // node - 1 if relay else world - node
-    assert [w for w, _ in got] == [{"dispatch": writes, "combine": writes}] * world
     if relay:
         spec = reference.relay_bytes_per_phase(cfg, idxs, node)
         head = 4 * cfg.layout(world, node).count_row_ints
