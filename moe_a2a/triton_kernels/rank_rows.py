@@ -248,8 +248,13 @@ def reduce_launch_shape(cfg: A2AConfig, layout: Layout, device: torch.device) ->
     fp8 = _fp8_args(cfg, device)
     if fp8:  # whole quantisation blocks per chunk
         block_h = max(block_h, COMBINE_FP8_BLOCK)
-    no_fma = {"enable_fp_fusion": False} if device.type == "cuda" else {}  # (the interpreter never fuses)
-    return (grid[0], ceil_div(H, block_h)), block_r, block_h, fp8, no_fma
+    return (grid[0], ceil_div(H, block_h)), block_r, block_h, fp8, _no_fma(device)
+
+
+def _no_fma(device: torch.device) -> dict:
+    """Compile options of a reduce whose sums must round as the reference's (`acc + w * y`, `acc + q * scale`
+    as two roundings each): no FP contraction on a GPU (the interpreter never fuses)."""
+    return {"enable_fp_fusion": False} if device.type == "cuda" else {}
 
 
 def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, rank_rows: torch.Tensor, rank: int,
@@ -364,7 +369,8 @@ def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor,
         bound_m if bound_m is not None else rank_slot, recv_offset_bytes, T, out_tokens.stride(0),
         K=K, K_PAD=next_power_of_2(K), MAX_SLOTS=cfg.max_routes, H=H, SC_BYTES=cfg.combine_stride_bytes,
         ITEM_BYTES=item, BLOCK_T=block_t, BLOCK_H=block_h, HAS_BOUND_M=bound_m is not None, ACCUMULATE=accumulate,
-        num_warps=launch.num_warps(block_t * block_h, item), **_fp8_args(cfg, device), **sync_args)
+        num_warps=launch.num_warps(block_t * block_h, item), **_fp8_args(cfg, device), **sync_args,
+        **_no_fma(device))  # (an fp8 row's q * scale fused into the sum: a tie flipped, on the H200)
 
 
 _FIRST = launch.LaunchCache(_first_route_per_rank_kernel)

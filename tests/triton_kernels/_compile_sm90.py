@@ -18,17 +18,17 @@ from triton.compiler import ASTSource
 from moe_a2a.config import A2AConfig, next_power_of_2
 from moe_a2a.protocol.words import HALF_FLAGS, Flag, flag_word
 from moe_a2a.triton_kernels import _dispatch_kernels, _quant_kernels, _routing_kernels, _write_plan_kernels
-from moe_a2a.triton_kernels import quant, write_plan
+from moe_a2a.triton_kernels import quant, rank_rows, write_plan
 
 
-def _compile(fn, pointers: dict, constexprs: dict):
+def _compile(fn, pointers: dict, constexprs: dict, options: dict | None = None):
     names = inspect.signature(fn.fn).parameters
     # Meta-parameters left out take their defaults, as a launch does (not runtime ints: `if` on them is static).
     constexprs = {**{n: p.default for n, p in names.items() if "constexpr" in str(p.annotation)
                      and p.default is not inspect.Parameter.empty}, **constexprs}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i64") for n in names}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32))
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def main(world: int, node: int) -> None:
@@ -175,12 +175,18 @@ def main_rank_rows() -> None:
                           HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0, SD_BYTES=cfg.dispatch_stride_bytes,
                           SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
                           ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, ABORT_BYTES=64, **fp8_args,
-                          **shape, **{k: v for k, v in sync.items() if k != "NODE_PAD"})),
-            _compile(rk._reduce_rank_rows_by_token_kernel, ptrs,
-                     dict(K=8, K_PAD=8, MAX_SLOTS=cfg.max_routes, H=7168, SC_BYTES=cfg.combine_stride_bytes,
-                          ITEM_BYTES=2, BLOCK_T=1, BLOCK_H=1024, HAS_BOUND_M=True, ACCUMULATE=True, SPLIT=fp8,
-                          ABORT_BYTES=64, **fp8_args, **sync)),
+                          **shape, **{k: v for k, v in sync.items() if k != "NODE_PAD"}),
+                     rank_rows._no_fma(torch.device("cuda"))),
         ]
+        # The reduces as their launchers compile them (`rank_rows._no_fma`): no fused multiply-add in the PTX,
+        # where an fp8 row's q * scale (or w * y) fused into the sum would flip the reference's rounding ties.
+        kernels.append(_compile(rk._reduce_rank_rows_by_token_kernel, ptrs,
+                                dict(K=8, K_PAD=8, MAX_SLOTS=cfg.max_routes, H=7168, SC_BYTES=cfg.combine_stride_bytes,
+                                     ITEM_BYTES=2, BLOCK_T=1, BLOCK_H=1024, HAS_BOUND_M=True, ACCUMULATE=True,
+                                     SPLIT=fp8, ABORT_BYTES=64, **fp8_args, **sync),
+                                rank_rows._no_fma(torch.device("cuda"))))
+        for k in (kernels[-1], kernels[-2]):  # the reduce by token, and by source (above, compiled alike)
+            assert "fma.rn.f32" not in k.asm["ptx"], f"{k.name}: fused multiply-adds"
         # The route rows' receive and combine send, which share the report and epilogue helpers with them.
         kernels += [
             _compile(_dispatch_kernels._unpack_tokens_by_expert_kernel, ptrs,
