@@ -309,7 +309,8 @@ class AllToAll:
                 written by the receive half's unpack: `[>= max_dispatch_rows, n]` or, with `expert_capacity` C,
                 `[L, C, n]`, any strides (e.g. DeepEP's column-major layout), n = `quantize.scale_bytes(H) / 4`
                 words, float32 (fp32 scales) or int32 (UE8M0 codes, four per word); the rows then get only the
-                fp8 bytes [0, H). Not with `dispatch_rows="rank"`.
+                fp8 bytes [0, H) (with `dispatch_rows="rank"` the expand writes them row by row: no per-expert
+                tiles for a column-major layout, as the route rows' unpack has).
             weights: `[T, K]` float32, the routes' weights: required with `cfg.combine_rows="rank"` (they
                 travel with the rows, and the experts' rank applies them; `combine`'s `weights` are then
                 checked but not read), None otherwise.
@@ -561,9 +562,12 @@ class AllToAll:
         aborted = self._status.aborted_sources(self.epoch)
         if self.cfg.rank_rows:
             relay = {"peer_recv_bytes": w.peer_stage_recv_bytes} if self.layout.relay else {}  # relayed rows
+            split = out_quantized_scale is not None  # the scales to a tensor of their own (as `_unpack`)
             rank_rows.expand_rank_rows(out_num, out_x, out_x_scale, w.counts, w.rank_rows, self.rank, w.base,
                                        w.peer_send_bytes, w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,
-                                       copy_bytes=self._copy_bytes, out_source_ranges=out_source_ranges, **relay)
+                                       copy_bytes=self.cfg.hidden_dim if split else self._copy_bytes,
+                                       out_source_ranges=out_source_ranges, quantize=self._quantize if split else None,
+                                       out_quantized_scale=out_quantized_scale, **relay)
         else:
             self._unpack(out_num, out_x, out_x_scale, out_source_ranges, out_quantized_scale)
         self._state = _DISPATCH_DONE
@@ -605,6 +609,8 @@ class AllToAll:
         self._status.host_wait("combine_send", self.epoch)
         if self.cfg.combine_rows == "rank":
             lay, stage = self.layout, w.stage_send_offset_bytes + self.layout.combine_stage_offset_bytes
+            if expert_y.dim() == 3:  # [L, C, H] rows by expert (checked: strides (C * s, s, 1)): its L * C rows
+                expert_y = expert_y.view(-1, expert_y.shape[2])
             rank_rows.reduce_rank_rows_by_source(
                 expert_y, w.counts, w.rank_rows, self.rank, w.base, w.peer_send_bytes, w.peer_recv_bytes,
                 w.stage_recv_offset_bytes, stage, self.cfg, lay, node=w.node,

@@ -133,9 +133,8 @@ def _run_sizes(args) -> int:
 
     import torch
 
-    from .bench.demo import wire_config
     from .compat.deep_ep import Buffer
-    from .config import A2AConfig
+    from .config import A2AConfig, wire_config
     from .runtime.traffic import sizes_report
 
     node = args.node_size or args.world

@@ -728,4 +728,31 @@ class Layout:
         return first, first + per_node
 
 
-__all__ = ["A2AConfig", "Layout", "round_up", "ceil_div", "next_power_of_2"]
+# The wires a config can be given by name: the variants of `reference.WIRE_VARIANTS` (issue 32's levers) and
+# issue 46's relay over the sender-reduced rows. Each is (dispatch_rows, combine_rows, combine_fp8, relay); spelled
+# here, not read from reference.py, so that configs (and the facade) need no reference (tests/bench/test_e2e_wire.py
+# holds the two to each other).
+WIRES = {
+    "per_route": ("route", "route", False, False),             # one row per route each way (the default)
+    "per_rank_dispatch": ("rank", "route", False, False),      # dispatch deduplicated per (token, rank)
+    "sender_reduced": ("rank", "rank", False, False),          # and the combine reduced at the experts' rank
+    "fp8_combine": ("route", "route", True, False),            # route rows, the combine's in fp8
+    "sender_reduced_fp8": ("rank", "rank", True, False),       # all three levers
+    "relay": ("rank", "rank", False, True),                    # sender_reduced through the relay (3.8)
+    "relay_fp8": ("rank", "rank", True, True),                 # sender_reduced_fp8 through the relay
+}
+
+
+def wire_config(cfg: A2AConfig, wire: str) -> A2AConfig:
+    """`cfg` with the rows of the wire named `wire` (`WIRES`: `dispatch_rows`, `combine_rows`, `combine_fp8` and
+    `relay`; every other field kept). An unknown name is a ValueError naming the known ones."""
+    import dataclasses
+
+    if wire not in WIRES:
+        raise ValueError(f"unknown wire {wire!r}: expected one of {', '.join(WIRES)}")
+    dispatch_rows, combine_rows, combine_fp8, relay = WIRES[wire]
+    return dataclasses.replace(cfg, dispatch_rows=dispatch_rows, combine_rows=combine_rows, combine_fp8=combine_fp8,
+                               relay=relay)
+
+
+__all__ = ["A2AConfig", "Layout", "WIRES", "round_up", "ceil_div", "next_power_of_2", "wire_config"]

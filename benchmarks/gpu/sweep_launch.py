@@ -27,9 +27,8 @@ def _rank_patched(a2a, rank, reps, patches):
 def main():
     import torch
     from moe_a2a import LocalCluster
-    from moe_a2a.bench.demo import wire_config
     from moe_a2a.bench.kernels import PRESETS
-    from moe_a2a.config import A2AConfig
+    from moe_a2a.config import A2AConfig, wire_config
     L = "moe_a2a.triton_kernels._launch:"
     RR = "moe_a2a.triton_kernels.rank_rows:MAX_REDUCE_BLOCK_H"
     plan = [

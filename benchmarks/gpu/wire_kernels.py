@@ -53,9 +53,8 @@ def main(argv=None) -> int:
     import torch
 
     from moe_a2a import LocalCluster
-    from moe_a2a.bench.demo import wire_config
     from moe_a2a.bench.kernels import PRESETS
-    from moe_a2a.config import A2AConfig
+    from moe_a2a.config import A2AConfig, wire_config
 
     results = {}
     for wire in a.wires.split(","):

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..config import A2AConfig
+from ..config import A2AConfig, wire_config
 from ..oracle import check_against_reference, default_max_ulps, fill_sentinel, record_call, toy_expert
 
 
@@ -42,20 +42,6 @@ def make_inputs(cfg: A2AConfig, rank: int, num_tokens: int, seed: int, routing: 
         idx[torch.rand(T, K, generator=g) < 0.1] = -1
     w = torch.rand(T, K, generator=g)
     return x, x_scale, idx.to(torch.int32), w
-
-
-def wire_config(cfg: A2AConfig, wire: str) -> A2AConfig:
-    """`cfg` with the rows of `reference.WIRE_VARIANTS[wire]` (issue 32's levers: `dispatch_rows`,
-    `combine_rows`, `combine_fp8`), or for "relay" / "relay_fp8" those of "sender_reduced" /
-    "sender_reduced_fp8" through the relay (`A2AConfig.relay`)."""
-    import dataclasses
-
-    from ..reference import WIRE_VARIANTS
-
-    relay = wire in ("relay", "relay_fp8")
-    w = WIRE_VARIANTS[{"relay": "sender_reduced", "relay_fp8": "sender_reduced_fp8"}.get(wire, wire)]
-    return dataclasses.replace(cfg, dispatch_rows=w.dispatch_rows, combine_rows=w.combine_rows,
-                               combine_fp8=w.combine_fp8, relay=relay)
 
 
 def call_tensors(a2a, rank: int, seed: int) -> tuple:

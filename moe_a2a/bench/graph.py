@@ -151,10 +151,9 @@ def run(world: int, node: int, presets: list[str], iters: int, warmup: int, time
 
     import torch
 
-    from ..config import A2AConfig
+    from ..config import A2AConfig, wire_config
     from ..local import LocalCluster
     from ..oracle import check_against_reference
-    from .demo import wire_config
     from .kernels import PRESETS
 
     out = {"world": world, "node": node, "proxies": proxies, "buffers": buffers, "transport": transport,

@@ -27,7 +27,7 @@ from ._util import write_json as _write
 # The names of reference.WIRE_VARIANTS (issue 32's levers), spelled here so that the parser needs no torch;
 # tests/bench/test_e2e_wire.py holds them to the reference's.
 WIRE_NAMES = ("per_route", "per_rank_dispatch", "sender_reduced", "fp8_combine", "sender_reduced_fp8")
-# Issue 46's relay over the sender-reduced rows (A2AConfig.relay; `bench.demo.wire_config`): the choices of --wire.
+# Issue 46's relay over the sender-reduced rows (A2AConfig.relay; `config.wire_config`): the choices of --wire.
 RELAY_WIRE_NAMES = ("relay", "relay_fp8")
 WIRE_CHOICES = WIRE_NAMES + RELAY_WIRE_NAMES
 
@@ -167,9 +167,8 @@ def _cluster_setup(args):
     where the kernels run in the Triton interpreter; rows as `args.wire` says (per route without one)."""
     import torch
 
-    from .demo import wire_config
     from .kernels import PRESETS
-    from ..config import A2AConfig
+    from ..config import A2AConfig, wire_config
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":

@@ -34,6 +34,10 @@ slots, their call's state machine, and the instances' sizes):
   instead (a third set of receive rows, made at the first repeated combine), since a rank masked after
   the handle's dispatch is missing from it: its layout differs from the handle's, and the combine's
   expert outputs, laid out as the handle says, are moved to it (`LowLatencyMode._dispatch_again`).
+- **other wires** (`Buffer(wire=)`, docs/compat.md "Over other wires"): the instances' rows are the wire's
+  (`_slots.config`). Where the combine is reduced at the experts' rank (`Slot.reduce`) the weights travel with the
+  dispatch: the caller's (`Buffer(dispatch_weights=True)`, `topk_weights=`), or zeros, and then each combine finishes
+  the call with a combine of nothing and dispatches it again with its weights (`_weights_to_experts`).
 - every tensor is created with an explicit device and dtype: nothing depends on torch's defaults.
 - input rejected by any call aborts that call on every rank (the peers raise
   `moe_a2a.all_to_all.CallAborted` naming the rank) and the next call works, a bad `handle` to a combine
@@ -74,6 +78,12 @@ _FP8_TAG = "moe_a2a.compat first fp8 call"  # the agreement's rows (_agree): ano
 _MARKER = int(torch.tensor(-1.5, dtype=torch.float32).view(torch.int32))
 _BF16 = torch.bfloat16
 _tuple_new = tuple.__new__  # a NamedTuple's fields without its __new__'s Python frame
+
+
+def _weights_key(w) -> tuple | None:
+    """What a dispatch's `topk_weights` must share with the last accepted call's to take its plan (None: not a
+    tensor, never a plan's)."""
+    return (w.shape, w.stride(), w.dtype, w.device) if type(w) is _Tensor else None
 
 
 class Handle(NamedTuple):
@@ -140,7 +150,8 @@ class LowLatencyMode(LowLatencySets):
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                  num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None,
                  dispatch_wait_recv_cost_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
-                 use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, kwargs: dict):
+                 use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, kwargs: dict,
+                 topk_weights: torch.Tensor | None = None):
         """`Buffer.low_latency_dispatch` (its docstring says what it takes and returns)."""
         # The steady state: a call whose arguments `_dispatch_plan` would derive the same plan from as the
         # last call it accepted (the same x and topk_idx shapes, strides and dtype, the same sizes and
@@ -152,13 +163,14 @@ class LowLatencyMode(LowLatencySets):
                 and not kwargs and use_fp8 is steady[1] and round_scale is steady[2] and use_ue8m0 is steady[3] \
                 and type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int \
                 and steady[0] == (x.shape, x.stride(), x.dtype, topk_idx.shape, num_max_dispatch_tokens_per_rank,
-                                  num_experts):
+                                  num_experts) \
+                and (topk_weights is None if steady[5] is None else _weights_key(topk_weights) == steady[5]):
             error, (key, indices, built, pad, use_fp8, ue8m0, quantize, T, H) = None, steady[4]
             self._last_key = key
         else:
             error, key, indices, built, pad, use_fp8, ue8m0, quantize, T, H = self._dispatch_plan(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, kwargs)
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, kwargs, topk_weights)
         index = self._next
         self._next = index ^ 1
         self._calls = call = self._calls + 1  # every rank counts every call, aborted ones included
@@ -183,9 +195,17 @@ class LowLatencyMode(LowLatencySets):
         slot.call, slot.T, slot.payload, slot.quantize, slot.ue8m0 = call, T, x, quantize, ue8m0
         slot.stats, slot.combine_args = cumulative_local_expert_recv_stats, None
         try:
-            a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
-                         do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
-                         out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
+            if slot.reduce:  # the weights travel with the rows: the caller's, or zeros until the combine's
+                slot.given_weights = topk_weights
+                slot.weights = w = self._scratch_buffers(slot)["w"][:T] if topk_weights is None else \
+                    _pad_routes(topk_weights, built[2], 0.0) if pad else topk_weights
+                a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
+                             do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
+                             out_quantized_scale=None if return_recv_hook else slot.quantized_scales(), weights=w)
+            else:
+                a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
+                             do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
+                             out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
         except BaseException:
             slot.free()
             raise
@@ -201,7 +221,7 @@ class LowLatencyMode(LowLatencySets):
 
     def _dispatch_plan(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                       use_ue8m0, kwargs: dict) -> tuple:
+                       use_ue8m0, kwargs: dict, topk_weights=None) -> tuple:
         """A dispatch's checks of its own arguments, and the set of instances that serves it (built here at
         the first call of its sizes, collectively): `(error or None, the set's key, its slots' indices, the
         sizes they were built for, whether topk_idx is padded, use_fp8, use_ue8m0, the pack's quantisation,
@@ -214,6 +234,7 @@ class LowLatencyMode(LowLatencySets):
             if dispatch_wait_recv_cost_stats is not None:  # its device too once built
                 self._check_cost_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
             sizes = self._sizes(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+            self._check_dispatch_weights(topk_weights, topk_idx, x.device)
         except ValueError as exc:
             error = exc
         key = _set_key(sizes, x, num_max_dispatch_tokens_per_rank, num_experts)
@@ -263,7 +284,7 @@ class LowLatencyMode(LowLatencySets):
                 and dispatch_wait_recv_cost_stats is None and all(type(f) is bool for f in flags) \
                 and type(x) is _Tensor and type(topk_idx) is _Tensor:
             self._steady = ((x.shape, x.stride(), x.dtype, topk_idx.shape, num_max_dispatch_tokens_per_rank,
-                             num_experts), *flags, plan)
+                             num_experts), *flags, plan, None if topk_weights is None else _weights_key(topk_weights))
         return (None, *plan)
 
     # ---- combine ----------------------------------------------------------------------------
@@ -275,6 +296,7 @@ class LowLatencyMode(LowLatencySets):
             slot = self._slot_of(handle)
         except ValueError as exc:
             self._abort_for_handle(handle, exc)  # raises exc, once the call is void on every rank
+        given = topk_weights  # as the caller passed it (padded below)
         # Fewer routes per token than the instances take: padded. Shrink mode's buffers are built for the
         # first set's top-k (8); other instances may be built for more routes than this call's (see the
         # dispatch).
@@ -285,7 +307,14 @@ class LowLatencyMode(LowLatencySets):
             topk_idx, topk_weights = _pad_routes(topk_idx, K, -1), _pad_routes(topk_weights, K, 0.0)
         moved = None  # shrink mode: the rows of the handle's layout that a repeated combine moved
         state = slot.state
-        if state != _DISPATCHED:
+        if slot.reduce:  # the weights the experts' ranks apply travel with the dispatch
+            if state == _DISPATCH_SENT or state == _COMBINE_SENT:
+                slot.settle()
+            if (not self.dispatch_weights or slot.state == _COMBINED) and not zero_copy and isinstance(x, _Tensor) \
+                    and x.numel() and x.untyped_storage().data_ptr() == slot.ex.untyped_storage().data_ptr():
+                x = x.clone()  # expert outputs written into recv_x: its dispatch again would rewrite them
+            self._weights_to_experts(slot, topk_idx, topk_weights)
+        elif state != _DISPATCHED:
             if state == _DISPATCH_SENT or state == _COMBINE_SENT:
                 slot.settle()
             if slot.state == _COMBINED:  # combined before: dispatch the same payload and routes again
@@ -297,10 +326,11 @@ class LowLatencyMode(LowLatencySets):
         y = x
         # The common case in one test; the checks (and their messages) in `_check_combine` otherwise.
         if kwargs or combine_wait_recv_cost_stats is not None or use_logfmt or zero_copy or return_recv_hook \
-                or type(x) is not _Tensor or x.shape != shape or x.dtype is not _BF16 or x.device != a2a.device:
+                or type(x) is not _Tensor or x.shape != shape or x.dtype is not _BF16 or x.device != a2a.device \
+                or (slot.reduce and self.dispatch_weights and given is not slot.given_weights):
             try:
                 y = self._check_combine(slot, x, topk_idx, topk_weights, use_logfmt, zero_copy, return_recv_hook,
-                                        out, combine_wait_recv_cost_stats, kwargs)
+                                        out, combine_wait_recv_cost_stats, kwargs, given)
             except ValueError as exc:
                 try:
                     self._run(slot, lambda: a2a.abort(str(exc)))  # aborts this call at its combine on every rank
@@ -329,10 +359,17 @@ class LowLatencyMode(LowLatencySets):
         return out, self._event(slot) if async_finish else _NO_EVENT, None
 
     def _check_combine(self, slot: _Slot, x, topk_idx, topk_weights, use_logfmt, zero_copy, return_recv_hook,
-                       out, combine_wait_recv_cost_stats, kwargs: dict) -> torch.Tensor:
+                       out, combine_wait_recv_cost_stats, kwargs: dict, given=None) -> torch.Tensor:
         """A combine's checks of its own arguments (ValueError): the expert outputs it sends (`x`, or the
-        zero-copy buffer)."""
+        zero-copy buffer). `given`: `topk_weights` as the caller passed it."""
         a2a, shape = slot.a2a, slot.shape
+        if slot.reduce and self.dispatch_weights and given is not slot.given_weights:
+            sent = slot.given_weights  # the weights the experts' ranks apply: the dispatch's
+            if not (isinstance(given, torch.Tensor) and given.shape == sent.shape and given.dtype == sent.dtype
+                    and given.device == sent.device and torch.equal(given, sent)):
+                raise ValueError(f"topk_weights: over wire {self.wire!r} the combine applies the weights the dispatch "
+                                 f"was given (they travel with its rows; Buffer(dispatch_weights=True)): pass that "
+                                 f"tensor or equal values, got other ones")
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}: not arguments of DeepEP's "
                              f"low_latency_combine (SGLang's single-batch overlap passes overlap / "
@@ -415,7 +452,35 @@ class LowLatencyMode(LowLatencySets):
     def _run(slot: _Slot, half) -> None:
         slot.run(half)
 
-    def _dispatch_again(self, slot: _Slot, topk_idx: torch.Tensor):
+    def _weights_to_experts(self, slot: _Slot, topk_idx: torch.Tensor, topk_weights) -> None:
+        """Over a wire that reduces the combine at the experts' rank the weights those ranks apply are the ones the
+        dispatch sent. `Buffer(dispatch_weights=True)`: the caller's (a handle combined again is dispatched again
+        with them). Else the dispatch sent zeros: the call is finished with a combine of nothing and dispatched
+        again (the same payload and routes) with the combine's weights. On every rank alike (the Buffer's options
+        are the same everywhere). Routes or weights that AllToAll would refuse are left to its checks: a call
+        awaiting its combine is then aborted there (the peers' combine of nothing ends aborted too), a combined one
+        at its dispatch again (as the peers' dispatch again)."""
+        if self.dispatch_weights:
+            if slot.state == _COMBINED:
+                self._dispatch_again(slot, topk_idx, slot.weights)
+            return
+        T, K, dev = slot.T, slot.key[2], slot.a2a.device
+        if slot.state == _DISPATCHED and isinstance(topk_weights, _Tensor) and topk_weights.dtype == torch.float32 \
+                and topk_weights.shape == (T, K) and topk_weights.device == dev \
+                and (K <= 1 or topk_weights.stride(1) == 1) and isinstance(topk_idx, _Tensor) \
+                and topk_idx.dtype in (torch.int32, torch.int64) and topk_idx.shape == (T, K) \
+                and topk_idx.device == dev and topk_idx.is_contiguous():
+            s = self._scratch_buffers(slot)
+            try:
+                self._run(slot, lambda: slot.a2a.combine(s["out"][:T], s["idx"][:T], s["w"][:T], slot.ex))
+            except (CallAborted, CapacityExceeded) as exc:  # as the combine's own (the first fp8 call's agreement)
+                self._combine_aborted(slot, slot.call, None, exc)
+                raise
+            slot.state = _COMBINED
+        if slot.state == _COMBINED:
+            self._dispatch_again(slot, topk_idx, topk_weights)
+
+    def _dispatch_again(self, slot: _Slot, topk_idx: torch.Tensor, weights: torch.Tensor | None = None):
         """A handle combined before is dispatched again (the same payload and routes) before it is combined
         again. Without shrink mode every row lands where it did, rewritten with the same bytes; returns None.
 
@@ -426,10 +491,17 @@ class LowLatencyMode(LowLatencySets):
         returned them, as DeepEP's combine leaves them), and when its layout differs from the handle's,
         returns `(src, dst)`: the expert-output rows to move (`_move_rows`); else None."""
         if not self.enable_shrink:
-            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                      self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
-                                                      out_source_ranges=slot.layout_range,
-                                                      out_quantized_scale=slot.quantized_scales()))
+            if slot.reduce:  # (`_weights_to_experts` gives the weights)
+                self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
+                                                          self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
+                                                          out_source_ranges=slot.layout_range,
+                                                          out_quantized_scale=slot.quantized_scales(),
+                                                          weights=weights))
+            else:
+                self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
+                                                          self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
+                                                          out_source_ranges=slot.layout_range,
+                                                          out_quantized_scale=slot.quantized_scales()))
             slot.state = _DISPATCHED
             return None
         if self._again is None:  # one set for both slots (shrink mode's instances share a config)
@@ -490,7 +562,8 @@ class LowLatencyMode(LowLatencySets):
         x, scale, idx = self._markers(slot)
         slot.a2a, slot.call, slot.T, slot.quantize, slot.ue8m0 = a2a, call, 0, None, False
         try:
-            a2a.dispatch(slot.num, slot.ex, slot.exs, x, scale, idx, out_source_ranges=slot.layout_range)
+            weights = {"weights": self._scratch_buffers(slot)["w"][:x.shape[0]]} if slot.reduce else {}
+            a2a.dispatch(slot.num, slot.ex, slot.exs, x, scale, idx, out_source_ranges=slot.layout_range, **weights)
         except BaseException:
             slot.free()
             raise

@@ -36,6 +36,7 @@ class LowLatencySets:
         self.buf = buf
         self.group, self.rank, self.group_size = buf.group, buf.rank, buf.group_size
         self.num_rdma_bytes, self.enable_shrink = buf.num_rdma_bytes, buf.enable_shrink
+        self.wire, self.dispatch_weights = buf.wire, buf.dispatch_weights  # Buffer(wire=, dispatch_weights=)
         self._options = buf._options  # AllToAll's arguments as the Buffer was given them
         self._mask: RankMask | None = None  # shrink mode: made with the instances (on their device)
         self._pending_mask: set[int] = set()  # ranks masked by the caller before that
@@ -54,6 +55,11 @@ class LowLatencySets:
         self._scratch: dict = {}  # what a combine of nothing sends and receives, per set of sizes
         self._again = None  # shrink mode: what a handle's repeated combine dispatches again into (_dispatch_again)
         self._instance_options: dict = {}  # AllToAll's arguments, from the first call
+
+    def _wire_args(self) -> dict:
+        """The Buffer's options every rank must share, as the build's exchange compares them (a rank whose combine
+        dispatches again while its peers' does not would be out of step with them)."""
+        return {"wire (Buffer(wire=) or MOE_A2A_WIRE)": self.wire, "dispatch_weights": str(self.dispatch_weights)}
 
     @staticmethod
     def _combine_buffer(slot: _Slot) -> torch.Tensor:
@@ -78,7 +84,7 @@ class LowLatencySets:
             error = exc
         args = {"num_max_dispatch_tokens_per_rank": str(num_max_dispatch_tokens_per_rank), "hidden": str(hidden),
                 "num_experts": str(num_experts), "top_k": str(top_k), "use_fp8": str(bool(use_fp8)),
-                "zero_copy": str(bool(zero_copy))}
+                "zero_copy": str(bool(zero_copy)), **self._wire_args()}
         table = all_gather(self.group, (None if error is None else str(error), args))
         rejected = [(r, err) for r, (err, _) in enumerate(table) if err is not None]
         if rejected:
@@ -170,6 +176,26 @@ class LowLatencySets:
         if unknown:
             raise ValueError(f"unexpected arguments {unknown}")
 
+    def _check_dispatch_weights(self, w, topk_idx: torch.Tensor, device) -> None:
+        """A dispatch's `topk_weights`: required with `Buffer(dispatch_weights=True)`, refused without; a float32
+        tensor of `topk_idx`'s shape on x's device, last stride 1."""
+        if w is None:
+            if self.dispatch_weights:
+                raise ValueError("topk_weights: this Buffer was built with dispatch_weights=True: every "
+                                 "low_latency_dispatch gives the routes' weights (topk_weights=, float32 like "
+                                 "topk_idx)")
+            return
+        if not self.dispatch_weights:
+            raise ValueError("topk_weights: this Buffer takes the routes' weights at the combine (DeepEP's API); build "
+                             "it with dispatch_weights=True to give them to the dispatch (over the wires that reduce "
+                             "the combine at the experts' rank the combine then sends nothing twice)")
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.shape != topk_idx.shape \
+                or w.device != device or (w.dim() == 2 and w.shape[1] > 1 and w.stride(1) != 1):
+            got = (tuple(w.shape), w.dtype, str(w.device), w.stride()) if isinstance(w, torch.Tensor) \
+                else type(w).__name__
+            raise ValueError(f"topk_weights: expected a float32 {list(topk_idx.shape)} tensor on {device} (last stride "
+                             f"1), got {got}")
+
     def _check_cost_stats(self, stats, name: str) -> None:
         """DeepEP's wait-cost statistics: int64 `[num_ranks]`, contiguous, on the device (its extension's
         checks). Accepted and left untouched."""
@@ -237,7 +263,7 @@ class LowLatencySets:
                 if num_experts % self.group_size:
                     raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
                                      f"({self.group_size})")
-                cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink)
+                cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink, wire=self.wire)
                 device = self._options["device"] if first else self._instance_options["device"]
                 if device is None:  # the first dispatch's x.device (refused here, with the verdict, if not one)
                     device = canonical_device(x.device if x is not None else None)
@@ -246,7 +272,7 @@ class LowLatencySets:
         names = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden (x.shape[1])")
         mine = (None if error is None else str(error),
                 None if sizes is None else {n: str(v) for n, v in zip(names, _set_key(sizes, x, 0, 0))},
-                bool(use_fp8), None if sizes is None else sizes[2])
+                bool(use_fp8), None if sizes is None else sizes[2], self._wire_args())
         table = all_gather(self.group, mine)
         rejected = [r for r, row in enumerate(table) if row[0] is not None]
         which, call = ("the Buffer's first", "the first") if first else ("the first of its sizes",
@@ -266,6 +292,10 @@ class LowLatencySets:
             raise ValueError(f"rank {self.rank}: the first low_latency_dispatch " + ("" if first else "of new sizes ")
                              + "sizes the buffers and must get the same sizes on every rank; refused on every rank "
                                "(nothing was built or sent):\n  " + "\n  ".join(diff))
+        diff = differences([row[4] for row in table])
+        if diff:
+            raise ValueError(f"rank {self.rank}: the Buffer's wire options must be the same on every rank; refused on "
+                             f"every rank (nothing was built or sent):\n  " + "\n  ".join(diff))
         diff = differences([{"use_fp8": str(row[2])} for row in table])
         if diff:
             raise ValueError(f"rank {self.rank}: the first low_latency_dispatch " + ("" if first else "of new sizes ")
@@ -276,7 +306,7 @@ class LowLatencySets:
         if _HINTS.get((self.num_rdma_bytes, self.group_size)) == (num_max, num_experts, 8, hidden):
             top_k = max(top_k, 8)  # the bytes the caller reserved: later calls up to top-k 8 are served
         if top_k != sizes[2]:
-            cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink)
+            cfg = _config(num_max, num_experts, top_k, hidden, self.group_size, self.enable_shrink, wire=self.wire)
         if not first and self.num_rdma_bytes > 0:
             nbytes = _instance_bytes(num_max, hidden, self.group_size, num_experts, top_k)
             if nbytes > self.num_rdma_bytes:
@@ -335,7 +365,7 @@ class LowLatencySets:
         slots = [self._slots[i] for i in indices]
         num_max, E, K, H = slots[0].key
         if True not in slots[0].instances and not self.enable_shrink and fp8_fits(H):
-            cfg = _config(num_max, E, K, H, self.group_size, fp8=True)
+            cfg = _config(num_max, E, K, H, self.group_size, fp8=True, wire=self.wire)
             built: list[AllToAll] = []
             try:
                 with torch.device("cpu"):  # as in _build: the construction's host tables are CPU tensors

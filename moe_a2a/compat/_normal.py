@@ -31,6 +31,10 @@ the remote regions, W x T x R rows); one host all-gather per call
 call it is, a dispatch or a combine and its number, so that ranks out of step are refused on every rank, each
 told where the others are, instead of pairing one rank's dispatch with another's combine).
 
+Over another wire (`Buffer(wire=)`) the instances take its rows and relay but keep fp32 combine rows (no fp8: they
+carry the top-k weights); where the combine is reduced at the experts' rank the weights (1 a route) go with the
+dispatch (`_route_weights`), and the relay adds the rows of each other node before the home adds them.
+
 Calls on one Buffer are collective (every rank makes the same calls in the same order, as DeepEP requires).
 Instances are built at the first call that needs them (every rank in the same call), per hidden size (bf16
 and fp8 calls share them: a row has room for either), for the largest T any rank passed (rounded up to a
@@ -42,12 +46,13 @@ routes; the payload is not needed). Both are extra transfers, never wrong result
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import torch
 
 from ..all_to_all import AllToAll, CallAborted, canonical_device
-from ..config import A2AConfig, ceil_div, round_up
+from ..config import A2AConfig, ceil_div, round_up, wire_config
 from ..fingerprint import all_gather
 from ._api import _NO_EVENT, Config, EventOverlap
 from ._slots import FP8_BLOCK  # DeepEP's fp8 scale block: an fp8 call of hidden H passes ceil(H / 128) scales
@@ -257,7 +262,8 @@ class NormalMode:
         except Exception as exc:  # noqa: BLE001 - the peers are in this call: it is aborted on every rank
             self._run(slot, lambda: slot.a2a.abort(f"rank {self.rank}: normal-mode dispatch: x could not be staged "
                                                    f"({type(exc).__name__}: {exc})"))
-        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, None, send, None, routes))
+        self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, None, send, None, routes,
+                                                  **_route_weights(slot, routes)))
         slot.state, slot.call, slot.routes = DISPATCHED, self.calls, routes
         if int(slot.num[0]) != n:  # the counts exchanged and the rows received must agree
             raise RuntimeError(f"rank {self.rank}: normal-mode dispatch received {int(slot.num[0])} rows, the "
@@ -521,7 +527,8 @@ class NormalMode:
         if slot.call != c.call or slot.state != DISPATCHED:  # reused, or combined before: dispatch it again
             self._retire(slot)
             send = slot.send[:c.T]  # its bytes do not matter: the combine sends x
-            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, None, send, None, c.routes))
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, None, send, None, c.routes,
+                                                      **_route_weights(slot, c.routes)))
             slot.state, slot.call, slot.routes = DISPATCHED, c.call, c.routes
         H, n, T = set_.H, c.n, c.T
         out = slot.out[:T]
@@ -580,6 +587,10 @@ class NormalMode:
         cfg = A2AConfig(max_num_tokens=T, num_experts=W, experts_per_token=R, hidden_dim=set_.row_elems,
                         in_dtype=torch.bfloat16, scale_block=None, out_dtype=torch.float32,
                         expert_capacity=W * T)
+        if self.buf.wire != "per_route":
+            # The Buffer's wire, but fp32 combine rows always: they carry the top-k weights beside x, which fp8
+            # blocks would round (and DeepEP's sums are exact).
+            cfg = dataclasses.replace(wire_config(cfg, self.buf.wire), combine_fp8=False)
         opts = dict(self.buf._options)
         if opts["device"] is None:
             opts["device"] = canonical_device(device)
@@ -649,6 +660,14 @@ def _out_of_step(table: list, rank: int) -> str | None:
     if all(k is not None and k == keys[0] for k in keys):
         return None
     return "; ".join(f"rank {r}{' (this rank)' if r == rank else ''} is {_where(row)}" for r, row in enumerate(table))
+
+
+def _route_weights(slot: _Slot, routes: torch.Tensor) -> dict:
+    """The dispatch's `weights=` over a wire that reduces the combine at the experts' rank: 1 per route (the
+    combine sums the rows unweighted, as DeepEP's), so they are known at the dispatch; else nothing."""
+    if slot.a2a.cfg.combine_rows != "rank":
+        return {}
+    return {"weights": (routes >= 0).to(torch.float32)}
 
 
 def _refuse_kwargs(kwargs, what: str) -> None:

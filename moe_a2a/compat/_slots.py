@@ -21,7 +21,7 @@ import functools
 import torch
 
 from ..all_to_all import AllToAll, CallAborted, CapacityExceeded
-from ..config import A2AConfig, ceil_div, round_up
+from ..config import A2AConfig, ceil_div, round_up, wire_config
 from ..triton_kernels.quant import Fp8Quantize
 
 FP8_BLOCK = 128  # elements per fp8 scale, as DeepEP's
@@ -88,19 +88,22 @@ def pad_routes(t: torch.Tensor, K: int, fill) -> torch.Tensor:
 
 
 def config(num_max: int, num_experts: int, top_k: int, hidden: int, num_ranks: int,
-            shrink: bool = False, fp8: bool = False) -> A2AConfig:
+            shrink: bool = False, fp8: bool = False, wire: str = "per_route") -> A2AConfig:
     """The instances' sizes: bf16 rows of `hidden` plus one 4-byte column (the source token index),
     capacity `num_max * num_ranks` per local expert. `fp8`: the fp8 instances' rows carry only an fp8
     call's payload and fp32 scales (`fp8_payload_bytes`) instead of 2H bytes. Shrink mode: a private
-    region that holds every route of a pair (no shared remainder region)."""
-    return A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
-                     in_dtype=torch.bfloat16, scale_block=hidden, out_dtype=torch.bfloat16,
-                     expert_capacity=num_max * num_ranks, max_private_tokens=num_max * top_k if shrink else None,
-                     payload_bytes=fp8_payload_bytes(hidden) if fp8 else None)
+    region that holds every route of a pair (no shared remainder region). `wire`: how the rows travel
+    (`config.wire_config`; the Buffer's `wire=`)."""
+    cfg = A2AConfig(max_num_tokens=num_max, num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden,
+                    in_dtype=torch.bfloat16, scale_block=hidden, out_dtype=torch.bfloat16,
+                    expert_capacity=num_max * num_ranks, max_private_tokens=num_max * top_k if shrink else None,
+                    payload_bytes=fp8_payload_bytes(hidden) if fp8 else None)
+    return cfg if wire == "per_route" else wire_config(cfg, wire)
 
 
 def instance_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int, top_k: int) -> int:
-    """Bytes of one set's instances on one rank: two bf16 ones and (when fp8 fits) two fp8 ones."""
+    """Bytes of one set's instances on one rank: two bf16 ones and (when fp8 fits) two fp8 ones, of per-route rows
+    (what `get_low_latency_rdma_size_hint`, a static method, counts whatever the Buffer's wire)."""
     nbytes = 0
     for fp8 in (False, True) if fp8_fits(hidden) else (False,):
         lay = config(num_max, num_experts, top_k, hidden, num_ranks, fp8=fp8).layout(num_ranks)
@@ -144,6 +147,9 @@ class Slot:
         self.key = key
         self.token_ids = token_ids  # [T, 1] views of tokens 0..T-1: the scale column a dispatch sends
         cfg, lay, dev = a2a.cfg, a2a.layout, a2a.device
+        # The combine reduced at the experts' rank (Buffer(wire=) "sender_reduced*", "relay*"): the routes'
+        # weights travel with the dispatch (`AllToAll.dispatch(weights=)`).
+        self.reduce = cfg.combine_rows == "rank"
         L, C, H, W = lay.num_local_experts, cfg.expert_capacity, cfg.hidden_dim, a2a.world_size
         # Shared by the instances (their receive halves write here): int32 [L]; bf16 [L*C, H]; f32 [L*C, 1].
         self.num, self.ex, self.exs = a2a.empty_dispatch_outputs()
@@ -168,6 +174,10 @@ class Slot:
         self.quantize = None      # fp8 call: the pack's fused quantisation (quant.Fp8Quantize), else None
         self.stats = None         # cumulative_local_expert_recv_stats, added to at the receive
         self.combine_args = None  # (out, topk_idx, topk_weights, expert_y) of a combine sent, not received
+        # With `reduce`: the [T, K] weights the dispatch sent (padded; placeholder zeros when the Buffer takes them
+        # at the combine), and the tensor the caller gave the dispatch (None: none given).
+        self.weights = None
+        self.given_weights = None
         # Called with (slot, exception) when a combine receive hook's call ends aborted (CallAborted,
         # CapacityExceeded): the Buffer's agreement on use_fp8 at a set's first fp8 call
         # (LowLatencyMode._combine_aborted); it raises, or returns to let the exception go on.
@@ -262,3 +272,4 @@ class Slot:
             T = self.T
             self.run(lambda: self.a2a.combine(scratch["out"][:T], scratch["idx"][:T], scratch["w"][:T], self.ex))
         self.state, self.payload, self.stats, self.combine_args = FREE, None, None, None
+        self.weights = self.given_weights = None

@@ -23,6 +23,7 @@ import os
 import torch
 
 from ..all_to_all import canonical_device
+from ..config import WIRES
 from ._api import _NO_EVENT, Config, EventOverlap  # noqa: F401 - DeepEP's names, importable here
 from ._low_latency import Handle, LowLatencyMode
 from ._low_latency import _move_rows, _moved_rows  # noqa: F401 - kept importable here
@@ -37,6 +38,24 @@ from ._slots import instance_bytes as _instance_bytes
 
 # DeepEP's dtype of expert indices (its module-level `topk_idx_t`); int32 is taken too.
 topk_idx_t = torch.int64
+
+
+def _wire(wire: str | None, enable_shrink: bool) -> str:
+    """The Buffer's wire: `wire`, else the environment's MOE_A2A_WIRE, else "per_route"; ValueError for a name
+    `config.WIRES` lacks, or for another wire in shrink mode."""
+    source = "wire"
+    if wire is None:
+        wire, source = os.environ.get("MOE_A2A_WIRE") or "per_route", "MOE_A2A_WIRE"
+    if not isinstance(wire, str) or wire not in WIRES:
+        raise ValueError(f"Buffer: {source}={wire!r} is not a wire: expected one of {', '.join(WIRES)} "
+                         f"(moe_a2a.config.WIRES)")
+    if enable_shrink and wire != "per_route":
+        # AllToAll refuses rank_mask with per-rank rows (the masks drop routes those rows do not follow); the fp8
+        # combine is untested in shrink mode.
+        raise ValueError(f"Buffer: enable_shrink=True takes wire 'per_route' only, got {source}={wire!r}: per-rank "
+                         f"rows (and so the relay) do not follow shrink mode's masks, and the fp8 combine is not "
+                         f"tested with them")
+    return wire
 
 
 class Buffer:
@@ -64,6 +83,18 @@ class Buffer:
         transport, node_group, gpu_wait, device: passed to `AllToAll` (device default: the
             first dispatch's `x.device`; "cuda" is the current CUDA device, "cpu:0" is "cpu", normalised
             and checked here).
+        wire: how the rows of both modes travel, a name of `moe_a2a.config.WIRES` ("per_route", "per_rank_dispatch",
+            "sender_reduced", "fp8_combine", "sender_reduced_fp8", "relay", "relay_fp8"; `config.wire_config`).
+            Default: the environment's `MOE_A2A_WIRE` when set (so that DeepEP's own tests run over a wire
+            unchanged), else "per_route" (one row per route each way). Another name: ValueError naming them. Shrink
+            mode takes "per_route" only (ValueError otherwise). docs/compat.md, "Over other wires".
+        dispatch_weights: False (default, DeepEP's API): the routes' weights come with the low-latency combine.
+            Over the wires that reduce the combine at the experts' rank ("sender_reduced*", "relay*") they must
+            travel with the dispatch's rows, so each such combine first dispatches its call again with them (the
+            same x and routes; twice the dispatch's transfers, and `x` must be unchanged until the combine). True:
+            every `low_latency_dispatch` gives them (`topk_weights=`, float32 like `topk_idx`), nothing is sent
+            twice, and over those wires the combine's `topk_weights` must be that tensor or equal to it (the
+            dispatch's are the ones applied; other values abort the combine on every rank). The same on every rank.
     """
 
     # DeepEP's SM count for its normal-mode kernels (a class attribute, read by engines: SGLang's DeepEPConfig,
@@ -75,8 +106,15 @@ class Buffer:
                  num_qps_per_rank: int = 1, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
                  transport: str = "auto",
-                 node_group="auto", timeout_s: float | None = None, gpu_wait: str = "auto", device=None) -> None:
+                 node_group="auto", timeout_s: float | None = None, gpu_wait: str = "auto", device=None,
+                 wire: str | None = None, dispatch_weights: bool = False) -> None:
         import torch.distributed as dist
+
+        # Checked first, before the group: a bad wire is the caller's, whatever else is wrong.
+        self.wire = _wire(wire, enable_shrink)
+        if not isinstance(dispatch_weights, bool):
+            raise ValueError(f"dispatch_weights: expected a bool, got {dispatch_weights!r}")
+        self.dispatch_weights = dispatch_weights
 
         if group is None:
             if not dist.is_initialized():
@@ -270,7 +308,8 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False, **kwargs):
+                             async_finish: bool = False, return_recv_hook: bool = False, *,
+                             topk_weights: torch.Tensor | None = None, **kwargs):
         """Send every token to the ranks of its top-k experts; receive `[L, C, H]` expert-major.
 
         Args:
@@ -293,6 +332,10 @@ class Buffer:
             use_nvfp4, x_global_scale (keywords of DeepEP's hybrid-ep branch, which vLLM and SGLang pass for
                 NVFP4 dispatch): `use_nvfp4=True` is refused (ValueError naming what is supported);
                 `x_global_scale` (the NVFP4 cast's global scale) is accepted and unused without it.
+            topk_weights (ours, keyword only): `[T, K]` float32 like `topk_idx`, the routes' weights. Required by a
+                Buffer built with `dispatch_weights=True` and refused by one without (ValueError, the call aborted
+                on every rank): over the wires that reduce the combine at the experts' rank they travel with the
+                rows and are the weights the combine applies; over the others they are not used.
 
         Returns `(recv_x, recv_count, handle, event, hook)`: recv_x bf16 `[L, C, H]`, or with use_fp8
         `(fp8 [L, C, H], scales)` (fp32 `[L, C, ceil(H/128)]`, or int32 `[L, C, ceil(H/512)]` with
@@ -304,7 +347,7 @@ class Buffer:
             self._check_open()
         return self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                 round_scale, use_ue8m0, async_finish, return_recv_hook, kwargs)
+                                 round_scale, use_ue8m0, async_finish, return_recv_hook, kwargs, topk_weights)
 
     # ---- combine ----------------------------------------------------------------------------
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
@@ -316,7 +359,10 @@ class Buffer:
         Args:
             x: `[L, C, H]` bfloat16 expert outputs, rows as the dispatch laid them out (ignored with
                 `zero_copy`).
-            topk_idx, topk_weights: `[T, K]` as given to the dispatch; weights float32.
+            topk_idx, topk_weights: `[T, K]` as given to the dispatch; weights float32. Over the wires that
+                reduce the combine at the experts' rank, a Buffer built with `dispatch_weights=True` applies the
+                dispatch's weights: these must be that tensor or equal to it (else ValueError, the call aborted on
+                every rank); without it the call is dispatched again first, with these.
             handle: from the dispatch of this micro-batch (it may be combined more than once).
             use_logfmt: refused (ValueError): LogFMT-compressed combine is not provided.
             zero_copy: send from `get_next_low_latency_combine_buffer(handle)` (written by the caller)

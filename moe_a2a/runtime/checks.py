@@ -153,14 +153,13 @@ def check_dispatch_outputs(cfg: A2AConfig, lay: Layout, device, num, x, xs, rang
     elif xs is not None and not cfg.has_scales:
         raise ValueError("out_expert_x_scale: this config has no scales; pass None")
     n = None if qs is None or quantize is None else quantize.scale_bytes(cfg.hidden_dim) // 4  # words a row
-    if qs is not None and not (n is not None and not lay.rank_rows and type(qs) is _Tensor
+    if qs is not None and not (n is not None and type(qs) is _Tensor
                                and (qs.dtype is _F32 or qs.dtype is _I32) and qs.device == device
                                and ((lay.expert_capacity
                                      and qs.shape == (lay.num_local_experts, lay.expert_capacity, n))
                                     or qs.shape == (x.shape[0], n))):
-        if quantize is None or lay.rank_rows:
-            raise ValueError("out_quantized_scale: expected None " + ("with dispatch_rows='rank'" if lay.rank_rows
-                             else "(the call has no quantize)") + ", got a tensor")
+        if quantize is None:
+            raise ValueError("out_quantized_scale: expected None (the call has no quantize), got a tensor")
         C = lay.expert_capacity
         check_tensor("out_quantized_scale", qs, None, (torch.float32, torch.int32), device, last_contig=False)
         if not (C and list(qs.shape) == [lay.num_local_experts, C, n]) and list(qs.shape) != [x.shape[0], n]:
@@ -177,16 +176,14 @@ def check_combine_send(cfg: A2AConfig, lay: Layout, device, expert_y) -> None:
         if len(sh) == 2 and sh[1] == H and sh[0] >= lay.max_dispatch_rows \
                 and (sh[1] <= 1 or expert_y.stride()[-1] == 1):
             return
-        if len(sh) == 3 and expert_y.is_contiguous() and sh == (lay.num_local_experts, lay.expert_capacity, H) \
-                and not lay.rank_rows:
+        if len(sh) == 3 and expert_y.is_contiguous() and sh == (lay.num_local_experts, lay.expert_capacity, H):
             return
     check_tensor("expert_y", expert_y, None, cfg.out_dtype, device)
     C, L = lay.expert_capacity, lay.num_local_experts
     if expert_y.dim() == 3:
-        if not C or lay.rank_rows:
-            why = "with dispatch_rows='rank'" if C else "without A2AConfig.expert_capacity"
-            raise ValueError(f"expert_y: expected [rows, {H}] (a 3-D one is not taken {why}), "
-                             f"got {tuple(expert_y.shape)}")
+        if not C:
+            raise ValueError(f"expert_y: expected [rows, {H}] (a 3-D one is not taken without "
+                             f"A2AConfig.expert_capacity), got {tuple(expert_y.shape)}")
         if tuple(expert_y.shape) != (L, C, H):
             raise ValueError(f"expert_y: expected [rows, {H}] or [{L}, {C}, {H}], got {tuple(expert_y.shape)}")
         st = expert_y.stride()

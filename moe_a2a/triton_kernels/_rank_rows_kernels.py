@@ -325,6 +325,10 @@ def _expand_rank_rows_kernel(
     out_ranges_ptr=None, HAS_RANGES: tl.constexpr = False,
     # The relay: a remote source's rows are in its relay's recv buffer (a node peer's: peer_recv_bytes_ptr)
     peer_recv_bytes_ptr=None, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1,
+    # With Q_WORDS > 0 a fused quantisation's scale words (Q_WORDS from word Q_SCALE_WORD of the payload) also go
+    # to out_qscale_ptr, (R, Q_WORDS) or with CAPACITY (L, CAPACITY, Q_WORDS) 4-byte words of any strides (as unpack)
+    out_qscale_ptr=None, stride_out_qscale_r=0, stride_out_qscale_s=0, stride_out_qscale_e=0,
+    Q_SCALE_WORD: tl.constexpr = 0, Q_WORDS: tl.constexpr = 0,
 ):
     """Compiled as `moe_a2a::dispatch()`. Grid: (G,) persistent programs over tiles of BLOCK_R received rows
     (numbered source-major). Each row is read once and written to the output row of every k its metadata
@@ -380,6 +384,12 @@ def _expand_rank_rows_kernel(
                     out_row = _column(rows, kk, k)
                     tl.store(out_scale_ptr + out_row[:, None] * stride_out_scale_r + cols[None, :] * stride_out_scale_s,
                              v, mask=mask & (out_row >= 0)[:, None])
+        if Q_WORDS > 0:  # the quantisation's scale words into a tensor of their own, at each expert row of the row
+            for k in range(K):
+                out_row = _column(rows, kk, k)
+                d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
+                                   d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY),
+                                   stride_out_qscale_s, needed & (out_row >= 0), Q_WORDS, BLOCK_W)
 
 
 # ================================================================================================

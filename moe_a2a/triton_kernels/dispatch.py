@@ -228,8 +228,8 @@ def unpack_tokens_by_expert(
                  device=device)
     C = layout.expert_capacity
     if cfg.has_scales:
-        stride_scale = _scale_output("out_expert_x_scale", out_expert_x_scale, cfg.num_scales, (torch.float32,),
-                                     R, L, C, device)
+        stride_scale = scale_output_strides("out_expert_x_scale", out_expert_x_scale, cfg.num_scales,
+                                            (torch.float32,), R, L, C, device)
     elif out_expert_x_scale is not None:
         check.fail("out_expert_x_scale", "None (this config has no scales)", "a tensor")
     else:
@@ -242,8 +242,8 @@ def unpack_tokens_by_expert(
     if quantize is not None:
         quantize = check_fused_quantize("quantize", quantize, cfg)
         q_words = quantize.scale_bytes(cfg.hidden_dim) // 4
-        stride_q = _scale_output("out_quantized_scale", out_quantized_scale, q_words, (torch.float32, torch.int32),
-                                 R, L, C, device)
+        stride_q = scale_output_strides("out_quantized_scale", out_quantized_scale, q_words,
+                                        (torch.float32, torch.int32), R, L, C, device)
         quant_args = dict(out_qscale_ptr=out_quantized_scale.view(torch.int32), stride_out_qscale_r=stride_q[0],
                           stride_out_qscale_s=stride_q[1], stride_out_qscale_e=stride_q[2],
                           Q_SCALE_WORD=quantize.scale_offset_bytes // 4, Q_WORDS=q_words)
@@ -295,7 +295,8 @@ def unpack_tokens_by_expert(
     )
 
 
-def _scale_output(name: str, t, cols: int, dtypes: tuple, R: int, L: int, C: int, device) -> tuple[int, int, int]:
+def scale_output_strides(name: str, t, cols: int, dtypes: tuple, R: int, L: int, C: int,
+                         device) -> tuple[int, int, int]:
     """Check a scale output of unpack, `[R, cols]` or (with expert capacity C) `[L, C, cols]`, any strides;
     return its strides in elements as `(row, column, expert)`: row l*C + c's column s is at
     `l * expert + c * row + s * column` (a 2-D tensor's expert stride is C rows: the same address)."""

@@ -33,7 +33,9 @@ from ..protocol.words import Flag, flag_word
 from . import _checks as check
 from . import _launch as launch
 from .combine import MAX_REDUCE_BLOCK_H
+from .dispatch import scale_output_strides
 from .node_sync import NodeSync, launch_wait_apart
+from .quant import Fp8Quantize, check_fused_quantize
 from .routing import route_tokens
 from ._rank_rows_kernels import (_expand_rank_rows_kernel, _first_route_per_rank_kernel,
                                  _reduce_rank_rows_by_source_kernel, _reduce_rank_rows_by_token_kernel,
@@ -174,11 +176,15 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
                      out_expert_x_scale: torch.Tensor | None, counts: torch.Tensor, rank_rows: torch.Tensor,
                      rank: int, base: torch.Tensor, peer_send_bytes: torch.Tensor, recv_bytes: int, cfg: A2AConfig,
                      layout: Layout, node: NodeSync | None = None, copy_bytes: int | None = None,
-                     out_source_ranges: torch.Tensor | None = None, peer_recv_bytes: torch.Tensor | None = None) -> None:
+                     out_source_ranges: torch.Tensor | None = None, peer_recv_bytes: torch.Tensor | None = None,
+                     quantize: "Fp8Quantize | dict | None" = None,
+                     out_quantized_scale: torch.Tensor | None = None) -> None:
     """The receive half of per-rank dispatch rows: `unpack_tokens_by_expert`'s outputs (same rows, same
     order, `reference.dispatch`), each received row read once and written to every expert row it names.
 
-    Args: as `dispatch.unpack_tokens_by_expert` (scales `[R, num_scales]`; a node peer's rows are pulled from
+    Args: as `dispatch.unpack_tokens_by_expert` (scales `[R, num_scales]`; `quantize` and `out_quantized_scale`,
+    both or neither, as there: each row's scale words also to `[R, n]` or `[L, C, n]` of any strides, written
+    row by row at every expert row the row names; a node peer's rows are pulled from
     its send buffer, a remote source's are in this rank's recv buffer at `recv_bytes`, its private slot then
     its remainder run), plus `rank_rows`: `[W, W]` int32, row s = rows source s sends to each rank (the count
     rows' last W ints). With `layout.relay`, `peer_recv_bytes`: `[W]` int64, the node peers' recv buffers from
@@ -187,8 +193,11 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
     `plan.relay_remainder_offsets`), and only those with a route here are read past their metadata.
     No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "dispatch_recv", base)
+    if isinstance(quantize, dict):  # hashable for the launch key
+        quantize = check_fused_quantize("quantize", quantize, cfg)
     key = _key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank_rows, rank, base, peer_send_bytes,
-               recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, peer_recv_bytes)
+               recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, peer_recv_bytes, quantize,
+               out_quantized_scale)
     if key is not None and _EXPAND.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -210,6 +219,19 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
         check.tensor("out_source_ranges", out_source_ranges, dtypes=(torch.int64,), shape=(L, W), device=device,
                      strides="contiguous")
     relay = _relay_recv_args(layout, peer_recv_bytes, device)
+    quant_args = {}
+    if (quantize is None) != (out_quantized_scale is None):
+        given = "a tensor" if out_quantized_scale is not None else None
+        check.fail("out_quantized_scale", "given together with quantize (both or neither)",
+                   f"quantize={quantize!r}, out_quantized_scale={given}")
+    if quantize is not None:  # addressed as the route rows' unpack addresses it (its per-row path)
+        quantize = check_fused_quantize("quantize", quantize, cfg)
+        q_words = quantize.scale_bytes(cfg.hidden_dim) // 4
+        stride_q = scale_output_strides("out_quantized_scale", out_quantized_scale, q_words,
+                                        (torch.float32, torch.int32), R, L, layout.expert_capacity, device)
+        quant_args = dict(out_qscale_ptr=out_quantized_scale.view(torch.int32), stride_out_qscale_r=stride_q[0],
+                          stride_out_qscale_s=stride_q[1], stride_out_qscale_e=stride_q[2],
+                          Q_SCALE_WORD=quantize.scale_offset_bytes // 4, Q_WORDS=q_words)
     out_row_bytes = out_expert_x.stride(0) * out_expert_x.element_size() if R else 0
     word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, out_expert_x.data_ptr(), out_row_bytes, base.data_ptr(),
                                                recv_bytes, layout.private_offset_bytes, cfg.dispatch_stride_bytes)
@@ -233,7 +255,7 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
         BLOCK_W=block_w, HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity,
         CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED), ABORT_WORD=flag_word(Flag.ABORTED),
         out_ranges_ptr=out_source_ranges, HAS_RANGES=out_source_ranges is not None,
-        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args, **relay)
+        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args, **relay, **quant_args)
 
 
 def reduce_launch_shape(cfg: A2AConfig, layout: Layout, device: torch.device) -> tuple:

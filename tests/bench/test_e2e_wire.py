@@ -18,6 +18,19 @@ def test_wire_names_are_the_references():
     assert WIRE_NAMES == tuple(reference.WIRE_VARIANTS)
 
 
+def test_the_configs_wires_are_the_references_and_the_relays():
+    """`config.WIRES` (what `wire_config` and the DeepEP facade's `wire=` take) spells the reference's variants and
+    the relay's over the sender-reduced rows; --wire offers the same names; another name is a ValueError naming them."""
+    from moe_a2a.bench.main import WIRE_CHOICES
+    from moe_a2a.config import A2AConfig, WIRES, wire_config
+
+    assert tuple(WIRES) == WIRE_CHOICES
+    for name, w in reference.WIRE_VARIANTS.items():
+        assert WIRES[name] == (w.dispatch_rows, w.combine_rows, w.combine_fp8, False), name
+    with pytest.raises(ValueError, match="unknown wire 'per_token': expected one of per_route, .*relay_fp8"):
+        wire_config(A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=32), "per_token")
+
+
 def test_an_unknown_wire_is_a_one_line_error(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "e2e", "--wire", "per_token"])
@@ -26,8 +39,7 @@ def test_an_unknown_wire_is_a_one_line_error(capsys):
 
 @pytest.mark.parametrize("name", WIRE_NAMES)
 def test_wire_config_sets_the_three_fields(name):
-    from moe_a2a.bench.demo import wire_config
-    from moe_a2a.config import A2AConfig
+    from moe_a2a.config import A2AConfig, wire_config
 
     cfg = wire_config(A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=32), name)
     w = reference.WIRE_VARIANTS[name]
@@ -37,9 +49,8 @@ def test_wire_config_sets_the_three_fields(name):
 
 @pytest.mark.parametrize("name,rows", [("relay", "sender_reduced"), ("relay_fp8", "sender_reduced_fp8")])
 def test_the_relay_wires_are_the_sender_reduced_rows_through_the_relay(name, rows):
-    from moe_a2a.bench.demo import wire_config
     from moe_a2a.bench.main import WIRE_CHOICES
-    from moe_a2a.config import A2AConfig
+    from moe_a2a.config import A2AConfig, wire_config
 
     base = A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=32)
     cfg = wire_config(base, name)

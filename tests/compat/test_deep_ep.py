@@ -39,14 +39,18 @@ def _dequantize(recv_x, H: int) -> torch.Tensor:
         return recv_x.float()
     q, s = recv_x
     if s.dtype == torch.int32:  # UE8M0: each code byte shifted into an fp32 exponent field
-        s = (s.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+        # (a copy with unit last stride: `contiguous()` keeps the stride of a last dimension of size 1)
+        s = torch.empty_like(s, memory_format=torch.contiguous_format).copy_(s)
+        s = (s.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
     S = -(-H // 128)
     return q.float() * s[..., :S].repeat_interleave(128, dim=-1)[..., :H]
 
 
-def _modes_rank(a2a, rank, token_counts, H):
+def _modes_rank(a2a, rank, token_counts, H, buffer_kw=None):
     """One Buffer, four calls: bf16, fp8, fp8 with rounded scales, fp8 with UE8M0 scales, as two pairs of
-    micro-batches in flight with their hooks called late, one cumulative statistics tensor."""
+    micro-batches in flight with their hooks called late, one cumulative statistics tensor. `buffer_kw`: more of
+    the Buffer's keywords (`wire=`, `dispatch_weights=`: then the weights go to every dispatch;
+    tests/compat/test_deep_ep_wire.py)."""
     from moe_a2a.compat import Buffer
 
     dev, W = a2a.device, a2a.world_size
@@ -56,16 +60,18 @@ def _modes_rank(a2a, rank, token_counts, H):
     hint = Buffer.get_low_latency_rdma_size_hint(T_MAX, H, W, E)
     with Buffer(None, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=E // W,
                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=True,
-                enable_shrink=False, transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size) as buf:
+                enable_shrink=False, transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size,
+                **(buffer_kw or {})) as buf:
         for pair in range(2):  # dispatch A, dispatch B, combine A, combine B
             pending = []
             for mb in range(2):
                 call = 2 * pair + mb
                 T = token_counts[rank][mb]
                 x, idx, w = (t.to(dev) for t in _inputs(rank, call, T, "random", H))
+                weights = {"topk_weights": w} if (buffer_kw or {}).get("dispatch_weights") else {}
                 recv_x, count, handle, event, hook = buf.low_latency_dispatch(
                     x, idx, T_MAX, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True,
-                    **MODES[call])
+                    **MODES[call], **weights)
                 pending.append((idx, w, recv_x, count, handle, hook))
             results = []
             for idx, w, recv_x, count, handle, hook in pending:
@@ -103,9 +109,22 @@ def _expert_outputs(ins, mode):
     return ys
 
 
-def _check_combined(combined, ins, mode):
-    """Every rank's combined tokens against torch: sum_k w[t, k] * y(t) over the routed k."""
+def _check_combined(combined, ins, mode, node_size=None):
+    """Every rank's combined tokens against torch: sum_k w[t, k] * y(t) over the routed k. `node_size`: through
+    the relay (`Buffer(wire="relay")`): against `reference.combine_relay`, which sums as the relay does (reduced per
+    rank, then per node, rounded on the way)."""
     ys = _expert_outputs(ins, mode)
+    if node_size is not None:
+        W, H = len(ins), ys[0].shape[1]
+        cfg = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=H,
+                        in_dtype=torch.bfloat16, out_dtype=torch.bfloat16, expert_capacity=T_MAX * W,
+                        dispatch_rows="rank", combine_rows="rank", relay=True)
+        idxs, ws = [idx for _, idx, _ in ins], [w for _, _, w in ins]
+        rows = [ex for _, ex, _ in reference.dispatch(cfg, ys, None, idxs)]  # each expert row: y of its token
+        want = reference.combine_relay(cfg, idxs, ws, rows, node_size)
+        for r in range(W):
+            assert combine_problems(combined[r].cpu(), want[r], default_max_ulps(TEST_DEVICE)) == [], r
+        return
     for r, (_, idx, w) in enumerate(ins):
         want = torch.zeros(idx.shape[0], ys[r].shape[1])
         for t in range(idx.shape[0]):
@@ -115,9 +134,10 @@ def _check_combined(combined, ins, mode):
         assert combine_problems(combined[r].cpu(), want.to(torch.bfloat16), default_max_ulps(TEST_DEVICE)) == [], r
 
 
-def _check_call(got, ins, mode, W: int, H: int):
+def _check_call(got, ins, mode, W: int, H: int, node_size=None):
     """One call of every rank against torch: counts, rows (bf16, or fp8 bytes and scales from the torch
-    formula of tests/triton_kernels/test_quant.py), handle[0] and handle[1], the combined tokens."""
+    formula of tests/triton_kernels/test_quant.py), handle[0] and handle[1], the combined tokens (`node_size`:
+    through the relay, `_check_combined`)."""
     L = E // W
     use_fp8 = mode.get("use_fp8")
     quant = [torch_quantize(x, 128, round_scale=mode.get("round_scale", False)) for x, _, _ in ins] if use_fp8 else None
@@ -145,7 +165,7 @@ def _check_call(got, ins, mode, W: int, H: int):
                     assert torch.equal(g["recv"][1][l, i], torch_ue8m0(scale[t:t + 1])[0]), (mode, r, l, i)
                 else:
                     assert torch.equal(g["recv"][1][l, i], scale[t]), (mode, r, l, i)
-    _check_combined([g["combined"] for g in got], ins, mode)
+    _check_combined([g["combined"] for g in got], ins, mode, node_size)
 
 
 @pytest.mark.timeout(600)
@@ -169,7 +189,7 @@ def test_one_buffer_serves_bf16_fp8_rounded_and_ue8m0_calls_with_deep_ep_handles
         assert torch.equal(got[r][1], stats[:, r]), (got[r][1], stats[:, r])
 
 
-def _deep_ep_patterns_rank(a2a, rank, H):
+def _deep_ep_patterns_rank(a2a, rank, H, buffer_kw=None):
     """What DeepEP's test does beyond the core, with torch's default dtype set to float64 and its default
     device to "meta" (DeepEP's test sets bfloat16 and cuda: nothing of ours may follow them; a tensor made
     on "meta" fails at its first use): a dispatch never combined, one handle combined twice (the second
@@ -187,7 +207,7 @@ def _deep_ep_patterns_rank(a2a, rank, H):
     try:
         dev, seen = a2a.device, {}
         buf = Buffer(None, transport="shm", timeout_s=20.0, node_group=a2a.layout.node_size,
-                     explicitly_destroy=True)
+                     explicitly_destroy=True, **(buffer_kw or {}))
         x0, idx0, _ = inputs(70)
         _, _, _, event, _ = buf.low_latency_dispatch(x0, idx0, T_MAX, E, use_fp8=True, async_finish=True)
         assert isinstance(event, EventOverlap)
@@ -233,12 +253,17 @@ def test_deep_ep_test_patterns_abandoned_dispatch_double_combine_zero_copy_clean
     cfg0 = A2AConfig(max_num_tokens=T_MAX, num_experts=E, experts_per_token=K, hidden_dim=64, in_dtype=torch.bfloat16)
     with LocalCluster(cfg0, world_size=W, node_size=2, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
         got = cl.run(_deep_ep_patterns_rank, H)
+    _check_patterns(got, W, H)
+
+
+def _check_patterns(got, W: int, H: int, node_size=None) -> None:
+    """`_deep_ep_patterns_rank`'s results of every rank against torch (`node_size`: through the relay)."""
     for call, mode in ((71, {"use_fp8": False}), (72, {"use_fp8": True, "round_scale": True, "use_ue8m0": True}),
                        (73, {"use_fp8": True})):
         ins = [_inputs(r, call, T_MAX, "random", H) for r in range(W)]
         for r in range(W):
             assert got[r][call]["count"].tolist() == [len(rows) for rows in _routes(ins, r, E // W)], (call, r)
-        _check_combined([got[r][call]["combined"] for r in range(W)], ins, mode)
+        _check_combined([got[r][call]["combined"] for r in range(W)], ins, mode, node_size)
         for r in range(W):
             if call == 71:
                 assert got[r][call]["recv_kept"]

@@ -127,5 +127,7 @@ def test_a_3d_expert_y_is_taken_only_with_rows_by_expert_of_a_capacity():
         checks.check_combine_send(no_capacity, no_capacity.layout(W), CPU, y)
     by_rank = A2AConfig(max_num_tokens=T, num_experts=E, experts_per_token=K, hidden_dim=H, in_dtype=torch.bfloat16,
                         out_dtype=torch.bfloat16, expert_capacity=C, dispatch_rows="rank")
-    with pytest.raises(ValueError, match="a 3-D one is not taken with dispatch_rows='rank'"):
-        checks.check_combine_send(by_rank, by_rank.layout(W), CPU, y)
+    checks.check_combine_send(by_rank, by_rank.layout(W), CPU, y)  # per-rank rows too (their reduce views it 2-D)
+    with pytest.raises(ValueError, match="needs rows of stride 1 whose experts follow each other"):
+        checks.check_combine_send(by_rank, by_rank.layout(W), CPU,
+                                  torch.zeros(L, C + 1, H, dtype=torch.bfloat16)[:, 1:])

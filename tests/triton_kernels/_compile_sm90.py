@@ -254,7 +254,8 @@ def main_relay() -> None:
                     base_ptr="*u8", peer_send_bytes_ptr="*i64", peer_recv_bytes_ptr="*i64",
                     peer_partial_bytes_ptr="*i64", indices_ptr="*i32", out_ptr="*i32", route_slot_ptr="*i32",
                     send_row_ptr="*i32", weights_ptr="*fp32", out_num_tokens_ptr="*i32", out_x_ptr="*i32",
-                    out_scale_ptr="*i32", out_ranges_ptr="*i64", expert_y_ptr="*bf16", relay_recv_bytes_ptr="*i64")
+                    out_scale_ptr="*i32", out_ranges_ptr="*i64", expert_y_ptr="*bf16", relay_recv_bytes_ptr="*i64",
+                    out_qscale_ptr="*i32")
         fp8_args = dict(FP8=fp8, Q_BLOCK=128, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=False)
         places = dict(P=lay.private_rows, HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0,
                       META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes)
@@ -263,10 +264,12 @@ def main_relay() -> None:
             _compile(rk._stamp_rank_rows_kernel, ptrs,
                      dict(K=8, K_PAD=8, L=L, E_PAD=256, BLOCK_T=32, SD_BYTES=cfg.dispatch_stride_bytes,
                           META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, HAS_WEIGHTS=True, **relay)),
+            # (the DeepEP facade's receive: a fused quantisation's scale words to [L, C, 56] too, rows by capacity)
             _compile(rk._expand_rank_rows_kernel, ptrs,
                      dict(PAD=1, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
-                          WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512, HAS_SCALES=True, CAPACITY=0,
-                          CAPACITY_WORD=1, ABORT_WORD=2, L_PAD=L, NODE_PAD=8, **places, **shape, **sync, **relay)),
+                          WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512, HAS_SCALES=True, CAPACITY=2048,
+                          CAPACITY_WORD=1, ABORT_WORD=2, L_PAD=L, NODE_PAD=8, Q_SCALE_WORD=1792, Q_WORDS=56,
+                          **places, **shape, **sync, **relay)),
             _compile(rk._reduce_rank_rows_by_source_kernel, ptrs,
                      dict(PAD=1, H=7168, SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
                           ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, L_PAD=L, ALIGN_BYTES=16,
