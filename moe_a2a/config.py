@@ -728,10 +728,9 @@ class Layout:
         return first, first + per_node
 
 
-# The wires a config can be given by name: the variants of `reference.WIRE_VARIANTS` (issue 32's levers) and
-# issue 46's relay over the sender-reduced rows. Each is (dispatch_rows, combine_rows, combine_fp8, relay); spelled
-# here, not read from reference.py, so that configs (and the facade) need no reference (tests/bench/test_e2e_wire.py
-# holds the two to each other).
+# The wires a config can be given by name: issue 32's levers and issue 46's relay over the sender-reduced rows,
+# each (dispatch_rows, combine_rows, combine_fp8, relay). The one table: `reference.WIRE_VARIANTS` and the CLI's
+# --wire choices are read from it (it needs no torch).
 WIRES = {
     "per_route": ("route", "route", False, False),             # one row per route each way (the default)
     "per_rank_dispatch": ("rank", "route", False, False),      # dispatch deduplicated per (token, rank)

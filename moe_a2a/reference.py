@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .config import ROW_ALIGN_BYTES, A2AConfig, ceil_div, round_up
+from .config import ROW_ALIGN_BYTES, WIRES, A2AConfig, ceil_div, round_up
 
 
 Tensors = Sequence[torch.Tensor]  # one tensor per rank
@@ -433,13 +433,10 @@ class Wire:
             raise ValueError("combine_rows='rank' needs dispatch_rows='rank' (the weights travel with it)")
 
 
-WIRE_VARIANTS = {
-    "per_route": Wire(),                                     # today
-    "per_rank_dispatch": Wire("rank"),                       # dispatch deduplicated; combine as today
-    "sender_reduced": Wire("rank", "rank"),                  # and the combine reduced at the sender
-    "fp8_combine": Wire("route", "route", True),             # today's rows, the combine's in fp8
-    "sender_reduced_fp8": Wire("rank", "rank", True),        # all three levers
-}
+# The variants of issue 32's levers, by name: `config.WIRES` without the relay (its rows are these; its
+# bytes are `relay_bytes_per_phase`'s).
+WIRE_VARIANTS = {name: Wire(dispatch_rows, combine_rows, combine_fp8)
+                 for name, (dispatch_rows, combine_rows, combine_fp8, relay) in WIRES.items() if not relay}
 
 
 def row_bytes(cfg: A2AConfig, wire: Wire) -> dict[str, int]:

@@ -20,15 +20,15 @@ import statistics
 import sys
 import time
 
+from ..config import WIRES
 from ._util import nonneg_int, positive_float, positive_int, progress, refuse_without_cuda
 from ._util import write_json as _write
 
 
-# The names of reference.WIRE_VARIANTS (issue 32's levers), spelled here so that the parser needs no torch;
-# tests/bench/test_e2e_wire.py holds them to the reference's.
-WIRE_NAMES = ("per_route", "per_rank_dispatch", "sender_reduced", "fp8_combine", "sender_reduced_fp8")
-# Issue 46's relay over the sender-reduced rows (A2AConfig.relay; `config.wire_config`): the choices of --wire.
-RELAY_WIRE_NAMES = ("relay", "relay_fp8")
+# The wires by name (`config.WIRES`, importable without torch): issue 32's levers (reference.WIRE_VARIANTS) and
+# issue 46's relay over the sender-reduced rows; together the choices of --wire.
+WIRE_NAMES = tuple(name for name, (*_, relay) in WIRES.items() if not relay)
+RELAY_WIRE_NAMES = tuple(name for name, (*_, relay) in WIRES.items() if relay)
 WIRE_CHOICES = WIRE_NAMES + RELAY_WIRE_NAMES
 
 

@@ -197,15 +197,12 @@ class LowLatencyMode(LowLatencySets):
         try:
             if slot.reduce:  # the weights travel with the rows: the caller's, or zeros until the combine's
                 slot.given_weights = topk_weights
-                slot.weights = w = self._scratch_buffers(slot)["w"][:T] if topk_weights is None else \
+                slot.weights = self._scratch_buffers(slot)["w"][:T] if topk_weights is None else \
                     _pad_routes(topk_weights, built[2], 0.0) if pad else topk_weights
-                a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
-                             do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
-                             out_quantized_scale=None if return_recv_hook else slot.quantized_scales(), weights=w)
-            else:
-                a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
-                             do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
-                             out_quantized_scale=None if return_recv_hook else slot.quantized_scales())
+            a2a.dispatch(slot.num, slot.ex, slot.exs, x, self._token_ids[T], topk_idx,
+                         do_recv=not return_recv_hook, quantize=quantize, out_source_ranges=slot.layout_range,
+                         out_quantized_scale=None if return_recv_hook else slot.quantized_scales(),
+                         weights=slot.weights)  # (None unless slot.reduce)
         except BaseException:
             slot.free()
             raise
@@ -491,17 +488,11 @@ class LowLatencyMode(LowLatencySets):
         returned them, as DeepEP's combine leaves them), and when its layout differs from the handle's,
         returns `(src, dst)`: the expert-output rows to move (`_move_rows`); else None."""
         if not self.enable_shrink:
-            if slot.reduce:  # (`_weights_to_experts` gives the weights)
-                self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                          self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
-                                                          out_source_ranges=slot.layout_range,
-                                                          out_quantized_scale=slot.quantized_scales(),
-                                                          weights=weights))
-            else:
-                self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
-                                                          self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
-                                                          out_source_ranges=slot.layout_range,
-                                                          out_quantized_scale=slot.quantized_scales()))
+            self._run(slot, lambda: slot.a2a.dispatch(slot.num, slot.ex, slot.exs, slot.payload,
+                                                      self._token_ids[slot.T], topk_idx, quantize=slot.quantize,
+                                                      out_source_ranges=slot.layout_range,
+                                                      out_quantized_scale=slot.quantized_scales(),
+                                                      weights=weights))  # (`_weights_to_experts`' with slot.reduce)
             slot.state = _DISPATCHED
             return None
         if self._again is None:  # one set for both slots (shrink mode's instances share a config)
