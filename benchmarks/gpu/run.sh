@@ -143,7 +143,7 @@ gpu-tests:all|gpu-tests:1)
   tests_part part1 8 ${PART1_LIMIT_S:-540} --timeout 300 tests/triton_kernels tests/test_*.py tests/proxy tests/protocol tests/benchmarks
   ;;&
 gpu-tests:all|gpu-tests:2)
-  tests_part part2 4 540 --timeout 300 tests/e2e tests/runtime tests/bench tests/compat
+  tests_part part2 4 ${PART2_LIMIT_S:-540} --timeout 300 tests/e2e tests/runtime tests/bench tests/compat
   ;;&
 gpu-tests:all|gpu-tests:3)
   mps_start
