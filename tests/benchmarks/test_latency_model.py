@@ -444,6 +444,7 @@ def test_bad_inputs():
 
 
 # ---- the command line and the page ---------------------------------------------------------------------
+@pytest.mark.slow  # matplotlib's first use on a machine runs fc-list to build its font cache
 def test_main_writes_json_and_png(tmp_path, capsys):
     js, png = tmp_path / "m.json", tmp_path / "m.png"
     assert lm.main(["--json", str(js), "--png", str(png)]) == 0
