@@ -239,7 +239,8 @@ def quantize_fp8_blocks(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
     T, H = x.shape
     S = ceil_div(H, block)
     padded = torch.nn.functional.pad(x.float(), (0, S * block - H)).reshape(T, S, block)
-    scale = padded.abs().amax(-1) / FP8_E4M3_MAX
+    # A tensor divisor: CUDA divides by a Python number through its reciprocal (not correctly rounded).
+    scale = padded.abs().amax(-1) / torch.full((), FP8_E4M3_MAX, device=x.device)
     scale = torch.where(scale >= 2.0 ** -126, scale, torch.ones_like(scale))
     q = (padded * (1.0 / scale)[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(T, S * block)[:, :H]
     return q.to(torch.float8_e4m3fn), scale

@@ -132,7 +132,8 @@ def _fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _amax_scale(amax: torch.Tensor) -> torch.Tensor:
     """scale = amax / 448, and 1 where amax is 0 (the library's rule, triton_kernels/quant.py)."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: CUDA divides by a Python number through its reciprocal (not correctly rounded).
+    return torch.where(amax > 0, amax / torch.full((), FP8_MAX, device=amax.device), torch.ones_like(amax))
 
 
 def quantize_received(x: torch.Tensor, count: torch.Tensor, mode: str, quant_config) -> tuple:

@@ -29,6 +29,14 @@ _ABORT_SIGNAL = signal.SIGUSR1
 _DIED = -1  # culprit word: "a rank died" (its number is in the message the parent gives)
 
 
+def _arm_abort_signal(handler) -> None:
+    """Install `handler` for the abort signal and unblock it in this (the function's) thread. Done before
+    every run, not only at start-up: on a GPU rank the interrupt never arrived once CUDA and the kernels
+    were set up (rank 0 sat in its host wait to its timeout), so whatever took it over is undone each time."""
+    signal.signal(_ABORT_SIGNAL, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {_ABORT_SIGNAL})
+
+
 def _exception_info(exc: BaseException) -> dict:
     """What the parent needs to order the ranks' errors: root causes first, then their consequences (a
     peer's timeout or abort), then the ranks interrupted by `run` itself; ties by when they were raised."""
@@ -71,7 +79,7 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
             why = "a rank died" if culprit == _DIED else f"rank {culprit} raised (its error is reported first)"
             raise RunAborted(f"rank {rank}: run interrupted here because {why}")
 
-    signal.signal(_ABORT_SIGNAL, on_abort)
+    _arm_abort_signal(on_abort)
 
     def init_group(store_path: str, timeout: float) -> None:
         # A file store (no TCPStore listening on every interface) and gloo's sockets on loopback only.
@@ -127,6 +135,7 @@ def _rank_main(rank: int, world_size: int, store: str, cfg: A2AConfig, node_size
                     conn.send(("ready", [(h.proc.pid, _start_time(h.proc.pid)) for h in a2a.proxies]))
                 continue
             _, run_id, payload = msg
+            _arm_abort_signal(on_abort)
             running[0] = run_id
             try:
                 fn, args = _loads(payload)

@@ -222,10 +222,10 @@ def _unpack_tokens_by_expert_kernel(
     stride_out_qscale_r=0, stride_out_qscale_s=0, stride_out_qscale_e=0,
     Q_SCALE_WORD: tl.constexpr = 0, Q_WORDS: tl.constexpr = 0,
     # A scale output whose rows are adjacent words (row stride 1: DeepEP's column-major scales, a single
-    # column) with CAPACITY: copied after the rows, in tiles of BLOCK_S rows of one expert, so that its
-    # stores coalesce along the rows; BLOCK_SC / BLOCK_QC columns at a time.
+    # column) with CAPACITY: copied after the rows, expert by expert in tiles of BLOCK_S of its rows, so
+    # that its stores coalesce along the rows; BLOCK_SC / BLOCK_QC columns at a time.
     SCALES_BY_EXPERT: tl.constexpr = False, QSCALES_BY_EXPERT: tl.constexpr = False,
-    BLOCK_S: tl.constexpr = 32, BLOCK_SC: tl.constexpr = 1, BLOCK_QC: tl.constexpr = 1,
+    BLOCK_S: tl.constexpr = 8, BLOCK_SC: tl.constexpr = 1, BLOCK_QC: tl.constexpr = 1,
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -296,19 +296,18 @@ def _unpack_tokens_by_expert_kernel(
                                stride_out_qscale_s, is_row, Q_WORDS, BLOCK_W)
 
     if SCALES_BY_EXPERT or QSCALES_BY_EXPERT:
-        # Expert l's rows c < min(tot[l], CAPACITY) sit at l * C + c: tiles of one expert's rows, whose scale
-        # stores are adjacent words (rows past each expert's count are not written, as DeepEP's).
-        n_rows = tl.where(ok, tl.minimum(tot, CAPACITY), 0)
-        num_scale_tiles = tl.sum((n_rows + BLOCK_S - 1) // BLOCK_S, axis=0).to(tl.int32)
-        for t in range(pid, num_scale_tiles, num_programs):
-            l, c0 = d.expert_scale_tile(t, n_rows, BLOCK_S, L_PAD)
-            c = c0 + tl.arange(0, BLOCK_S).to(tl.int64)
-            l = l.to(tl.int64)
-            is_row = (c < tl.sum(tl.where(tl.arange(0, L_PAD) == l, n_rows, 0), axis=0)) & (l * CAPACITY + c < num_out_rows)
-            src_bytes = d.expert_rows_source(l, c, cnt_2d, first_2d, rest_2d, split_2d, SD_BYTES, L_PAD, W_PAD)
-            if SCALES_BY_EXPERT:
-                d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
-                                   l * stride_out_scale_e + c, stride_out_scale_s, is_row, S, BLOCK_SC)
-            if QSCALES_BY_EXPERT:
-                d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
-                                   l * stride_out_qscale_e + c, stride_out_qscale_s, is_row, Q_WORDS, BLOCK_QC)
+        # One local expert at a time (l = pid, pid + G, ...): its rows c < min(tot[l], CAPACITY) sit at
+        # l * C + c, so a tile of them stores adjacent words; its four table rows in one reduction.
+        for l in range(pid, L, num_programs):
+            cnt_l, first_l, rest_l, split_l = d.expert_pair_row(l, cnt_2d, first_2d, rest_2d, split_2d, L_PAD)
+            n_l = tl.where(ok, tl.minimum(tl.sum(cnt_l, axis=0), CAPACITY), 0)
+            for c0 in range(0, n_l, BLOCK_S):
+                c = c0 + tl.arange(0, BLOCK_S).to(tl.int64)
+                is_row = (c < n_l) & (l * CAPACITY + c < num_out_rows)
+                src_bytes = d.expert_rows_source(c, cnt_l, first_l, rest_l, split_l, SD_BYTES)
+                if SCALES_BY_EXPERT:
+                    d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
+                                       l * stride_out_scale_e + c, stride_out_scale_s, is_row, S, BLOCK_SC)
+                if QSCALES_BY_EXPERT:
+                    d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
+                                       l * stride_out_qscale_e + c, stride_out_qscale_s, is_row, Q_WORDS, BLOCK_QC)
