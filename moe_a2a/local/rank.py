@@ -24,15 +24,16 @@ class RunAborted(BaseException):
 
 
 # The parent interrupts a rank's function with this signal (after writing the run and the culprit into
-# the shared abort words); the rank raises RunAborted only if that run is the one it is running.
-_ABORT_SIGNAL = signal.SIGUSR1
+# the shared abort words); the rank raises RunAborted only if that run is the one it is running. A real-time
+# signal: on GPU ranks a handler set installed mid-run (HUP, INT, QUIT, ILL, ABRT, BUS, USR1, SEGV, USR2, TERM,
+# XCPU, XFSZ, SYS: LLVM's, as Triton compiles in-process) took SIGUSR1 over and the interrupt was lost.
+_ABORT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 _DIED = -1  # culprit word: "a rank died" (its number is in the message the parent gives)
 
 
 def _arm_abort_signal(handler) -> None:
-    """Install `handler` for the abort signal and unblock it in this (the function's) thread. Done before
-    every run, not only at start-up: on a GPU rank the interrupt never arrived once CUDA and the kernels
-    were set up (rank 0 sat in its host wait to its timeout), so whatever took it over is undone each time."""
+    """Install `handler` for the abort signal and unblock it in this (the function's) thread; again before
+    every run, so that a library set up since cannot keep it."""
     signal.signal(_ABORT_SIGNAL, handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {_ABORT_SIGNAL})
 
