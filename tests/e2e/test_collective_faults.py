@@ -5,6 +5,7 @@ one node start (and stop) five times in a row."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 
 import pytest
@@ -63,6 +64,28 @@ def test_a_raising_rank_is_reported_first_at_once_and_the_next_run_works(world, 
         # The next run works on every rank, exactly.
         results = cl.run(rank_roundtrip, CFG.max_num_tokens, 3, 2)
     assert check_against_reference(CFG, results) == []
+
+
+def _raise_with_signals_taken_over(a2a, rank, culprit):
+    """As `_raise_between_dispatch_and_combine`, after taking SIGUSR1 and SIGUSR2 over with handlers that do
+    nothing, as a library set up during a run may (on GPU ranks, the handler set Triton's in-process compiler
+    installs took SIGUSR1, the interrupt's signal then, and the peers waited to their timeout)."""
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda *_: None)
+    return _raise_between_dispatch_and_combine(a2a, rank, culprit)
+
+
+@pytest.mark.timeout(300)
+def test_the_interrupt_survives_a_library_taking_the_user_signals_over():
+    with LocalCluster(CFG, world_size=2, node_size=2, transport="shm", device=TEST_DEVICE,
+                      timeout_s=TIMEOUT_S) as cl:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            cl.run(_raise_with_signals_taken_over, 1)
+        took = time.monotonic() - t0
+        first = str(info.value).splitlines()[0]
+        assert first.startswith("run: rank 1 raised KeyError") and "rank 0: RunAborted" in first, first
+        assert took < TIMEOUT_S, f"run took {took:.1f}s to report"
 
 
 def _raise_before_any_call(a2a, rank):
