@@ -1,11 +1,15 @@
 """Launch constants of the data kernels swept on one GPU: each (preset, wire, constants) a CUDA-graph call of 2
 ranks of one node (run under MPS), its kernels timed per position as `wire_kernels.py` reports them.
 
-    python3 benchmarks/gpu/sweep_launch.py RESULTS.json
+    python3 benchmarks/gpu/sweep_launch.py RESULTS.json [tiles|reduce-setup] [WORLD]
 
 The constants are module attributes set in each rank before its first call (e.g. `_launch.ROWS_PER_TILE`,
 `rank_rows.MAX_REDUCE_BLOCK_H`); the plan is the list in `main`. One JSON record per entry, written as it goes.
-The numbers behind `rank_rows.EXPAND_ROWS_PER_TILE` / `REDUCE_ROWS_PER_TILE` (docs/perf-notes.md).
+`tiles` (default): the numbers behind `rank_rows.EXPAND_ROWS_PER_TILE` / `REDUCE_ROWS_PER_TILE`
+(docs/perf-notes.md). `reduce-setup`: where the reduce by source's time goes (timing only; these variants
+compute wrong sums): its launch shape replaced (`@grid:G_DIV,CHUNKS`: a G_DIV-th of the persistent programs,
+CHUNKS hidden chunks, 0 = as now) or its expert loads dropped (`@no_loads`: every route row out of range), so
+the per-program set-up (pair tables, places, the epilogue's arrival) is told apart from the row work.
 """
 import importlib
 import json
@@ -17,10 +21,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wire_kernels  # noqa: E402
 
 
+def _reduce_shape(g_div, chunks):
+    from moe_a2a.triton_kernels import rank_rows
+    shape = rank_rows.reduce_launch_shape
+
+    def patched(cfg, layout, device):
+        (g, c), block_r, block_h, fp8, no_fma = shape(cfg, layout, device)
+        return (max(1, g // g_div), chunks or c), block_r, block_h, fp8, no_fma
+    return patched
+
+
+def _no_loads():
+    from moe_a2a.triton_kernels import rank_rows
+    launch = rank_rows._BY_SOURCE.launch
+
+    def patched(key, grid, expert_y, counts, rank_rows_, base, psb, prb, recv, stage, rank, R, *a, **kw):
+        return launch(key, grid, expert_y, counts, rank_rows_, base, psb, prb, recv, stage, rank, 0, *a, **kw)
+    return patched
+
+
+def _resolve(value):
+    """A patch value, or `@grid:G_DIV,CHUNKS` / `@no_loads`: the reduce-setup probes' replacements."""
+    if isinstance(value, str) and value.startswith("@grid:"):
+        return _reduce_shape(*(int(v) for v in value[len("@grid:"):].split(",")))
+    if value == "@no_loads":
+        return _no_loads()
+    return value
+
+
 def _rank_patched(a2a, rank, reps, patches):
     for target, value in patches.items():
         mod, attr = target.split(":")
-        setattr(importlib.import_module(mod), attr, value)
+        obj = importlib.import_module(mod)
+        for part in attr.split(".")[:-1]:
+            obj = getattr(obj, part)
+        setattr(obj, attr.split(".")[-1], _resolve(value))
     return wire_kernels._rank(a2a, rank, reps)
 
 
@@ -31,7 +66,14 @@ def main():
     from moe_a2a.config import A2AConfig, wire_config
     L = "moe_a2a.triton_kernels._launch:"
     RR = "moe_a2a.triton_kernels.rank_rows:MAX_REDUCE_BLOCK_H"
+    SHAPE, BY = "moe_a2a.triton_kernels.rank_rows:reduce_launch_shape", "moe_a2a.triton_kernels.rank_rows:_BY_SOURCE.launch"
+    which = sys.argv[2] if len(sys.argv) > 2 else "tiles"
+    world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     plan = [
+        ("decode", "per_route", {}), ("decode", "sender_reduced", {}), ("decode", "sender_reduced", {SHAPE: "@grid:1,1"}),
+        ("decode", "sender_reduced", {SHAPE: "@grid:4,0"}), ("decode", "sender_reduced", {SHAPE: "@grid:14,0"}),
+        ("decode", "sender_reduced", {BY: "@no_loads"}), ("decode", "sender_reduced", {SHAPE: "@grid:1,1", BY: "@no_loads"}),
+    ] if which == "reduce-setup" else [
         ("decode", "fp8_combine", {}), ("prefill", "fp8_combine", {}),
         ("decode", "sender_reduced_fp8", {}), ("prefill", "sender_reduced_fp8", {}),
         ("decode", "sender_reduced", {}), ("decode", "sender_reduced", {L + "ROWS_PER_TILE": 2}),
@@ -45,12 +87,12 @@ def main():
         t0 = time.time()
         cfg = wire_config(A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16), wire)
         try:
-            with LocalCluster(cfg, world_size=2, node_size=2, device="cuda", timeout_s=30, gpu_wait="kernel") as cl:
+            with LocalCluster(cfg, world_size=world, node_size=world, device="cuda", timeout_s=30, gpu_wait="kernel") as cl:
                 rows = cl.run(_rank_patched, 20, patches)
             res = rows[0]
         except Exception as e:  # noqa: BLE001
             res = f"{type(e).__name__}: {str(e)[:300]}"
-        rec = {"preset": preset, "wire": wire, "patches": patches, "kernels": res, "s": round(time.time() - t0, 1)}
+        rec = {"world": world, "preset": preset, "wire": wire, "patches": patches, "kernels": res, "s": round(time.time() - t0, 1)}
         print(json.dumps(rec), flush=True)
         out.append(rec)
         with open(sys.argv[1], "w") as f:
