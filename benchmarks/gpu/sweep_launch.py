@@ -122,7 +122,7 @@ def main():
         cfg = wire_config(A2AConfig(**PRESETS[preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16), wire)
         try:
             with LocalCluster(cfg, world_size=world, node_size=world, device="cuda", timeout_s=30, gpu_wait="kernel") as cl:
-                rows = cl.run(_rank_patched, 20, patches)
+                rows = cl.run(importlib.import_module("sweep_launch")._rank_patched, 20, patches)  # by reference: __main__ pickles by value
             res = rows[0]
         except Exception as e:  # noqa: BLE001
             res = f"{type(e).__name__}: {str(e)[:300]}"
