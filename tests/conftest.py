@@ -81,10 +81,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Processes started by the test running now: multiprocessing, subprocess and os.fork, recorded by the
-# patches below, except where a library probes the machine (ctypes.util runs ldconfig, platform uname) or
-# Triton compiles (its own ptxas / C compiler): neither is the test's doing.
+# patches below, except where a library probes the machine (ctypes.util runs ldconfig, platform uname,
+# matplotlib's font manager runs fc-list on a machine without its font cache) or Triton compiles (its own
+# ptxas / C compiler): none is the test's doing.
 SPAWNS: list[str] = []
-_NOT_THE_TESTS = ("ctypes/util.py", "/platform.py", "/triton/")
+_NOT_THE_TESTS = ("ctypes/util.py", "/platform.py", "/triton/", "/matplotlib/")
 
 
 def _record(what: str) -> None:
