@@ -229,6 +229,14 @@ def main_rank_rows() -> None:
             ]
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"
+    # The arrival (`_details.node_arrive_of`) in every data kernel here: one system fence, then a relaxed
+    # atomic (a release pattern); an acq_rel atomic would fence a second time (docs/protocol.md).
+    for k in kernels:
+        ptx = k.asm["ptx"]
+        if "atom.global.sys" in ptx:
+            at = ptx.index("atom.global.sys")
+            assert ptx[at:ptx.index("\n", at)].count(".relaxed.") == 1, f"{k.name}: the arrival's atomic is not relaxed"
+            assert ptx[ptx.rindex("fence", 0, at):at].count("\n") < 16, f"{k.name}: no fence just before the arrival"
     print("compiled", [k.name for k in kernels])
 
 
