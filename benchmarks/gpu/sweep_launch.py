@@ -10,9 +10,10 @@ The constants are module attributes set in each rank before its first call (e.g.
 compute wrong sums): its launch shape replaced (`@grid:G_DIV,CHUNKS`: a G_DIV-th of the persistent programs,
 CHUNKS hidden chunks, 0 = as now) or its expert loads dropped (`@no_loads`: every route row out of range), so
 the per-program set-up (pair tables, places, the epilogue's arrival) is told apart from the row work; and the
-arrival of every data kernel's programs (`_details.node_arrive_of`, two system-scope fences a program) with one
-fence (`@arrive_relaxed`: fence, relaxed atomic; the last program fences again) or at GPU scope
-(`@arrive_gpu`: the last program alone fences system-wide; a timing probe, not a proven ordering).
+arrival of every data kernel's programs (`_details.node_arrive_of`, one system-scope fence a program) at GPU
+scope (`@arrive_gpu`: the last program alone fences system-wide; a timing probe, not yet a tested ordering).
+The runs of 2026-12-06 (docs/results/gpu-tests-2026-12-06/reduce_probe_h200/) also had `@arrive_relaxed`, the
+one-fence arrival the kernels now have, against the two fences they had then.
 """
 import importlib
 import json
@@ -26,18 +27,6 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wire_kernels  # noqa: E402
 from moe_a2a.triton_kernels import _details as d  # noqa: E402
-
-
-@triton.jit
-def _arrive_relaxed(counter_ptr, num, USE_PTX: tl.constexpr):
-    d.fence_sys(USE_PTX)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="sys")
-    last = arrived == num - 1
-    if last:
-        d.fence_sys(USE_PTX)
-        tl.store(counter_ptr, 0)
-    return last
 
 
 @triton.jit
@@ -76,8 +65,8 @@ def _resolve(value):
         return _reduce_shape(*(int(v) for v in value[len("@grid:"):].split(",")))
     if value == "@no_loads":
         return _no_loads()
-    if value in ("@arrive_relaxed", "@arrive_gpu"):
-        return _arrive_relaxed if value == "@arrive_relaxed" else _arrive_gpu
+    if value == "@arrive_gpu":
+        return _arrive_gpu
     return value
 
 
@@ -105,8 +94,7 @@ def main():
     plan = [
         ("decode", "per_route", {}), ("decode", "sender_reduced", {}), ("decode", "sender_reduced", {SHAPE: "@grid:1,1"}),
         ("decode", "sender_reduced", {SHAPE: "@grid:4,0"}), ("decode", "sender_reduced", {BY: "@no_loads"}),
-        ("decode", "sender_reduced", {ARR: "@arrive_relaxed"}), ("decode", "sender_reduced", {ARR: "@arrive_gpu"}),
-        ("decode", "per_route", {ARR: "@arrive_relaxed"}), ("decode", "per_route", {ARR: "@arrive_gpu"}),
+        ("decode", "sender_reduced", {ARR: "@arrive_gpu"}), ("decode", "per_route", {ARR: "@arrive_gpu"}),
     ] if which == "reduce-setup" else [
         ("decode", "fp8_combine", {}), ("prefill", "fp8_combine", {}),
         ("decode", "sender_reduced_fp8", {}), ("prefill", "sender_reduced_fp8", {}),
