@@ -1,5 +1,6 @@
-"""Launch constants of the data kernels swept on one GPU: each (preset, wire, constants) a CUDA-graph call of 2
-ranks of one node (run under MPS), its kernels timed per position as `wire_kernels.py` reports them.
+"""Launch constants of the data kernels swept on one GPU: each (preset, wire, constants) a CUDA-graph call of
+WORLD ranks of one node (default 2; run under MPS), rank 0's kernels timed per position as `wire_kernels.py`
+reports them.
 
     python3 benchmarks/gpu/sweep_launch.py RESULTS.json [tiles|reduce-setup] [WORLD]
 
