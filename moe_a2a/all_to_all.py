@@ -567,7 +567,7 @@ class AllToAll:
                                        w.peer_send_bytes, w.stage_recv_offset_bytes, self.cfg, self.layout, node=w.node,
                                        copy_bytes=self.cfg.hidden_dim if split else self._copy_bytes,
                                        out_source_ranges=out_source_ranges, quantize=self._quantize if split else None,
-                                       out_quantized_scale=out_quantized_scale, **relay)
+                                       out_quantized_scale=out_quantized_scale, out_row_plan=w.row_plan, **relay)
         else:
             self._unpack(out_num, out_x, out_x_scale, out_source_ranges, out_quantized_scale)
         self._state = _DISPATCH_DONE
@@ -613,7 +613,7 @@ class AllToAll:
                 expert_y = expert_y.view(-1, expert_y.shape[2])
             rank_rows.reduce_rank_rows_by_source(
                 expert_y, w.counts, w.rank_rows, self.rank, w.base, w.peer_send_bytes, w.peer_recv_bytes,
-                w.stage_recv_offset_bytes, stage, self.cfg, lay, node=w.node,
+                w.stage_recv_offset_bytes, stage, self.cfg, lay, node=w.node, row_plan=w.row_plan,
                 **({"partial_bytes": w.send_offset_bytes + lay.relay_partial_offset_bytes,
                     "relay_recv_bytes": w.peer_stage_recv_bytes} if lay.relay else {}))
             if lay.relay and self.with_proxy:  # the node's partials of the rows this rank relayed, staged for home

@@ -159,6 +159,9 @@ def _run_sizes(args) -> int:
     print(f"  send buffer  {_mib(first['send_bytes'])}\n  recv buffer  {_mib(first['recv_bytes'])}")
     if rows.get("relay_partial_bytes"):
         print(f"    of which the relay's fp32 partials (send buffer) {_mib(rows['relay_partial_bytes'])}")
+    if rows.get("row_plan_bytes"):
+        print(f"  row plan     {_mib(rows['row_plan_bytes'])}  (the expand's expert rows of each received row, "
+              f"for the reduce at the experts' rank; on the device)")
     print("  one rank, per placement (AllToAll(buffers=...); on a GPU):")
     for name, b in rep["placements"].items():
         print(f"    {name:<7} GPU {_mib(b['device_bytes'])}   host (segment) {_mib(b['host_bytes'])}")

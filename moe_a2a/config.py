@@ -433,6 +433,12 @@ class Layout:
         return self.world_size * self.max_routes
 
     @cached_property
+    def max_recv_rank_rows(self) -> int:
+        """Per-rank rows one rank may receive in one dispatch (its relayed rows included): one per (source,
+        token), W * T; the rows of the expand's row plan (`rank_rows.expand_rank_rows(out_row_plan=)`)."""
+        return self.world_size * self.max_num_tokens
+
+    @cached_property
     def max_dispatch_rows(self) -> int:
         """Rows of `out_expert_x`: all received routes plus padding of every local expert; with a fixed
         expert capacity C, L * C."""

@@ -10,7 +10,8 @@ The constants are module attributes set in each rank before its first call (e.g.
 (docs/perf-notes.md). `reduce-setup`: where the reduce by source's time goes (timing only; these variants
 compute wrong sums): its launch shape replaced (`@grid:G_DIV,CHUNKS`: a G_DIV-th of the persistent programs,
 CHUNKS hidden chunks, 0 = as now) or its expert loads dropped (`@no_loads`: every route row out of range), so
-the per-program set-up (pair tables, places, the epilogue's arrival) is told apart from the row work; and the
+the per-program set-up (pair tables, places, the epilogue's arrival) is told apart from the row work; the reduce
+without the expand's row plan (`rank_rows.REDUCE_FROM_PLAN = False`: the pair tables in every program); and the
 arrival of every data kernel's programs (`_details.node_arrive_of`, one system-scope fence a program) at GPU
 scope (`@arrive_gpu`: the last program alone fences system-wide; a timing probe, not yet a tested ordering).
 The runs of 2026-12-06 (docs/results/gpu-tests-2026-12-06/reduce_probe_h200/) also had `@arrive_relaxed`, the
@@ -92,8 +93,11 @@ def main():
     which = sys.argv[2] if len(sys.argv) > 2 else "tiles"
     world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     ARR = "moe_a2a.triton_kernels._details:node_arrive_of"
+    NO_PLAN = {"moe_a2a.triton_kernels.rank_rows:REDUCE_FROM_PLAN": False}
     plan = [
-        ("decode", "per_route", {}), ("decode", "sender_reduced", {}), ("decode", "sender_reduced", {SHAPE: "@grid:1,1"}),
+        ("decode", "per_route", {}), ("decode", "sender_reduced", {}), ("decode", "sender_reduced", NO_PLAN),
+        ("decode", "sender_reduced", {ARR: "@arrive_gpu", **NO_PLAN}), ("prefill", "sender_reduced", {}),
+        ("prefill", "sender_reduced", NO_PLAN), ("decode", "sender_reduced", {SHAPE: "@grid:1,1"}),
         ("decode", "sender_reduced", {SHAPE: "@grid:4,0"}), ("decode", "sender_reduced", {BY: "@no_loads"}),
         ("decode", "sender_reduced", {ARR: "@arrive_gpu"}), ("decode", "per_route", {ARR: "@arrive_gpu"}),
     ] if which == "reduce-setup" else [

@@ -110,17 +110,25 @@ def buffer_bytes(layout, placement: str, device_type: str = "cuda") -> dict:
     send/recv buffers themselves when the placement stages rows there: "host" and "staged"). The
     placements "ipc", "nic" and "staged" hold a send and a recv buffer of their own besides: GPU memory
     on a GPU (`device_bytes`), host memory on a CPU. `host_bytes` is the rest (the segment, pinned on a
-    GPU). The proxy processes' own memory and the dispatch / combine outputs the caller allocates are not
-    counted."""
+    GPU). With rows reduced at the experts' rank, `row_plan_bytes` (`Wiring.row_plan`: W * T * K int32, the
+    expand's expert rows of each received row) is on the instance's device too. The proxy processes' own
+    memory and the dispatch / combine outputs the caller allocates are not counted."""
     from .placement import PLACEMENTS
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {sorted(PLACEMENTS)}, got {placement!r}")
     segment = layout.segment_bytes(PLACEMENTS[placement].host_staged)
-    own = 0 if placement == "host" else layout.send_bytes + layout.recv_bytes
+    plan = row_plan_bytes(layout)
+    own = (0 if placement == "host" else layout.send_bytes + layout.recv_bytes) + plan
     on_device = own if device_type == "cuda" else 0
     return {"placement": placement, "send_bytes": layout.send_bytes, "recv_bytes": layout.recv_bytes,
-            "segment_bytes": segment, "device_bytes": on_device, "host_bytes": segment + own - on_device}
+            "segment_bytes": segment, "row_plan_bytes": plan, "device_bytes": on_device,
+            "host_bytes": segment + own - on_device}
+
+
+def row_plan_bytes(layout) -> int:
+    """Bytes of `Wiring.row_plan` (rows reduced at the experts' rank only, else 0)."""
+    return layout.max_recv_rank_rows * layout.experts_per_token * 4 if layout.combine_rank_rows else 0
 
 
 def placements_for(layout) -> list[str]:
@@ -139,7 +147,8 @@ def sizes_report(cfg, world_size: int, node_size: int | None = None) -> dict:
             "rows": {"dispatch_stride_bytes": cfg.dispatch_stride_bytes,
                      "combine_stride_bytes": cfg.combine_stride_bytes, "count_row_bytes": count_row_bytes(lay),
                      "private_rows": lay.private_rows, "max_dispatch_rows": lay.max_dispatch_rows,
-                     "relay_partial_bytes": lay.relay_partial_rows * lay.relay_partial_stride_bytes},
+                     "relay_partial_bytes": lay.relay_partial_rows * lay.relay_partial_stride_bytes,
+                     "row_plan_bytes": row_plan_bytes(lay)},
             "placements": {p: buffer_bytes(lay, p, "cuda") for p in placements_for(lay)}}
 
 

@@ -130,6 +130,8 @@ class Wiring:
         peers' relay partial regions (the relay only, else None).
     node: the kernels' `NodeSync`.  counts: `[W, E]` int32 count matrix of the sync area (own_counts: this rank's row).
     rank_rows: `[W, W]` int32, row s = rows source s sends to each rank (per-rank dispatch rows; else None).
+    row_plan: `[W * T, K]` int32, the expand's expert rows of each received row, which the reduce by source
+        reads (rows reduced at the experts' rank; else None).
     flags / flags_host / flags_np: the flags area on the device, as a CPU tensor, as numpy.
     ready_words / counts_np: host views of the sync area, for ranks that wait on the host (else None).
     """
@@ -353,6 +355,9 @@ class Wiring:
         self.own_counts = self.counts[r]  # this rank's count row, which its routing kernel writes
         # Per-rank dispatch rows: each count row also says how many rows its source sends to each rank.
         self.rank_rows = rows[:, lay.num_experts:] if lay.rank_rows else None
+        # Rows reduced at the experts' rank: the expand's expert rows of each received row, for the reduce.
+        self.row_plan = (torch.empty(lay.max_recv_rank_rows, lay.experts_per_token, dtype=torch.int32, device=dev)
+                         if lay.combine_rank_rows else None)
         self.bad_index = self.flags[flag_word(Flag.BAD_INDEX): flag_word(Flag.BAD_INDEX) + 1]
         self.bad_bound_m = self.flags[flag_word(Flag.BAD_BOUND_M): flag_word(Flag.BAD_BOUND_M) + 1]
         self.route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]

@@ -180,6 +180,21 @@ def _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mas
 
 
 @triton.jit
+def _store_row_plan(row_plan_ptr, tile, is_row, kk, rows, K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The expand's output rows of a tile's received rows (dense row q = tile * BLOCK_R + i), [q, K] int32."""
+    q = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    tl.store(row_plan_ptr + q[:, None] * K + kk[None, :], rows.to(tl.int32), mask=is_row[:, None] & (kk[None, :] < K))
+
+
+@triton.jit
+def _load_row_plan(row_plan_ptr, tile, is_row, kk, K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """[BLOCK_R, K_PAD] int64: the output rows the expand wrote for the tile's rows (-1 where none)."""
+    q = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    return tl.load(row_plan_ptr + q[:, None] * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
+                   other=-1).to(tl.int64)
+
+
+@triton.jit
 def _route_ids(base_i32, meta_words, is_row, kk, K: tl.constexpr):
     """[BLOCK_R, K_PAD] int64: the K expert ids of each row's metadata (-1 outside the rows and k < K)."""
     km = is_row[:, None] & (kk[None, :] < K)
@@ -329,6 +344,9 @@ def _expand_rank_rows_kernel(
     # to out_qscale_ptr, (R, Q_WORDS) or with CAPACITY (L, CAPACITY, Q_WORDS) 4-byte words of any strides (as unpack)
     out_qscale_ptr=None, stride_out_qscale_r=0, stride_out_qscale_s=0, stride_out_qscale_e=0,
     Q_SCALE_WORD: tl.constexpr = 0, Q_WORDS: tl.constexpr = 0,
+    # With HAS_PLAN each received row's K output rows (-1: none) also to row_plan_ptr, [rows, K] int32, for the
+    # combine's reduce by source (which then builds no pair tables of its own)
+    row_plan_ptr=None, HAS_PLAN: tl.constexpr = False,
 ):
     """Compiled as `moe_a2a::dispatch()`. Grid: (G,) persistent programs over tiles of BLOCK_R received rows
     (numbered source-major). Each row is read once and written to the output row of every k its metadata
@@ -363,6 +381,8 @@ def _expand_rank_rows_kernel(
         rows = _expert_rows(base_i32, (src_bytes + META_OFFSET_BYTES) // 4, is_row, src, kk, out_start, fit, K, L,
                             W_PAD, BLOCK_R, K_PAD, _pick(remote, src, W_PAD) > 0, rank % NODE_SIZE, RELAY, NODE_SIZE)
         rows = tl.where(rows < num_out_rows, rows, -1)
+        if HAS_PLAN:
+            _store_row_plan(row_plan_ptr, tile, is_row, kk, rows, K, BLOCK_R)
         src_words = tl.multiple_of(src_bytes // WORD_BYTES, ALIGN_WORDS)
         needed = is_row
         if RELAY:  # a relayed row for node peers only: its payload stays where it is
@@ -426,6 +446,8 @@ def _reduce_rank_rows_by_source_kernel(
     # The relay: remote sources' rows walked as the expand's RELAY, their partials kept fp32 at partial_bytes
     partial_bytes=0, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1, PARTIAL_STRIDE_BYTES: tl.constexpr = 0,
     relay_recv_bytes_ptr=None,  # (W,) int64: where node peers receive other nodes' rows (the relayed rows)
+    # FROM_PLAN: each row's K expert rows as this call's expand wrote them (row_plan_ptr), no pair tables
+    row_plan_ptr=None, FROM_PLAN: tl.constexpr = False,
 ):
     """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
     BLOCK_R received rows (as the expand) for each BLOCK_H-element chunk of the hidden dimension. Row j of
@@ -436,11 +458,12 @@ def _reduce_rank_rows_by_source_kernel(
     (`plan.relay_partial_bases`), for the relay's `_reduce_relayed_rows_kernel`. With NODE_SYNC the last
     program tells every node peer (as the route-row combine pack does)."""
     pid = tl.program_id(0)
-    _, _, out_start, _, _, _, _, fit, _ = d.recv_pair_tables(
-        counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
-    NPAIR: tl.constexpr = L_PAD * W_PAD
-    out_start = tl.reshape(out_start, (NPAIR,))
-    fit = tl.reshape(fit, (NPAIR,))
+    if not FROM_PLAN:  # the pair tables in every program (1848 at decode: most of its set-up, docs/perf-notes.md)
+        _, _, out_start, _, _, _, _, fit, _ = d.recv_pair_tables(
+            counts_ptr, stride_counts_w, rank, PAD, W, L, W_PAD, L_PAD, CAPACITY)
+        NPAIR: tl.constexpr = L_PAD * W_PAD
+        out_start = tl.reshape(out_start, (NPAIR,))
+        fit = tl.reshape(fit, (NPAIR,))
     n, off, dense, before, col = _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W, W_PAD, P, RELAY,
                                                    NODE_SIZE)
     num_rows = tl.sum(n, axis=0)
@@ -468,8 +491,11 @@ def _reduce_rank_rows_by_source_kernel(
         is_row, src, j, meta = _tile_meta(tile, num_rows, n, dense, first, rest, split, W_PAD, BLOCK_R, SD_BYTES,
                                           META_OFFSET_BYTES)
         relayed = _pick(remote, src, W_PAD) > 0
-        rows = _expert_rows(base_i32, meta, is_row, src, kk, out_start, fit, K, L, W_PAD, BLOCK_R, K_PAD, relayed,
-                            rank % NODE_SIZE, RELAY, NODE_SIZE)
+        if FROM_PLAN:
+            rows = _load_row_plan(row_plan_ptr, tile, is_row, kk, K, BLOCK_R)
+        else:
+            rows = _expert_rows(base_i32, meta, is_row, src, kk, out_start, fit, K, L, W_PAD, BLOCK_R, K_PAD, relayed,
+                                rank % NODE_SIZE, RELAY, NODE_SIZE)
         rows = tl.where(rows < num_y_rows, rows, -1)
         w = tl.load(base_f32 + meta[:, None] + 2 * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
                     other=0.0)

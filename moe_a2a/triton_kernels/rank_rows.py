@@ -14,9 +14,11 @@ there"), so nothing here uses atomics and every output is the same run to run.
   expert (or -1) and the route's position among this rank's routes to it, and the weights for a sender-side
   reduce. The payload itself is packed by `dispatch.pack_tokens_by_expert` with these slots.
 - `expand_rank_rows` (recv half): every received row read once and written to each expert row it names:
-  the same expert-major output, in the same order, as `dispatch.unpack_tokens_by_expert`.
+  the same expert-major output, in the same order, as `dispatch.unpack_tokens_by_expert`; with an
+  `out_row_plan`, those expert rows of each received row too, for the combine.
 - `reduce_rank_rows_by_source` (combine send, `combine_rows="rank"`): per received row the weighted sum of
-  its experts' outputs, in fp32 in k order, rounded once, into the home's recv buffer at its row's slot.
+  its experts' outputs (their rows from the row plan), in fp32 in k order, rounded once, into the home's recv
+  buffer at its row's slot.
 - `reduce_rank_rows_by_token` (combine recv): per token the sum of its rows in ascending rank order.
 
 Across nodes the rows take the route rows' paths (docs/protocol.md): a remote peer's first P rows in the
@@ -48,6 +50,9 @@ BLOCK_TOKENS = 32
 # routes, so smaller tiles than the route rows' (swept on the H200: docs/perf-notes.md, "Tiles of the per-rank").
 EXPAND_ROWS_PER_TILE = (2, 16)
 REDUCE_ROWS_PER_TILE = (2, 8)
+# The reduce by source reads the expert rows the expand wrote (`row_plan`) instead of building the pair tables
+# in every program; False: it rebuilds them (the A/B of `benchmarks/gpu/sweep_launch.py reduce-setup`).
+REDUCE_FROM_PLAN = True
 
 
 def _key(first: torch.Tensor, *rest):
@@ -178,7 +183,8 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
                      layout: Layout, node: NodeSync | None = None, copy_bytes: int | None = None,
                      out_source_ranges: torch.Tensor | None = None, peer_recv_bytes: torch.Tensor | None = None,
                      quantize: "Fp8Quantize | dict | None" = None,
-                     out_quantized_scale: torch.Tensor | None = None) -> None:
+                     out_quantized_scale: torch.Tensor | None = None,
+                     out_row_plan: torch.Tensor | None = None) -> None:
     """The receive half of per-rank dispatch rows: `unpack_tokens_by_expert`'s outputs (same rows, same
     order, `reference.dispatch`), each received row read once and written to every expert row it names.
 
@@ -191,13 +197,15 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
     `base` (this rank's too; -1: remote): a remote source's rows are all the rows it sent its relay on this node,
     in that relay's recv buffer (its private slot, then its run of the relay geometry,
     `plan.relay_remainder_offsets`), and only those with a route here are read past their metadata.
+    `out_row_plan`: `[layout.max_recv_rank_rows, K]` int32, contiguous, or None: row q's K output rows (-1:
+    none), received rows numbered source-major, for `reduce_rank_rows_by_source(row_plan=)` of this call.
     No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "dispatch_recv", base)
     if isinstance(quantize, dict):  # hashable for the launch key
         quantize = check_fused_quantize("quantize", quantize, cfg)
     key = _key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank_rows, rank, base, peer_send_bytes,
                recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, peer_recv_bytes, quantize,
-               out_quantized_scale)
+               out_quantized_scale, out_row_plan)
     if key is not None and _EXPAND.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -219,6 +227,11 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
         check.tensor("out_source_ranges", out_source_ranges, dtypes=(torch.int64,), shape=(L, W), device=device,
                      strides="contiguous")
     relay = _relay_recv_args(layout, peer_recv_bytes, device)
+    plan_args = {}
+    if out_row_plan is not None:
+        check.tensor("out_row_plan", out_row_plan, dtypes=(torch.int32,),
+                     shape=(layout.max_recv_rank_rows, cfg.experts_per_token), device=device, strides="contiguous")
+        plan_args = dict(row_plan_ptr=out_row_plan, HAS_PLAN=True)
     quant_args = {}
     if (quantize is None) != (out_quantized_scale is None):
         given = "a tensor" if out_quantized_scale is not None else None
@@ -255,7 +268,7 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
         BLOCK_W=block_w, HAS_SCALES=cfg.has_scales, CAPACITY=layout.expert_capacity,
         CAPACITY_WORD=flag_word(Flag.CAPACITY_EXCEEDED), ABORT_WORD=flag_word(Flag.ABORTED),
         out_ranges_ptr=out_source_ranges, HAS_RANGES=out_source_ranges is not None,
-        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args, **relay, **quant_args)
+        num_warps=launch.num_warps(block_r * block_w, word_bytes), **sync_args, **relay, **quant_args, **plan_args)
 
 
 def reduce_launch_shape(cfg: A2AConfig, layout: Layout, device: torch.device) -> tuple:
@@ -283,7 +296,8 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
                                base: torch.Tensor, peer_send_bytes: torch.Tensor, peer_recv_bytes: torch.Tensor,
                                recv_bytes: int, stage_bytes: int, cfg: A2AConfig, layout: Layout,
                                node: NodeSync | None = None, partial_bytes: int | None = None,
-                               relay_recv_bytes: torch.Tensor | None = None) -> None:
+                               relay_recv_bytes: torch.Tensor | None = None,
+                               row_plan: torch.Tensor | None = None) -> None:
     """The combine send half with `combine_rows="rank"`: for every row this rank received, the sum over its
     k whose expert is here of `w_k * expert_y[row of (l_k, pos_k)]`, in fp32 in k order, rounded once to
     out_dtype, into the home's recv buffer (combine region) at the slot of the row it sent.
@@ -300,10 +314,12 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
     `peer_recv_bytes`), and each with a route here leaves its fp32 partial, unrounded, at row
     `plan.relay_partial_bases(...)[s] + j` there for the relay (`relay.reduce_relayed_rows`); nothing is staged,
     so the kernel neither waits for the proxy's previous combine writes nor tells it (the relay's reduce does).
+    `row_plan`: what this call's `expand_rank_rows(out_row_plan=)` wrote, or None: the expert rows are read from
+    it (with `REDUCE_FROM_PLAN`) instead of worked out again from the counts in every program.
     No host sync; CUDA-graph safe."""
     launch_wait_apart(node, "combine_send", base)
     key = _key(expert_y, counts, rank_rows, rank, base, peer_send_bytes, peer_recv_bytes, recv_bytes, stage_bytes,
-               cfg, layout, node, partial_bytes, relay_recv_bytes)
+               cfg, layout, node, partial_bytes, relay_recv_bytes, row_plan, REDUCE_FROM_PLAN)
     if key is not None and _BY_SOURCE.hit(key):
         return
     W, L = _check_rank_layout(cfg, layout)
@@ -330,6 +346,12 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
                      PARTIAL_STRIDE_BYTES=layout.relay_partial_stride_bytes, relay_recv_bytes_ptr=relay_recv_bytes)
     elif partial_bytes is not None:
         check.fail("partial_bytes", "None (layout.relay is False)", str(partial_bytes))
+    plan_args = {}
+    if row_plan is not None:
+        check.tensor("row_plan", row_plan, dtypes=(torch.int32,),
+                     shape=(layout.max_recv_rank_rows, cfg.experts_per_token), device=device, strides="contiguous")
+        if REDUCE_FROM_PLAN:
+            plan_args = dict(row_plan_ptr=row_plan, FROM_PLAN=True)
     H, item = cfg.hidden_dim, cfg.out_itemsize
     grid, block_r, block_h, fp8, no_fma = reduce_launch_shape(cfg, layout, device)
     # Destination rows: node homes' combine regions (buffers placed as `base`'s, as the route rows' pack
@@ -348,7 +370,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, ITEM_BYTES=item,
         BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity, ALIGN_BYTES=align,
-        num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args, **relay,
+        num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args, **relay, **plan_args,
         **no_fma)  # (fp8 ties flipped by an FMA: 0.3% of elements with the toy expert's coarse outputs, on CPU too)
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from moe_a2a import LocalCluster
 from moe_a2a import reference as R
-from moe_a2a.config import A2AConfig
+from moe_a2a.config import A2AConfig, wire_config
 from moe_a2a.oracle import check_against_reference, fill_sentinel, record_call, toy_expert
 from moe_a2a.protocol import plan
 from moe_a2a.runtime import traffic
@@ -266,3 +266,17 @@ def test_buffer_bytes_per_placement(placement, device):
         assert b["segment_bytes"] >= lay.send_bytes + lay.recv_bytes
     with pytest.raises(ValueError, match="placement"):
         traffic.buffer_bytes(lay, "node-file")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_buffer_bytes_count_the_row_plan_of_rows_reduced_at_the_experts_rank(device):
+    cfg = wire_config(A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8, hidden_dim=7168,
+                                in_dtype=torch.float8_e4m3fn), "sender_reduced")
+    lay = cfg.layout(16, 8)
+    b = traffic.buffer_bytes(lay, "nic", device)
+    assert b["row_plan_bytes"] == 16 * 128 * 8 * 4 == lay.max_recv_rank_rows * 8 * 4
+    own = lay.send_bytes + lay.recv_bytes + b["row_plan_bytes"]
+    assert b["device_bytes"] + b["host_bytes"] == lay.segment_bytes(False) + own
+    assert b["device_bytes"] == (own if device == "cuda" else 0)
+    assert traffic.buffer_bytes(A2AConfig(max_num_tokens=128, num_experts=256, experts_per_token=8,
+                                          hidden_dim=7168).layout(16, 8), "nic", device)["row_plan_bytes"] == 0

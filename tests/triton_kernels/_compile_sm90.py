@@ -158,6 +158,8 @@ def main_rank_rows() -> None:
                     out_ranges_ptr="*i64", expert_y_ptr="*bf16", out_tokens_ptr="*bf16", rank_slot_ptr="*i32",
                     bound_m_ptr="*i32")
         fp8_args = dict(FP8=fp8, Q_BLOCK=128, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=False)
+        ptrs["row_plan_ptr"] = "*i32"
+        plan = fp8  # the expand's row plan, and the reduce reading it, on one of the two layouts
         kernels += [
             _compile(rk._first_route_per_rank_kernel, ptrs, dict(K=8, K_PAD=8, L=L, BLOCK_T=32)),
             _compile(rk._stamp_rank_rows_kernel, ptrs,
@@ -169,12 +171,12 @@ def main_rank_rows() -> None:
                           SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
                           META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
                           WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512, HAS_SCALES=True, CAPACITY=0,
-                          CAPACITY_WORD=1, ABORT_WORD=2, HAS_RANGES=True, **shape, **sync)),
+                          CAPACITY_WORD=1, ABORT_WORD=2, HAS_RANGES=True, HAS_PLAN=plan, **shape, **sync)),
             _compile(rk._reduce_rank_rows_by_source_kernel, ptrs,
                      dict(PAD=1, H=7168, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, P=lay.private_rows,
                           HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0, SD_BYTES=cfg.dispatch_stride_bytes,
                           SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
-                          ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, ABORT_BYTES=64, **fp8_args,
+                          ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, ABORT_BYTES=64, FROM_PLAN=plan, **fp8_args,
                           **shape, **{k: v for k, v in sync.items() if k != "NODE_PAD"}),
                      rank_rows._no_fma(torch.device("cuda"))),
         ]
@@ -264,7 +266,7 @@ def main_relay() -> None:
                     peer_partial_bytes_ptr="*i64", indices_ptr="*i32", out_ptr="*i32", route_slot_ptr="*i32",
                     send_row_ptr="*i32", weights_ptr="*fp32", out_num_tokens_ptr="*i32", out_x_ptr="*i32",
                     out_scale_ptr="*i32", out_ranges_ptr="*i64", expert_y_ptr="*bf16", relay_recv_bytes_ptr="*i64",
-                    out_qscale_ptr="*i32")
+                    out_qscale_ptr="*i32", row_plan_ptr="*i32")
         fp8_args = dict(FP8=fp8, Q_BLOCK=128, SCALE_OFFSET_BYTES=cfg.combine_scale_offset_bytes, FP8_VIA_BITS=False)
         places = dict(P=lay.private_rows, HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0,
                       META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes)
@@ -278,12 +280,12 @@ def main_relay() -> None:
                      dict(PAD=1, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
                           WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512, HAS_SCALES=True, CAPACITY=2048,
                           CAPACITY_WORD=1, ABORT_WORD=2, L_PAD=L, NODE_PAD=8, Q_SCALE_WORD=1792, Q_WORDS=56,
-                          **places, **shape, **sync, **relay)),
+                          HAS_PLAN=True, **places, **shape, **sync, **relay)),
             _compile(rk._reduce_rank_rows_by_source_kernel, ptrs,
                      dict(PAD=1, H=7168, SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
                           ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, L_PAD=L, ALIGN_BYTES=16,
-                          PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes, **fp8_args, **places, **shape, **sync,
-                          **relay)),
+                          PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes, FROM_PLAN=True, **fp8_args, **places,
+                          **shape, **sync, **relay)),
             _compile(_relay_kernels._reduce_relayed_rows_kernel, ptrs,
                      dict(H=7168, SC_BYTES=cfg.combine_stride_bytes, PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes,
                           ITEM_BYTES=2, Y_TY=tl.bfloat16, BLOCK_R=16, BLOCK_H=256, ALIGN_BYTES=16, NODE_PAD=8,

@@ -33,14 +33,18 @@ class RelayRun:
     count_rows: torch.Tensor = None        # [W, E + W] int32: every rank's count row (E counts, W rows per rank)
     rank_slot: list = field(default_factory=list)  # per rank [T, K] int32: the row each route opened (-1: none)
     writes: list = field(default_factory=list)     # (phase, sender, receiver, rows) of every wire write
+    row_plans: list = None  # per rank the expand's row plan, which the reduce by source reads (None: not kept)
 
     @classmethod
-    def create(cls, cfg: A2AConfig, world_size: int, node_size: int, device=TEST_DEVICE) -> "RelayRun":
+    def create(cls, cfg: A2AConfig, world_size: int, node_size: int, device=TEST_DEVICE,
+               row_plan: bool = True) -> "RelayRun":
         lay = cfg.layout(world_size, node_size, relay=True)
         per_rank = lay.send_bytes + lay.recv_bytes
         arena = torch.full((PAGE_BYTES + world_size * per_rank,), POISON, dtype=torch.uint8, device=device)
         send = [PAGE_BYTES + r * per_rank for r in range(world_size)]
-        return cls(SimWorld(cfg, lay, arena, send, [s + lay.send_bytes for s in send]))
+        plans = ([torch.full((lay.max_recv_rank_rows, lay.experts_per_token), -7, dtype=torch.int32, device=device)
+                  for _ in range(world_size)] if row_plan else None)
+        return cls(SimWorld(cfg, lay, arena, send, [s + lay.send_bytes for s in send]), row_plans=plans)
 
     @property
     def layout(self) -> Layout:
@@ -89,7 +93,8 @@ class RelayRun:
             ex = ex.view(cfg.in_dtype)
             exs = torch.full((R, cfg.num_scales), float("nan"), device=dev) if cfg.has_scales else None
             expand_rank_rows(num, ex, exs, counts, self.count_rows[:, E:], d, w.arena, w.peer_table(d, w.send_bytes),
-                             w.recv_bytes[d], cfg, lay, peer_recv_bytes=w.peer_table(d, w.recv_bytes))
+                             w.recv_bytes[d], cfg, lay, peer_recv_bytes=w.peer_table(d, w.recv_bytes),
+                             out_row_plan=self.row_plans[d] if self.row_plans else None)
             out.append((num, ex, exs))
         return out
 
@@ -104,7 +109,8 @@ class RelayRun:
         for d in range(W):
             reduce_rank_rows_by_source(expert_ys[d].to(dev), self.count_rows[:, :E], rank_rows, d, w.arena,
                                        w.peer_table(d, w.send_bytes), w.peer_table(d, w.recv_bytes), w.recv_bytes[d],
-                                       stage[d], cfg, lay, partial_bytes=partial[d])
+                                       stage[d], cfg, lay, partial_bytes=partial[d],
+                                       row_plan=self.row_plans[d] if self.row_plans else None)
         for q in range(W):
             reduce_relayed_rows(rank_rows, q, w.arena, w.peer_table(q, partial), w.recv_bytes[q], stage[q], cfg, lay)
         rows = self.rows()

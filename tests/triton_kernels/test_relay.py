@@ -54,9 +54,9 @@ def _inputs(cfg: A2AConfig, W: int, tokens, routing: str, mask: int, seed: int):
     return xs, scales, idxs, ws
 
 
-def _check(cfg: A2AConfig, W: int, ns: int, tokens, routing: str, mask: int, seed: int) -> None:
+def _check(cfg: A2AConfig, W: int, ns: int, tokens, routing: str, mask: int, seed: int, row_plan: bool = True) -> None:
     xs, scales, idxs, ws = _inputs(cfg, W, tokens, routing, mask, seed)
-    run = RelayRun.create(cfg, W, ns)
+    run = RelayRun.create(cfg, W, ns, row_plan=row_plan)
     got = run.dispatch(xs, scales, idxs, ws)
     want = reference.dispatch(cfg, xs, scales if cfg.has_scales else None, idxs)
     for d in range(W):
@@ -128,6 +128,18 @@ def test_relay_paths(W, ns, L, K, fp8, in_fp8, P, routing, out_dtype) -> None:
     T = 5
     cfg = _cfg(W, L, K, T, 136 if fp8 else 40, in_fp8, fp8, P, out_dtype)
     _check(cfg, W, ns, (T,) * (W - 1) + (3,), routing, 0 if out_dtype == torch.float32 else 20, W * 7 + K)
+
+
+# The reduce by source without the expand's row plan (its expert rows worked out from the counts again): the same
+# bytes (the hand-picked cases above read the plan).
+@pytest.mark.parametrize("W, ns, L, K, fp8, P, routing", [
+    (4, 2, 2, 3, False, 0, "skew"),
+    (8, 4, 1, 4, True, 2, "random"),
+])
+def test_relay_reduce_without_the_row_plan(W, ns, L, K, fp8, P, routing) -> None:
+    T = 5
+    cfg = _cfg(W, L, K, T, 136 if fp8 else 40, False, fp8, P, torch.bfloat16)
+    _check(cfg, W, ns, (T,) * (W - 1) + (3,), routing, 20, W * 7 + K, row_plan=False)
 
 
 # ---- the plan's arithmetic and the layout --------------------------------------------------------------
