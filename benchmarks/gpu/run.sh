@@ -4,17 +4,18 @@
 #
 #   bash benchmarks/gpu/run.sh quick               1 GPU, ~5 min: kernel tests compiled (the part of gpu-tests 1), kernel
 #                                                  and flag benchmarks
-#   bash benchmarks/gpu/run.sh gpu-tests [1|2|3|all]
-#                                                  1 GPU: the whole test suite with compiled kernels, in three parts
+#   bash benchmarks/gpu/run.sh gpu-tests [1|2|3|4|all]
+#                                                  1 GPU: the whole test suite with compiled kernels, in four parts
 #                                                  of under 10 minutes each (pytest-xdist where it is installed),
 #                                                  each writing its results file (part<N>.txt: commit, command,
 #                                                  counts, failures, skips, slowest tests):
 #                                                  1: the kernels (tests/triton_kernels) and every test that starts
 #                                                     no rank (tests/*.py, proxy, protocol, benchmarks);
 #                                                  2: ranks as processes sharing the GPU without MPS (host waits):
-#                                                     tests/e2e, runtime, bench, compat;
+#                                                     tests/e2e;
 #                                                  3: the same GPU under MPS (kernel waits): CUDA graphs, the node
-#                                                     waits, the facade, aborts (good -> bad -> good -> good)
+#                                                     waits, the facade, aborts (good -> bad -> good -> good);
+#                                                  4: as 2, the rest: tests/runtime, bench, compat
 #   bash benchmarks/gpu/run.sh full [tests|bench]  2 GPUs (1 works, multi-GPU cases skip): the whole test suite
 #                                                  on the GPU, then the benchmarks of one node (a runner with a
 #                                                  time limit per command can call the two parts apart)
@@ -52,9 +53,9 @@ suite=${1:-}
 part=${2:-all}
 case "$suite:$part" in
   quick:all|full:all|full:tests|full:bench|cross-node:all|cross-node:decode|cross-node:more|emulated:all) ;;
-  gpu-tests:all|gpu-tests:1|gpu-tests:2|gpu-tests:3) ;;
+  gpu-tests:all|gpu-tests:1|gpu-tests:2|gpu-tests:3|gpu-tests:4) ;;
   compat:all|compat:tests|compat:deepep|compat:cost|mps:all|mps:node-local|mps:deepep|mps:protocol|mps:bytes|mps:relay) ;;
-  *) echo "usage: bash benchmarks/gpu/run.sh quick | gpu-tests [1|2|3|all] | full [tests|bench] | cross-node [decode|more] | emulated" \
+  *) echo "usage: bash benchmarks/gpu/run.sh quick | gpu-tests [1|2|3|4|all] | full [tests|bench] | cross-node [decode|more] | emulated" \
           "| compat [tests|deepep|cost] | mps [node-local|deepep|protocol|bytes|relay]" >&2; exit 2 ;;
 esac
 RES=${OUT:+$OUT/$suite}
@@ -143,7 +144,7 @@ gpu-tests:all|gpu-tests:1)
   tests_part part1 8 ${PART1_LIMIT_S:-540} --timeout 300 tests/triton_kernels tests/test_*.py tests/proxy tests/protocol tests/benchmarks
   ;;&
 gpu-tests:all|gpu-tests:2)
-  tests_part part2 4 ${PART2_LIMIT_S:-540} --timeout 300 tests/e2e tests/runtime tests/bench tests/compat
+  tests_part part2 4 ${PART2_LIMIT_S:-480} --timeout 300 tests/e2e
   ;;&
 gpu-tests:all|gpu-tests:3)
   mps_start
@@ -151,6 +152,9 @@ gpu-tests:all|gpu-tests:3)
     tests/compat/test_shrink.py tests/compat/test_deep_ep.py tests/compat/test_deep_ep_sizes.py tests/runtime/test_killed_rank.py
   tests_part part3-aborts 2 ${PART3_ABORTS_LIMIT_S:-150} --timeout 120 tests/e2e/test_abort.py -k "node-local or never_reaches"
   mps_stop
+  ;;&
+gpu-tests:all|gpu-tests:4)
+  tests_part part4 4 ${PART4_LIMIT_S:-480} --timeout 300 tests/runtime tests/bench tests/compat
   ;;
 full:all|full:tests)
   step 900 "${gpu_tests[@]}" --timeout 300 tests

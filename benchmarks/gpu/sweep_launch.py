@@ -2,13 +2,14 @@
 WORLD ranks of one node (default 2; run under MPS), rank 0's kernels timed per position as `wire_kernels.py`
 reports them.
 
-    python3 benchmarks/gpu/sweep_launch.py RESULTS.json [tiles|reduce-setup] [WORLD]
+    python3 benchmarks/gpu/sweep_launch.py RESULTS.json [tiles|reduce-setup|reduce-probes] [WORLD]
 
 The constants are module attributes set in each rank before its first call (e.g. `_launch.ROWS_PER_TILE`,
 `rank_rows.MAX_REDUCE_BLOCK_H`); the plan is the list in `main`. One JSON record per entry, written as it goes.
 `tiles` (default): the numbers behind `rank_rows.EXPAND_ROWS_PER_TILE` / `REDUCE_ROWS_PER_TILE`
-(docs/perf-notes.md). `reduce-setup`: where the reduce by source's time goes (timing only; these variants
-compute wrong sums): its launch shape replaced (`@grid:G_DIV,CHUNKS`: a G_DIV-th of the persistent programs,
+(docs/perf-notes.md). `reduce-setup`: the reduce by source with and without the expand's row plan and the
+GPU-scope arrival, beside the route rows' pack; `reduce-probes` adds where the reduce's time goes (timing only;
+these variants compute wrong sums): its launch shape replaced (`@grid:G_DIV,CHUNKS`: a G_DIV-th of the persistent programs,
 CHUNKS hidden chunks, 0 = as now) or its expert loads dropped (`@no_loads`: every route row out of range), so
 the per-program set-up (pair tables, places, the epilogue's arrival) is told apart from the row work; the reduce
 without the expand's row plan (`rank_rows.REDUCE_FROM_PLAN = False`: the pair tables in every program); and the
@@ -97,10 +98,11 @@ def main():
     plan = [
         ("decode", "per_route", {}), ("decode", "sender_reduced", {}), ("decode", "sender_reduced", NO_PLAN),
         ("decode", "sender_reduced", {ARR: "@arrive_gpu", **NO_PLAN}), ("prefill", "sender_reduced", {}),
-        ("prefill", "sender_reduced", NO_PLAN), ("decode", "sender_reduced", {SHAPE: "@grid:1,1"}),
-        ("decode", "sender_reduced", {SHAPE: "@grid:4,0"}), ("decode", "sender_reduced", {BY: "@no_loads"}),
-        ("decode", "sender_reduced", {ARR: "@arrive_gpu"}), ("decode", "per_route", {ARR: "@arrive_gpu"}),
-    ] if which == "reduce-setup" else [
+        ("prefill", "sender_reduced", NO_PLAN), ("decode", "sender_reduced", {ARR: "@arrive_gpu"}),
+        ("decode", "per_route", {ARR: "@arrive_gpu"}), ("prefill", "per_route", {}),
+    ] + ([("decode", "sender_reduced", {SHAPE: "@grid:1,1"}), ("decode", "sender_reduced", {SHAPE: "@grid:4,0"}),
+          ("decode", "sender_reduced", {BY: "@no_loads"})] if which == "reduce-probes" else []) \
+        if which in ("reduce-setup", "reduce-probes") else [
         ("decode", "fp8_combine", {}), ("prefill", "fp8_combine", {}),
         ("decode", "sender_reduced_fp8", {}), ("prefill", "sender_reduced_fp8", {}),
         ("decode", "sender_reduced", {}), ("decode", "sender_reduced", {L + "ROWS_PER_TILE": 2}),
