@@ -1,14 +1,14 @@
 """The DeepEP facade's graph gap, its parts told apart: one rank, decode sizes, three CUDA graphs of two
 dispatch + combine pairs each, replayed interleaved round by round (drift hits all three alike).
 
-    python3 benchmarks/gpu/facade_gap.py RESULTS.json [--rounds 10] [--reps 100] [--arrive-sys]
+    python3 benchmarks/gpu/facade_gap.py RESULTS.json [--rounds 10] [--reps 100] [--arrive-gpu]
 
 - `facade`: `Buffer.low_latency_dispatch(use_fp8=True)` + `low_latency_combine` (bf16 in, the pack quantises);
 - `deep`: `AllToAll` fed pre-quantised rows, its unpack writing DeepEP's column-major scales;
 - `plain`: the same with row-major scale rows.
 facade - deep is the fused quantisation, deep - plain the scale layout, facade - plain the gap
-(docs/compat.md). `--arrive-sys`: every data kernel's arrival as it was before the GPU-scope one
-(`sweep_launch._arrive_sys`, a system fence a program), set before anything compiles. Medians of the per-round medians, µs a pair.
+(docs/compat.md). `--arrive-gpu`: every data kernel's arrival at GPU scope (`sweep_launch._arrive_gpu`, a timing
+probe) before anything compiles. Medians of the per-round medians, µs a pair.
 """
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--arrive-sys", action="store_true")
+    ap.add_argument("--arrive-gpu", action="store_true")
     args = ap.parse_args()
-    if args.arrive_sys:  # before the first launch: Triton resolves the helper when it compiles
+    if args.arrive_gpu:  # before the first launch: Triton resolves the helper when it compiles
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from sweep_launch import _arrive_sys
+        from sweep_launch import _arrive_gpu
 
         from moe_a2a.triton_kernels import _details
-        _details.node_arrive_of = _arrive_sys
+        _details.node_arrive_of = _arrive_gpu
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,14 +101,14 @@ def main() -> None:
                 ts.append(a.elapsed_time(b) * 1e3 / 2)
             times[name].append(statistics.median(ts))
     med = {name: round(statistics.median(v), 2) for name, v in times.items()}
-    res = {"gpu": torch.cuda.get_device_name(0), "arrive_sys": args.arrive_sys, "rounds": args.rounds,
+    res = {"gpu": torch.cuda.get_device_name(0), "arrive_gpu": args.arrive_gpu, "rounds": args.rounds,
            "reps": args.reps, "median_us_per_pair": med,
            "gap_us": {"facade-plain": round(med["facade"] - med["plain"], 2),
                       "quantisation (facade-deep)": round(med["facade"] - med["deep"], 2),
                       "layout (deep-plain)": round(med["deep"] - med["plain"], 2)},
            "per_round": {k: [round(t, 2) for t in v] for k, v in times.items()}}
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res[k] for k in ("gpu", "arrive_sys", "median_us_per_pair", "gap_us")}))
+    print(json.dumps({k: res[k] for k in ("gpu", "arrive_gpu", "median_us_per_pair", "gap_us")}))
     a2a.close()
     buf.close()
 

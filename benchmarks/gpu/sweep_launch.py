@@ -13,8 +13,10 @@ these variants compute wrong sums): its launch shape replaced (`@grid:G_DIV,CHUN
 CHUNKS hidden chunks, 0 = as now) or its expert loads dropped (`@no_loads`: every route row out of range), so
 the per-program set-up (pair tables, places, the epilogue's arrival) is told apart from the row work; the reduce
 without the expand's row plan (`rank_rows.REDUCE_FROM_PLAN = False`: the pair tables in every program); and the
-arrival of every data kernel's programs (`_details.node_arrive_of`: a GPU-scope atomic a program, the last one
-fencing system-wide) as it was before (`@arrive_sys`: one system-scope fence a program, then a relaxed atomic).
+arrival of every data kernel's programs (`_details.node_arrive_of`, one system-scope fence a program) at GPU
+scope (`@arrive_gpu`: the last program alone fences system-wide; a timing probe, not yet a tested ordering).
+The runs of 2026-12-06 (docs/results/gpu-tests-2026-12-06/reduce_probe_h200/) also had `@arrive_relaxed`, the
+one-fence arrival the kernels now have, against the two fences they had then.
 """
 import importlib
 import json
@@ -31,10 +33,9 @@ from moe_a2a.triton_kernels import _details as d  # noqa: E402
 
 
 @triton.jit
-def _arrive_sys(counter_ptr, num, USE_PTX: tl.constexpr):
-    d.fence_sys(USE_PTX)
+def _arrive_gpu(counter_ptr, num, USE_PTX: tl.constexpr):
     tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="sys")
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = arrived == num - 1
     if last:
         d.fence_sys(USE_PTX)
@@ -67,8 +68,8 @@ def _resolve(value):
         return _reduce_shape(*(int(v) for v in value[len("@grid:"):].split(",")))
     if value == "@no_loads":
         return _no_loads()
-    if value == "@arrive_sys":
-        return _arrive_sys
+    if value == "@arrive_gpu":
+        return _arrive_gpu
     return value
 
 
@@ -96,8 +97,9 @@ def main():
     NO_PLAN = {"moe_a2a.triton_kernels.rank_rows:REDUCE_FROM_PLAN": False}
     plan = [
         ("decode", "per_route", {}), ("decode", "sender_reduced", {}), ("decode", "sender_reduced", NO_PLAN),
-        ("prefill", "sender_reduced", {}), ("prefill", "sender_reduced", NO_PLAN), ("prefill", "per_route", {}),
-        ("decode", "sender_reduced", {ARR: "@arrive_sys"}), ("decode", "per_route", {ARR: "@arrive_sys"}),
+        ("decode", "sender_reduced", {ARR: "@arrive_gpu", **NO_PLAN}), ("prefill", "sender_reduced", {}),
+        ("prefill", "sender_reduced", NO_PLAN), ("decode", "sender_reduced", {ARR: "@arrive_gpu"}),
+        ("decode", "per_route", {ARR: "@arrive_gpu"}), ("prefill", "per_route", {}),
     ] + ([("decode", "sender_reduced", {SHAPE: "@grid:1,1"}), ("decode", "sender_reduced", {SHAPE: "@grid:4,0"}),
           ("decode", "sender_reduced", {BY: "@no_loads"})] if which == "reduce-probes" else []) \
         if which in ("reduce-setup", "reduce-probes") else [
