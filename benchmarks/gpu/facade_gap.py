@@ -2,6 +2,7 @@
 dispatch + combine pairs each, replayed interleaved round by round (drift hits all three alike).
 
     python3 benchmarks/gpu/facade_gap.py RESULTS.json [--rounds 10] [--reps 100] [--arrive-gpu]
+        [--set triton_kernels.dispatch.MAX_SCALE_EXPERTS=1 ...]
 
 - `facade`: `Buffer.low_latency_dispatch(use_fp8=True)` + `low_latency_combine` (bf16 in, the pack quantises);
 - `deep`: `AllToAll` fed pre-quantised rows, its unpack writing DeepEP's column-major scales;
@@ -13,6 +14,7 @@ probe) before anything compiles. Medians of the per-round medians, µs a pair.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import socket
 import statistics
@@ -31,6 +33,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--arrive-gpu", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="module.ATTR=INT",
+                    help="a module constant under moe_a2a set before anything launches (a kernel variant: e.g. "
+                         "triton_kernels.dispatch.MAX_SCALE_EXPERTS=1); one process a variant, as the gap is "
+                         "within the process")
     args = ap.parse_args()
     if args.arrive_gpu:  # before the first launch: Triton resolves the helper when it compiles
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +44,12 @@ def main() -> None:
 
         from moe_a2a.triton_kernels import _details
         _details.node_arrive_of = _arrive_gpu
+    for item in args.set:
+        target, _, value = item.partition("=")
+        mod, _, attr = target.rpartition(".")
+        module = importlib.import_module("moe_a2a." + mod)
+        getattr(module, attr)  # a name that is not there is a typo, not a variant
+        setattr(module, attr, int(value))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,14 +113,14 @@ def main() -> None:
                 ts.append(a.elapsed_time(b) * 1e3 / 2)
             times[name].append(statistics.median(ts))
     med = {name: round(statistics.median(v), 2) for name, v in times.items()}
-    res = {"gpu": torch.cuda.get_device_name(0), "arrive_gpu": args.arrive_gpu, "rounds": args.rounds,
+    res = {"gpu": torch.cuda.get_device_name(0), "arrive_gpu": args.arrive_gpu, "set": args.set, "rounds": args.rounds,
            "reps": args.reps, "median_us_per_pair": med,
            "gap_us": {"facade-plain": round(med["facade"] - med["plain"], 2),
                       "quantisation (facade-deep)": round(med["facade"] - med["deep"], 2),
                       "layout (deep-plain)": round(med["deep"] - med["plain"], 2)},
            "per_round": {k: [round(t, 2) for t in v] for k, v in times.items()}}
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res[k] for k in ("gpu", "arrive_gpu", "median_us_per_pair", "gap_us")}))
+    print(json.dumps({k: res[k] for k in ("gpu", "arrive_gpu", "set", "median_us_per_pair", "gap_us")}))
     a2a.close()
     buf.close()
 

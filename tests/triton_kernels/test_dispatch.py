@@ -284,6 +284,10 @@ SCALE_3D_CASES = [
     pytest.param(Case(world_size=2, node_size=1, num_local_experts=2, experts_per_token=2, max_num_tokens=2,
                       num_tokens=(2, 2), bound_m=(None, None), hidden_dim=7168, in_dtype=FP8, scale_block=128,
                       routing="topk", expert_capacity=5), id="W2-H7168-C5-S56"),
+    # More local experts than programs (3 in the interpreter): a program's scale pass takes several.
+    pytest.param(Case(world_size=2, node_size=1, num_local_experts=8, experts_per_token=4, max_num_tokens=16,
+                      num_tokens=(16, 11), bound_m=(None, None), hidden_dim=48, in_dtype=FP8, scale_block=16,
+                      routing="topk", expert_capacity=32), id="W2-N1-L8-C32-S3"),
 ]
 
 
