@@ -2,6 +2,7 @@
 Ranks of one node on this GPU (run under MPS for kernel waits: `nvidia-cuda-mps-control -d`):
 
     python3 benchmarks/gpu/wire_kernels.py --world 2 --preset decode --out RESULTS.json [--wires per_route,...]
+        [--node N --transport emulated]   # simulated nodes of N ranks (proxies; MOE_A2A_EMULATED_NIC caps the wire)
 
 Prints, per variant, rank 0's kernels in launch order with the median GPU time of each position (torch profiler
 over graph replays; `_timing.kernel_positions`). A data kernel's time starts after its separate wait kernel
@@ -43,6 +44,8 @@ def _rank(a2a, rank, reps):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--node", type=int, default=None, help="ranks a simulated node (default: all: one node)")
+    p.add_argument("--transport", default="auto", help="between simulated nodes (e.g. emulated)")
     p.add_argument("--preset", choices=("decode", "prefill"), default="decode")
     p.add_argument("--wires", default="per_route,per_rank_dispatch,sender_reduced,fp8_combine,sender_reduced_fp8")
     p.add_argument("--reps", type=int, default=20)
@@ -61,15 +64,16 @@ def main(argv=None) -> int:
         base = A2AConfig(**PRESETS[a.preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
         cfg = wire_config(base, wire)
         try:
-            with LocalCluster(cfg, world_size=a.world, node_size=a.world, device="cuda", timeout_s=a.timeout,
-                              gpu_wait="kernel") as cl:
+            with LocalCluster(cfg, world_size=a.world, node_size=a.node or a.world, transport=a.transport,
+                              device="cuda", timeout_s=a.timeout, gpu_wait="kernel") as cl:
                 rows = cl.run(_rank, a.reps)
             results[wire] = rows[0]
         except Exception as e:  # noqa: BLE001 - one variant's failure is its result
             results[wire] = f"{type(e).__name__}: {str(e)[:300]}"
         print(wire, json.dumps(results[wire]))
     if a.out:
-        Path(a.out).write_text(json.dumps({"world": a.world, "preset": a.preset, "kernels": results}, indent=1))
+        Path(a.out).write_text(json.dumps({"world": a.world, "node": a.node or a.world, "transport": a.transport,
+                                           "preset": a.preset, "kernels": results}, indent=1))
     return 0
 
 
