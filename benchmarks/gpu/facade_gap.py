@@ -2,7 +2,12 @@
 dispatch + combine pairs each, replayed interleaved round by round (drift hits all three alike).
 
     python3 benchmarks/gpu/facade_gap.py RESULTS.json [--rounds 10] [--reps 100] [--arrive-gpu]
-        [--set triton_kernels.dispatch.MAX_SCALE_EXPERTS=1 ...]
+        [--set triton_kernels.dispatch.FUSED_PACK_STORE_BYTES=8 ...]
+    ncu --set full -k regex:dispatch --launch-skip 16 --launch-count 2 \
+        python3 benchmarks/gpu/facade_gap.py - --eager facade|deep|plain [--pairs 10]
+
+`--eager V`: only V's eager pairs, for a profiler (each pair launches route, route fixup, pack, unpack, combine
+pack, combine reduce: dispatch-named kernels 2k and 2k + 1 are pair k's pack and unpack).
 
 - `facade`: `Buffer.low_latency_dispatch(use_fp8=True)` + `low_latency_combine` (bf16 in, the pack quantises);
 - `deep`: `AllToAll` fed pre-quantised rows, its unpack writing DeepEP's column-major scales;
@@ -33,6 +38,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--arrive-gpu", action="store_true")
+    ap.add_argument("--eager", choices=("facade", "deep", "plain"), default=None,
+                    help="only --pairs eager pairs of this variant, nothing timed: a target for an external profiler")
+    ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--set", action="append", default=[], metavar="module.ATTR=INT",
                     help="a module constant under moe_a2a set before anything launches (a kernel variant: e.g. "
                          "triton_kernels.dispatch.MAX_SCALE_EXPERTS=1); one process a variant, as the gap is "
@@ -88,6 +96,14 @@ def main() -> None:
         a2a.dispatch(num, ex, exs, xq, xs, idx)
         a2a.combine(out, idx, w, y)
 
+    if args.eager:
+        pair = {"facade": facade, "deep": deep, "plain": plain}[args.eager]
+        for _ in range(args.pairs):
+            pair()
+        torch.cuda.synchronize()
+        a2a.close()
+        buf.close()
+        return
     graphs = {}
     for name, pair in (("facade", facade), ("deep", deep), ("plain", plain)):
         for _ in range(3):
