@@ -40,8 +40,9 @@ date; derived from measured ones; the workload's configuration; or ASSUMPTION).
 
 Issue 32's levers are options of the walk, their kernels charged as measured at 2 ranks; issue 46's runs of
 them on one H200 under MPS are set against it with every row held out (:func:`issue46_rows`: within 25 %, or
-the term the walk lacks named); and ``relay=True`` walks issue 46's relay, implemented but not yet timed on a GPU (one write
-per remote node, the NVLink fan-out and the node-level reduce as GPU terms): predictions only.
+the term the walk lacks named); and ``relay=True`` walks issue 46's relay (one write per remote node, the NVLink
+fan-out and the node-level reduce as GPU terms), timed so far only with 8 ranks sharing one GPU
+(:func:`relay_runs`, held out): elsewhere predictions only.
 
 Run from the repository root (the page docs/latency-model.md shows its tables):
 
@@ -75,7 +76,7 @@ GPUS_PER_NODE = 8                 # p5en / DGX H200
 RANK_ROW_IDS_BYTES = 8 * TOPK     # 64 B: per k an int32 local expert and an int32 position
 RANK_ROW_WEIGHTS_BYTES = 4 * TOPK  # 32 B
 FP8_COMBINE_ROW_BYTES = 7392      # 7168 + 56 x 4
-# The relay (issue 46, not yet timed): a GPU's weighted partial of a token goes to the relay in fp32 (the
+# The relay (issue 46): a GPU's weighted partial of a token goes to the relay in fp32 (the
 # combine "reduced inside the experts' node in fp32"); a bf16 partial would halve these NVLink bytes.
 RELAY_PARTIAL_ROW_BYTES = 2 * COMBINE_ROW_BYTES   # ASSUMPTION: 7168 fp32
 
@@ -787,7 +788,7 @@ def _combine(s: Setup) -> Path:
 
 
 def _dispatch_relay(s: Setup, early: bool = False) -> Path:
-    """The relay's dispatch (issue 46; not yet timed): per remote node one write of the tokens that hit it
+    """The relay's dispatch (issue 46): per remote node one write of the tokens that hit it
     (each once, with the K routes' ids, positions and weights) to the GPU with our local index there; that
     relay's proxy counts the nodes - 1 immediates, its plan kernel reads the count rows, the node's relays
     learn each other's counts (a peer hand-off), and its forward kernel writes a row per (token, rank) into
@@ -1310,7 +1311,7 @@ LEVERS = [
     ("all three, `--speed bench`", {"rank_rows": True, "sender_reduce": True, "fp8_combine": True, "speed": "bench"}),
     ("all three, `--efa-efficiency 0.45`",
      {"rank_rows": True, "sender_reduce": True, "fp8_combine": True, "efa_efficiency": 0.45}),
-    ("`--wire relay` (issue 46, not yet timed): one write per remote node, NVLink fan-out, reduced in the node",
+    ("`--wire relay` (issue 46, timed on one shared GPU only): one write per remote node, NVLink fan-out, reduced in the node",
      {"relay": True}),
     ("`--wire relay --fp8-combine`", {"relay": True, "fp8_combine": True}),
 ]
@@ -1545,7 +1546,7 @@ def format_issue46_bytes() -> str:
     return "\n".join(lines)
 
 
-# ---- the relay, modelled (issue 46, item 4; the protocol is not yet timed: these are predictions) ----------
+# ---- the relay, modelled (issue 46, item 4; timed on one shared GPU only: these are predictions) ----------
 def relay_bytes_per_rank(world: int, node: int = GPUS_PER_NODE, fp8_combine: bool = False) -> dict:
     """MB one rank moves per decode call with the relay (uniform top-8): over the network per phase (rows
     only), with one row per (token, rank) instead (the sender-reduced variant), and over NVLink its fan-out
@@ -1660,6 +1661,49 @@ def format_relay_emulated() -> str:
             r = predict(world, fab, **skw, **kw)
             cells.append(f"{r['dispatch']:.0f} / {r['combine']:.0f} / **{r['total']:.0f}**")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# The relay's runs (issue 46, item 4), every one held out (no constant from them): 8 ranks as 2 x 4 sharing one
+# GPU under MPS over the emulated NIC, graph replay, decode, the slowest rank's median dispatch + combine, µs;
+# per_route of the same run beside it. (set-up, GPU, tree, relay, per_route, the relay row's raw file)
+RELAY_RUNS = [
+    (_FULL, "H100", "dbdefb8", 1681.3, 823.3, "gpu-2026-12-06c/call1_relay/relay_full/e2e_w8n4_decode_relay.json"),
+    (_EFA_LIKE, "H100", "dbdefb8", 1680.0, 970.2, "gpu-2026-12-06c/call1_relay/relay_efa/e2e_w8n4_decode_relay.json"),
+    (_EFA_LIKE, "H200", "cbbb503", 1616.5, 898.3, "gpu-2026-12-06d/callF_h200/e2e_relay.json"),
+]
+RELAY_MISSING = (
+    "rank skew through the relay's node barrier",
+    "the walk is lock-step; on one shared GPU the ranks are not: in the traced H200 call two ranks ended their "
+    "dispatch ~400 µs after the others (their expand queued behind the other ranks' kernels), and "
+    "`reduce_relayed_rows` waits for every node peer's partials, so every rank's combine-send half took 980-1006 µs "
+    "(the walk: about 300; per_route, which has no such barrier, 84-125). The relay's kernel work measured 351 µs "
+    "a rank against per_route's 187 (docs/benchmarks.md, \"Where the relay's time goes\")")
+
+
+def relay_runs() -> list[dict]:
+    """The walk against the relay's runs and the per_route run beside each (same set-up, same GPU)."""
+    out = []
+    for setup_name, gpu, tree, relay_us, per_route_us, raw in RELAY_RUNS:
+        world, fab, kw = ISSUE46_SETUPS[setup_name]
+        for wire, measured, levers in (("relay", relay_us, {"rank_rows": True, "sender_reduce": True, "relay": True}),
+                                       ("per_route", per_route_us, {})):
+            predicted = predict(world, fab, **kw, **levers)["total"]
+            ratio = predicted / measured
+            in_band = BAND[0] <= ratio <= BAND[1]
+            out.append({"setup": setup_name, "gpu": gpu, "tree": tree, "wire": wire, "measured": measured,
+                        "predicted": predicted, "ratio": ratio, "in_band": in_band, "raw": raw,
+                        "missing": None if in_band else RELAY_MISSING[0]})
+    return out
+
+
+def format_relay_runs(rows: list[dict]) -> str:
+    lines = ["| set-up (MPS, one GPU) | GPU, tree | wire | measured d + c, µs | MODEL µs | error | within 25 % | "
+             "the term the walk lacks |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['setup']} | {r['gpu']}, `{r['tree']}` | {r['wire']} | {r['measured']:.0f} | "
+                     f"{r['predicted']:.0f} | {100 * (r['ratio'] - 1):+.1f} % | {'yes' if r['in_band'] else '**no**'} | "
+                     f"{'**' + r['missing'] + '**' if r['missing'] else '–'} |")
     return "\n".join(lines)
 
 
@@ -1811,7 +1855,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-combine", action="store_true", help="combine rows in fp8 e4m3 + fp32 scales")
     ap.add_argument("--wire", choices=tuple(WIRES), default=None,
                     help="a wire variant by name (moe_a2a/reference.py WIRE_VARIANTS), or the relay of issue 46 "
-                         "(not yet timed: a prediction); instead of --rank-rows / --sender-reduce, with "
+                         "(a prediction); instead of --rank-rows / --sender-reduce, with "
                          "--fp8-combine where it applies")
     ap.add_argument("--relay-split", action="store_true",
                     help="what-if with --wire relay: each relay write split over the GPU's NICs")
@@ -1865,13 +1909,17 @@ def main(argv: list[str] | None = None) -> int:
     relay_kw = {k: v for k, v in kw.items() if k in ("speed", "post_us", "host_staged", "efa_efficiency", "proxies",
                                                      "relay_split")}
     relay = relay_table(**relay_kw)
-    print("\nThe relay, modelled (issue 46; the protocol is not yet timed: MODEL predictions, µs)")
+    print("\nThe relay, modelled (issue 46; timed on one shared GPU only: MODEL predictions, µs)")
     print(format_relay_bytes())
     print(format_relay(relay))
     print(format_relay_sensitivity())
     print("\nThe relay on 1 x H200 under MPS, 8 ranks as 2 x 4 over the emulated NIC (what item 4's runs would "
           "compare against)")
     print(format_relay_emulated())
+    runs = relay_runs()
+    print("\nThe relay's runs against the walk (held out)")
+    print(format_relay_runs(runs))
+    print(f"- **{RELAY_MISSING[0]}**: {RELAY_MISSING[1]}")
     print("\nProvenance of every constant")
     print(format_provenance())
     if args.json:
@@ -1889,7 +1937,7 @@ def main(argv: list[str] | None = None) -> int:
                           for label, lkw in LEVERS],
                "distinct_ranks": [expected_distinct_ranks(w) for w in LEVER_WORLDS],
                "issue46": [{k: v for k, v in r.items()} for r in i46],
-               "relay": relay, "relay_targets_us": RELAY_TARGETS_US,
+               "relay": relay, "relay_targets_us": RELAY_TARGETS_US, "relay_runs": runs,
                "distinct_nodes": [expected_distinct_nodes(w) for w in WORLDS]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -492,6 +492,8 @@ def test_the_page_shows_what_the_model_computes():
     assert lm.format_relay(lm.relay_table()) in page
     assert lm.format_relay_sensitivity() in page
     assert lm.format_relay_emulated() in page
+    assert lm.format_relay_runs(lm.relay_runs()) in page
+    assert lm.RELAY_MISSING[1] in page
 
 
 # ---- the levers of issue 32 (fewer bytes) ----------------------------------------------------------------
@@ -680,6 +682,23 @@ def test_issue46_runs_agree_with_the_raw_files_of_the_same_configuration():
         assert issue["2 x 4, emulated NIC, full speed", wire] == pytest.approx(slowest, rel=0.02)
 
 
+def test_the_relay_runs_are_their_raw_files_held_out_and_name_what_the_walk_lacks():
+    """Each relay run and the per_route run beside it: the slowest rank's median from the raw file (8 as 2 x 4,
+    emulated NIC); no constant of the walk comes from them; the per_route rows fall inside the band, the relay's
+    outside it with the missing term named."""
+    for setup_name, gpu, tree, relay_us, per_route_us, raw in lm.RELAY_RUNS:
+        for wire, us in (("relay", relay_us), ("per_route", per_route_us)):
+            doc = _load(raw.replace("relay.json", f"{wire}.json"))
+            assert (doc["world"], doc["node"], doc["transport"], doc["wire"]) == (8, 4, "emulated", wire)
+            assert us == pytest.approx(max(r["total"]["median"] for r in doc["presets"]["decode"]["graph"]), abs=0.1)
+    assert not any(run[5].split("/")[0] in str(v) for run in lm.RELAY_RUNS for v in lm.PROVENANCE.values())
+    rows = lm.relay_runs()
+    assert len(rows) == 2 * len(lm.RELAY_RUNS)
+    for r in rows:
+        assert r["in_band"] == (r["missing"] is None) and r["in_band"] == (r["wire"] == "per_route"), r
+        assert r["predicted"] < r["measured"] or r["wire"] == "per_route"   # the walk is short of the relay's runs
+
+
 def test_issue46_bytes_are_the_benchmark_s_routing():
     """The bytes a rank sends in the issue's runs (MB, rounded to 0.1): the walk's rows with the benchmark's
     routing (each route -1 with probability 0.1, moe_a2a/bench/demo.py), every variant, both phases."""
@@ -795,7 +814,7 @@ def test_the_relay_against_issue_46_s_targets():
             assert r["target"] is None and "no target" in line
     page = (ROOT / "docs" / "latency-model.md").read_text()
     relay = page[page.index("## The relay, modelled"):]
-    assert "predictions, not measurements" in relay and "not been timed on a GPU" in relay
+    assert "predictions, not measurements" in relay and "timed only with 8 ranks sharing one GPU" in relay
 
 
 def test_main_takes_the_wire_by_name_and_the_relay(tmp_path, capsys):
@@ -807,6 +826,7 @@ def test_main_takes_the_wire_by_name_and_the_relay(tmp_path, capsys):
     efa64 = next(r for r in doc["predictions"] if r["fabric"] == "efa" and r["world"] == 64)
     assert efa64["total"] == pytest.approx(lm.predict(64, "efa", relay=True, fp8_combine=True)["total"])
     assert len(doc["issue46"]) == len(lm.ISSUE46_MEASURED) and len(doc["relay"]) == 12
+    assert len(doc["relay_runs"]) == 2 * len(lm.RELAY_RUNS)
     assert lm.main(["--wire", "sender_reduced_fp8", "--json", str(js)]) == 0
     efa64 = next(r for r in json.loads(js.read_text())["predictions"] if r["fabric"] == "efa" and r["world"] == 64)
     assert efa64["total"] == pytest.approx(lm.predict(64, "efa", **ALL_LEVERS)["total"])
