@@ -2,7 +2,7 @@
 dispatch + combine pairs each, replayed interleaved round by round (drift hits all three alike).
 
     python3 benchmarks/gpu/facade_gap.py RESULTS.json [--rounds 10] [--reps 100] [--arrive-gpu]
-        [--set triton_kernels.dispatch.FUSED_PACK_STORE_BYTES=8 ...]
+        [--set triton_kernels._launch.ROWS_PER_TILE=16 ...]
     ncu --set full -k regex:dispatch --launch-skip 16 --launch-count 2 \
         python3 benchmarks/gpu/facade_gap.py - --eager facade|deep|plain [--pairs 10]
 
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--set", action="append", default=[], metavar="module.ATTR=INT",
                     help="a module constant under moe_a2a set before anything launches (a kernel variant: e.g. "
-                         "triton_kernels.dispatch.MAX_SCALE_EXPERTS=1); one process a variant, as the gap is "
+                         "triton_kernels._launch.ROWS_PER_TILE=16); one process a variant, as the gap is "
                          "within the process")
     args = ap.parse_args()
     if args.arrive_gpu:  # before the first launch: Triton resolves the helper when it compiles

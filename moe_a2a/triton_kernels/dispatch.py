@@ -122,7 +122,9 @@ def pack_tokens_by_expert(
         quant_args = dict(QUANT=True, Q_BLOCK=quantize.block, Q_SCALES=quantize.num_scales(cfg.hidden_dim),
                           Q_SCALE_OFFSET_BYTES=quantize.scale_offset_bytes, ROUND_SCALE=quantize.round_scale,
                           UE8M0=quantize.ue8m0, FP8_VIA_BITS=device.type != "cuda")
-        warps = max(1, min(8, block_t * block_w // (32 * FUSED_PACK_STORE_BYTES)))
+        # Warps by the fp8 bytes stored, not the bf16 read: one 16-byte store a thread a route (2 warps a
+        # 1024-element chunk; by the bytes read, 8-byte stores were 1.5 µs slower a facade pair, docs/perf-notes.md).
+        warps = launch.num_warps(block_t * block_w, 1)
     else:
         x_row_bytes = x.stride(0) * x.element_size()
         word_bytes, word_dtype = launch.word_bytes(cfg.x_bytes, x.data_ptr(), x_row_bytes, send_base.data_ptr(),
@@ -309,10 +311,6 @@ def scale_output_strides(name: str, t, cols: int, dtypes: tuple, R: int, L: int,
         return t.stride(1), t.stride(2), t.stride(0)
     return t.stride(0), t.stride(1), C * t.stride(0)
 
-
-# The fused fp8 pack: fp8 bytes a thread stores a route, one 16-byte vector (the warps follow: 2 for a chunk of
-# 1024 elements; 8 bytes and 4 warps were 1.5 µs slower a facade pair, docs/perf-notes.md).
-FUSED_PACK_STORE_BYTES = 16
 
 _PACK = launch.LaunchCache(_pack_tokens_by_expert_kernel)
 _UNPACK = launch.LaunchCache(_unpack_tokens_by_expert_kernel)
