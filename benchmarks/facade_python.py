@@ -46,7 +46,7 @@ def launches_stubbed(instances):
 
     modules = (all_to_all.routing, all_to_all.dispatch_kernels, all_to_all.combine_kernels, all_to_all.rank_rows)
     names = ("route_tokens", "validate_indices", "pack_tokens_by_expert", "unpack_tokens_by_expert",
-             "pack_combine_by_source", "reduce_combined_tokens", "route_tokens_by_rank", "stamp_rank_rows",
+             "pack_combine_by_source", "reduce_combined_tokens", "route_tokens_by_rank",
              "expand_rank_rows", "reduce_rank_rows_by_source", "reduce_rank_rows_by_token")
     saved = [(m, n, getattr(m, n)) for m in modules for n in names if hasattr(m, n)]
     for m, n, _ in saved:

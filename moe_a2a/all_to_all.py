@@ -115,9 +115,8 @@ class AllToAll:
         # With remote peers the pack writes each route at its send row: a remote peer's first P routes go to
         # its private staging slot, behind the count row, so its private write is one range (config.Layout).
         self._send_row = torch.full_like(self.route_slot, -1) if self.with_proxy else None
-        # Per-rank rows (cfg.dispatch_rows="rank"): the row each route opens, and the first routes' ranks.
+        # Per-rank rows (cfg.dispatch_rows="rank"): the row each route opens.
         self._rank_slot = torch.full_like(self.route_slot, -1) if cfg.rank_rows else None
-        self._rank_scratch = torch.full_like(self.route_slot, -1) if cfg.rank_rows else None
         if self.with_proxy:  # a peer whose proxy dies says so on the board: every rank stops within ~0.5 s
             # (Shrink mode: a peer that stopped is masked by the timeouts instead, never an error here.)
             board = FailureBoard.open(self.group, self.rank, self.world_size) if rank_mask is None else None
@@ -528,25 +527,25 @@ class AllToAll:
                              ready=w.route_ready if self.with_proxy else None, abort=abort,
                              bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"],
                              **({} if by_rank else staged))
-        if by_rank:  # one row per (token, rank): its slot (or private staging row), then its metadata; the
-            # pack's count-row copy and publish come last, so the rows' metadata is in place when peers read it
+        if by_rank:  # one row per (token, rank) at its slot (or private staging row); the pack writes its
+            # metadata too, before its count-row copy and publish, so peers read rows and metadata together
             T = x.shape[0]
             opened = self._rank_slot[:T]
             relay = {"rank": self.rank} if self.layout.relay else {}  # rows to other nodes go to the relays
-            rank_rows.route_tokens_by_rank(indices, self.layout, w.rank_rows[self.rank], opened,
-                                           self._rank_scratch[:T], bound_m=bound_m, abort=abort,
-                                           **w.rank_split["route"], **staged, **relay)
+            rank_rows.route_tokens_by_rank(indices, self.layout, w.rank_rows[self.rank], opened, bound_m=bound_m,
+                                           abort=abort, **w.rank_split["route"], **staged, **relay)
             if not self.with_proxy:
                 rows = opened
-            rank_rows.stamp_rank_rows(indices, slot, rows, w.own_counts, weights, w.base, w.send_offset_bytes,
-                                      self.cfg, self.layout, **w.rank_split["pack"], **relay)
+            meta = {"row_meta": rank_rows.row_meta_args(indices, slot, w.own_counts, weights, self.cfg, self.layout,
+                                                        **relay)}
         if self.with_proxy:  # the proxy posts the private writes this plans once the pack says SEND_READY
             write_plan.plan_private_writes(w.counts, w.write_tables, w.node.epoch, w.flags, self.rank,
                                            self.layout, w.base, w.stage_send_offset_bytes)
         dispatch_kernels.pack_tokens_by_expert(x, x_scale, rows, w.base, w.send_offset_bytes, self.cfg,
                                                bound_m=bound_m, node=w.node, quantize=quantize,
                                                max_slots=self.layout.send_rows + self.layout.private_stage_rows,
-                                               **(w.rank_split if by_rank else w.split)["pack"])
+                                               **(w.rank_split if by_rank else w.split)["pack"],
+                                               **(meta if by_rank else {}))
         self._state = _DISPATCH_SENT
 
     def _dispatch_recv(self, out_num, out_x, out_x_scale, aborting: bool = False, out_source_ranges=None,

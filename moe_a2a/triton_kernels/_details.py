@@ -561,6 +561,94 @@ def ue8m0_code(scale):
 # Tokens of a pack / reduce program
 # ================================================================================================
 @triton.jit
+def row_destination(q, sender, RELAY: tl.constexpr, NODE_SIZE: tl.constexpr):
+    """The rank a per-rank row to rank q goes to: q, or with RELAY for q on another node than the sender the
+    sender's relay there (the rank of q's node with the sender's local index: `reference.relay_rank`)."""
+    if RELAY:
+        q = tl.where(q // NODE_SIZE == sender // NODE_SIZE, q, (q // NODE_SIZE) * NODE_SIZE + sender % NODE_SIZE)
+    return q
+
+
+@triton.jit
+def first_route_rank(indices_ptr, route, in_range, num_experts, K: tl.constexpr, K_PAD: tl.constexpr,
+                     L: tl.constexpr, sender, RELAY: tl.constexpr, NODE_SIZE: tl.constexpr):
+    """Per route r = t*K + k of a flat block: the rank its row goes to (`row_destination` of its expert's rank)
+    when it is the token's first live route there (no live k' < k of t goes to the same rank), else -1. Reads
+    the token's K indices (from L1: the block's own tokens), so the per-rank routing needs no pass of its own."""
+    t = route // K
+    k = route % K
+    kk = tl.arange(0, K_PAD)
+    m = in_range[:, None] & (kk[None, :] < K)
+    raw = tl.load(indices_ptr + t[:, None] * K + kk[None, :], mask=m, other=-1)
+    live = m & (raw >= 0) & (raw < num_experts)  # compared before the cast: an int64 past 2**31 stays dead
+    dest = tl.where(live, row_destination(tl.where(live, raw, 0).to(tl.int32) // L, sender, RELAY, NODE_SIZE), -1)
+    mine = tl.max(tl.where(kk[None, :] == k[:, None], dest, -1), axis=1)
+    before = tl.max(tl.where((kk[None, :] < k[:, None]) & (dest == mine[:, None]), 1, 0), axis=1)
+    return tl.where((mine >= 0) & (before == 0), mine, -1)
+
+
+@triton.jit
+def column_of(tile, kk, k):
+    """Column k of a [N, K_PAD] int tile (-1 where absent): a masked max, no gather needed."""
+    return tl.max(tl.where(kk[None, :] == k, tile, -1), axis=1)
+
+
+@triton.jit
+def stamp_row_meta(base_ptr, rows_ptr, stride_rows_t, stride_rows_k, indices_ptr, slot_ptr, counts_ptr, weights_ptr,
+                   num_tokens, num_experts, stride_counts, stride_w_t, stride_w_k, sender, send_bytes,
+                   remote_send_bytes, node_slot_lo, node_slot_hi, node_half, K: tl.constexpr, K_PAD: tl.constexpr,
+                   L: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, MAX_SLOTS: tl.constexpr,
+                   SD_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                   SPLIT: tl.constexpr, HALF: tl.constexpr, RELAY: tl.constexpr, NODE_SIZE: tl.constexpr):
+    """The metadata of every per-rank row this program's BLOCK_T tokens open (`rows_ptr`: the row of (t, rank
+    r) at its opening route, -1 elsewhere), after the row's scales: for each k, the local expert of route k when
+    it goes to r (else -1), its position among this rank's routes to that expert (its expert-major slot minus
+    the expert's first slot, from the routing's counts), and with HAS_WEIGHTS the K weights. With RELAY a row to
+    a relay r (another node) names, per k, the node-local expert (expert - first expert of r's node) of each
+    route to that node. SPLIT as the pack: rows of this node at send_bytes, the others at remote_send_bytes;
+    with HALF only the rows of the half `node_half`."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, K_PAD)
+    m = (tokens[:, None] < num_tokens) & (kk[None, :] < K)
+    raw = tl.load(indices_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
+    live = m & (raw >= 0) & (raw < num_experts)  # compared before the cast: an int64 past 2**31 stays dead
+    expert = tl.where(live, raw, 0).to(tl.int32)
+    slot = tl.load(slot_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
+    live = live & (slot >= 0)  # bound_m and bad indices: the routing decided
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e.to(tl.int64) * stride_counts, mask=e < num_experts, other=0)
+    first = tl.cumsum(counts, axis=0) - counts
+    flat = tl.reshape(tl.where(live, expert, 0), (BLOCK_T * K_PAD,))
+    pos = slot - tl.reshape(tl.gather(first, flat, 0), (BLOCK_T, K_PAD))
+    dest = tl.where(live, row_destination(expert // L, sender, RELAY, NODE_SIZE), -1)
+    local = expert - (expert // L) * L
+    if RELAY:  # a relay forwards the row to every rank of its node a route hits: ids relative to the node
+        local = tl.where(dest // NODE_SIZE != sender // NODE_SIZE, expert - (dest // NODE_SIZE) * NODE_SIZE * L, local)
+    opens = tl.load(rows_ptr + tokens[:, None] * stride_rows_t + kk[None, :] * stride_rows_k, mask=m, other=-1)
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + tokens[:, None] * stride_w_t + kk[None, :] * stride_w_k, mask=m, other=0.0)
+    base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
+    base_f32 = base_ptr.to(tl.pointer_type(tl.float32))
+    for k in range(K):
+        row = column_of(opens, kk, k).to(tl.int64)
+        dk = column_of(dest, kk, k)
+        ok = (row >= 0) & (row < MAX_SLOTS)
+        at = send_bytes
+        if SPLIT:  # as the pack: this node's rows stay in device memory, the others are staged
+            in_node = (row >= node_slot_lo) & (row < node_slot_hi)
+            at = tl.where(in_node, send_bytes, remote_send_bytes)
+            if HALF:
+                ok = ok & (in_node == node_half)
+        meta = (at + row * SD_BYTES + META_OFFSET_BYTES) // 4
+        mask = ok[:, None] & (kk[None, :] < K)
+        mine = live & (dest == dk[:, None])
+        tl.store(base_i32 + meta[:, None] + kk[None, :], tl.where(mine, local, -1), mask=mask)
+        tl.store(base_i32 + meta[:, None] + K + kk[None, :], tl.where(mine, pos, 0), mask=mask)
+        if HAS_WEIGHTS:
+            tl.store(base_f32 + meta[:, None] + 2 * K + kk[None, :], w, mask=mask)
+
+
+@triton.jit
 def live_token_block(num_tokens, bound_m_ptr, BLOCK_T: tl.constexpr, HAS_BOUND_M: tl.constexpr,
                      REPEAT: tl.constexpr = 1):
     """(this program's BLOCK_T token ids along grid axis 0, which of them are < min(T, bound_m)).

@@ -58,6 +58,13 @@ def _pack_tokens_by_expert_kernel(
     # With SPLIT and HAS_PROXY: the first half of the chunk axis packs the remote rows and raises SEND_READY,
     # the second half this node's rows and publishes to the node (the wire starts before packing ends).
     REMOTE_FIRST: tl.constexpr = False,
+    # RANK_META (per-rank rows, `rank_rows.row_meta_args`): the chunk-0 programs also write the metadata of
+    # every row their tokens open (`_details.stamp_row_meta`), before the epilogue publishes the rows.
+    meta_indices_ptr=None, meta_slot_ptr=None, meta_counts_ptr=None, meta_weights_ptr=None, meta_num_experts=0,
+    meta_stride_counts=0, meta_stride_w_t=0, meta_stride_w_k=0, meta_sender=0,
+    META_OFFSET_BYTES: tl.constexpr = 0, META_K_PAD: tl.constexpr = 1, META_L: tl.constexpr = 1,
+    META_E_PAD: tl.constexpr = 1, META_WEIGHTS: tl.constexpr = False, META_RELAY: tl.constexpr = False,
+    META_NODE: tl.constexpr = 1, RANK_META: tl.constexpr = False,
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -85,6 +92,7 @@ def _pack_tokens_by_expert_kernel(
     else:
         tokens, is_live = d.live_token_block(num_tokens, bound_m_ptr, BLOCK_T, HAS_BOUND_M)
     chunk = tl.program_id(1)
+    node_half = False
     if REMOTE_FIRST:
         # Axis 1 is the slowest in the launch order: programs of the first half (remote rows) start first.
         n_chunks = tl.num_programs(1) // 2
@@ -118,6 +126,8 @@ def _pack_tokens_by_expert_kernel(
         scales = tl.load(x_scale_ptr + tokens[:, None] * stride_scale_t + s_cols[None, :] * stride_scale_s,
                          mask=s_mask)
 
+    node_slot_lo = 0
+    node_slot_hi = 0
     if SPLIT:
         node_slot_lo = tl.load(node_slots_ptr)  # (not `node_first`: that names the node's first rank)
         node_slot_hi = tl.load(node_slots_ptr + 1)
@@ -151,6 +161,14 @@ def _pack_tokens_by_expert_kernel(
         if HAS_SCALES:
             dst_scale = (dst_bytes + SCALE_OFFSET_BYTES) // 4
             tl.store(base_i32 + dst_scale[:, None] + s_cols[None, :], scales, mask=s_mask & has_slot[:, None])
+    if RANK_META:
+        if chunk == 0:
+            d.stamp_row_meta(base_ptr, route_slot_ptr, stride_slot_t, stride_slot_k, meta_indices_ptr, meta_slot_ptr,
+                             meta_counts_ptr, meta_weights_ptr, num_tokens, meta_num_experts, meta_stride_counts,
+                             meta_stride_w_t, meta_stride_w_k, meta_sender, send_bytes, remote_send_bytes,
+                             node_slot_lo, node_slot_hi, node_half, K, META_K_PAD, META_L,
+                             META_E_PAD, BLOCK_T, MAX_SLOTS, SD_BYTES, META_OFFSET_BYTES, META_WEIGHTS, SPLIT,
+                             REMOTE_FIRST, META_RELAY, META_NODE)
     if REMOTE_FIRST:
         # Two epilogues, one counter each: the remote half's last program hands the staged rows to the
         # proxy, the node half's publishes to the node peers (as below, without the proxy's flag).

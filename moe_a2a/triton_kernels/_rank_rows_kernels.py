@@ -15,36 +15,8 @@ UNROLL_K: tl.constexpr = tl.constexpr(16)  # the reduce by source unrolls its to
 
 
 # ================================================================================================
-# Helpers: a token's routes, the walk over received per-rank rows
+# Helpers: the walk over received per-rank rows
 # ================================================================================================
-@triton.jit
-def _token_routes(indices_ptr, num_tokens, num_experts, K: tl.constexpr, K_PAD: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
-    """(token ids [BLOCK_T], slot ids [K_PAD], in-range mask [BLOCK_T, K_PAD], expert [BLOCK_T, K_PAD] int32,
-    live [BLOCK_T, K_PAD]: an expert in [0, E)) of this program's tokens."""
-    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    kk = tl.arange(0, K_PAD)
-    m = (tokens[:, None] < num_tokens) & (kk[None, :] < K)
-    raw = tl.load(indices_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
-    live = m & (raw >= 0) & (raw < num_experts)  # compared before the cast: an int64 past 2**31 stays dead
-    return tokens, kk, m, tl.where(live, raw, 0).to(tl.int32), live
-
-
-@triton.jit
-def _row_destination(q, sender, RELAY: tl.constexpr, NODE_SIZE: tl.constexpr):
-    """The rank a row to rank q goes to: q, or with RELAY for q on another node than the sender the sender's
-    relay there (the rank of q's node with the sender's local index: `reference.relay_rank`)."""
-    if RELAY:
-        q = tl.where(q // NODE_SIZE == sender // NODE_SIZE, q, (q // NODE_SIZE) * NODE_SIZE + sender % NODE_SIZE)
-    return q
-
-
-@triton.jit
-def _column(tile, kk, k):
-    """Column k of a [N, K_PAD] int tile (-1 where absent): a masked max, no gather needed."""
-    return tl.max(tl.where(kk[None, :] == k, tile, -1), axis=1)
-
-
 @triton.jit
 def _rank_row_sources(rank_rows_ptr, stride_rank_rows_w, rank, W: tl.constexpr, W_PAD: tl.constexpr, P: tl.constexpr,
                       RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1):
@@ -172,7 +144,7 @@ def _store_combine_rows(base_ptr, dst_b, h0, acc, row_ok, Y_TY: tl.constexpr, H:
 def _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask):
     """acc + w_k * y[row of route k] for the tile's rows whose route k is here (k order, one product and one add,
     each rounded to fp32: the reference's sum)."""
-    y_row = _column(rows, kk, k)
+    y_row = d.column_of(rows, kk, k)
     wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
     y = tl.load(expert_y_ptr + y_row[:, None] * stride_y_r + cols[None, :], mask=mask & (y_row >= 0)[:, None],
                 other=0.0)
@@ -229,83 +201,6 @@ def _expert_rows(base_i32, meta_words, is_row, src, kk, out_start, fit, K: tl.co
     room = tl.reshape(tl.gather(fit, pair, 0), (BLOCK_R, K_PAD))
     valid = valid & (pk >= 0) & (pk < room)
     return tl.where(valid, start + pk, -1)
-
-
-# ================================================================================================
-# Dispatch send: which routes open a row, and the rows' metadata
-# ================================================================================================
-@triton.jit(do_not_specialize=["num_tokens"])
-def _first_route_per_rank_kernel(
-    indices_ptr,     # (T, K) int32/int64, contiguous
-    out_ptr,         # (T, K) int32, contiguous: out, the destination rank of the token's first route there, else -1
-    num_tokens, num_experts,
-    K: tl.constexpr, K_PAD: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
-    sender=0, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1,  # the relay: rows to other nodes' relays
-):
-    """Grid: cdiv(T, BLOCK_T). Route (t, k) opens the row of (t, rank of its expert) when no live route
-    k' < k of the token goes to the same rank: `route_tokens` on these ranks then numbers the rows. With RELAY
-    the rank of an expert on another node is `sender`'s relay there: one row per (token, remote node)."""
-    tokens, kk, m, expert, live = _token_routes(indices_ptr, num_tokens, num_experts, K, K_PAD, BLOCK_T)
-    dest = tl.where(live, _row_destination(expert // L, sender, RELAY, NODE_SIZE), -1)
-    taken = dest < -1  # all False, of the tile's shape
-    for j in range(K):
-        dj = _column(dest, kk, j)
-        taken = taken | ((kk[None, :] > j) & (dest == dj[:, None]) & (dj[:, None] >= 0))
-    tl.store(out_ptr + tokens[:, None] * K + kk[None, :], tl.where(live & ~taken, dest, -1), mask=m)
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _stamp_rank_rows_kernel(
-    indices_ptr,      # (T, K) int32/int64, contiguous
-    route_slot_ptr,   # (T, K) int32, contiguous: each route's expert-major slot (-1: dead), from route_tokens
-    send_row_ptr,     # (T, K) int32, contiguous: the send row a route opens (-1: it opens none)
-    counts_ptr,       # (E,) int32, stride `stride_counts`: this rank's count row (route_tokens' counts)
-    weights_ptr,      # (T, K) float32, strides (stride_w_t, stride_w_k) (HAS_WEIGHTS)
-    base_ptr,         # uint8: byte address space of the send buffer
-    send_bytes,       # the send buffer - base
-    num_tokens, num_experts, stride_counts, stride_w_t, stride_w_k,
-    K: tl.constexpr, K_PAD: tl.constexpr, L: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    SD_BYTES: tl.constexpr, META_OFFSET_BYTES: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    # Only remote rows staged (SPLIT): rows outside [node_slots[0], node_slots[1]) are at remote_send_bytes.
-    node_slots_ptr=None, remote_send_bytes=0, SPLIT: tl.constexpr = False,
-    sender=0, RELAY: tl.constexpr = False, NODE_SIZE: tl.constexpr = 1,  # the relay (as the first-route kernel)
-):
-    """Grid: cdiv(T, BLOCK_T). Into every row a token opens (the row of (t, rank r)), after the scales: for
-    each k, the local expert of route k when it goes to r (else -1), its position among this rank's routes
-    to that expert (its slot minus the expert's first slot), and with HAS_WEIGHTS the K weights. With RELAY a
-    row to a relay r (another node) names, per k, the node-local expert (expert - first expert of r's node)
-    of each route to that node."""
-    tokens, kk, m, expert, live = _token_routes(indices_ptr, num_tokens, num_experts, K, K_PAD, BLOCK_T)
-    slot = tl.load(route_slot_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
-    live = live & (slot >= 0)  # bound_m and bad indices: route_tokens decided
-    e = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + e.to(tl.int64) * stride_counts, mask=e < num_experts, other=0)
-    first = tl.cumsum(counts, axis=0) - counts
-    flat = tl.reshape(tl.where(live, expert, 0), (BLOCK_T * K_PAD,))
-    pos = slot - tl.reshape(tl.gather(first, flat, 0), (BLOCK_T, K_PAD))
-    dest = tl.where(live, _row_destination(expert // L, sender, RELAY, NODE_SIZE), -1)
-    local = expert - (expert // L) * L
-    if RELAY:  # a relay forwards the row to every rank of its node a route hits: ids relative to the node
-        local = tl.where(dest // NODE_SIZE != sender // NODE_SIZE, expert - (dest // NODE_SIZE) * NODE_SIZE * L, local)
-    opens = tl.load(send_row_ptr + tokens[:, None] * K + kk[None, :], mask=m, other=-1)
-    if HAS_WEIGHTS:
-        w = tl.load(weights_ptr + tokens[:, None] * stride_w_t + kk[None, :] * stride_w_k, mask=m, other=0.0)
-    base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
-    base_f32 = base_ptr.to(tl.pointer_type(tl.float32))
-    for k in range(K):
-        row = _column(opens, kk, k).to(tl.int64)
-        dk = _column(dest, kk, k)
-        at = send_bytes
-        if SPLIT:  # as the pack: this node's rows stay in device memory, the others are staged
-            at = tl.where((row >= tl.load(node_slots_ptr)) & (row < tl.load(node_slots_ptr + 1)), send_bytes,
-                          remote_send_bytes)
-        meta = (at + row * SD_BYTES + META_OFFSET_BYTES) // 4
-        mask = (row >= 0)[:, None] & (kk[None, :] < K)
-        mine = live & (dest == dk[:, None])
-        tl.store(base_i32 + meta[:, None] + kk[None, :], tl.where(mine, local, -1), mask=mask)
-        tl.store(base_i32 + meta[:, None] + K + kk[None, :], tl.where(mine, pos, 0), mask=mask)
-        if HAS_WEIGHTS:
-            tl.store(base_f32 + meta[:, None] + 2 * K + kk[None, :], w, mask=mask)
 
 
 # ================================================================================================
@@ -392,7 +287,7 @@ def _expand_rank_rows_kernel(
             mask = needed[:, None] & (cols < X_WORDS)[None, :]
             v = tl.load(base_words + src_words[:, None] + cols[None, :], mask=mask)
             for k in range(K):
-                out_row = _column(rows, kk, k)
+                out_row = d.column_of(rows, kk, k)
                 tl.store(out_x_ptr + out_row[:, None] * stride_out_x_r + cols[None, :], v,
                          mask=mask & (out_row >= 0)[:, None])
         if HAS_SCALES:  # chunks of BLOCK_W columns, as the payload (copy_row_columns says why)
@@ -401,12 +296,12 @@ def _expand_rank_rows_kernel(
                 mask = needed[:, None] & (cols < S)[None, :]
                 v = tl.load(base_i32 + ((src_bytes + SCALE_OFFSET_BYTES) // 4)[:, None] + cols[None, :], mask=mask)
                 for k in range(K):
-                    out_row = _column(rows, kk, k)
+                    out_row = d.column_of(rows, kk, k)
                     tl.store(out_scale_ptr + out_row[:, None] * stride_out_scale_r + cols[None, :] * stride_out_scale_s,
                              v, mask=mask & (out_row >= 0)[:, None])
         if Q_WORDS > 0:  # the quantisation's scale words into a tensor of their own, at each expert row of the row
             for k in range(K):
-                out_row = _column(rows, kk, k)
+                out_row = d.column_of(rows, kk, k)
                 d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
                                    d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY),
                                    stride_out_qscale_s, needed & (out_row >= 0), Q_WORDS, BLOCK_W)

@@ -68,6 +68,10 @@ def _route_tokens_block_kernel(
     # SINGLE and SEND_ROWS: each route's send row (`_send_rows`) into send_row_ptr ((T, K) int32, contiguous)
     send_row_ptr=None, sr_node_first=0, SR_L: tl.constexpr = 1, SR_NODE: tl.constexpr = 1, SR_P: tl.constexpr = 0,
     SR_HR: tl.constexpr = 0, SR_FIRST: tl.constexpr = 0, SEND_ROWS: tl.constexpr = False,
+    # RANK_KEYS: indices hold experts (rk_experts of them, RK_L a rank); a route's key is the rank its token's row
+    # goes to when it is the token's first route there, else it is dead (`_details.first_route_rank`)
+    rk_experts=1, rk_sender=0, K_PAD: tl.constexpr = 1, RK_L: tl.constexpr = 1, RK_RELAY: tl.constexpr = False,
+    RK_NODE: tl.constexpr = 1, RANK_KEYS: tl.constexpr = False,
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE).
 
@@ -92,7 +96,11 @@ def _route_tokens_block_kernel(
             num_live_tokens = tl.where(bad_bound, 0, num_live_tokens)
             tl.store(bad_bound_ptr, protocol_device.encode_bad_bound_m(bound), mask=bad_bound & (pid == 0))
     in_range = route < num_routes
-    raw = tl.load(indices_ptr + route, mask=in_range, other=-1)
+    if RANK_KEYS:
+        raw = d.first_route_rank(indices_ptr, route, in_range, rk_experts, K, K_PAD, RK_L, rk_sender, RK_RELAY,
+                                 RK_NODE)
+    else:
+        raw = tl.load(indices_ptr + route, mask=in_range, other=-1)
     # Out-of-range experts are refused on the host (validate_indices) or reported through
     # bad_index_ptr (CHECK); either way they are dead here, so a bad index never reaches memory.
     # Compared before the int32 cast: an int64 index past 2**31 must not wrap into range.
@@ -154,6 +162,8 @@ def _route_tokens_fixup_kernel(
     send_row_ptr=None, sr_node_first=0, SR_L: tl.constexpr = 1, SR_NODE: tl.constexpr = 1,  # as in
     SR_P: tl.constexpr = 0, SR_HR: tl.constexpr = 0, SR_FIRST: tl.constexpr = 0,         # _route_tokens_block_kernel
     SEND_ROWS: tl.constexpr = False,
+    rk_sender=0, RK_L: tl.constexpr = 1, RK_RELAY: tl.constexpr = False, RK_NODE: tl.constexpr = 1,  # as in
+    RANK_KEYS: tl.constexpr = False,                                                                 # the block
 ):
     """Grid: one program per block of _route_tokens_block_kernel. Each re-reads the whole histogram:
     total[e] over all blocks, before[e] over blocks < pid, and adds
@@ -187,6 +197,8 @@ def _route_tokens_fixup_kernel(
     position = tl.load(route_slot_ptr + route, mask=in_range, other=-1)
     is_live = position >= 0
     expert = tl.load(indices_ptr + route, mask=in_range & is_live, other=0).to(tl.int32)
+    if RANK_KEYS:  # a live route is its token's first to that rank: its key is that rank
+        expert = d.row_destination(expert // RK_L, rk_sender, RK_RELAY, RK_NODE)
     slot = position + tl.gather(delta, expert, 0)
     tl.store(route_slot_ptr + route, tl.where(is_live, slot, -1), mask=in_range)
     if SEND_ROWS:

@@ -47,6 +47,7 @@ def pack_tokens_by_expert(
     node_slots: torch.Tensor | None = None,
     quantize: "Fp8Quantize | dict | None" = None,
     max_slots: int | None = None,
+    row_meta: dict | None = None,
 ) -> None:
     """Copy every live route's token into its expert-major slot of this rank's dispatch send buffer.
 
@@ -73,6 +74,8 @@ def pack_tokens_by_expert(
         max_slots: slots `route_slot` may name (a slot outside `[0, max_slots)` is dropped, never written);
             default `cfg.max_routes`. Send rows (`route_tokens(out_send_row=)`) also name the private
             staging rows after them: `layout.send_rows + layout.private_stage_rows`.
+        row_meta: per-rank rows (`route_slot` = the row each route opens): `rank_rows.row_meta_args(...)`, so the
+            pack also writes every row's metadata after its scales (what peers expand the row by).
 
     Slot j is written at `send + j*Sd` (payload) and `send + j*Sd + cfg.dispatch_scale_offset_bytes`
     (scales); bytes between payload and scales are not touched. No host sync; CUDA-graph safe.
@@ -83,7 +86,8 @@ def pack_tokens_by_expert(
     key = None
     if isinstance(x, torch.Tensor) and x.is_cuda:
         key = launch.key(x, x_scale, route_slot, send_base, send_offset_bytes, cfg, bound_m, node,
-                         remote_send_offset_bytes, node_slots, quantize, max_slots)
+                         remote_send_offset_bytes, node_slots, quantize, max_slots,
+                         *(() if row_meta is None else row_meta.values()))
         if _PACK.hit(key):
             return
     check.config(cfg)
@@ -107,6 +111,8 @@ def pack_tokens_by_expert(
     if max_slots is None:
         max_slots = cfg.max_routes
     check.integer("max_slots", max_slots, 0)
+    if row_meta is not None and not row_meta.get("RANK_META"):
+        check.fail("row_meta", "rank_rows.row_meta_args(...) (per-rank rows' metadata)", str(sorted(row_meta)))
     if T == 0 and node is None:
         return
 
@@ -157,7 +163,7 @@ def pack_tokens_by_expert(
         SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         WORD_BYTES=word_bytes, ALIGN_WORDS=align, BLOCK_T=block_t, BLOCK_W=block_w,
         HAS_SCALES=cfg.has_scales, HAS_BOUND_M=bound_m is not None,
-        num_warps=warps, **quant_args, **sync_args,
+        num_warps=warps, **quant_args, **sync_args, **(row_meta or {}),
     )
 
 

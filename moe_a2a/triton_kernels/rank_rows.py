@@ -7,12 +7,12 @@ token's expert outputs on the experts' rank and sends one row back per (token, r
 as route rows (`routing.route_tokens`, run a second time over "the rank of each token's first route
 there"), so nothing here uses atomics and every output is the same run to run.
 
-- `route_tokens_by_rank` (send half): which route opens a row (`_first_route_per_rank_kernel`), then
-  `route_tokens` over those ranks: rows per destination rank (the count row's last W ints, `Layout.count_row_ints`)
-  and each row's rank-major slot.
-- `stamp_rank_rows` (send half, before the pack): each row's metadata after its scales: per k the local
-  expert (or -1) and the route's position among this rank's routes to it, and the weights for a sender-side
-  reduce. The payload itself is packed by `dispatch.pack_tokens_by_expert` with these slots.
+- `route_tokens_by_rank` (send half): `route_tokens` keyed by the rank of each token's first route there
+  (`rank_keys`): rows per destination rank (the count row's last W ints, `Layout.count_row_ints`) and each
+  row's rank-major slot.
+- `row_meta_args` (send half): the pack's arguments that make it write each row's metadata after its scales:
+  per k the local expert (or -1) and the route's position among this rank's routes to it, and the weights for
+  a sender-side reduce. The payload is packed by `dispatch.pack_tokens_by_expert` at these rows.
 - `expand_rank_rows` (recv half): every received row read once and written to each expert row it names:
   the same expert-major output, in the same order, as `dispatch.unpack_tokens_by_expert`; with an
   `out_row_plan`, those expert rows of each received row too, for the combine.
@@ -39,12 +39,8 @@ from .dispatch import scale_output_strides
 from .node_sync import NodeSync, launch_wait_apart
 from .quant import Fp8Quantize, check_fused_quantize
 from .routing import route_tokens
-from ._rank_rows_kernels import (_expand_rank_rows_kernel, _first_route_per_rank_kernel,
-                                 _reduce_rank_rows_by_source_kernel, _reduce_rank_rows_by_token_kernel,
-                                 _stamp_rank_rows_kernel)
-
-# Tokens per program of the two small send-half kernels (their work is K x K compares per token).
-BLOCK_TOKENS = 32
+from ._rank_rows_kernels import (_expand_rank_rows_kernel, _reduce_rank_rows_by_source_kernel,
+                                 _reduce_rank_rows_by_token_kernel)
 
 # Rows per tile (decode-sized, prefill-sized layouts) of the per-rank rows' persistent kernels: fewer rows than
 # routes, so smaller tiles than the route rows' (swept on the H200: docs/perf-notes.md, "Tiles of the per-rank").
@@ -87,9 +83,10 @@ def _check_rank_layout(cfg: A2AConfig, layout: Layout) -> tuple[int, int]:
 
 
 def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: torch.Tensor,
-                         out_rank_slot: torch.Tensor, scratch: torch.Tensor, bound_m: torch.Tensor | None = None,
-                         abort: bool = False, rank: int | None = None, **routing_args) -> None:
-    """Rows per destination rank and the row each route opens.
+                         out_rank_slot: torch.Tensor, bound_m: torch.Tensor | None = None, abort: bool = False,
+                         rank: int | None = None, **routing_args) -> None:
+    """Rows per destination rank and the row each route opens: `route_tokens` keyed by the rank of each
+    token's first route there (`route_tokens(rank_keys=)`: the keys are made in its own launches).
 
     Args:
         indices: `[T, K]` int32/int64, contiguous, -1 = not routed (as `route_tokens`; out-of-range values
@@ -98,19 +95,13 @@ def route_tokens_by_rank(indices: torch.Tensor, layout: Layout, out_rank_rows: t
         out_rank_slot: `[T, K]` int32, contiguous: for the first live route of token t to rank r, the row of
             (t, r) in the rank-major send order (`psum_excl(rank_rows)[r]` + earlier tokens to r); -1 for
             every other route.
-        scratch: `[T, K]` int32, contiguous: the ranks of the first routes (a buffer of the caller's, so the
-            launches can be remembered).
         bound_m, abort: as `route_tokens`; `routing_args`: its `out_node_slots` / `node_experts` (here this
             node's ranks) and `out_send_row` / `private_stage` (remote peers' first rows staged privately).
         rank: this rank, needed with `layout.relay`: a route to another node's expert then opens the row of (t,
             this rank's relay on that node), so rows to ranks of other nodes go to relays only (one per (token, node)).
-    No host sync; CUDA-graph safe. Two or three launches."""
-    key = _key(indices, layout, out_rank_rows, out_rank_slot, scratch, bound_m, bool(abort), rank)  # (the first launch's)
-    if key is None or not _FIRST.hit(key):
-        check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
-        _first_route_per_rank(indices, layout, out_rank_slot, scratch, key, rank)
-    route_tokens(scratch, layout.world_size, out_counts=out_rank_rows, out_route_slot=out_rank_slot, bound_m=bound_m,
-                 abort=abort, **routing_args)
+    No host sync; CUDA-graph safe. One or two launches, as `route_tokens`."""
+    route_tokens(indices, layout.world_size, out_counts=out_rank_rows, out_route_slot=out_rank_slot, bound_m=bound_m,
+                 abort=abort, rank_keys=(layout, rank), **routing_args)
 
 
 def _relay_args(layout: Layout, rank: int | None) -> dict:
@@ -121,60 +112,50 @@ def _relay_args(layout: Layout, rank: int | None) -> dict:
     return dict(sender=rank, RELAY=True, NODE_SIZE=layout.node_size)
 
 
-def _first_route_per_rank(indices, layout, out_rank_slot, scratch, key, rank) -> None:
-    T, K = indices.shape
-    for name, t in (("out_rank_slot", out_rank_slot), ("scratch", scratch)):
-        check.tensor(name, t, dtypes=(torch.int32,), shape=(T, K), device=indices.device, strides="contiguous")
-    # T = 0 launches too (nothing to do): a remembered launch then needs no second path
-    _FIRST.launch(key, (max(1, ceil_div(T, BLOCK_TOKENS)),), indices, scratch, T, layout.num_experts,
-                  K=K, K_PAD=next_power_of_2(K), L=layout.num_local_experts, BLOCK_T=BLOCK_TOKENS, num_warps=4,
-                  **_relay_args(layout, rank))
-
-
-def stamp_rank_rows(indices: torch.Tensor, route_slot: torch.Tensor, send_row: torch.Tensor, counts: torch.Tensor,
-                    weights: torch.Tensor | None, send_base: torch.Tensor, send_offset_bytes: int, cfg: A2AConfig,
-                    layout: Layout, remote_send_offset_bytes: int | None = None,
-                    node_slots: torch.Tensor | None = None, rank: int | None = None) -> None:
-    """Write the metadata of every row this rank sends (`A2AConfig.rank_meta_offset_bytes`): per k, the
-    local expert of route k when it goes to the row's rank (else -1) and its position among this rank's
-    routes to that expert; with `cfg.combine_rows == "rank"` also the K weights.
+def row_meta_args(indices: torch.Tensor, route_slot: torch.Tensor, counts: torch.Tensor,
+                  weights: torch.Tensor | None, cfg: A2AConfig, layout: Layout, rank: int | None = None) -> dict:
+    """The pack's arguments (`dispatch.pack_tokens_by_expert(row_meta=)`) that make it write the metadata of
+    every row this rank sends (`A2AConfig.rank_meta_offset_bytes`, after the scales): per k, the local expert
+    of route k when it goes to the row's rank (else -1) and its position among this rank's routes to that
+    expert; with `cfg.combine_rows == "rank"` also the K weights. The pack's chunk-0 programs write it before
+    the pack publishes the rows, so it costs no launch of its own.
 
     Args:
         indices, route_slot: `[T, K]` as given to and returned by `route_tokens` (expert-major slots).
-        send_row: `[T, K]` int32, the row each route opens in the send buffer (-1: none), from
-            `route_tokens_by_rank`: its slot, or with remote peers its send row (`route_tokens(out_send_row=)`),
-            the row the pack writes (`pack_tokens_by_expert(route_slot=send_row)`).
         counts: `[E]` int32, this rank's count row (any stride).
         weights: `[T, K]` float32 (any strides) when `cfg.combine_rows == "rank"`, else None.
-        send_base, send_offset_bytes: the byte address space and the send buffer's offset in it.
-        remote_send_offset_bytes, node_slots: only remote rows staged, as the pack's (both or neither).
         rank: this rank, needed with `layout.relay`: a row to a relay (another node) then names per k the
             node-local expert (`expert - first expert of the relay's node`) of each route to that node.
-    No host sync; CUDA-graph safe."""
-    key = _key(indices, route_slot, send_row, counts, weights, send_base, send_offset_bytes, cfg, layout,
-               remote_send_offset_bytes, node_slots, rank)
-    if key is not None and _STAMP.hit(key):
-        return
+    The pack's `route_slot` is then the row each route opens (`route_tokens_by_rank`: -1 for every other
+    route), its slot or with remote peers its send row (`route_tokens(out_send_row=)`)."""
+    key = _key(indices, route_slot, counts, weights, cfg, layout, rank)
+    if key is not None and key in _ROW_META:  # checked once per set of arguments, as a remembered launch
+        return _ROW_META[key]
     W, L = _check_rank_layout(cfg, layout)
     T, K = indices.shape
     device = indices.device
     with_weights = cfg.combine_rows == "rank"
+    check.tensor("indices", indices, dtypes=(torch.int32, torch.int64), shape=("T", "K"), strides="contiguous")
     if with_weights:
         check.tensor("weights", weights, dtypes=(torch.float32,), shape=(T, K), device=device, strides="any")
     elif weights is not None:
         check.fail("weights", "None (combine_rows='route': the weights stay home)", "a tensor")
-    for name, t in (("route_slot", route_slot), ("send_row", send_row)):
-        check.tensor(name, t, dtypes=(torch.int32,), shape=(T, K), device=device, strides="contiguous")
-    split = {}
-    if check.split("remote_send_offset_bytes", remote_send_offset_bytes, node_slots, device):
-        split = dict(node_slots_ptr=node_slots, remote_send_bytes=remote_send_offset_bytes, SPLIT=True)
+    check.tensor("route_slot", route_slot, dtypes=(torch.int32,), shape=(T, K), device=device, strides="contiguous")
     E = layout.num_experts
-    _STAMP.launch(key, (max(1, ceil_div(T, BLOCK_TOKENS)),), indices, route_slot, send_row, counts,
-                  weights if with_weights else counts, send_base, send_offset_bytes, T, E, counts.stride(0),
-                  weights.stride(0) if with_weights else 0, weights.stride(1) if with_weights else 0,
-                  K=K, K_PAD=next_power_of_2(K), L=L, E_PAD=next_power_of_2(E), BLOCK_T=BLOCK_TOKENS,
-                  SD_BYTES=cfg.dispatch_stride_bytes, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
-                  HAS_WEIGHTS=with_weights, num_warps=4, **split, **_relay_args(layout, rank))
+    check.tensor("counts", counts, dtypes=(torch.int32,), shape=(E,), device=device, host_ok=True, strides="any")
+    relay = _relay_args(layout, rank)
+    args = dict(meta_indices_ptr=indices, meta_slot_ptr=route_slot, meta_counts_ptr=counts,
+                meta_weights_ptr=weights if with_weights else counts, meta_num_experts=E,
+                meta_stride_counts=counts.stride(0), meta_stride_w_t=weights.stride(0) if with_weights else 0,
+                meta_stride_w_k=weights.stride(1) if with_weights else 0, meta_sender=relay.get("sender", 0),
+                META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, META_K_PAD=next_power_of_2(K), META_L=L,
+                META_E_PAD=next_power_of_2(E), META_WEIGHTS=with_weights, META_RELAY=relay.get("RELAY", False),
+                META_NODE=relay.get("NODE_SIZE", 1), RANK_META=True)
+    if key is not None:
+        if len(_ROW_META) > 64:
+            _ROW_META.clear()
+        _ROW_META[key] = args
+    return args
 
 
 def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Tensor,
@@ -417,11 +398,10 @@ def reduce_rank_rows_by_token(out_tokens: torch.Tensor, rank_slot: torch.Tensor,
         **_no_fma(device))  # (an fp8 row's q * scale fused into the sum: a tie flipped, on the H200)
 
 
-_FIRST = launch.LaunchCache(_first_route_per_rank_kernel)
-_STAMP = launch.LaunchCache(_stamp_rank_rows_kernel)
+_ROW_META: dict = {}  # row_meta_args' answers by argument key (CUDA only)
 _EXPAND = launch.LaunchCache(_expand_rank_rows_kernel)
 _BY_SOURCE = launch.LaunchCache(_reduce_rank_rows_by_source_kernel)
 _BY_TOKEN = launch.LaunchCache(_reduce_rank_rows_by_token_kernel)
 
-__all__ = ["route_tokens_by_rank", "stamp_rank_rows", "expand_rank_rows", "reduce_rank_rows_by_source",
+__all__ = ["route_tokens_by_rank", "row_meta_args", "expand_rank_rows", "reduce_rank_rows_by_source",
            "reduce_rank_rows_by_token"]

@@ -5,7 +5,7 @@ kernels (`rank_rows.py`) to the relay's data path; `reduce_relayed_rows` is the 
 
 - send half: `route_tokens_by_rank(rank=)` maps a route to an expert of another node to the sender's relay
   there (`reference.relay_rank`: that node's rank with the sender's local index), so a token sends each remote
-  node one row; `stamp_rank_rows(rank=)` gives such a row node-local expert ids. The pack is unchanged.
+  node one row; the pack's metadata (`row_meta_args(rank=)`) gives such a row node-local expert ids.
 - wire (the proxy, `plan.relay_private_writes` / `relay_remainder_writes`): to the relays only; a relay's recv
   buffer keeps the private slots, and its remainder runs count remote sources only (`plan.relay_remainder_offsets`).
 - receive half: `expand_rank_rows(peer_recv_bytes=)` reads a remote source's rows in its relay's recv buffer

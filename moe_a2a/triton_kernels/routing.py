@@ -71,6 +71,7 @@ def route_tokens(
     node_experts: tuple[int, int] = (0, 0),
     out_send_row: torch.Tensor | None = None,
     private_stage: tuple[Layout, int] | None = None,
+    rank_keys: tuple[Layout, int | None] | None = None,
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
     _block_routes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +106,11 @@ def route_tokens(
             for the first `layout.private_rows` routes to each remote rank their row in that rank's slot
             of the send buffer's private staging region (`plan.private_stage_rows`), -1 for dead routes. With
             per-rank rows (`layout.rank_rows`) `indices` may hold ranks (`num_experts = layout.world_size`).
+        rank_keys: optional `(layout, rank)`, with `num_experts = layout.world_size`: per-rank rows routed
+            straight from the experts in `indices` (values in [0, layout.num_experts)): a route's key is the rank
+            its token's row goes to (its expert's rank, or with `layout.relay` for a rank of another node this
+            `rank`'s relay there) when no live route k' < k of the token goes there, else the route is dead. So
+            the counts are rows per destination rank and each live route's slot the row it opens.
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -121,7 +127,7 @@ def route_tokens(
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
         key = launch.key(indices, num_experts, out_counts, out_route_slot, bound_m, epoch, bad_index, ready,
                          _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts), bad_bound_m,
-                         out_send_row, private_stage)
+                         out_send_row, private_stage, rank_keys)
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
@@ -172,6 +178,17 @@ def route_tokens(
                           SR_HR=lay.header_rows, SR_FIRST=lay.send_rows, SEND_ROWS=True)
     else:
         slots_args = {}
+    rank_args, block_rank_args = {}, {}
+    if rank_keys is not None:
+        lay, rank = rank_keys
+        if not isinstance(lay, Layout) or num_experts != lay.world_size:
+            check.fail("rank_keys", f"(layout, rank) of a layout of {num_experts} ranks", str(rank_keys))
+        relay = lay.relay
+        if relay:
+            check.integer("rank_keys[1]", rank, 0, lay.world_size)
+        rank_args = dict(rk_sender=rank if relay else 0, RK_L=lay.num_local_experts, RK_RELAY=relay,
+                         RK_NODE=lay.node_size, RANK_KEYS=True)
+        block_rank_args = dict(rk_experts=lay.num_experts, K_PAD=next_power_of_2(K))
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
                  CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
@@ -198,7 +215,8 @@ def route_tokens(
             key, (1,), indices, bound_arg, out_route_slot, out_counts, out_counts,
             T, num_experts, out_counts.stride(0),
             K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=True,
-            num_warps=4 if block_r <= 1024 else 8, abort=int(bool(abort)), **extra, **slots_args,
+            num_warps=4 if block_r <= 1024 else 8, abort=int(bool(abort)), **extra, **slots_args, **rank_args,
+            **block_rank_args,
         )
         return out_counts, out_route_slot
 
@@ -217,7 +235,7 @@ def route_tokens(
         key, (num_blocks,), indices, bound_arg, out_route_slot, out_counts, hist,
         T, num_experts, out_counts.stride(0),
         K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=False,
-        num_warps=4, **extra,
+        num_warps=4, **extra, **rank_args, **block_rank_args,
     )
     e_pad = next_power_of_2(num_experts)
     _FIXUP.launch(
@@ -225,7 +243,7 @@ def route_tokens(
         T, num_experts, num_blocks, out_counts.stride(0),
         K=K, BLOCK_R=block_r, E_PAD=e_pad, CHUNK_B=max(1, 4096 // e_pad),
         epoch_ptr=epoch, ready_ptr=ready, HAS_READY=ready is not None, USE_PTX=use_ptx,
-        bound_m_ptr=bound_arg, CHECK_BOUND=check_bound, num_warps=4, **slots_args,
+        bound_m_ptr=bound_arg, CHECK_BOUND=check_bound, num_warps=4, **slots_args, **rank_args,
     )
     return out_counts, out_route_slot
 

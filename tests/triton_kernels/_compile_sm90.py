@@ -70,6 +70,21 @@ def main(world: int, node: int) -> None:
         _compile(_routing_kernels._route_tokens_fixup_kernel, route_ptrs,
                  dict(K=8, BLOCK_R=64, E_PAD=next_power_of_2(lay.num_experts), CHUNK_B=16, **send_rows)),
     ]
+    # Per-rank rows routed from the experts (`rank_keys`; the relay's mapping too), both paths, rows per rank.
+    rank_rows = dict(SR_L=1, SR_NODE=node, SR_P=lay.private_rows, SR_HR=lay.header_rows, SR_FIRST=lay.max_routes,
+                     SEND_ROWS=True)
+    for relay in (False, True):
+        keys = dict(RK_L=L, RK_RELAY=relay, RK_NODE=node, RANK_KEYS=True)
+        kernels += [
+            _compile(_routing_kernels._route_tokens_block_kernel, route_ptrs,
+                     dict(K=8, K_PAD=8, BLOCK_R=64, E_BINS=next_power_of_2(W + 1), HAS_BOUND_M=True, SINGLE=False,
+                          **keys)),
+            _compile(_routing_kernels._route_tokens_block_kernel, route_ptrs,
+                     dict(K=8, K_PAD=8, BLOCK_R=128, E_BINS=next_power_of_2(W + 1), HAS_BOUND_M=False, SINGLE=True,
+                          **rank_rows, **keys)),
+            _compile(_routing_kernels._route_tokens_fixup_kernel, route_ptrs,
+                     dict(K=8, BLOCK_R=64, E_PAD=next_power_of_2(W), CHUNK_B=16, **rank_rows, **keys)),
+        ]
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"
     print("compiled", [k.name for k in kernels])
@@ -111,6 +126,20 @@ def main_pack() -> None:
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"
     print("compiled", [k.name for k in kernels])
+
+
+# The pack writing per-rank rows' metadata (`rank_rows.row_meta_args`): its pointers and meta-parameters.
+_PACK_META_PTRS = dict(x_ptr="*i32", x_scale_ptr="*i32", route_slot_ptr="*i32", bound_m_ptr="*i32",
+                       node_slots_ptr="*i32", meta_indices_ptr="*i32", meta_slot_ptr="*i32", meta_counts_ptr="*i32",
+                       meta_weights_ptr="*fp32")
+
+
+def _pack_meta(cfg, L: int, **extra) -> dict:
+    return dict(K=8, MAX_SLOTS=cfg.max_routes, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales,
+                S_PAD=next_power_of_2(cfg.num_scales), SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
+                SD_BYTES=cfg.dispatch_stride_bytes, WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_T=1, BLOCK_W=512,
+                HAS_SCALES=True, HAS_BOUND_M=True, E=256, E_PAD=256, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
+                META_K_PAD=8, META_L=L, META_E_PAD=256, META_WEIGHTS=True, RANK_META=True, **extra)
 
 
 def main_wait() -> None:
@@ -161,10 +190,9 @@ def main_rank_rows() -> None:
         ptrs["row_plan_ptr"] = "*i32"
         plan = fp8  # the expand's row plan, and the reduce reading it, on one of the two layouts
         kernels += [
-            _compile(rk._first_route_per_rank_kernel, ptrs, dict(K=8, K_PAD=8, L=L, BLOCK_T=32)),
-            _compile(rk._stamp_rank_rows_kernel, ptrs,
-                     dict(K=8, K_PAD=8, L=L, E_PAD=256, BLOCK_T=32, SD_BYTES=cfg.dispatch_stride_bytes,
-                          META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, HAS_WEIGHTS=True, SPLIT=fp8)),
+            _compile(_dispatch_kernels._pack_tokens_by_expert_kernel, dict(ptrs, **_PACK_META_PTRS),
+                     _pack_meta(cfg, L, SPLIT=fp8, REMOTE_FIRST=fp8, NODE_SYNC=fp8, HAS_PROXY=fp8, USE_PTX=True,
+                                NODE=node)),
             _compile(rk._expand_rank_rows_kernel, ptrs,
                      dict(PAD=1, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, P=lay.private_rows,
                           HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0,
@@ -271,10 +299,9 @@ def main_relay() -> None:
         places = dict(P=lay.private_rows, HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0,
                       META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes)
         kernels += [
-            _compile(rk._first_route_per_rank_kernel, ptrs, dict(K=8, K_PAD=8, L=L, BLOCK_T=32, **relay)),
-            _compile(rk._stamp_rank_rows_kernel, ptrs,
-                     dict(K=8, K_PAD=8, L=L, E_PAD=256, BLOCK_T=32, SD_BYTES=cfg.dispatch_stride_bytes,
-                          META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, HAS_WEIGHTS=True, **relay)),
+            _compile(_dispatch_kernels._pack_tokens_by_expert_kernel, dict(ptrs, **_PACK_META_PTRS),
+                     _pack_meta(cfg, L, META_RELAY=True, META_NODE=8, SPLIT=True, REMOTE_FIRST=True, NODE_SYNC=True,
+                                HAS_PROXY=True, USE_PTX=True, NODE=8)),
             # (the DeepEP facade's receive: a fused quantisation's scale words to [L, C, 56] too, rows by capacity)
             _compile(rk._expand_rank_rows_kernel, ptrs,
                      dict(PAD=1, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,

@@ -17,7 +17,7 @@ from moe_a2a.config import PAGE_BYTES, A2AConfig, Layout
 from moe_a2a.protocol import plan
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert
 from moe_a2a.triton_kernels.rank_rows import (expand_rank_rows, reduce_rank_rows_by_source, reduce_rank_rows_by_token,
-                                              route_tokens_by_rank, stamp_rank_rows)
+                                              route_tokens_by_rank, row_meta_args)
 from moe_a2a.triton_kernels.relay import reduce_relayed_rows
 from moe_a2a.triton_kernels.routing import route_tokens
 
@@ -63,14 +63,14 @@ class RelayRun:
             idx = indices[r].to(dev).contiguous()
             T, K = idx.shape
             slot = torch.empty(T, K, dtype=torch.int32, device=dev)
-            opened, scratch, send_row = (torch.empty(T, K, dtype=torch.int32, device=dev) for _ in range(3))
+            opened, send_row = (torch.empty(T, K, dtype=torch.int32, device=dev) for _ in range(2))
             route_tokens(idx, E, out_counts=self.count_rows[r, :E], out_route_slot=slot)
-            route_tokens_by_rank(idx, lay, self.count_rows[r, E:], opened, scratch, rank=r, out_send_row=send_row,
+            route_tokens_by_rank(idx, lay, self.count_rows[r, E:], opened, rank=r, out_send_row=send_row,
                                  private_stage=(lay, r))
-            stamp_rank_rows(idx, slot, send_row, self.count_rows[r, :E], weights[r].to(dev), w.arena, w.send_bytes[r],
-                            cfg, lay, rank=r)
+            meta = row_meta_args(idx, slot, self.count_rows[r, :E], weights[r].to(dev), cfg, lay, rank=r)
             pack_tokens_by_expert(xs[r].to(dev), None if x_scales[r] is None else x_scales[r].to(dev), send_row,
-                                  w.arena, w.send_bytes[r], cfg, max_slots=lay.send_rows + lay.private_stage_rows)
+                                  w.arena, w.send_bytes[r], cfg, max_slots=lay.send_rows + lay.private_stage_rows,
+                                  row_meta=meta)
             self.rank_slot.append(opened)
         # The proxies: each private write carries the whole count row (the plan kernel's copy) then the rows.
         rows = self.rows()

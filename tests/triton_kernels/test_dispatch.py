@@ -477,3 +477,26 @@ def test_dispatch_output_checks_take_3d_scales_only_with_a_capacity() -> None:
     ex = torch.zeros(lay.max_dispatch_rows, cfg.hidden_dim, dtype=cfg.in_dtype, device=dev)
     with pytest.raises(ValueError, match="out_expert_x_scale.*not taken with dispatch_rows='rank'"):
         check_dispatch_outputs(cfg, lay, dev, num, ex, _scale_outputs(lay.num_local_experts, 6, 3, "deep_ep", dev)[0])
+
+
+def test_pack_row_meta_comes_from_row_meta_args() -> None:
+    """The pack's per-rank metadata arguments: only `rank_rows.row_meta_args`' dict, which checks its tensors."""
+    from moe_a2a.config import A2AConfig
+    from moe_a2a.triton_kernels.rank_rows import row_meta_args
+
+    cfg = A2AConfig(max_num_tokens=4, num_experts=4, experts_per_token=2, hidden_dim=16, in_dtype=torch.float32,
+                    dispatch_rows="rank", combine_rows="rank")
+    lay = cfg.layout(2)
+    x = torch.zeros(4, 16, device=TEST_DEVICE)
+    slots = torch.full((4, 2), -1, dtype=torch.int32, device=TEST_DEVICE)
+    base = torch.zeros(lay.send_rows * cfg.dispatch_stride_bytes, dtype=torch.uint8, device=TEST_DEVICE)
+    with pytest.raises(ValueError, match=re.escape("row_meta: expected rank_rows.row_meta_args(...)")):
+        pack_tokens_by_expert(x, None, slots, base, 0, cfg, row_meta={"meta_sender": 0})
+    indices = torch.zeros(4, 2, dtype=torch.int32, device=TEST_DEVICE)
+    counts = torch.zeros(4, dtype=torch.int32, device=TEST_DEVICE)
+    with pytest.raises(ValueError, match="weights"):
+        row_meta_args(indices, slots, counts, None, cfg, lay)  # the combine reduced at the experts' rank needs them
+    with pytest.raises(ValueError, match="counts"):
+        row_meta_args(indices, slots, counts[:3], torch.ones(4, 2, device=TEST_DEVICE), cfg, lay)
+    meta = row_meta_args(indices, slots, counts, torch.ones(4, 2, device=TEST_DEVICE), cfg, lay)
+    assert meta["RANK_META"] and meta["META_WEIGHTS"] and meta["META_OFFSET_BYTES"] == cfg.rank_meta_offset_bytes

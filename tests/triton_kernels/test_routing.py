@@ -240,6 +240,77 @@ def test_send_rows_put_each_remote_peers_first_routes_in_its_private_staging_slo
     assert len(set(rows)) == len(rows) and all(0 <= v < lay.max_routes + lay.private_stage_rows for v in rows)
 
 
+def first_route_ranks(indices: torch.Tensor, E: int, L: int, rank: int | None, node_size: int) -> torch.Tensor:
+    """Per route: the rank its token's row goes to (its expert's rank, or `reference.relay_rank` of it for
+    `rank`'s relay on another node) when no earlier live route of the token goes there, else -1."""
+    T, K = indices.shape
+    out = torch.full((T, K), -1, dtype=torch.int64)
+    for t in range(T):
+        seen = set()
+        for k in range(K):
+            e = int(indices[t, k])
+            if not 0 <= e < E:
+                continue
+            q = e // L
+            if rank is not None and q // node_size != rank // node_size:
+                q = reference.relay_rank(rank, q // node_size, node_size)
+            if q not in seen:
+                seen.add(q)
+                out[t, k] = q
+    return out
+
+
+@pytest.mark.timeout(180)
+@settings(deadline=None, max_examples=examples(25))
+@given(
+    T=st.integers(0, 20),
+    K=st.integers(1, 9),
+    W_node=st.sampled_from([(1, 1), (2, 2), (3, 1), (4, 2), (6, 3), (8, 4)]),
+    L=st.sampled_from([1, 2, 3]),
+    relay=st.booleans(),
+    skew=st.booleans(),
+    bound=st.one_of(st.none(), st.integers(0, 24)),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    multi=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rank_keys_route_each_tokens_first_route_per_rank(T, K, W_node, L, relay, skew, bound, dtype, multi, seed):
+    """`rank_keys=(layout, rank)`: the routing of the ranks of each token's first route there (the relay's
+    mapping with `layout.relay`), made inside the routing's own launches, equals `route_tokens` over those
+    ranks computed apart; bad and -1 indices, duplicates, bound_m and both launch paths."""
+    W, node = W_node
+    E = W * L
+    relay = relay and W > node
+    lay = A2AConfig(max_num_tokens=max(T, 1), num_experts=E, experts_per_token=K, hidden_dim=8,
+                    in_dtype=torch.float32, dispatch_rows="rank", combine_rows="rank").layout(W, node, relay=relay)
+    gen = torch.Generator().manual_seed(seed)
+    indices = make_indices(T, K, E, 0.2, dtype, gen)
+    if skew:  # duplicates: every live route of a token to one expert
+        indices = torch.where(indices >= 0, indices[:, :1].clamp(min=0), indices)
+    if T and K > 1:  # out of range: dead here (the routing of the routes reports them)
+        indices[0, K - 1] = E + 3
+    rank = int(torch.randint(0, W, (), generator=gen))
+    bound_m = None if bound is None else torch.tensor([bound], dtype=torch.int32)
+    kw = dict(bound_m=None if bound_m is None else bound_m.to(TEST_DEVICE), **(MULTI if multi else SINGLE))
+    counts, slot = _route(indices, W, rank_keys=(lay, rank), **kw)
+    keys = first_route_ranks(indices, E, L, rank if relay else None, node)
+    want_counts, want_slot = _route(keys.to(dtype), W, **kw)
+    assert torch.equal(counts, want_counts) and torch.equal(slot, want_slot)
+    want_counts, want_slot = oracle(keys, W, bound)  # and the plain oracle of those keys
+    assert torch.equal(counts, want_counts) and torch.equal(slot, want_slot)
+
+
+@pytest.mark.timeout(60)
+def test_rank_keys_refuse_a_layout_of_another_world():
+    lay = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=8,
+                    in_dtype=torch.float32, dispatch_rows="rank", combine_rows="rank").layout(4, 2, relay=True)
+    idx = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rank_keys: expected .layout, rank. of a layout of 8 ranks"):
+        route_tokens(idx, 8, rank_keys=(lay, 0))
+    with pytest.raises(ValueError, match="rank_keys"):
+        route_tokens(idx, 4, rank_keys=(lay, 9))
+
+
 @pytest.mark.timeout(60)
 def test_bad_arguments():
     idx = torch.zeros(4, 2, dtype=torch.int32)
