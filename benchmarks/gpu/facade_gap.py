@@ -1,7 +1,7 @@
 """The DeepEP facade's graph gap, its parts told apart: one rank, decode sizes, three CUDA graphs of two
 dispatch + combine pairs each, replayed interleaved round by round (drift hits all three alike).
 
-    python3 benchmarks/gpu/facade_gap.py RESULTS.json [--rounds 10] [--reps 100] [--arrive-gpu]
+    python3 benchmarks/gpu/facade_gap.py RESULTS.json [--rounds 10] [--reps 100] [--arrive-gpu] [--positions 20]
         [--set triton_kernels._launch.ROWS_PER_TILE=16 ...]
     ncu --set full -k regex:dispatch --launch-skip 16 --launch-count 2 \
         python3 benchmarks/gpu/facade_gap.py - --eager facade|deep|plain [--pairs 10]
@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--eager", choices=("facade", "deep", "plain"), default=None,
                     help="only --pairs eager pairs of this variant, nothing timed: a target for an external profiler")
     ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--positions", type=int, default=0, metavar="REPS",
+                    help="after the rounds, each variant's graph kernels by launch position (torch profiler, median "
+                         "over REPS replays): which kernel a variant's difference is in")
     ap.add_argument("--set", action="append", default=[], metavar="module.ATTR=INT",
                     help="a module constant under moe_a2a set before anything launches (a kernel variant: e.g. "
                          "triton_kernels._launch.ROWS_PER_TILE=16); one process a variant, as the gap is "
@@ -135,6 +138,10 @@ def main() -> None:
                       "quantisation (facade-deep)": round(med["facade"] - med["deep"], 2),
                       "layout (deep-plain)": round(med["deep"] - med["plain"], 2)},
            "per_round": {k: [round(t, 2) for t in v] for k, v in times.items()}}
+    if args.positions:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _timing import kernel_positions
+        res["positions"] = {name: kernel_positions(graph.replay, args.positions) for name, graph in graphs.items()}
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res[k] for k in ("gpu", "arrive_gpu", "set", "median_us_per_pair", "gap_us")}))
     a2a.close()
