@@ -97,3 +97,37 @@ def test_interpreted_launches_are_not_remembered():
     cache = launch.LaunchCache(Interpreted())
     cache.launch("k", (1,), torch.zeros(1), 1)
     assert not cache.has("k")
+
+
+# ---- the interpreter's nested calls ---------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from ..conftest import interpreter_only  # noqa: E402
+
+
+@triton.jit
+def _row_sum_helper(x):  # a nested call (tl.sum is itself a jit function that sees triton.language.core)
+    return tl.sum(x, axis=1)
+
+
+@triton.jit
+def _row_sums_kernel(x_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    x = tl.load(x_ptr + r[:, None] * C + c[None, :])
+    tl.store(out_ptr + r, _row_sum_helper(x) + tl.cumsum(r, axis=0).to(tl.float32))
+
+
+@interpreter_only("it checks the interpreter's nested calls")
+def test_interpreter_nested_calls_skip_repatching_and_the_launch_restores_the_language():
+    """Under TRITON_INTERPRET=1 the package makes a launch patch both language modules once and nested
+    `@triton.jit` calls skip their own patch (`_launch._interpreter_device_calls_skip_repatching`): the same
+    results, and after the launch neither module is left patched."""
+    assert launch._interpreter_device_calls_skip_repatching()  # applied at import; applying again is a no-op
+    before = (tl.sum, tl.load, tl.core.load, tl.core.reshape, tl.core.tensor.__add__)
+    x = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    out = torch.zeros(4)
+    _row_sums_kernel[(1,)](x, out, R=4, C=8)
+    assert torch.equal(out, x.sum(dim=1) + torch.tensor([0.0, 1.0, 3.0, 6.0]))
+    assert (tl.sum, tl.load, tl.core.load, tl.core.reshape, tl.core.tensor.__add__) == before
