@@ -5,11 +5,13 @@ own proxy process) and then runs the functions `run` sends it. Functions travel 
 so a function defined in a notebook cell works; tensors travel as raw bytes (`_dumps` / `_loads`),
 so every dtype (float8 included, which torch cannot pickle through cloudpickle) goes both ways.
 
-Ranks start through multiprocessing's "spawn", which re-runs the main module of a script (as
-`__mp_main__`), so a script must start the cluster under `if __name__ == "__main__":`. With
-device="cpu" one spawned template process does that, imports torch and the kernels once and forks
-every rank from itself (N ranks cost one start-up, not N: 32 ranks start in seconds on 2 cores); GPU
-ranks are spawned one by one (a process that may have touched CUDA cannot be forked).
+Ranks start through multiprocessing ("spawn", or "forkserver"), which re-runs the main module of a script
+(as `__mp_main__`), so a script must start the cluster under `if __name__ == "__main__":`. With
+device="cpu" one template process does that and forks every rank from itself (N ranks cost one start-up,
+not N: 32 ranks start in seconds on 2 cores); the template comes from multiprocessing's forkserver, which
+this process starts once with torch and the interpreted kernels imported, so a cluster after the first
+starts in about a second instead of the seconds of importing torch (most of a CPU test's time). GPU ranks
+are spawned one by one (a process that may have touched CUDA cannot be forked).
 
 A failed `run` (a rank's function raised) interrupts the other ranks' functions at once (`RunAborted`,
 through a signal and two shared words), reports the root cause first, and rebuilds every rank's

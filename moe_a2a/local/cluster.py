@@ -19,7 +19,7 @@ from ..runtime import placement
 from .codec import _dumps, _loads
 from .processes import _CLUSTER_ENV, _cluster_processes, _is_zombie, _remove_files_of, _start_time
 from .rank import _ABORT_SIGNAL, _DIED, _RANK_ENV, _START_ALLOWANCE_S, _rank_main
-from .template import _ForkedRank, _Template, _template_main
+from .template import _ForkedRank, _Template, _template_main, template_context
 
 _TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs", "emulated")  # AllToAll's; efa/verbs need their devices
 # A rank process re-runs the caller's main module before it runs `_rank_main` (multiprocessing
@@ -173,8 +173,10 @@ class LocalCluster:
         if getattr(mp.current_process(), "_inheriting", False):
             # We are a process started with "spawn" that is re-running the main module, which starts
             # a cluster at import: without a guard every rank would try to start its own ranks.
-            if os.environ.get(_RANK_ENV):
-                raise SystemExit(_EXIT_UNGUARDED_MAIN)  # one of our ranks: the caller explains
+            if os.environ.get(_RANK_ENV):  # one of our ranks: the caller explains
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(_EXIT_UNGUARDED_MAIN)  # not SystemExit: a forkserver's child would exit 1 with it
             raise RuntimeError("LocalCluster: cannot start a cluster while this process is bootstrapping "
                                f"(multiprocessing 'spawn' is re-running {_main_module()}); {_GUARD}.")
         if self._procs:
@@ -211,9 +213,10 @@ class LocalCluster:
                 # that may have touched CUDA while re-running the main module: those are spawned one by one).
                 pipes = [ctx.Pipe() for _ in range(self.world_size)]
                 control, control_theirs = ctx.Pipe(duplex=False)
-                t = ctx.Process(target=_template_main, daemon=True, name="moe_a2a-ranks",
-                                args=(self.world_size, rank_args, [theirs for _, theirs in pipes], control_theirs,
-                                      self._abort_words))
+                t = template_context({_RANK_ENV: "1"}, (_CLUSTER_ENV,)).Process(
+                    target=_template_main, daemon=True, name="moe_a2a-ranks",
+                    args=(self.world_size, rank_args, [theirs for _, theirs in pipes], control_theirs,
+                          self._abort_words, dict(os.environ)))
                 self._conns = [ours for ours, _ in pipes]
                 t.start()
                 self._template = _Template(t, control)

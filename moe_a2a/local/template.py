@@ -2,21 +2,58 @@
 caller's view of it and of the ranks it forked (`_Template`, `_ForkedRank`)."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import sys
 import time
 import traceback
+from multiprocessing import forkserver
 
 from .processes import _is_zombie, _start_time
 from .rank import _rank_main
 
 
-def _template_main(world_size: int, rank_args: tuple, conns: list, control, abort_words) -> None:
+# What the forkserver imports once for every template it forks (`template_context`).
+_PRELOAD = ["torch", "torch.distributed", "moe_a2a.all_to_all"]
+_SERVER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_served = False  # this process started multiprocessing's forkserver with _PRELOAD and _SERVER_ENV
+
+
+def template_context(server_env: dict, unset: tuple[str, ...]):
+    """The multiprocessing context that starts template processes: the "forkserver" one, whose server this
+    process starts once with torch and the interpreted kernels imported (so a cluster starts in about a
+    second instead of an import of seconds), in this environment with `server_env` and without `unset` (one
+    cluster's id: each template gets its cluster's whole environment from `_template_main`; what a template
+    needs while it re-runs the main module, before that, must be in `server_env`). "spawn" when another part
+    of this process started the forkserver first (its imports and environment are not ours to assume)."""
+    global _served
+    if not _served:
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+            return mp.get_context("spawn")
+        saved = dict(os.environ)
+        try:
+            for k in unset:
+                os.environ.pop(k, None)
+            os.environ.update(_SERVER_ENV)
+            os.environ.update(server_env)
+            forkserver.set_forkserver_preload(_PRELOAD)
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _served = True
+    return mp.get_context("forkserver")
+
+
+def _template_main(world_size: int, rank_args: tuple, conns: list, control, abort_words, env: dict) -> None:
     """The ranks' template process (device="cpu"): import what every rank needs once, then fork the ranks
     from this process, so N ranks cost one start-up (importing torch and triton: seconds of CPU) instead of
     N; then reap them, telling the caller each one's exit code. Forking is safe here: nothing has touched a
-    GPU or started a thread pool (the ranks' environment asks for one BLAS/OpenMP thread)."""
+    GPU or started a thread pool (the ranks' environment asks for one BLAS/OpenMP thread). `env`: the
+    caller's environment for the ranks (a forkserver's child has the server's own)."""
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed  # noqa: F401 - imported once, here, for every rank
 

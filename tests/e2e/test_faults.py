@@ -45,7 +45,8 @@ def _gone(pid: int) -> bool:
 
 
 def _live_children() -> set[int]:
-    """Live (not zombie) child processes of this one, multiprocessing's resource tracker excepted."""
+    """Live (not zombie) child processes of this one, multiprocessing's resource tracker and forkserver (which
+    LocalCluster starts once for every later CPU cluster) excepted."""
     me, kids = os.getpid(), set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -56,7 +57,8 @@ def _live_children() -> set[int]:
         except OSError:
             continue
         fields = stat[stat.rindex(b")") + 2:].split()
-        if int(fields[1]) == me and fields[0] not in (b"Z", b"X") and b"resource_tracker" not in cmdline:
+        if int(fields[1]) == me and fields[0] not in (b"Z", b"X") and b"resource_tracker" not in cmdline \
+                and b"forkserver" not in cmdline:
             kids.add(int(name))
     return kids
 

@@ -249,3 +249,54 @@ def test_script_without_main_guard_gets_an_error_naming_the_guard(tmp_path):
     assert 'if __name__ == "__main__":' in last and str(script) in last
     assert "TimeoutError" not in proc.stderr and "bootstrapping phase" not in proc.stderr  # not Python's wall of text
     assert elapsed < 20, f"took {elapsed:.1f}s: the start-up wait ran out instead of noticing (bound 80 s)"
+
+
+# ---- CPU ranks from the forkserver's template: the caller's environment of the moment ----------------
+def _environment(a2a, rank):
+    import sys
+
+    return {"mark": os.environ.get("MOE_A2A_TEST_MARK"), "interpret": os.environ.get("TRITON_INTERPRET"),
+            "cluster": os.environ.get("MOE_A2A_LOCAL_CLUSTER_ID"), "torch": "torch" in sys.modules}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cpu_ranks_see_the_callers_environment_of_each_start(monkeypatch):
+    """The template's server starts once with the environment of the first cluster's start; each cluster's ranks
+    still get the caller's environment when that cluster starts (a variable changed in between included) and
+    their cluster's id, none of an earlier one."""
+    cfg = A2AConfig(max_num_tokens=2, num_experts=4, experts_per_token=1, hidden_dim=8, in_dtype=torch.float32)
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv("MOE_A2A_TEST_MARK", value)
+        with LocalCluster(cfg, world_size=2, node_size=1, transport="shm", device="cpu", timeout_s=30) as cl:
+            seen.append((cl._cluster_id, cl.run(_environment)))
+    for value, (cluster_id, ranks) in zip(("first", "second"), seen):
+        assert ranks == 2 * [{"mark": value, "interpret": "1", "cluster": cluster_id, "torch": True}], ranks
+    assert "MOE_A2A_LOCAL_CLUSTER_ID" not in os.environ
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_clusters_start_when_the_caller_started_a_forkserver_of_its_own(tmp_path):
+    """A caller whose own forkserver runs (its imports and environment, not ours): the template is spawned."""
+    script = tmp_path / "own_forkserver.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp
+        import torch
+        from moe_a2a import LocalCluster
+        from moe_a2a.config import A2AConfig
+
+        def nothing():
+            pass
+
+        if __name__ == "__main__":
+            p = mp.get_context("forkserver").Process(target=nothing)
+            p.start()
+            p.join()
+            cfg = A2AConfig(max_num_tokens=2, num_experts=4, experts_per_token=1, hidden_dim=8, in_dtype=torch.float32)
+            with LocalCluster(cfg, world_size=2, node_size=1, transport="shm", device="cpu", timeout_s=20) as cl:
+                print("RESULTS", cl.run(lambda a2a, rank: rank), p.exitcode)
+        """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "RESULTS [0, 1] 0" in proc.stdout, proc.stderr
