@@ -390,14 +390,19 @@ def combine_reduced_at_sender(cfg: A2AConfig, indices: Tensors, weights: Tensors
     derives it; docs/accuracy.md measures it)."""
     W = len(indices)
     parts = combine_partials_at_sender(cfg, indices, weights, expert_ys, fp8)
+    return _sum_at_homes(cfg, indices, weights, out_tokens, lambda s: (parts[r][s] for r in range(W)))  # rank order
+
+
+def _sum_at_homes(cfg: A2AConfig, indices: Tensors, weights: Tensors, out_tokens: Tensors | None,
+                  rows_for) -> list[torch.Tensor]:
+    """Each home s's tokens: the fp32 sum (after the old value, when `out_tokens` is given) of the `(t, rows)`
+    pairs `rows_for(s)` yields, in the order it yields them, cast once to out_dtype."""
     out = []
-    for s in range(W):
-        T = indices[s].shape[0]
-        acc = torch.zeros(T, cfg.hidden_dim, dtype=torch.float32)
+    for s in range(len(indices)):
+        acc = torch.zeros(indices[s].shape[0], cfg.hidden_dim, dtype=torch.float32)
         if out_tokens is not None:
             acc += out_tokens[s].float().cpu()
-        for r in range(W):                                               # ascending rank order
-            t, rows = parts[r][s]
+        for t, rows in rows_for(s):
             acc[t] += rows
         out.append(acc.to(cfg.out_dtype).to(weights[s].device))
     return out
@@ -680,23 +685,16 @@ def combine_relay(cfg: A2AConfig, indices: Tensors, weights: Tensors, expert_ys:
     ranks a node; `fp8`: every row reaching a home in fp8 blocks. Rows from `combine_relay_rows`."""
     W = len(indices)
     parts = combine_relay_rows(cfg, indices, weights, expert_ys, node_size, fp8)
-    out = []
-    for s in range(W):
-        T = indices[s].shape[0]
-        acc = torch.zeros(T, cfg.hidden_dim, dtype=torch.float32)
-        if out_tokens is not None:
-            acc += out_tokens[s].float().cpu()
-        home = s // node_size
+
+    def rows_for(s):
         for m in range(W // node_size):                                # ascending node order
-            if m == home:
+            if m == s // node_size:
                 for r in range(m * node_size, (m + 1) * node_size):    # its own node: rank by rank
-                    t, rows = parts.node_rows[(r, s)]
-                    acc[t] += rows
+                    yield parts.node_rows[(r, s)]
             else:
-                t, rows = parts.relay_rows[(relay_rank(s, m, node_size), s)]
-                acc[t] += rows
-        out.append(acc.to(cfg.out_dtype).to(weights[s].device))
-    return out
+                yield parts.relay_rows[(relay_rank(s, m, node_size), s)]
+
+    return _sum_at_homes(cfg, indices, weights, out_tokens, rows_for)
 
 
 # ---- bytes per phase, with the relay ----------------------------------------------------------------
