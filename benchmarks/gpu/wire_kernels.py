@@ -3,6 +3,7 @@ Ranks of one node on this GPU (run under MPS for kernel waits: `nvidia-cuda-mps-
 
     python3 benchmarks/gpu/wire_kernels.py --world 2 --preset decode --out RESULTS.json [--wires per_route,...]
         [--node N --transport emulated]   # simulated nodes of N ranks (proxies; MOE_A2A_EMULATED_NIC caps the wire)
+        [--set triton_kernels.rank_rows.REDUCE_ROWS_PER_TILE=(4,8) ...]  # a kernel variant, in every rank
 
 Prints, per variant, rank 0's kernels in launch order with the median GPU time of each position (torch profiler
 over graph replays; `_timing.kernel_positions`). A data kernel's time starts after its separate wait kernel
@@ -18,8 +19,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _rank(a2a, rank, reps):
+def _apply_sets(sets):
+    """`module.ATTR=VALUE` (a Python literal) under moe_a2a, set in this rank before its first launch: a kernel
+    variant (launch shapes are read from module constants when a launch is first made)."""
+    import ast
+    import importlib
+
+    for item in sets:
+        target, _, value = item.partition("=")
+        mod, _, attr = target.rpartition(".")
+        module = importlib.import_module("moe_a2a." + mod)
+        getattr(module, attr)  # a name that is not there is a typo, not a variant
+        setattr(module, attr, ast.literal_eval(value))
+
+
+def _rank(a2a, rank, reps, sets=()):
     import torch
+
+    _apply_sets(sets)
 
     from _timing import kernel_positions
     from moe_a2a.bench.demo import call_tensors, rank_weights
@@ -51,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--out", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="module.ATTR=VALUE",
+                   help="a module constant under moe_a2a set in every rank before its first launch (a kernel "
+                        "variant: e.g. triton_kernels.rank_rows.REDUCE_ROWS_PER_TILE=(4,8))")
     a = p.parse_args(argv)
 
     import torch
@@ -66,14 +86,14 @@ def main(argv=None) -> int:
         try:
             with LocalCluster(cfg, world_size=a.world, node_size=a.node or a.world, transport=a.transport,
                               device="cuda", timeout_s=a.timeout, gpu_wait="kernel") as cl:
-                rows = cl.run(_rank, a.reps)
+                rows = cl.run(_rank, a.reps, a.set)
             results[wire] = rows[0]
         except Exception as e:  # noqa: BLE001 - one variant's failure is its result
             results[wire] = f"{type(e).__name__}: {str(e)[:300]}"
         print(wire, json.dumps(results[wire]))
     if a.out:
         Path(a.out).write_text(json.dumps({"world": a.world, "node": a.node or a.world, "transport": a.transport,
-                                           "preset": a.preset, "kernels": results}, indent=1))
+                                           "preset": a.preset, "set": a.set, "kernels": results}, indent=1))
     return 0
 
 
