@@ -328,6 +328,7 @@ def _reduce_rank_rows_by_source_kernel(
     SD_BYTES: tl.constexpr, SC_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr, ITEM_BYTES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAPACITY: tl.constexpr,
     ALIGN_BYTES: tl.constexpr = 1,  # every destination row starts at a multiple of it (16: vector stores)
+    H_CHUNKS: tl.constexpr = 1,  # BLOCK_H chunks of the hidden dimension a program walks (`reduce_launch_shape`)
     FP8: tl.constexpr = False,  # A2AConfig.combine_fp8: rows as fp8 e4m3 + fp32 scales per Q_BLOCK
     Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0, FP8_VIA_BITS: tl.constexpr = False,
     # Same-node synchronisation (NodeSync.kernel_args("combine_send")), only with NODE_SYNC:
@@ -344,8 +345,8 @@ def _reduce_rank_rows_by_source_kernel(
     # FROM_PLAN: each row's K expert rows as this call's expand wrote them (row_plan_ptr), no pair tables
     row_plan_ptr=None, FROM_PLAN: tl.constexpr = False,
 ):
-    """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
-    BLOCK_R received rows (as the expand) for each BLOCK_H-element chunk of the hidden dimension. Row j of
+    """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H * H_CHUNKS)): G persistent programs over tiles
+    of BLOCK_R received rows (as the expand) for each H_CHUNKS BLOCK_H-element chunks of the hidden dimension. Row j of
     source s: partial = sum_k w_k * y[row_k] over the k whose expert is here, in fp32
     in k order, rounded once to out_dtype and stored in s's recv buffer at the slot of its dispatch row
     (combine region + (off[s] + j) * Sc). With RELAY, row j of a remote source s (in its relay's recv buffer)
@@ -394,25 +395,31 @@ def _reduce_rank_rows_by_source_kernel(
         rows = tl.where(rows < num_y_rows, rows, -1)
         w = tl.load(base_f32 + meta[:, None] + 2 * K + kk[None, :], mask=is_row[:, None] & (kk[None, :] < K),
                     other=0.0)
-        h0 = tl.program_id(1) * BLOCK_H  # one chunk of the hidden dimension per program: many loads in flight
-        cols = h0 + tl.arange(0, BLOCK_H)
-        mask = is_row[:, None] & (cols < H)[None, :]
-        acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-        if K <= UNROLL_K:  # unrolled: the K loads in flight together (72 -> 41 µs at decode on the H200)
-            for k in tl.static_range(K):
-                acc = _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask)
-        else:  # a long top-k: a loop, not K copies of the body
-            for k in range(K):
-                acc = _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask)
         rounded = is_row
         if RELAY:  # a remote source's row with a route here: the fp32 partial, for its relay on this node
             holder = _node_holder(_route_ids(base_i32, meta, is_row, kk, K), L, NODE_SIZE)
             has = tl.max(tl.where(holder == rank % NODE_SIZE, 1, 0), axis=1) > 0
             at = (partial_bytes + (_pick(pbase, src, W_PAD) + j) * PARTIAL_STRIDE_BYTES) // 4
-            tl.store(base_f32 + at[:, None] + cols[None, :], acc, mask=(relayed & has)[:, None] & (cols < H)[None, :])
             rounded = is_row & ~relayed
-        _store_combine_rows(base_ptr, _pick(back, src, W_PAD) + j * SC_BYTES, h0, acc, rounded, y_ty, H, ITEM_BYTES,
-                            ALIGN_BYTES, BLOCK_R, BLOCK_H, FP8, Q_BLOCK, SCALE_OFFSET_BYTES, FP8_VIA_BITS)
+        # H_CHUNKS chunks of the hidden dimension a program (grid axis 1 has the rest): the tile's rows, weights
+        # and tables found once for all of them; few chunks, many programs: more loads in flight
+        for c in range(H_CHUNKS):
+            h0 = (tl.program_id(1) * H_CHUNKS + c) * BLOCK_H
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = is_row[:, None] & (cols < H)[None, :]
+            acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+            if K <= UNROLL_K:  # unrolled: the K loads in flight together (72 -> 41 µs at decode on the H200)
+                for k in tl.static_range(K):
+                    acc = _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask)
+            else:  # a long top-k: a loop, not K copies of the body
+                for k in range(K):
+                    acc = _add_weighted_route(acc, rows, w, kk, k, expert_y_ptr, stride_y_r, cols, mask)
+            if RELAY:
+                tl.store(base_f32 + at[:, None] + cols[None, :], acc,
+                         mask=(relayed & has)[:, None] & (cols < H)[None, :])
+            _store_combine_rows(base_ptr, _pick(back, src, W_PAD) + j * SC_BYTES, h0, acc, rounded, y_ty, H,
+                                ITEM_BYTES, ALIGN_BYTES, BLOCK_R, BLOCK_H, FP8, Q_BLOCK, SCALE_OFFSET_BYTES,
+                                FP8_VIA_BITS)
     if NODE_SYNC:
         d.combine_send_epilogue(base_ptr, counter_ptr, failed_ptr, peer_sync_bytes_ptr, aborted_ptr, epoch_ptr, flags_ptr,
                                 rank, node_first, READY_BYTES, ABORT_BYTES, NODE, HAS_PROXY, PROXY_SIGNAL_WORD, USE_PTX)

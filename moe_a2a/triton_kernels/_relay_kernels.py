@@ -26,6 +26,7 @@ def _reduce_relayed_rows_kernel(
     PARTIAL_STRIDE_BYTES: tl.constexpr, ITEM_BYTES: tl.constexpr, Y_TY: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGN_BYTES: tl.constexpr = 1,  # every staged row starts at a multiple of it (16: vector stores)
+    H_CHUNKS: tl.constexpr = 1,  # BLOCK_H chunks of the hidden dimension a program walks (`reduce_launch_shape`)
     FP8: tl.constexpr = False,  # A2AConfig.combine_fp8: rows as fp8 e4m3 + fp32 scales per Q_BLOCK
     Q_BLOCK: tl.constexpr = 128, SCALE_OFFSET_BYTES: tl.constexpr = 0, FP8_VIA_BITS: tl.constexpr = False,
     # Same-node synchronisation (NodeSync.kernel_args("combine_relay")), only with NODE_SYNC:
@@ -37,9 +38,9 @@ def _reduce_relayed_rows_kernel(
     ERROR_WORD: tl.constexpr = 0, PROXY_SIGNAL_WORD: tl.constexpr = 0, KERNEL_WAIT: tl.constexpr = True,
     ABORT_BYTES: tl.constexpr = 0, CALL_ABORTED_WORD: tl.constexpr = 0,  # a node peer's abort, forwarded
 ):
-    """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H)): G persistent programs over tiles of
-    BLOCK_R rows of the sources this rank relays for (remote, on its rail), numbered source-major, for each
-    BLOCK_H-element chunk. Row j of source s (in this recv buffer, the relay geometry): the sum, in fp32 from
+    """Compiled as `moe_a2a::combine()`. Grid: (G, cdiv(H, BLOCK_H * H_CHUNKS)): G persistent programs over tiles
+    of BLOCK_R rows of the sources this rank relays for (remote, on its rail), numbered source-major, for each
+    H_CHUNKS BLOCK_H-element chunks. Row j of source s (in this recv buffer, the relay geometry): the sum, in fp32 from
     +0, of the partials at row base[s] + j of the node ranks its routes hit, in ascending rank, rounded once
     into the staging area at row `combine_stage_offsets(rows into this rank)[s] + j`. With NODE_SYNC the
     prologue waits for the node peers' combine_ready (their partials are written) and, with HAS_PROXY, the
@@ -71,17 +72,19 @@ def _reduce_relayed_rows_kernel(
                                           META_OFFSET_BYTES)
         holder = _node_holder(_route_ids(base_i32, meta, is_row, kk, K), L, NODE_SIZE)
         prow = _pick(pbase, src, W_PAD) + j
-        h0 = tl.program_id(1) * BLOCK_H
-        cols = h0 + tl.arange(0, BLOCK_H)
-        acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-        for i in range(NODE_SIZE):  # ascending rank: the reference's order of the node's partials
-            hit = is_row & (tl.max(tl.where(holder == i, 1, 0), axis=1) > 0)
-            at = (tl.load(peer_partial_bytes_ptr + node0 + i) + prow * PARTIAL_STRIDE_BYTES) // 4
-            p = tl.load(base_f32 + at[:, None] + cols[None, :], mask=hit[:, None] & (cols < H)[None, :], other=0.0)
-            acc = tl.where(hit[:, None], acc + p, acc)
-        _store_combine_rows(base_ptr, stage_bytes + (_pick(stage_row, src, W_PAD) + j) * SC_BYTES, h0, acc, is_row,
-                            Y_TY, H, ITEM_BYTES, ALIGN_BYTES, BLOCK_R, BLOCK_H, FP8, Q_BLOCK, SCALE_OFFSET_BYTES,
-                            FP8_VIA_BITS)
+        for c in range(H_CHUNKS):  # as the reduce by source: chunks of the hidden dimension a program
+            h0 = (tl.program_id(1) * H_CHUNKS + c) * BLOCK_H
+            cols = h0 + tl.arange(0, BLOCK_H)
+            acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+            for i in range(NODE_SIZE):  # ascending rank: the reference's order of the node's partials
+                hit = is_row & (tl.max(tl.where(holder == i, 1, 0), axis=1) > 0)
+                at = (tl.load(peer_partial_bytes_ptr + node0 + i) + prow * PARTIAL_STRIDE_BYTES) // 4
+                p = tl.load(base_f32 + at[:, None] + cols[None, :], mask=hit[:, None] & (cols < H)[None, :],
+                            other=0.0)
+                acc = tl.where(hit[:, None], acc + p, acc)
+            _store_combine_rows(base_ptr, stage_bytes + (_pick(stage_row, src, W_PAD) + j) * SC_BYTES, h0, acc,
+                                is_row, Y_TY, H, ITEM_BYTES, ALIGN_BYTES, BLOCK_R, BLOCK_H, FP8, Q_BLOCK,
+                                SCALE_OFFSET_BYTES, FP8_VIA_BITS)
     if NODE_SYNC:
         if HAS_PROXY:  # every program's staged rows are visible before the proxy is told to post them
             if d.node_arrive(counter_ptr, USE_PTX):

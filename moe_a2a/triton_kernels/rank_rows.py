@@ -49,6 +49,9 @@ REDUCE_ROWS_PER_TILE = (2, 8)
 # The reduce by source reads the expert rows the expand wrote (`row_plan`) instead of building the pair tables
 # in every program; False: it rebuilds them (the A/B of `benchmarks/gpu/sweep_launch.py reduce-setup`).
 REDUCE_FROM_PLAN = True
+# Chunks of the hidden dimension (BLOCK_H each) one program of the reduces walks for a row tile: 1 puts each chunk
+# in a program of its own (the most loads in flight, the tile's set-up repeated per chunk); more share the set-up.
+REDUCE_H_CHUNKS = 1
 
 
 def _key(first: torch.Tensor, *rest):
@@ -253,18 +256,21 @@ def expand_rank_rows(out_expert_num_tokens: torch.Tensor, out_expert_x: torch.Te
 
 
 def reduce_launch_shape(cfg: A2AConfig, layout: Layout, device: torch.device) -> tuple:
-    """(grid, rows per tile, hidden chunk, fp8 kernel arguments, compile options) of the kernels that walk
-    received per-rank rows to reduce them (`reduce_rank_rows_by_source`, `relay.reduce_relayed_rows`): persistent
-    programs over row tiles, side by side for each chunk of the hidden dimension (the walk repeated per chunk),
-    compiled without FP contraction (`acc + w * y` as two roundings, as the reference: an FMA moves a partial by an
-    ulp, which flips its fp8 rounding at ties)."""
+    """(grid, rows per tile, hidden chunk, fp8 kernel arguments and H_CHUNKS, compile options) of the kernels that
+    walk received per-rank rows to reduce them (`reduce_rank_rows_by_source`, `relay.reduce_relayed_rows`):
+    persistent programs over row tiles, side by side for each `REDUCE_H_CHUNKS` chunks of the hidden dimension
+    (the walk repeated per program of axis 1), compiled without FP contraction (`acc + w * y` as two roundings,
+    as the reference: an FMA moves a partial by an ulp, which flips its fp8 rounding at ties)."""
     grid, block_r = launch.persistent_grid(device, layout, REDUCE_ROWS_PER_TILE)
     H = cfg.hidden_dim
     block_h = min(next_power_of_2(H), MAX_REDUCE_BLOCK_H // 2 if device.type == "cuda" else MAX_REDUCE_BLOCK_H)
-    fp8 = _fp8_args(cfg, device)
-    if fp8:  # whole quantisation blocks per chunk
+    args = _fp8_args(cfg, device)
+    if args:  # whole quantisation blocks per chunk
         block_h = max(block_h, COMBINE_FP8_BLOCK)
-    return (grid[0], ceil_div(H, block_h)), block_r, block_h, fp8, _no_fma(device)
+    chunks = min(REDUCE_H_CHUNKS, ceil_div(H, block_h))
+    if chunks > 1:
+        args = {**args, "H_CHUNKS": chunks}
+    return (grid[0], ceil_div(H, block_h * chunks)), block_r, block_h, args, _no_fma(device)
 
 
 def _no_fma(device: torch.device) -> dict:
@@ -334,7 +340,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         if REDUCE_FROM_PLAN:
             plan_args = dict(row_plan_ptr=row_plan, FROM_PLAN=True)
     H, item = cfg.hidden_dim, cfg.out_itemsize
-    grid, block_r, block_h, fp8, no_fma = reduce_launch_shape(cfg, layout, device)
+    grid, block_r, block_h, shape_args, no_fma = reduce_launch_shape(cfg, layout, device)
     # Destination rows: node homes' combine regions (buffers placed as `base`'s, as the route rows' pack
     # assumes) or the staging area, at multiples of the combine stride.
     align = launch.align_words(1, base.data_ptr(), stage_bytes, layout.combine_recv_offset_bytes,
@@ -351,7 +357,7 @@ def reduce_rank_rows_by_source(expert_y: torch.Tensor, counts: torch.Tensor, ran
         META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
         SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=layout.combine_recv_offset_bytes, ITEM_BYTES=item,
         BLOCK_R=block_r, BLOCK_H=block_h, CAPACITY=layout.expert_capacity, ALIGN_BYTES=align,
-        num_warps=launch.num_warps(block_r * block_h, item), **fp8, **sync_args, **relay, **plan_args,
+        num_warps=launch.num_warps(block_r * block_h, item), **shape_args, **sync_args, **relay, **plan_args,
         **no_fma)  # (fp8 ties flipped by an FMA: 0.3% of elements with the toy expert's coarse outputs, on CPU too)
 
 

@@ -76,7 +76,7 @@ def reduce_relayed_rows(rank_rows: torch.Tensor, rank: int, base: torch.Tensor, 
     check.integer("recv_bytes", recv_bytes)
     check.integer("stage_bytes", stage_bytes)
     H, item = cfg.hidden_dim, cfg.out_itemsize
-    grid, block_r, block_h, fp8, no_fma = reduce_launch_shape(cfg, layout, device)
+    grid, block_r, block_h, shape_args, no_fma = reduce_launch_shape(cfg, layout, device)
     align = launch.align_words(1, base.data_ptr(), stage_bytes, cfg.combine_stride_bytes)
     sync_args = {} if node is None else node.kernel_args("combine_relay", device)
     _RELAYED.launch(
@@ -87,7 +87,7 @@ def reduce_relayed_rows(rank_rows: torch.Tensor, rank: int, base: torch.Tensor, 
         SD_BYTES=cfg.dispatch_stride_bytes, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes,
         SC_BYTES=cfg.combine_stride_bytes, PARTIAL_STRIDE_BYTES=layout.relay_partial_stride_bytes, ITEM_BYTES=item,
         Y_TY=_TL_DTYPES[cfg.out_dtype], BLOCK_R=block_r, BLOCK_H=block_h, ALIGN_BYTES=align,
-        num_warps=launch.num_warps(block_r * block_h, 4), **fp8, **sync_args, **no_fma)
+        num_warps=launch.num_warps(block_r * block_h, 4), **shape_args, **sync_args, **no_fma)
 
 
 _RELAYED = launch.LaunchCache(_reduce_relayed_rows_kernel)

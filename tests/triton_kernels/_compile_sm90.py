@@ -204,7 +204,8 @@ def main_rank_rows() -> None:
                      dict(PAD=1, H=7168, META_OFFSET_BYTES=cfg.rank_meta_offset_bytes, P=lay.private_rows,
                           HEADER_ROWS=lay.header_rows, PRIVATE_OFFSET_BYTES=0, SD_BYTES=cfg.dispatch_stride_bytes,
                           SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
-                          ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, ABORT_BYTES=64, FROM_PLAN=plan, **fp8_args,
+                          ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, ABORT_BYTES=64, FROM_PLAN=plan,
+                          H_CHUNKS=4 if plan else 1, **fp8_args,  # (several hidden chunks a program: REDUCE_H_CHUNKS)
                           **shape, **{k: v for k, v in sync.items() if k != "NODE_PAD"}),
                      rank_rows._no_fma(torch.device("cuda"))),
         ]
@@ -311,13 +312,13 @@ def main_relay() -> None:
             _compile(rk._reduce_rank_rows_by_source_kernel, ptrs,
                      dict(PAD=1, H=7168, SC_BYTES=cfg.combine_stride_bytes, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
                           ITEM_BYTES=2, BLOCK_R=16, BLOCK_H=256, CAPACITY=0, L_PAD=L, ALIGN_BYTES=16,
-                          PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes, FROM_PLAN=True, **fp8_args, **places,
-                          **shape, **sync, **relay)),
+                          PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes, FROM_PLAN=True, H_CHUNKS=2, **fp8_args,
+                          **places, **shape, **sync, **relay)),
             _compile(_relay_kernels._reduce_relayed_rows_kernel, ptrs,
                      dict(H=7168, SC_BYTES=cfg.combine_stride_bytes, PARTIAL_STRIDE_BYTES=lay.relay_partial_stride_bytes,
                           ITEM_BYTES=2, Y_TY=tl.bfloat16, BLOCK_R=16, BLOCK_H=256, ALIGN_BYTES=16, NODE_PAD=8,
                           L=L, W=16, W_PAD=16, K=8, K_PAD=8, NODE_SIZE=8, ABORT_BYTES=lay.combine_aborted_offset_bytes,
-                          CALL_ABORTED_WORD=3, **places, **fp8_args, **sync)),
+                          CALL_ABORTED_WORD=3, H_CHUNKS=2, **places, **fp8_args, **sync)),
         ]
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"

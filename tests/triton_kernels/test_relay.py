@@ -142,6 +142,29 @@ def test_relay_reduce_without_the_row_plan(W, ns, L, K, fp8, P, routing) -> None
     _check(cfg, W, ns, (T,) * (W - 1) + (3,), routing, 20, W * 7 + K, row_plan=False)
 
 
+# Several chunks of the hidden dimension a program (`rank_rows.REDUCE_H_CHUNKS`), in both reduces: small chunks,
+# so that a program walks 2 or 3 of them, programs of axis 1 each start past the chunks of the ones before, and the
+# last program's last chunk lies past H (bf16: 8-element chunks of H = 40, 3 or 2 programs; fp8 rows: 128-element
+# blocks of H = 136). The same bytes as one chunk a program.
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("W, ns, L, K, fp8, P, routing", [
+    (4, 2, 2, 3, False, 0, "skew"),
+    (8, 4, 1, 4, True, 2, "random"),
+])
+def test_relay_reduces_walk_several_hidden_chunks_a_program(monkeypatch, chunks, W, ns, L, K, fp8, P, routing) -> None:
+    from moe_a2a.triton_kernels import rank_rows
+
+    monkeypatch.setattr(rank_rows, "MAX_REDUCE_BLOCK_H", 16 if TEST_DEVICE == "cuda" else 8)  # (halved on a GPU)
+    monkeypatch.setattr(rank_rows, "REDUCE_H_CHUNKS", chunks)
+    T = 5
+    cfg = _cfg(W, L, K, T, 136 if fp8 else 40, False, fp8, P, torch.bfloat16)
+    device = torch.device(TEST_DEVICE)
+    grid, _, block_h, args, _ = rank_rows.reduce_launch_shape(cfg, cfg.layout(W, ns), device)
+    assert block_h == (128 if fp8 else 8) and args.get("H_CHUNKS") == min(chunks, -(-cfg.hidden_dim // block_h))
+    assert grid[1] == -(-cfg.hidden_dim // (block_h * args["H_CHUNKS"]))
+    _check(cfg, W, ns, (T,) * (W - 1) + (3,), routing, 20, W * 7 + K)
+
+
 # ---- the plan's arithmetic and the layout --------------------------------------------------------------
 def _brute_bases(rows: np.ndarray, rank: int, ns: int) -> list[int]:
     W, node = rows.shape[0], rank // ns
