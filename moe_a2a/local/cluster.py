@@ -22,8 +22,8 @@ from .rank import _ABORT_SIGNAL, _DIED, _RANK_ENV, _START_ALLOWANCE_S, _rank_mai
 from .template import _ForkedRank, _Template, _template_main, template_context
 
 _TRANSPORTS = ("auto", "shm", "tcp", "efa", "verbs", "emulated")  # AllToAll's; efa/verbs need their devices
-# A rank process re-runs the caller's main module before it runs `_rank_main` (multiprocessing
-# "spawn"). If that module starts a LocalCluster itself (no `if __name__ == "__main__":` guard), the
+# A rank process re-runs the caller's main module before it runs `_rank_main` (multiprocessing's
+# "spawn" and "forkserver" do). If that module starts a LocalCluster itself (no `if __name__ == "__main__":` guard), the
 # rank leaves with this exit code, and the caller raises a RuntimeError naming the guard.
 _EXIT_UNGUARDED_MAIN = 87
 
@@ -171,14 +171,14 @@ class LocalCluster:
 
     def start(self) -> None:
         if getattr(mp.current_process(), "_inheriting", False):
-            # We are a process started with "spawn" that is re-running the main module, which starts
+            # We are a process started by multiprocessing that is re-running the main module, which starts
             # a cluster at import: without a guard every rank would try to start its own ranks.
             if os.environ.get(_RANK_ENV):  # one of our ranks: the caller explains
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(_EXIT_UNGUARDED_MAIN)  # not SystemExit: a forkserver's child would exit 1 with it
             raise RuntimeError("LocalCluster: cannot start a cluster while this process is bootstrapping "
-                               f"(multiprocessing 'spawn' is re-running {_main_module()}); {_GUARD}.")
+                               f"(multiprocessing is re-running {_main_module()}); {_GUARD}.")
         if self._procs:
             raise ValueError("LocalCluster is already started")
         ctx = mp.get_context("spawn")
@@ -209,7 +209,7 @@ class LocalCluster:
                          {"gpu_wait": self.gpu_wait, "buffers": self.buffers, "nics": self.nics,
                           "proxies": self.proxies})
             if self.device == "cpu":
-                # One spawned template process forks every rank (a GPU rank must not be forked from a process
+                # One template process (the forkserver's) forks every rank (a GPU rank must not be forked from a process
                 # that may have touched CUDA while re-running the main module: those are spawned one by one).
                 pipes = [ctx.Pipe() for _ in range(self.world_size)]
                 control, control_theirs = ctx.Pipe(duplex=False)
@@ -393,11 +393,11 @@ class LocalCluster:
             self.close()
             if _EXIT_UNGUARDED_MAIN in codes:
                 raise RuntimeError(f"LocalCluster: the rank processes could not start because {_main_module()} "
-                                   "starts a LocalCluster when they re-run it (multiprocessing 'spawn' re-runs it in "
+                                   "starts a LocalCluster when they re-run it (multiprocessing re-runs it in "
                                    f"every rank, as `__mp_main__`); {_GUARD}.")
             raise RuntimeError(f"LocalCluster: the rank processes {not_started} could not start: they exited "
                                f"(code {', '.join(map(str, codes))}) before running any LocalCluster code, while "
-                               f"re-running {_main_module()} (multiprocessing 'spawn' re-runs it in every rank, "
+                               f"re-running {_main_module()} (multiprocessing re-runs it in every rank, "
                                "as `__mp_main__`) or loading their arguments; their output above says why. If "
                                f"the main module is a script, {_GUARD}.")
         if died:

@@ -28,21 +28,22 @@ def template_context(server_env: dict, unset: tuple[str, ...]):
     needs while it re-runs the main module, before that, must be in `server_env`). "spawn" when another part
     of this process started the forkserver first (its imports and environment are not ours to assume)."""
     global _served
-    if not _served:
-        if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
-            return mp.get_context("spawn")
-        saved = dict(os.environ)
-        try:
-            for k in unset:
-                os.environ.pop(k, None)
-            os.environ.update(_SERVER_ENV)
-            os.environ.update(server_env)
-            forkserver.set_forkserver_preload(_PRELOAD)
-            forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _served = True
+    if not _served and getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return mp.get_context("spawn")
+    # Every time, not once: a server that died is started again here, in this environment, not by the
+    # template's start in the caller's (which carries the cluster's id).
+    saved = dict(os.environ)
+    try:
+        for k in unset:
+            os.environ.pop(k, None)
+        os.environ.update(_SERVER_ENV)
+        os.environ.update(server_env)
+        forkserver.set_forkserver_preload(_PRELOAD)
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _served = True
     return mp.get_context("forkserver")
 
 
