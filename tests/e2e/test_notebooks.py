@@ -73,6 +73,9 @@ def test_quickstart_notebook_runs(tmp_path):
     assert VERIFIED in text, f"the verification message is missing; outputs were:\n{text[-3000:]}"
     # section 8: a bad input on rank 1 aborts that call on rank 0 too (CPU; a GPU drops the route instead)
     assert "aborted by rank 1" in text and "ValueError: indices[0, 0]" in text, text[-2000:]
+    # section 9: each wire checked against the reference; the relay sends fewer bytes to other nodes
+    assert text.count("matches reference.py; a rank sends") == 3, text[-2000:]
+    assert "RELAY: fewer network bytes than per_route in both phases" in text, text[-2000:]
     n_images = sum("image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
-    assert n_images >= 3, f"expected the heat map, layout strip and latency plots, got {n_images} images"
+    assert n_images >= 4, f"expected the heat map, layout strip, latency and wire bytes plots, got {n_images} images"
     print(f"quickstart notebook ran in {elapsed:.1f} s")
