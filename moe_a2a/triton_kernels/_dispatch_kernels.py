@@ -244,10 +244,6 @@ def _unpack_tokens_by_expert_kernel(
     # that its stores coalesce along the rows; BLOCK_SC / BLOCK_QC columns at a time.
     SCALES_BY_EXPERT: tl.constexpr = False, QSCALES_BY_EXPERT: tl.constexpr = False,
     BLOCK_S: tl.constexpr = 8, BLOCK_SC: tl.constexpr = 1, BLOCK_QC: tl.constexpr = 1,
-    # Or (dispatch.COLUMN_SCALES_ALONG_ROWS) stored by the row tiles, the destination rows hinted as runs of
-    # BLOCK_R adjacent words (true within an expert), so that lanes go along the rows; no alignment is claimed,
-    # so each store stays one word and a run that breaks at an expert's end is still written right.
-    SCALES_ALONG_ROWS: tl.constexpr = False, QSCALES_ALONG_ROWS: tl.constexpr = False,
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -309,17 +305,13 @@ def _unpack_tokens_by_expert_kernel(
         dst_words = out_row * stride_out_x_r
         d.copy_row_words(base_words, src_words, out_x_ptr, dst_words, is_row, X_WORDS, BLOCK_W)
         if HAS_SCALES and not SCALES_BY_EXPERT:  # in the payload's tile shape (copy_row_columns says why)
-            dst = d.expert_row_words(out_row, stride_out_scale_e, stride_out_scale_r, CAPACITY)
-            if SCALES_ALONG_ROWS:
-                dst = tl.max_contiguous(dst, BLOCK_R)
-            d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr, dst,
-                               stride_out_scale_s, is_row, S, BLOCK_SC if SCALES_ALONG_ROWS else BLOCK_W)
+            d.copy_row_columns(base_i32, (src_bytes + SCALE_OFFSET_BYTES) // 4, out_scale_ptr,
+                               d.expert_row_words(out_row, stride_out_scale_e, stride_out_scale_r, CAPACITY),
+                               stride_out_scale_s, is_row, S, BLOCK_W)
         if Q_WORDS > 0 and not QSCALES_BY_EXPERT:  # a fused quantisation's scale words, into a tensor of their own
-            dst = d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY)
-            if QSCALES_ALONG_ROWS:
-                dst = tl.max_contiguous(dst, BLOCK_R)
-            d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr, dst,
-                               stride_out_qscale_s, is_row, Q_WORDS, BLOCK_QC if QSCALES_ALONG_ROWS else BLOCK_W)
+            d.copy_row_columns(base_i32, src_bytes // 4 + Q_SCALE_WORD, out_qscale_ptr,
+                               d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY),
+                               stride_out_qscale_s, is_row, Q_WORDS, BLOCK_W)
 
     if SCALES_BY_EXPERT or QSCALES_BY_EXPERT:
         # One local expert at a time (l = pid, pid + G, ...): its rows c < min(tot[l], CAPACITY) sit at

@@ -34,11 +34,6 @@ from .quant import Fp8Quantize, check_fused_quantize
 from ._dispatch_kernels import _pack_tokens_by_expert_kernel, _unpack_tokens_by_expert_kernel
 
 
-# Scale outputs whose rows are adjacent words (DeepEP's column-major layout): 0 = a pass over experts after the rows,
-# 1 = stored by the row tiles with lanes along the rows (docs/perf-notes.md, "The facade's scale layout").
-COLUMN_SCALES_ALONG_ROWS = 0
-
-
 def pack_tokens_by_expert(
     x: torch.Tensor,
     x_scale: torch.Tensor | None,
@@ -233,8 +228,7 @@ def unpack_tokens_by_expert(
         if isinstance(quantize, dict):  # hashable for the launch key (checked after a miss)
             quantize = check_fused_quantize("quantize", quantize, cfg)
         key = launch.key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank, base, peer_send_bytes,
-                         recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, quantize, out_quantized_scale,
-                         COLUMN_SCALES_ALONG_ROWS)
+                         recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, quantize, out_quantized_scale)
         if _UNPACK.hit(key):
             return
     W, L, E, device, R = check.expert_rows("out_expert_x", out_expert_x, cfg.in_dtype, cfg, layout)
@@ -285,12 +279,9 @@ def unpack_tokens_by_expert(
     block_w = launch.chunk_words(copy_words, word_bytes)
     S = cfg.num_scales
     scale_i32 = out_expert_x_scale.view(torch.int32) if cfg.has_scales else x_words
-    # Outputs whose rows are adjacent words (DeepEP's column-major scales): per-expert tiles or lanes along the rows.
-    col_scales = bool(C and cfg.has_scales and stride_scale[0] == 1)
-    col_qscales = bool(C and quant_args and stride_q[0] == 1)
-    along = bool(COLUMN_SCALES_ALONG_ROWS)
-    by_expert = dict(SCALES_BY_EXPERT=col_scales and not along, QSCALES_BY_EXPERT=col_qscales and not along,
-                     SCALES_ALONG_ROWS=col_scales and along, QSCALES_ALONG_ROWS=col_qscales and along,
+    # Outputs whose rows are adjacent words (DeepEP's column-major scales) take per-expert tiles of their own.
+    by_expert = dict(SCALES_BY_EXPERT=bool(C and cfg.has_scales and stride_scale[0] == 1),
+                     QSCALES_BY_EXPERT=bool(C and quant_args and stride_q[0] == 1),
                      BLOCK_SC=min(next_power_of_2(S), 64) if cfg.has_scales else 1,
                      BLOCK_QC=min(next_power_of_2(quant_args.get("Q_WORDS", 1)), 64))
     grid, block_r = launch.persistent_grid(device, layout)

@@ -4,16 +4,11 @@ TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile).
     python3 -m tests.triton_kernels._compile_sm90 WORLD NODE     # the write-plan kernels
     python3 -m tests.triton_kernels._compile_sm90 pack           # dispatch pack (copy and fused fp8), quantize_fp8
     python3 -m tests.triton_kernels._compile_sm90 wait           # the separate wait, shrink mode's included
-    python3 -m tests.triton_kernels._compile_sm90 unpack         # unpack into DeepEP's column-major scales
     python3 -m tests.triton_kernels._compile_sm90 rank_rows      # per-rank rows' kernels, RANK_ROWS write plans
     python3 -m tests.triton_kernels._compile_sm90 relay          # the relay's variants and reduce_relayed_rows
 """
 import inspect
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 import triton
@@ -131,40 +126,6 @@ def main_pack() -> None:
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"
     print("compiled", [k.name for k in kernels])
-
-
-def main_unpack() -> None:
-    """The unpack into DeepEP's column-major scales (`[L, C, S]` with row stride 1), the facade's shape (one rank,
-    288 experts, C = 128, 56 scale words): the fused quantisation's words and pre-quantised rows' scales, each
-    copied by the pass over experts and along the rows (`dispatch.COLUMN_SCALES_ALONG_ROWS`). Prints each
-    variant's registers and local memory (cuobjdump): a layout that sends the row tables' one-hot lookups along
-    the rows spills (`_details.copy_row_columns`)."""
-    cfg = A2AConfig(max_num_tokens=128, num_experts=288, experts_per_token=8, hidden_dim=7168,
-                    in_dtype=torch.float8_e4m3fn)
-    lay = cfg.layout(1, 1)
-    ptrs = dict(out_num_tokens_ptr="*i32", out_x_ptr="*i32", out_scale_ptr="*i32", counts_ptr="*i32",
-                base_ptr="*u8", peer_send_bytes_ptr="*i64", out_qscale_ptr="*i32", out_ranges_ptr="*i64")
-    meta = dict(W=1, L=288, W_PAD=1, L_PAD=512, PAD=1, P=lay.private_rows, PRIVATE_OFFSET_BYTES=0,
-                HEADER_ROWS=lay.header_rows, X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales,
-                SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes, SD_BYTES=cfg.dispatch_stride_bytes,
-                WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=8, BLOCK_W=512, BLOCK_E=256, CAPACITY=128, CAPACITY_WORD=1,
-                ABORT_WORD=2, BLOCK_SC=64, BLOCK_QC=64)
-    fused = dict(HAS_SCALES=False, Q_SCALE_WORD=cfg.x_bytes // 4, Q_WORDS=56)
-    variants = {"facade_by_expert": dict(fused, QSCALES_BY_EXPERT=True),
-                "facade_along_rows": dict(fused, QSCALES_ALONG_ROWS=True),
-                "scales_by_expert": dict(HAS_SCALES=True, SCALES_BY_EXPERT=True),
-                "scales_along_rows": dict(HAS_SCALES=True, SCALES_ALONG_ROWS=True)}
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for name, v in variants.items():
-        k = _compile(_dispatch_kernels._unpack_tokens_by_expert_kernel, ptrs, {**meta, **v}, dict(num_warps=8))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True,
-                                   check=True).stdout
-        regs, local = (int(re.search(rf"{w}:(\d+)", usage).group(1)) for w in ("REG", "LOCAL"))
-        print(f"compiled {name}: {regs} registers, {local} bytes of local memory")
-        assert local == 0, f"{name}: spills ({local} bytes of local memory a thread)"
 
 
 # The pack writing per-rank rows' metadata (`rank_rows.row_meta_args`): its pointers and meta-parameters.
@@ -373,7 +334,5 @@ if __name__ == "__main__":
         main_pack()
     elif sys.argv[1] == "wait":
         main_wait()
-    elif sys.argv[1] == "unpack":
-        main_unpack()
     else:
         main(int(sys.argv[1]), int(sys.argv[2]))

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from moe_a2a import reference
 from moe_a2a.protocol import plan
 from moe_a2a.runtime.checks import check_dispatch_outputs
-from moe_a2a.triton_kernels import dispatch as dispatch_mod
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 from moe_a2a.triton_kernels.quant import Fp8Quantize
 
@@ -399,16 +398,6 @@ def test_unpack_quantized_scales_out_of_the_payload(case: Case, quantize: Fp8Qua
 @pytest.mark.parametrize("case, quantize", QUANT_SCALE_CASES)
 def test_unpack_quantized_scales_out_of_the_payload_gpu(case: Case, quantize: Fp8Quantize) -> None:
     check_quantized_scales(case, quantize, "deep_ep", "cuda")
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", SCALE_3D_CASES[1:2] + SCALE_3D_CASES[-1:])
-def test_column_major_scales_copied_along_the_rows_match(case: Case, monkeypatch) -> None:
-    """`dispatch.COLUMN_SCALES_ALONG_ROWS`: DeepEP's column-major scales (and a fused quantisation's words) stored
-    by the row tiles instead of the pass over experts; the same outputs, nothing else of the storage written."""
-    monkeypatch.setattr(dispatch_mod, "COLUMN_SCALES_ALONG_ROWS", 1)
-    check_scales_3d(case, "deep_ep")
-    check_quantized_scales(QUANT_SCALE_CASES[0].values[0], QUANT_SCALE_CASES[0].values[1], "deep_ep")
 
 
 @pytest.mark.timeout(60)
