@@ -51,7 +51,8 @@ REDUCE_ROWS_PER_TILE = (2, 8)
 REDUCE_FROM_PLAN = True
 # Chunks of the hidden dimension (BLOCK_H each) one program of the reduces walks for a row tile: 1 puts each chunk
 # in a program of its own (the most loads in flight, the tile's set-up repeated per chunk); more share the set-up.
-REDUCE_H_CHUNKS = 1
+# 4 measured fastest of 1 / 4 / 14 on the H100 (docs/perf-notes.md, "Where the reduce by source loses").
+REDUCE_H_CHUNKS = 4
 
 
 def _key(first: torch.Tensor, *rest):
