@@ -1242,6 +1242,15 @@ def _top_terms(r: dict, phase: str, n: int = 2) -> str:
     return ", ".join(f"{t} {r[f'{phase}.{t}']:.0f}" for t in terms)
 
 
+def _verdict(total: float, target: float | None) -> str:
+    """A prediction against its target: no target, meets, or the miss in µs and as a factor."""
+    if target is None:
+        return "no target"
+    if total <= target:
+        return "**meets**"
+    return f"misses: +{total - target:.0f} (x{total / target:.2f})"
+
+
 def format_targets(rows: list[dict]) -> str:
     """Dispatch + combine against the project's EFA targets and the published totals, with the two largest
     critical-path terms of each phase (what holds a missed target)."""
@@ -1252,12 +1261,7 @@ def format_targets(rows: list[dict]) -> str:
     for r in rows:
         fab, w = r["fabric"], r["world"]
         target = ISSUE_TARGETS_US.get(w) if fab == "efa" else None
-        if target is None:
-            verdict = "no target"
-        elif r["total"] <= target:
-            verdict = "**meets**"
-        else:
-            verdict = f"misses: +{r['total'] - target:.0f} (x{r['total'] / target:.2f})"
+        verdict = _verdict(r["total"], target)
         lines.append(f"| {fab.upper()} | {w} | **{r['total']:.0f}** | {r['total_bench']:.0f} | {fmt(target)} | "
                      f"{fmt(_published(fab, 'pplx article', w))} | {fmt(_published(fab, 'pplx-garden', w))} | "
                      f"{fmt(_published(fab, 'DeepEP V1 LL', w))} | {verdict} | {_top_terms(r, 'dispatch')} | "
@@ -1282,11 +1286,11 @@ SENSITIVITY = [
 ]
 
 
-def format_sensitivity() -> str:
-    cols = [(f, w) for f in FABRICS for w in WORLDS]
-    lines = ["| variant | " + " | ".join(f"{f.upper()} EP{w}" for f, w in cols) + " |",
-             "|---|" + "---|" * len(cols)]
-    for label, kw in SENSITIVITY:
+def _prediction_rows(rows: list[tuple[str, dict]], cols: list[tuple]) -> list[str]:
+    """One table row per (label, predict keywords): dispatch / combine / **sum** at each (fabric, world) of
+    `cols` ("–" where an EFA-only keyword meets another fabric)."""
+    lines = []
+    for label, kw in rows:
         cells = []
         for f, w in cols:
             if "efa_efficiency" in kw and f != "efa":
@@ -1295,7 +1299,14 @@ def format_sensitivity() -> str:
             r = predict(w, f, **kw)
             cells.append(f"{r['dispatch']:.0f} / {r['combine']:.0f} / **{r['total']:.0f}**")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
+
+
+def format_sensitivity() -> str:
+    cols = [(f, w) for f in FABRICS for w in WORLDS]
+    lines = ["| variant | " + " | ".join(f"{f.upper()} EP{w}" for f, w in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    return "\n".join(lines + _prediction_rows(SENSITIVITY, cols))
 
 
 # ---- the levers of issue 32: fewer bytes ----------------------------------------------------------------
@@ -1325,16 +1336,7 @@ def format_levers() -> str:
     cols = [(None, 8)] + [(f, w) for f in FABRICS for w in WORLDS]
     lines = ["| levers | " + " | ".join("EP8, one node" if f is None else f"{f.upper()} EP{w}" for f, w in cols)
              + " |", "|---|" + "---|" * len(cols)]
-    for label, kw in LEVERS:
-        cells = []
-        for f, w in cols:
-            if "efa_efficiency" in kw and f != "efa":
-                cells.append("–")
-                continue
-            r = predict(w, f, **kw)
-            cells.append(f"{r['dispatch']:.0f} / {r['combine']:.0f} / **{r['total']:.0f}**")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + _prediction_rows(LEVERS, cols))
 
 
 def format_variant_kernels() -> str:
@@ -1609,12 +1611,7 @@ def format_relay(rows: list[dict]) -> str:
              "combine |", "|" + "---|" * 11]
     for r in rows:
         t = r["target"]
-        if t is None:
-            verdict = "no target"
-        elif r["total"] <= t:
-            verdict = "**meets**"
-        else:
-            verdict = f"misses: +{r['total'] - t:.0f} (x{r['total'] / t:.2f})"
+        verdict = _verdict(r["total"], t)
         lines.append(f"| {r['fabric'].upper()} | {r['combine_rows']} | {r['world']} | {r['dispatch']:.0f} / "
                      f"{r['combine']:.0f} / **{r['total']:.0f}** | {r['per_rank_total']:.0f} | "
                      f"{r['per_route_total']:.0f} | {'–' if t is None else f'{t:.0f}'} | {verdict} | {_holds(r)} | "
