@@ -7,6 +7,8 @@ an ulp), and tokens >= bound_m must be untouched.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -43,14 +45,27 @@ def toy_expert(case: Case, rank: int, counts: torch.Tensor, expert_x: torch.Tens
     return y.to(cfg.out_dtype)
 
 
-def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> None:
-    cfg, W = case.cfg, case.world_size
-    world = case.world(device)
+class CombineRun(NamedTuple):
+    """One dispatch -> expert -> combine of a case (`run_dispatch_expert_combine`), every tensor on the CPU."""
+    bound_ms: list
+    dispatched: object      # harness.run_dispatch's result
+    expert_ys: list         # [R, H] per rank
+    weights: list           # [T, K] float32 per rank, NaN at masked routes
+    old: list               # [T, H] out_dtype per rank: what `out_tokens` held before an accumulating combine
+    got: list               # [T, H] per rank
+    live: list              # [T, K] per rank: indices with tokens past bound_m dead
+    used_rows: list         # rows of each rank's expert output that hold routes (padding included)
+
+
+def run_dispatch_expert_combine(case: Case, world, expert, accumulate: bool, device: str) -> CombineRun:
+    """Dispatch the case's inputs, run `expert(case, rank, counts, x, x_scale)` on each rank's rows, combine
+    them with random weights (NaN where a route is masked: never read) into random old tokens or fresh ones."""
+    cfg, W = world.cfg, case.world_size
     xs, scales, indices = make_inputs(case, payload="values")
     bound_ms = list(case.bound_m)
     dispatched = to_cpu(run_dispatch(world, [x.to(device) for x in xs],
                                      [s if s is None else s.to(device) for s in scales], indices, bound_ms))
-    expert_ys = [toy_expert(case, r, dispatched.counts, dispatched.expert_x[r], dispatched.expert_x_scale[r])
+    expert_ys = [expert(case, r, dispatched.counts, dispatched.expert_x[r], dispatched.expert_x_scale[r])
                  for r in range(W)]
     gen = torch.Generator().manual_seed(case.seed + 1)
     weights = [torch.rand(T, cfg.experts_per_token, generator=gen) for T in case.num_tokens]
@@ -62,11 +77,17 @@ def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> No
                       [y.to(device) for y in expert_ys],
                       out_tokens=[o.to(device) for o in old] if accumulate else None,
                       accumulate=accumulate, bound_ms=bound_ms)
-    got = [g.cpu() for g in got]
-
     live = [live_indices(idx, b) for idx, b in zip(indices, bound_ms)]
-    R_used = [int(sum(-(-int(n) // cfg.expert_padding) * cfg.expert_padding for n in dispatched.num_tokens[r]))
-              if cfg.expert_capacity is None else world.layout.max_dispatch_rows for r in range(W)]
+    used = [int(sum(-(-int(n) // cfg.expert_padding) * cfg.expert_padding for n in dispatched.num_tokens[r]))
+            if cfg.expert_capacity is None else world.layout.max_dispatch_rows for r in range(W)]
+    return CombineRun(bound_ms, dispatched, expert_ys, weights, old, [g.cpu() for g in got], live, used)
+
+
+def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> None:
+    cfg, W = case.cfg, case.world_size
+    run = run_dispatch_expert_combine(case, case.world(device), toy_expert, accumulate, device)
+    bound_ms, expert_ys, weights, old, got, live, R_used = (run.bound_ms, run.expert_ys, run.weights, run.old,
+                                                            run.got, run.live, run.used_rows)
     want = reference.combine(cfg, live, [torch.nan_to_num(w, nan=0.0) for w in weights],
                              [expert_ys[r][:R_used[r]] for r in range(W)], old if accumulate else None)
     for r in range(W):

@@ -24,8 +24,8 @@ from moe_a2a.triton_kernels import _details as d
 from moe_a2a.triton_kernels.combine import reduce_combined_tokens
 
 from ..conftest import TEST_DEVICE, examples
-from .harness import FP8, Case, SimWorld, cases, live_indices, make_inputs, run_combine, run_dispatch, to_cpu, to_device
-from .test_combine import ATOL, RTOL, _reduce_args, toy_expert
+from .harness import FP8, Case, SimWorld, cases
+from .test_combine import ATOL, RTOL, _reduce_args, run_dispatch_expert_combine, toy_expert
 
 
 # ---- sizes ----------------------------------------------------------------------------------------
@@ -124,25 +124,8 @@ def check_combine_fp8(case: Case, accumulate: bool, device: str = TEST_DEVICE) -
     cfg, W = dataclasses.replace(case.cfg, combine_fp8=True), case.world_size
     world = SimWorld.create(cfg, W, case.node_size, device)
     lay = world.layout
-    xs, scales, indices = make_inputs(case, payload="values")
-    bound_ms = list(case.bound_m)
-    dispatched = to_cpu(run_dispatch(world, [x.to(device) for x in xs],
-                                     [s if s is None else s.to(device) for s in scales], indices, bound_ms))
-    expert_ys = [fp8_expert(case, r, dispatched.counts, dispatched.expert_x[r], dispatched.expert_x_scale[r])
-                 for r in range(W)]
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    weights = [torch.rand(T, cfg.experts_per_token, generator=gen) for T in case.num_tokens]
-    for w, idx in zip(weights, indices):
-        w[idx < 0] = float("nan")   # weights of masked routes must never be read
-    old = [(torch.randn(T, cfg.hidden_dim, generator=gen)).to(cfg.out_dtype) for T in case.num_tokens]
-
-    got = run_combine(world, to_device(dispatched, device), [w.to(device) for w in weights],
-                      [y.to(device) for y in expert_ys],
-                      out_tokens=[o.to(device) for o in old] if accumulate else None,
-                      accumulate=accumulate, bound_ms=bound_ms)
-    got = [g.cpu() for g in got]
-
-    live = [live_indices(idx, b) for idx, b in zip(indices, bound_ms)]
+    run = run_dispatch_expert_combine(case, world, fp8_expert, accumulate, device)
+    bound_ms, dispatched, expert_ys, weights, old, got, live, R_used = run
     # Every live route's slot in its home's recv buffer holds the quantised row of its expert output.
     rows = reference.expert_rows(cfg, live)
     arena = world.arena.cpu()
@@ -161,8 +144,6 @@ def check_combine_fp8(case: Case, accumulate: bool, device: str = TEST_DEVICE) -
         assert torch.equal(have[:, :H], q.view(torch.uint8)), f"home {s}: fp8 bytes"
         assert torch.equal(have[:, off:].contiguous().view(torch.float32), scale), f"home {s}: scales"
 
-    R_used = [int(sum(-(-int(n) // cfg.expert_padding) * cfg.expert_padding for n in dispatched.num_tokens[r]))
-              if cfg.expert_capacity is None else lay.max_dispatch_rows for r in range(W)]
     want = reference.combine_fp8(cfg, live, [torch.nan_to_num(w, nan=0.0) for w in weights],
                                  [expert_ys[r][:R_used[r]] for r in range(W)], old if accumulate else None)
     for r in range(W):
