@@ -85,9 +85,8 @@ def run_dispatch_expert_combine(case: Case, world, expert, accumulate: bool, dev
 
 def check_combine(case: Case, accumulate: bool, device: str = TEST_DEVICE) -> None:
     cfg, W = case.cfg, case.world_size
-    run = run_dispatch_expert_combine(case, case.world(device), toy_expert, accumulate, device)
-    bound_ms, expert_ys, weights, old, got, live, R_used = (run.bound_ms, run.expert_ys, run.weights, run.old,
-                                                            run.got, run.live, run.used_rows)
+    bound_ms, _, expert_ys, weights, old, got, live, R_used = run_dispatch_expert_combine(
+        case, case.world(device), toy_expert, accumulate, device)
     want = reference.combine(cfg, live, [torch.nan_to_num(w, nan=0.0) for w in weights],
                              [expert_ys[r][:R_used[r]] for r in range(W)], old if accumulate else None)
     for r in range(W):
