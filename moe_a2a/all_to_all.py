@@ -522,18 +522,21 @@ class AllToAll:
             rows = self._send_row[: x.shape[0]]
             staged = {"out_send_row": rows, "private_stage": (self.layout, self.rank)}
         by_rank = self.cfg.rank_rows
+        ranks = None
+        if by_rank:  # one row per (token, rank) at its slot (or private staging row), routed in the same launches
+            opened = self._rank_slot[: x.shape[0]]
+            relay = {"rank": self.rank} if self.layout.relay else {}  # rows to other nodes go to the relays
+            node = w.rank_split["route"]
+            ranks = routing.RankRoutes(self.layout, w.rank_rows[self.rank], opened, **relay,
+                                       out_node_slots=node.get("out_node_slots"),
+                                       node_ranks=node.get("node_experts", (0, 0)), **staged)
         routing.route_tokens(indices, self.cfg.num_experts, out_counts=w.own_counts, out_route_slot=slot,
                              bound_m=bound_m, epoch=w.node.epoch, bad_index=w.bad_index if on_gpu else None,
                              ready=w.route_ready if self.with_proxy else None, abort=abort,
                              bad_bound_m=w.bad_bound_m if on_gpu else None, **w.split["route"],
-                             **({} if by_rank else staged))
-        if by_rank:  # one row per (token, rank) at its slot (or private staging row); the pack writes its
-            # metadata too, before its count-row copy and publish, so peers read rows and metadata together
-            T = x.shape[0]
-            opened = self._rank_slot[:T]
-            relay = {"rank": self.rank} if self.layout.relay else {}  # rows to other nodes go to the relays
-            rank_rows.route_tokens_by_rank(indices, self.layout, w.rank_rows[self.rank], opened, bound_m=bound_m,
-                                           abort=abort, **w.rank_split["route"], **staged, **relay)
+                             **({} if by_rank else staged), ranks=ranks)
+        if by_rank:  # the pack writes the rows' metadata too, before its count-row copy and publish, so peers
+            # read rows and metadata together
             if not self.with_proxy:
                 rows = opened
             meta = {"row_meta": rank_rows.row_meta_args(indices, slot, w.own_counts, weights, self.cfg, self.layout,

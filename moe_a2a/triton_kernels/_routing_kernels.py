@@ -35,6 +35,40 @@ def _send_rows(slot, expert, run_start, is_live, sr_node_first, SR_L: tl.constex
     return tl.where(staged, SR_FIRST + index * (SR_HR + SR_P) + SR_HR + pos, slot)
 
 
+@triton.jit
+def _store_block_positions(dest, num_bins, local, pid, slot_ptr, num_routes, BLOCK_R: tl.constexpr):
+    """Sort a block's routes by bin (`dest`, num_bins = dead) and store each route's position in the block's
+    bin-major order (-1 for dead routes) at slot_ptr. Keys `bin * BLOCK_R + local` are unique, so any correct sort
+    gives the same order. Returns (sorted_key, sorted_is_live, slot, sorted_route): position `local` in sorted
+    order holds route `sorted_route`, a permutation, so each route's slot is written once and the store needs no
+    ordering."""
+    sorted_key = tl.sort(dest * BLOCK_R + local)
+    sorted_local = sorted_key % BLOCK_R
+    sorted_is_live = sorted_key < num_bins * BLOCK_R
+    slot = tl.where(sorted_is_live, local, -1)
+    sorted_route = pid.to(tl.int64) * BLOCK_R + sorted_local
+    tl.store(slot_ptr + sorted_route, slot, mask=sorted_route < num_routes)
+    return sorted_key, sorted_is_live, slot, sorted_route
+
+
+@triton.jit
+def _hist_totals(hist_ptr, hist_stride, col0, num_cols, num_blocks, pid, N_PAD: tl.constexpr, CHUNK_B: tl.constexpr):
+    """Columns [col0, col0 + num_cols) of the blocks' histogram rows: (total over all blocks, total over blocks
+    < pid, this block's row), each [N_PAD]."""
+    cols = tl.arange(0, N_PAD)
+    rows = tl.arange(0, CHUNK_B)
+    total = tl.zeros([N_PAD], dtype=tl.int32)
+    before = tl.zeros([N_PAD], dtype=tl.int32)
+    for start in range(0, num_blocks, CHUNK_B):
+        row = start + rows
+        tile = tl.load(hist_ptr + row[:, None].to(tl.int64) * hist_stride + col0 + cols[None, :],
+                       mask=(row[:, None] < num_blocks) & (cols[None, :] < num_cols), other=0)
+        total += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where(row[:, None] < pid, tile, 0), axis=0)
+    mine = tl.load(hist_ptr + pid.to(tl.int64) * hist_stride + col0 + cols, mask=cols < num_cols, other=0)
+    return total, before, mine
+
+
 # num_tokens is not specialised: T=1 would make it a constexpr int (no .to()) and every T a recompile;
 # nor is `abort` (an aborted call must not wait for a compile while its peers wait for it).
 @triton.jit(do_not_specialize=["num_tokens", "abort", "sr_node_first"])
@@ -43,10 +77,11 @@ def _route_tokens_block_kernel(
     bound_m_ptr,      # (1,) int32 live token count; read only when HAS_BOUND_M
     route_slot_ptr,   # (T, K) int32, contiguous: out, final slot (SINGLE) or in-block position
     counts_ptr,       # (E,) int32, element stride `stride_counts`: out, written only when SINGLE
-    hist_ptr,         # (num_blocks, E) int32 contiguous scratch: out, written only when not SINGLE
+    hist_ptr,         # (num_blocks, hist_stride) int32 scratch: out, written only when not SINGLE
     num_tokens,       # T
     num_experts,      # E
     stride_counts,    # elements between consecutive counts (a column of a [W, E] matrix view too)
+    hist_stride,      # E, or E + W with RANK_ALSO (the ranks' histogram after the experts')
     K: tl.constexpr,
     BLOCK_R: tl.constexpr,       # routes per program, a power of two
     E_BINS: tl.constexpr,        # next_pow2(E + 1): bin E collects dead routes
@@ -72,6 +107,9 @@ def _route_tokens_block_kernel(
     # goes to when it is the token's first route there, else it is dead (`_details.first_route_rank`)
     rk_experts=1, rk_sender=0, K_PAD: tl.constexpr = 1, RK_L: tl.constexpr = 1, RK_RELAY: tl.constexpr = False,
     RK_NODE: tl.constexpr = 1, RANK_KEYS: tl.constexpr = False,
+    # RANK_ALSO (not SINGLE): indices hold experts and the per-rank routing (as RANK_KEYS, over rk_ranks ranks) is
+    # made beside theirs: in-block positions into rank_slot_ptr, the ranks' histogram at column E of the hist row
+    rank_slot_ptr=None, rk_ranks=1, W_BINS: tl.constexpr = 1, RANK_ALSO: tl.constexpr = False,
 ):
     """Grid: one program per BLOCK_R consecutive routes (one program in total when SINGLE).
 
@@ -112,17 +150,9 @@ def _route_tokens_block_kernel(
     expert = raw.to(tl.int32)
     expert = tl.where(is_live, expert, num_experts)
 
-    # Unique keys: the sort order is fully determined, dead routes go last.
-    key = expert * BLOCK_R + local
-    sorted_key = tl.sort(key)
-    sorted_local = sorted_key % BLOCK_R
-    sorted_is_live = sorted_key < num_experts * BLOCK_R
-    # Position `local` in sorted order holds route `sorted_local`: a permutation, so each route's
-    # slot is written by exactly one element and the store needs no ordering.
-    slot = tl.where(sorted_is_live, local, -1)
-    sorted_route = pid.to(tl.int64) * BLOCK_R + sorted_local
-    tl.store(route_slot_ptr + sorted_route, slot, mask=sorted_route < num_routes)
-
+    # Dead routes go last.
+    sorted_key, sorted_is_live, slot, sorted_route = _store_block_positions(expert, num_experts, local, pid,
+                                                                            route_slot_ptr, num_routes, BLOCK_R)
     hist = tl.histogram(expert, E_BINS)  # integer counts: order-independent, hence deterministic
     bins = tl.arange(0, E_BINS)
     if SINGLE:
@@ -137,7 +167,15 @@ def _route_tokens_block_kernel(
         if HAS_READY:  # the proxy sends the counts once it sees the epoch
             d.publish_epoch(ready_ptr, epoch_ptr, USE_PTX)
     else:
-        tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
+        tl.store(hist_ptr + pid.to(tl.int64) * hist_stride + bins, hist, mask=bins < num_experts)
+        if RANK_ALSO:  # the token's first route to each rank, ranked in a second sort of the same block
+            dest = d.first_route_rank(indices_ptr, route, in_range, num_experts, K, K_PAD, RK_L, rk_sender, RK_RELAY,
+                                      RK_NODE)
+            dest = tl.where(in_range & (route // K < num_live_tokens) & (dest >= 0), dest, rk_ranks)
+            _store_block_positions(dest, rk_ranks, local, pid, rank_slot_ptr, num_routes, BLOCK_R)
+            rbins = tl.arange(0, W_BINS)
+            tl.store(hist_ptr + pid.to(tl.int64) * hist_stride + num_experts + rbins, tl.histogram(dest, W_BINS),
+                     mask=rbins < rk_ranks)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "sr_node_first"])
@@ -145,11 +183,12 @@ def _route_tokens_fixup_kernel(
     indices_ptr,      # (T, K) int32/int64, contiguous
     route_slot_ptr,   # (T, K) int32: in: in-block position or -1; out: final slot or -1
     counts_ptr,       # (E,) int32, element stride `stride_counts`: out (program 0 writes it)
-    hist_ptr,         # (num_blocks, E) int32 from _route_tokens_block_kernel
+    hist_ptr,         # (num_blocks, hist_stride) int32 from _route_tokens_block_kernel
     num_tokens,       # T
     num_experts,      # E
     num_blocks,       # programs of _route_tokens_block_kernel (= this grid)
     stride_counts,
+    hist_stride,      # as in _route_tokens_block_kernel
     K: tl.constexpr,
     BLOCK_R: tl.constexpr,       # same as _route_tokens_block_kernel
     E_PAD: tl.constexpr,         # next_pow2(E)
@@ -164,24 +203,27 @@ def _route_tokens_fixup_kernel(
     SEND_ROWS: tl.constexpr = False,
     rk_sender=0, RK_L: tl.constexpr = 1, RK_RELAY: tl.constexpr = False, RK_NODE: tl.constexpr = 1,  # as in
     RANK_KEYS: tl.constexpr = False,                                                                 # the block
+    # RANK_ALSO: the per-rank routing made beside the experts' (as in the block): rows per rank into
+    # rank_counts_ptr (stride stride_rank_counts), each opened row into rank_slot_ptr, this node's run of them into
+    # rank_node_slots_ptr (RHAS_NODE_SLOTS, ranks [rnode_lo, rnode_hi)); SEND_ROWS then applies to these rows
+    rank_counts_ptr=None, rank_slot_ptr=None, stride_rank_counts=1, rk_ranks=1, W_PAD: tl.constexpr = 1,
+    CHUNK_BW: tl.constexpr = 1, rank_node_slots_ptr=None, rnode_lo=0, rnode_hi=0,
+    RHAS_NODE_SLOTS: tl.constexpr = False, RANK_ALSO: tl.constexpr = False,
 ):
     """Grid: one program per block of _route_tokens_block_kernel. Each re-reads the whole histogram:
     total[e] over all blocks, before[e] over blocks < pid, and adds
     delta[e] = psum_excl(total)[e] + before[e] - psum_excl(hist[pid])[e] to its routes' positions."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    rows = tl.arange(0, CHUNK_B)
-    total = tl.zeros([E_PAD], dtype=tl.int32)
-    before = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_blocks, CHUNK_B):
-        row = start + rows
-        tile = tl.load(hist_ptr + row[:, None].to(tl.int64) * num_experts + experts[None, :],
-                       mask=(row[:, None] < num_blocks) & (experts[None, :] < num_experts), other=0)
-        total += tl.sum(tile, axis=0)
-        before += tl.sum(tl.where(row[:, None] < pid, tile, 0), axis=0)
-    mine = tl.load(hist_ptr + pid.to(tl.int64) * num_experts + experts, mask=experts < num_experts, other=0)
+    total, before, mine = _hist_totals(hist_ptr, hist_stride, 0, num_experts, num_blocks, pid, E_PAD, CHUNK_B)
     run_start = tl.cumsum(total, axis=0) - total
     delta = run_start + before - (tl.cumsum(mine, axis=0) - mine)
+    if RANK_ALSO:
+        ranks = tl.arange(0, W_PAD)
+        rtotal, rbefore, rmine = _hist_totals(hist_ptr, hist_stride, num_experts, rk_ranks, num_blocks, pid, W_PAD,
+                                              CHUNK_BW)
+        rrun_start = tl.cumsum(rtotal, axis=0) - rtotal
+        rdelta = rrun_start + rbefore - (tl.cumsum(rmine, axis=0) - rmine)
     if pid == 0:
         if CHECK_BOUND:
             bound = tl.load(bound_m_ptr)
@@ -189,7 +231,14 @@ def _route_tokens_fixup_kernel(
         tl.store(counts_ptr + experts.to(tl.int64) * stride_counts, total, mask=experts < num_experts)
         if HAS_NODE_SLOTS:
             _store_node_slots(node_slots_ptr, total, experts, node_lo, node_hi)
-        if HAS_READY:
+        if RANK_ALSO:
+            if CHECK_BOUND:
+                rbound = tl.load(bound_m_ptr)
+                rtotal = tl.where((rbound < 0) | (rbound > num_tokens), -1, rtotal)
+            tl.store(rank_counts_ptr + ranks.to(tl.int64) * stride_rank_counts, rtotal, mask=ranks < rk_ranks)
+            if RHAS_NODE_SLOTS:
+                _store_node_slots(rank_node_slots_ptr, rtotal, ranks, rnode_lo, rnode_hi)
+        if HAS_READY:  # after every count it publishes
             d.publish_epoch(ready_ptr, epoch_ptr, USE_PTX)
 
     route = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -201,7 +250,16 @@ def _route_tokens_fixup_kernel(
         expert = d.row_destination(expert // RK_L, rk_sender, RK_RELAY, RK_NODE)
     slot = position + tl.gather(delta, expert, 0)
     tl.store(route_slot_ptr + route, tl.where(is_live, slot, -1), mask=in_range)
-    if SEND_ROWS:
+    if SEND_ROWS and not RANK_ALSO:
         rows = _send_rows(slot, expert, run_start, is_live, sr_node_first, SR_L, SR_NODE, SR_P, SR_HR, SR_FIRST)
         tl.store(send_row_ptr + route, tl.where(is_live, rows, -1), mask=in_range)
+    if RANK_ALSO:  # a route that opens a row is live above too, so `expert` holds its expert
+        rposition = tl.load(rank_slot_ptr + route, mask=in_range, other=-1)
+        r_live = rposition >= 0
+        dest = tl.where(r_live, d.row_destination(expert // RK_L, rk_sender, RK_RELAY, RK_NODE), 0)
+        rslot = rposition + tl.gather(rdelta, dest, 0)
+        tl.store(rank_slot_ptr + route, tl.where(r_live, rslot, -1), mask=in_range)
+        if SEND_ROWS:
+            rows = _send_rows(rslot, dest, rrun_start, r_live, sr_node_first, SR_L, SR_NODE, SR_P, SR_HR, SR_FIRST)
+            tl.store(send_row_ptr + route, tl.where(r_live, rows, -1), mask=in_range)
 

@@ -23,6 +23,8 @@ Two paths, chosen by the launcher from T*K:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config import Layout, ceil_div, next_power_of_2
@@ -34,12 +36,41 @@ from ._routing_kernels import _route_tokens_block_kernel, _route_tokens_fixup_ke
 # shuffles), so one program sorting 1024 keys is slower than two launches over small blocks
 # (docs/perf-notes.md, "Routing").
 SINGLE_PROGRAM_MAX_ROUTES = 128
+# `route_tokens(ranks=)` routes the ranks in the experts' two launches; False: a call of its own after them
+# (the A/B of `benchmarks/gpu/wire_kernels.py --set triton_kernels.routing.FUSE_RANK_ROUTING=0`).
+FUSE_RANK_ROUTING = True
 
 
 def _block_routes_for(num_routes: int) -> int:
     """Routes per program on the two-launch path: ~16 blocks, within [64, 512] (1024 -> 64, 2048 -> 128,
     4096 -> 256, >= 8192 -> 512; the E=256 histogram each program re-reads from L2 stays <= 64 KB)."""
     return min(512, max(64, next_power_of_2(max(1, num_routes // 16))))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRoutes:
+    """The per-rank routing (`route_tokens(rank_keys=)`: rows per destination rank and the row each route opens)
+    made in the same launches as the experts' routing (`route_tokens(ranks=)`). Its fields are the arguments the
+    standalone call (`rank_rows.route_tokens_by_rank`) takes, with the same meaning; `node_ranks` is that call's
+    `node_experts` (this node's ranks), `out_send_row` / `private_stage` apply to the rows it opens."""
+    layout: Layout
+    out_counts: torch.Tensor
+    out_slot: torch.Tensor
+    rank: int | None = None
+    out_node_slots: torch.Tensor | None = None
+    node_ranks: tuple[int, int] = (0, 0)
+    out_send_row: torch.Tensor | None = None
+    private_stage: tuple[Layout, int] | None = None
+
+    def routing_args(self) -> dict:
+        """`route_tokens`' arguments for the same routing as a call of its own."""
+        return dict(out_counts=self.out_counts, out_route_slot=self.out_slot, rank_keys=(self.layout, self.rank),
+                    out_node_slots=self.out_node_slots, node_experts=self.node_ranks,
+                    out_send_row=self.out_send_row, private_stage=self.private_stage)
+
+    def key(self) -> tuple:
+        return (self.layout, self.out_counts, self.out_slot, self.rank, self.out_node_slots, self.node_ranks,
+                self.out_send_row, self.private_stage)
 
 
 def validate_indices(indices: torch.Tensor, num_experts: int) -> None:
@@ -72,6 +103,7 @@ def route_tokens(
     out_send_row: torch.Tensor | None = None,
     private_stage: tuple[Layout, int] | None = None,
     rank_keys: tuple[Layout, int | None] | None = None,
+    ranks: RankRoutes | None = None,
     _single_max_routes: int = SINGLE_PROGRAM_MAX_ROUTES,
     _block_routes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +143,10 @@ def route_tokens(
             its token's row goes to (its expert's rank, or with `layout.relay` for a rank of another node this
             `rank`'s relay there) when no live route k' < k of the token goes there, else the route is dead. So
             the counts are rows per destination rank and each live route's slot the row it opens.
+        ranks: optional `RankRoutes`, with experts in `indices`: also the per-rank routing (`rank_keys`), made in
+            the same two launches (its own sort of each block, its histogram beside the experts'; `ready` is
+            published once both counts are written; a bad `bound_m` writes -1 in both). Inputs of one program, or `out_send_row` given here (send
+            rows of the routes), make it a call of its own after this one.
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live
@@ -123,11 +159,30 @@ def route_tokens(
     `_block_routes` (a power of two) exist so tests can reach the two-launch path with small inputs
     (the interpreter's tl.sort costs seconds per 1024 keys).
     """
+    if ranks is not None:
+        if rank_keys is not None:
+            check.fail("ranks", "None with rank_keys (indices of experts, not ranks)", "both")
+        if not isinstance(ranks.layout, Layout) or ranks.layout.num_experts != num_experts:
+            check.fail("ranks", f"the RankRoutes of a layout of {num_experts} experts",
+                       f"{getattr(ranks.layout, 'num_experts', ranks.layout)}")
+    if ranks is not None and (not FUSE_RANK_ROUTING or out_send_row is not None
+                              or not isinstance(indices, torch.Tensor) or indices.dim() != 2
+                              or indices.numel() <= _single_max_routes):
+        # Not fused: the experts' routing, then the ranks' as a call of its own (its arguments checked first).
+        if isinstance(indices, torch.Tensor) and indices.dim() == 2:
+            _check_rank_routes(ranks, *indices.shape, indices.device)
+        route_tokens(indices, num_experts, out_counts, out_route_slot, bound_m, epoch=epoch, bad_index=bad_index,
+                     ready=ready, abort=abort, bad_bound_m=bad_bound_m, out_node_slots=out_node_slots,
+                     node_experts=node_experts, out_send_row=out_send_row, private_stage=private_stage,
+                     _single_max_routes=_single_max_routes, _block_routes=_block_routes)
+        route_tokens(indices, ranks.layout.world_size, bound_m=bound_m, abort=abort, bad_bound_m=bad_bound_m,
+                     **ranks.routing_args(), _single_max_routes=_single_max_routes, _block_routes=_block_routes)
+        return out_counts, out_route_slot
     key = None
     if isinstance(indices, torch.Tensor) and indices.is_cuda and out_counts is not None and out_route_slot is not None:
         key = launch.key(indices, num_experts, out_counts, out_route_slot, bound_m, epoch, bad_index, ready,
                          _single_max_routes, _block_routes, bool(abort), out_node_slots, tuple(node_experts), bad_bound_m,
-                         out_send_row, private_stage, rank_keys)
+                         out_send_row, private_stage, rank_keys, None if ranks is None else ranks.key())
         two = key in _FIXUP_KEYS
         if _BLOCK.has(key) and (not two or _FIXUP.has(key)) and _BLOCK.hit(key):
             if two and not _FIXUP.hit(key):
@@ -158,37 +213,27 @@ def route_tokens(
     if abort and T != 0:
         check.fail("abort", "T == 0 (an aborting rank sends no tokens)", f"T = {T}")
     if out_node_slots is not None:
-        check.tensor("out_node_slots", out_node_slots, dtypes=(torch.int32,), shape=(2,), device=device)
-        lo_e, hi_e = node_experts
-        if not 0 <= lo_e <= hi_e <= num_experts:
-            check.fail("node_experts", f"0 <= lo <= hi <= {num_experts}", str(node_experts))
-    if (out_send_row is None) != (private_stage is None):
-        check.fail("out_send_row", "together with private_stage=(layout, rank)", "only one of them")
-    if out_send_row is not None:
-        check.tensor("out_send_row", out_send_row, dtypes=(torch.int32,), shape=(T, K), device=device,
-                     strides="contiguous")
-        lay, rank = private_stage
-        # Per-rank rows route over ranks (num_experts = W "experts", one per rank): a rank's run is its one bin.
-        by_rank = lay.rank_rows and num_experts == lay.world_size
-        if (lay.num_experts != num_experts and not by_rank) or not 0 <= rank < lay.world_size:
-            check.fail("private_stage", f"a layout of {num_experts} experts (or ranks, with per-rank rows) and one "
-                       f"of its ranks", str(private_stage))
-        slots_args = dict(send_row_ptr=out_send_row, sr_node_first=lay.node_of(rank) * lay.node_size,
-                          SR_L=1 if by_rank else lay.num_local_experts, SR_NODE=lay.node_size, SR_P=lay.private_rows,
-                          SR_HR=lay.header_rows, SR_FIRST=lay.send_rows, SEND_ROWS=True)
-    else:
-        slots_args = {}
-    rank_args, block_rank_args = {}, {}
+        _check_node_slots(out_node_slots, node_experts, num_experts, device)
+    slots_args = _send_row_args(out_send_row, private_stage, num_experts, T, K, device)
+    rank_args, block_rank_args, fixup_rank_args, hist_stride = {}, {}, {}, num_experts
     if rank_keys is not None:
-        lay, rank = rank_keys
-        if not isinstance(lay, Layout) or num_experts != lay.world_size:
-            check.fail("rank_keys", f"(layout, rank) of a layout of {num_experts} ranks", str(rank_keys))
-        relay = lay.relay
-        if relay:
-            check.integer("rank_keys[1]", rank, 0, lay.world_size)
-        rank_args = dict(rk_sender=rank if relay else 0, RK_L=lay.num_local_experts, RK_RELAY=relay,
-                         RK_NODE=lay.node_size, RANK_KEYS=True)
-        block_rank_args = dict(rk_experts=lay.num_experts, K_PAD=next_power_of_2(K))
+        rank_args, block_rank_args = _rank_key_args(rank_keys, num_experts, K, "rank_keys")
+        rank_args["RANK_KEYS"] = True
+    if ranks is not None:  # the ranks' routing beside the experts' (see `ranks`)
+        lay = ranks.layout
+        W = lay.world_size
+        rank_args, block_rank_args = _rank_key_args((lay, ranks.rank), W, K, "ranks")
+        block_rank_args.update(rk_experts=num_experts)
+        slots_args = _check_rank_routes(ranks, T, K, device)
+        if ranks.out_node_slots is not None:
+            fixup_rank_args.update(rank_node_slots_ptr=ranks.out_node_slots, rnode_lo=ranks.node_ranks[0],
+                                   rnode_hi=ranks.node_ranks[1], RHAS_NODE_SLOTS=True)
+        rank_args.update(rank_slot_ptr=ranks.out_slot, rk_ranks=W, RANK_ALSO=True)
+        block_rank_args.update(W_BINS=next_power_of_2(W + 1))
+        w_pad = next_power_of_2(W)
+        fixup_rank_args.update(rank_counts_ptr=ranks.out_counts, stride_rank_counts=ranks.out_counts.stride(0),
+                               W_PAD=w_pad, CHUNK_BW=max(1, 4096 // w_pad))
+        hist_stride = num_experts + W
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,
                  CHECK=bad_index is not None, HAS_READY=ready is not None, USE_PTX=use_ptx)
@@ -213,7 +258,7 @@ def route_tokens(
     if single:
         _BLOCK.launch(
             key, (1,), indices, bound_arg, out_route_slot, out_counts, out_counts,
-            T, num_experts, out_counts.stride(0),
+            T, num_experts, out_counts.stride(0), hist_stride,
             K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=True,
             num_warps=4 if block_r <= 1024 else 8, abort=int(bool(abort)), **extra, **slots_args, **rank_args,
             **block_rank_args,
@@ -222,30 +267,81 @@ def route_tokens(
 
     num_blocks = ceil_div(num_routes, block_r)
     if key is not None:  # a remembered launch keeps its scratch address: one per shape, kept here
-        hist = _HIST.setdefault((device, num_blocks, num_experts), torch.empty(
-            num_blocks, num_experts, dtype=torch.int32, device=device))
+        hist = _HIST.setdefault((device, num_blocks, hist_stride), torch.empty(
+            num_blocks, hist_stride, dtype=torch.int32, device=device))
         if len(_FIXUP_KEYS) > 4096:  # forget all three together: a key must never lose its second half
             _FIXUP_KEYS.clear()
             _BLOCK.clear()
             _FIXUP.clear()
         _FIXUP_KEYS.add(key)
     else:
-        hist = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=device)
+        hist = torch.empty(num_blocks, hist_stride, dtype=torch.int32, device=device)
     _BLOCK.launch(
         key, (num_blocks,), indices, bound_arg, out_route_slot, out_counts, hist,
-        T, num_experts, out_counts.stride(0),
+        T, num_experts, out_counts.stride(0), hist_stride,
         K=K, BLOCK_R=block_r, E_BINS=e_bins, HAS_BOUND_M=bound_m is not None, SINGLE=False,
         num_warps=4, **extra, **rank_args, **block_rank_args,
     )
     e_pad = next_power_of_2(num_experts)
     _FIXUP.launch(
         key, (num_blocks,), indices, out_route_slot, out_counts, hist,
-        T, num_experts, num_blocks, out_counts.stride(0),
+        T, num_experts, num_blocks, out_counts.stride(0), hist_stride,
         K=K, BLOCK_R=block_r, E_PAD=e_pad, CHUNK_B=max(1, 4096 // e_pad),
         epoch_ptr=epoch, ready_ptr=ready, HAS_READY=ready is not None, USE_PTX=use_ptx,
-        bound_m_ptr=bound_arg, CHECK_BOUND=check_bound, num_warps=4, **slots_args, **rank_args,
+        bound_m_ptr=bound_arg, CHECK_BOUND=check_bound, num_warps=4, **slots_args, **rank_args, **fixup_rank_args,
     )
     return out_counts, out_route_slot
+
+
+def _check_node_slots(out_node_slots, node_experts, num_experts: int, device, prefix: str = "") -> None:
+    check.tensor(prefix + "out_node_slots", out_node_slots, dtypes=(torch.int32,), shape=(2,), device=device)
+    lo_e, hi_e = node_experts
+    if not 0 <= lo_e <= hi_e <= num_experts:
+        check.fail(prefix + ("node_ranks" if prefix else "node_experts"), f"0 <= lo <= hi <= {num_experts}",
+                   str(node_experts))
+
+
+def _send_row_args(out_send_row, private_stage, num_experts: int, T: int, K: int, device, prefix: str = "") -> dict:
+    """The kernels' send-row arguments (`out_send_row`, `private_stage`), checked; {} without them."""
+    if (out_send_row is None) != (private_stage is None):
+        check.fail(prefix + "out_send_row", "together with private_stage=(layout, rank)", "only one of them")
+    if out_send_row is None:
+        return {}
+    check.tensor(prefix + "out_send_row", out_send_row, dtypes=(torch.int32,), shape=(T, K), device=device,
+                 strides="contiguous")
+    lay, rank = private_stage
+    # Per-rank rows route over ranks (num_experts = W "experts", one per rank): a rank's run is its one bin.
+    by_rank = lay.rank_rows and num_experts == lay.world_size
+    if (lay.num_experts != num_experts and not by_rank) or not 0 <= rank < lay.world_size:
+        check.fail(prefix + "private_stage", f"a layout of {num_experts} experts (or ranks, with per-rank rows) and "
+                   f"one of its ranks", str(private_stage))
+    return dict(send_row_ptr=out_send_row, sr_node_first=lay.node_of(rank) * lay.node_size,
+                SR_L=1 if by_rank else lay.num_local_experts, SR_NODE=lay.node_size, SR_P=lay.private_rows,
+                SR_HR=lay.header_rows, SR_FIRST=lay.send_rows, SEND_ROWS=True)
+
+
+def _check_rank_routes(ranks: RankRoutes, T: int, K: int, device) -> dict:
+    """`RankRoutes`' tensors checked (named `ranks.<field>`); returns its send-row arguments (`_send_row_args`)."""
+    W = ranks.layout.world_size
+    check.tensor("ranks.out_counts", ranks.out_counts, dtypes=(torch.int32,), shape=(W,), device=device,
+                 host_ok=True, strides="any")
+    check.tensor("ranks.out_slot", ranks.out_slot, dtypes=(torch.int32,), shape=(T, K), device=device,
+                 strides="contiguous")
+    if ranks.out_node_slots is not None:
+        _check_node_slots(ranks.out_node_slots, ranks.node_ranks, W, device, "ranks.")
+    return _send_row_args(ranks.out_send_row, ranks.private_stage, W, T, K, device, "ranks.")
+
+
+def _rank_key_args(rank_keys, num_ranks: int, K: int, name: str) -> tuple[dict, dict]:
+    """Both kernels' and the block kernel's arguments of the per-rank keys (`rank_keys` or `ranks`), checked."""
+    lay, rank = rank_keys
+    if not isinstance(lay, Layout) or num_ranks != lay.world_size:
+        check.fail(name, f"(layout, rank) of a layout of {num_ranks} ranks", str(rank_keys))
+    relay = lay.relay
+    if relay:
+        check.integer(f"{name}[1]", rank, 0, lay.world_size)
+    return (dict(rk_sender=rank if relay else 0, RK_L=lay.num_local_experts, RK_RELAY=relay, RK_NODE=lay.node_size),
+            dict(rk_experts=lay.num_experts, K_PAD=next_power_of_2(K)))
 
 
 _BLOCK = launch.LaunchCache(_route_tokens_block_kernel)
@@ -253,4 +349,4 @@ _FIXUP = launch.LaunchCache(_route_tokens_fixup_kernel)
 _FIXUP_KEYS: set = set()  # keys whose launch has the second kernel
 _HIST: dict = {}
 
-__all__ = ["route_tokens", "validate_indices", "SINGLE_PROGRAM_MAX_ROUTES"]
+__all__ = ["route_tokens", "validate_indices", "RankRoutes", "SINGLE_PROGRAM_MAX_ROUTES"]

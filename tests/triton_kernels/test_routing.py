@@ -6,6 +6,8 @@ only one test uses the decode size.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from moe_a2a import reference
 from moe_a2a.protocol import plan
 from moe_a2a.config import A2AConfig
-from moe_a2a.triton_kernels.routing import route_tokens, validate_indices
+from moe_a2a.triton_kernels.routing import RankRoutes, route_tokens, validate_indices
 
 # Forces the two-launch path (histogram + fix-up) with 16 routes per block, so several blocks and
 # routes of one token straddling a block edge show up at small T.
@@ -298,6 +300,89 @@ def test_rank_keys_route_each_tokens_first_route_per_rank(T, K, W_node, L, relay
     assert torch.equal(counts, want_counts) and torch.equal(slot, want_slot)
     want_counts, want_slot = oracle(keys, W, bound)  # and the plain oracle of those keys
     assert torch.equal(counts, want_counts) and torch.equal(slot, want_slot)
+
+
+@pytest.mark.timeout(240)
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    T=st.integers(0, 20),
+    K=st.integers(1, 9),
+    W_node=st.sampled_from([(1, 1), (2, 2), (3, 1), (4, 2), (6, 3), (8, 4)]),
+    L=st.sampled_from([1, 2, 3]),
+    relay=st.booleans(),
+    skew=st.booleans(),
+    bound=st.one_of(st.none(), st.integers(-1, 24)),
+    staged=st.booleans(),
+    multi=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_ranks_routed_beside_the_experts_equal_two_calls(T, K, W_node, L, relay, skew, bound, staged, multi, seed):
+    """`route_tokens(ranks=RankRoutes(...))`: the experts' and the ranks' routing in the same launches write what
+    the two calls apart write (counts, slots, node slots, the ranks' send rows, the published epoch); a bad
+    bound_m writes -1 in both count rows and leaves every route dead."""
+    W, node = W_node
+    E = W * L
+    relay = relay and W > node
+    lay = A2AConfig(max_num_tokens=max(T, 1), num_experts=E, experts_per_token=K, hidden_dim=8,
+                    in_dtype=torch.float32, dispatch_rows="rank", combine_rows="rank").layout(W, node, relay=relay)
+    gen = torch.Generator().manual_seed(seed)
+    indices = make_indices(T, K, E, 0.2, torch.int32, gen)
+    if skew:
+        indices = torch.where(indices >= 0, indices[:, :1].clamp(min=0), indices)
+    rank = int(torch.randint(0, W, (), generator=gen))
+    first = lay.node_of(rank) * node
+    dev = TEST_DEVICE
+    bound_m = None if bound is None else torch.tensor([bound], dtype=torch.int32, device=dev)
+
+    def run(fused: bool):
+        out = dict(counts=torch.full((E,), -7, dtype=torch.int32, device=dev),
+                   slot=torch.full((T, K), -7, dtype=torch.int32, device=dev),
+                   node_slots=torch.full((2,), -7, dtype=torch.int32, device=dev),
+                   rank_counts=torch.full((W,), -7, dtype=torch.int32, device=dev),
+                   rank_slot=torch.full((T, K), -7, dtype=torch.int32, device=dev),
+                   rank_node_slots=torch.full((2,), -7, dtype=torch.int32, device=dev),
+                   send_row=torch.full((T, K), -7, dtype=torch.int32, device=dev),
+                   epoch=torch.zeros(1, dtype=torch.int64, device=dev),
+                   ready=torch.zeros(1, dtype=torch.int64, device=dev),
+                   bad_bound=torch.zeros(1, dtype=torch.int64, device=dev))
+        stage = dict(out_send_row=out["send_row"], private_stage=(lay, rank)) if staged else {}
+        ranks = RankRoutes(lay, out["rank_counts"], out["rank_slot"], rank=rank if relay else None,
+                           out_node_slots=out["rank_node_slots"], node_ranks=(first, first + node), **stage)
+        common = dict(bound_m=bound_m, **(MULTI if multi else SINGLE))
+        experts = dict(out_counts=out["counts"], out_route_slot=out["slot"], epoch=out["epoch"], ready=out["ready"],
+                       bad_bound_m=out["bad_bound"] if bound is not None else None,
+                       out_node_slots=out["node_slots"], node_experts=lay.node_experts(rank), **common)
+        if fused:
+            route_tokens(indices.to(dev), E, ranks=ranks, **experts)
+        else:
+            route_tokens(indices.to(dev), E, **experts)
+            route_tokens(indices.to(dev), W, **ranks.routing_args(), bad_bound_m=experts["bad_bound_m"], **common)
+        return {k: v.cpu() for k, v in out.items()}
+
+    got, want = run(True), run(False)
+    if bound is not None and not 0 <= bound <= T:
+        assert bool((got["rank_counts"] == -1).all()) and bool((got["rank_slot"] == -1).all())
+        assert bool((got["counts"] == -1).all()) and bool((got["slot"] == -1).all())
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
+    assert int(got["ready"]) == int(got["epoch"]) == 1
+
+
+@pytest.mark.timeout(60)
+def test_ranks_refuse_rank_keys_and_a_layout_of_other_experts():
+    cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=8, in_dtype=torch.float32,
+                    dispatch_rows="rank", combine_rows="rank")
+    lay = cfg.layout(4, 2)
+    idx = torch.zeros(4, 2, dtype=torch.int32)
+    ranks = RankRoutes(lay, torch.zeros(4, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="ranks: expected None with rank_keys"):
+        route_tokens(idx, 4, rank_keys=(lay, 0), ranks=ranks)
+    with pytest.raises(ValueError, match="ranks: expected the RankRoutes of a layout of 16 experts"):
+        route_tokens(torch.zeros(64, 2, dtype=torch.int32), 16, ranks=dataclasses.replace(
+            ranks, out_slot=torch.zeros(64, 2, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="ranks.out_counts"):
+        route_tokens(torch.zeros(64, 2, dtype=torch.int32), 8, ranks=RankRoutes(
+            lay, torch.zeros(3, dtype=torch.int32), torch.zeros(64, 2, dtype=torch.int32)))
 
 
 @pytest.mark.timeout(60)
