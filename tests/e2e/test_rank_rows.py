@@ -22,9 +22,9 @@ T, K, H = 6, 3, 40
 
 
 def _cfg(world: int, combine_rows: str, **kw) -> A2AConfig:
-    kw = {"hidden_dim": H, **kw}
-    return A2AConfig(max_num_tokens=T, num_experts=2 * world, experts_per_token=K, dispatch_rows="rank",
-                     combine_rows=combine_rows, **kw)
+    kw = {"hidden_dim": H, "max_num_tokens": T, **kw}
+    return A2AConfig(num_experts=2 * world, experts_per_token=K, dispatch_rows="rank", combine_rows=combine_rows,
+                     **kw)
 
 
 def _inputs(cfg: A2AConfig, world: int, seed: int, skew: bool, tokens: list[int]):
@@ -195,6 +195,20 @@ def _bad_then_good(a2a, rank, cfg):
     a2a.dispatch(num, ex, exs, x, None, idx, weights=w)
     a2a.combine(torch.zeros(2, H, dtype=cfg.out_dtype, device=dev), idx, w, ex.to(cfg.out_dtype))
     return seen
+
+
+@pytest.mark.parametrize("world, node, transport", [(2, 2, "shm"), (4, 2, "tcp")], ids=["W2", "W4-N2-TCP-P1"])
+def test_ranks_routed_in_the_experts_launches_match_reference(world, node, transport):
+    """T*K past the one-program routing (48 x 3 routes): the ranks are routed in the experts' two launches
+    (`route_tokens(ranks=)`), across nodes with the remote peers' first row staged privately; bitwise the
+    reference in the interpreter."""
+    tokens = [48, 41, 48, 0][:world]
+    cfg = _cfg(world, "rank", max_num_tokens=48, max_private_tokens=1)
+    xs, scales, idxs, ws = _inputs(cfg, world, 11, False, tokens)
+    with LocalCluster(cfg, world_size=world, node_size=node, transport=transport, device=TEST_DEVICE,
+                      timeout_s=60) as cl:
+        results = cl.run(_call, cfg, xs, scales, idxs, ws, None, False)
+    _check(cfg, world, results, xs, scales, idxs, ws, None, False)
 
 
 def test_missing_weights_abort_the_call_on_every_rank():
