@@ -328,16 +328,17 @@ def _unpack_tokens_by_expert_kernel(
         else:
             e_ptr, e_stride_e, e_stride_s = out_qscale_ptr, stride_out_qscale_e, stride_out_qscale_s
         for l in range(pid, L, num_programs):
-            tile, c, is_row, n_l = nxt, nxt_c, nxt_row, nxt_n
+            sc_tile, sc_c, sc_row, sc_n = nxt, nxt_c, nxt_row, nxt_n
             nxt, nxt_c, nxt_row, nxt_n = d.load_expert_scales(
                 l + num_programs, 0, cnt_2d, first_2d, rest_2d, split_2d, ok, base_i32, PREFETCH_WORD, num_out_rows,
                 L, L_PAD, CAPACITY, SD_BYTES, PREFETCH_COLS, BLOCK_S, PREFETCH_BLOCK)
-            d.store_expert_scales(tile, l, c, is_row, e_ptr, e_stride_e, e_stride_s, PREFETCH_COLS, PREFETCH_BLOCK)
-            for c0 in range(BLOCK_S, n_l, BLOCK_S):  # an expert of more than BLOCK_S rows
-                tile, c, is_row, _ = d.load_expert_scales(
+            d.store_expert_scales(sc_tile, l, sc_c, sc_row, e_ptr, e_stride_e, e_stride_s, PREFETCH_COLS,
+                                  PREFETCH_BLOCK)
+            for c0 in range(BLOCK_S, sc_n, BLOCK_S):  # an expert of more than BLOCK_S rows
+                more, more_c, more_row, _ = d.load_expert_scales(
                     l, c0, cnt_2d, first_2d, rest_2d, split_2d, ok, base_i32, PREFETCH_WORD, num_out_rows,
                     L, L_PAD, CAPACITY, SD_BYTES, PREFETCH_COLS, BLOCK_S, PREFETCH_BLOCK)
-                d.store_expert_scales(tile, l, c, is_row, e_ptr, e_stride_e, e_stride_s, PREFETCH_COLS,
+                d.store_expert_scales(more, l, more_c, more_row, e_ptr, e_stride_e, e_stride_s, PREFETCH_COLS,
                                       PREFETCH_BLOCK)
     elif SCALES_BY_EXPERT or QSCALES_BY_EXPERT:
         # One local expert at a time (l = pid, pid + G, ...): its rows c < min(tot[l], CAPACITY) sit at

@@ -171,7 +171,7 @@ def _route_tokens_block_kernel(
         if RANK_ALSO:  # the token's first route to each rank, ranked in a second sort of the same block
             dest = d.first_route_rank(indices_ptr, route, in_range, num_experts, K, K_PAD, RK_L, rk_sender, RK_RELAY,
                                       RK_NODE)
-            dest = tl.where(in_range & (route // K < num_live_tokens) & (dest >= 0), dest, rk_ranks)
+            dest = tl.where(in_range & (route // K < num_live_tokens) & (dest >= 0), dest, rk_ranks).to(tl.int32)
             _store_block_positions(dest, rk_ranks, local, pid, rank_slot_ptr, num_routes, BLOCK_R)
             rbins = tl.arange(0, W_BINS)
             tl.store(hist_ptr + pid.to(tl.int64) * hist_stride + num_experts + rbins, tl.histogram(dest, W_BINS),

@@ -85,6 +85,19 @@ def main(world: int, node: int) -> None:
             _compile(_routing_kernels._route_tokens_fixup_kernel, route_ptrs,
                      dict(K=8, BLOCK_R=64, E_PAD=next_power_of_2(W), CHUNK_B=16, **rank_rows, **keys)),
         ]
+        # The ranks routed in the experts' two launches (`route_tokens(ranks=)`), staged rows and node slots.
+        fused = dict(RK_L=L, RK_RELAY=relay, RK_NODE=node, RANK_ALSO=True)
+        fused_ptrs = dict(route_ptrs, rank_slot_ptr="*i32", rank_counts_ptr="*i32", rank_node_slots_ptr="*i32")
+        kernels += [
+            _compile(_routing_kernels._route_tokens_block_kernel, fused_ptrs,
+                     dict(K=8, K_PAD=8, BLOCK_R=64, E_BINS=next_power_of_2(lay.num_experts + 1),
+                          W_BINS=next_power_of_2(W + 1), HAS_BOUND_M=True, SINGLE=False, HAS_EPOCH=True, CHECK=True,
+                          CHECK_BOUND=True, **fused)),
+            _compile(_routing_kernels._route_tokens_fixup_kernel, fused_ptrs,
+                     dict(K=8, BLOCK_R=64, E_PAD=next_power_of_2(lay.num_experts), CHUNK_B=16,
+                          W_PAD=next_power_of_2(W), CHUNK_BW=16, HAS_READY=True, USE_PTX=True, CHECK_BOUND=True,
+                          HAS_NODE_SLOTS=True, RHAS_NODE_SLOTS=True, **rank_rows, **fused)),
+        ]
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"
     print("compiled", [k.name for k in kernels])
@@ -227,6 +240,15 @@ def main_rank_rows() -> None:
                           BLOCK_E=256, HAS_SCALES=True, CAPACITY=64, CAPACITY_WORD=1, ABORT_WORD=2, HAS_RANGES=True,
                           ABORT_AT_COMBINE=True, **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")},
                           **sync)),
+            # DeepEP's column-major scales of a fused quantisation, the by-expert pass pipelined
+            _compile(_dispatch_kernels._unpack_tokens_by_expert_kernel, dict(ptrs, out_qscale_ptr="*i32"),
+                     dict(PAD=1, P=lay.private_rows, PRIVATE_OFFSET_BYTES=0, HEADER_ROWS=lay.header_rows,
+                          X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
+                          SD_BYTES=cfg.dispatch_stride_bytes, WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512,
+                          BLOCK_E=256, HAS_SCALES=True, CAPACITY=64, CAPACITY_WORD=1, ABORT_WORD=2, Q_SCALE_WORD=1792,
+                          Q_WORDS=56, QSCALES_BY_EXPERT=True, BLOCK_QC=64, PREFETCH_SCALES=True, PREFETCH_WORD=1792,
+                          PREFETCH_COLS=56, PREFETCH_BLOCK=64,
+                          **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")}, **sync)),
             _compile(_combine_kernels._pack_combine_by_source_kernel, dict(ptrs, expert_y_ptr="*i32"),
                      dict(PAD=1, Y_WORDS=3584, SC_BYTES=cfg.combine_stride_bytes, WORD_BYTES=4, ALIGN_WORDS=4,
                           BLOCK_R=16, BLOCK_W=512, BLOCK_E=256, COMBINE_RECV_BYTES=lay.combine_recv_offset_bytes,
