@@ -22,6 +22,19 @@ def _store_node_slots(node_slots_ptr, counts, experts, node_lo, node_hi):
 
 
 @triton.jit
+def _store_counts(counts_ptr, stride_counts, total, bins, num_bins, bound_m_ptr, num_tokens, CHECK_BOUND: tl.constexpr,
+                  node_slots_ptr, node_lo, node_hi, HAS_NODE_SLOTS: tl.constexpr):
+    """The fix-up's count row (-1 in every count when CHECK_BOUND finds bound_m outside [0, T]: the call aborts)
+    and its node run (`_store_node_slots`)."""
+    if CHECK_BOUND:
+        bound = tl.load(bound_m_ptr)
+        total = tl.where((bound < 0) | (bound > num_tokens), -1, total)
+    tl.store(counts_ptr + bins.to(tl.int64) * stride_counts, total, mask=bins < num_bins)
+    if HAS_NODE_SLOTS:
+        _store_node_slots(node_slots_ptr, total, bins, node_lo, node_hi)
+
+
+@triton.jit
 def _send_rows(slot, expert, run_start, is_live, sr_node_first, SR_L: tl.constexpr, SR_NODE: tl.constexpr,
                SR_P: tl.constexpr, SR_HR: tl.constexpr, SR_FIRST: tl.constexpr):
     """Each route's send row: its slot, or for the first SR_P routes to a remote rank their row in that rank's
@@ -225,19 +238,11 @@ def _route_tokens_fixup_kernel(
         rrun_start = tl.cumsum(rtotal, axis=0) - rtotal
         rdelta = rrun_start + rbefore - (tl.cumsum(rmine, axis=0) - rmine)
     if pid == 0:
-        if CHECK_BOUND:
-            bound = tl.load(bound_m_ptr)
-            total = tl.where((bound < 0) | (bound > num_tokens), -1, total)
-        tl.store(counts_ptr + experts.to(tl.int64) * stride_counts, total, mask=experts < num_experts)
-        if HAS_NODE_SLOTS:
-            _store_node_slots(node_slots_ptr, total, experts, node_lo, node_hi)
+        _store_counts(counts_ptr, stride_counts, total, experts, num_experts, bound_m_ptr, num_tokens, CHECK_BOUND,
+                      node_slots_ptr, node_lo, node_hi, HAS_NODE_SLOTS)
         if RANK_ALSO:
-            if CHECK_BOUND:
-                rbound = tl.load(bound_m_ptr)
-                rtotal = tl.where((rbound < 0) | (rbound > num_tokens), -1, rtotal)
-            tl.store(rank_counts_ptr + ranks.to(tl.int64) * stride_rank_counts, rtotal, mask=ranks < rk_ranks)
-            if RHAS_NODE_SLOTS:
-                _store_node_slots(rank_node_slots_ptr, rtotal, ranks, rnode_lo, rnode_hi)
+            _store_counts(rank_counts_ptr, stride_rank_counts, rtotal, ranks, rk_ranks, bound_m_ptr, num_tokens,
+                          CHECK_BOUND, rank_node_slots_ptr, rnode_lo, rnode_hi, RHAS_NODE_SLOTS)
         if HAS_READY:  # after every count it publishes
             d.publish_epoch(ready_ptr, epoch_ptr, USE_PTX)
 

@@ -262,20 +262,29 @@ def first_route_ranks(indices: torch.Tensor, E: int, L: int, rank: int | None, n
     return out
 
 
+# The routings of the per-rank rows' tests: tokens, top-k, (ranks, ranks a node), experts a rank, the relay's
+# mapping, skew (every live route of a token to one expert), a random seed.
+RANK_ROUTINGS = dict(T=st.integers(0, 20), K=st.integers(1, 9),
+                     W_node=st.sampled_from([(1, 1), (2, 2), (3, 1), (4, 2), (6, 3), (8, 4)]),
+                     L=st.sampled_from([1, 2, 3]), relay=st.booleans(), skew=st.booleans(), multi=st.booleans(),
+                     seed=st.integers(0, 2**31 - 1))
+
+
+def _rank_routing(T, K, W, node, L, relay, skew, dtype, seed):
+    """(layout of per-rank rows, indices [T, K] with -1 routes, the generator after them) of `RANK_ROUTINGS`."""
+    lay = A2AConfig(max_num_tokens=max(T, 1), num_experts=W * L, experts_per_token=K, hidden_dim=8,
+                    in_dtype=torch.float32, dispatch_rows="rank", combine_rows="rank").layout(W, node, relay=relay)
+    gen = torch.Generator().manual_seed(seed)
+    indices = make_indices(T, K, W * L, 0.2, dtype, gen)
+    if skew:  # duplicates: every live route of a token to one expert
+        indices = torch.where(indices >= 0, indices[:, :1].clamp(min=0), indices)
+    return lay, indices, gen
+
+
 @pytest.mark.timeout(180)
 @settings(deadline=None, max_examples=examples(25))
-@given(
-    T=st.integers(0, 20),
-    K=st.integers(1, 9),
-    W_node=st.sampled_from([(1, 1), (2, 2), (3, 1), (4, 2), (6, 3), (8, 4)]),
-    L=st.sampled_from([1, 2, 3]),
-    relay=st.booleans(),
-    skew=st.booleans(),
-    bound=st.one_of(st.none(), st.integers(0, 24)),
-    dtype=st.sampled_from([torch.int32, torch.int64]),
-    multi=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(**RANK_ROUTINGS, bound=st.one_of(st.none(), st.integers(0, 24)),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_rank_keys_route_each_tokens_first_route_per_rank(T, K, W_node, L, relay, skew, bound, dtype, multi, seed):
     """`rank_keys=(layout, rank)`: the routing of the ranks of each token's first route there (the relay's
     mapping with `layout.relay`), made inside the routing's own launches, equals `route_tokens` over those
@@ -283,12 +292,7 @@ def test_rank_keys_route_each_tokens_first_route_per_rank(T, K, W_node, L, relay
     W, node = W_node
     E = W * L
     relay = relay and W > node
-    lay = A2AConfig(max_num_tokens=max(T, 1), num_experts=E, experts_per_token=K, hidden_dim=8,
-                    in_dtype=torch.float32, dispatch_rows="rank", combine_rows="rank").layout(W, node, relay=relay)
-    gen = torch.Generator().manual_seed(seed)
-    indices = make_indices(T, K, E, 0.2, dtype, gen)
-    if skew:  # duplicates: every live route of a token to one expert
-        indices = torch.where(indices >= 0, indices[:, :1].clamp(min=0), indices)
+    lay, indices, gen = _rank_routing(T, K, W, node, L, relay, skew, dtype, seed)
     if T and K > 1:  # out of range: dead here (the routing of the routes reports them)
         indices[0, K - 1] = E + 3
     rank = int(torch.randint(0, W, (), generator=gen))
@@ -304,18 +308,7 @@ def test_rank_keys_route_each_tokens_first_route_per_rank(T, K, W_node, L, relay
 
 @pytest.mark.timeout(240)
 @settings(deadline=None, max_examples=examples(20))
-@given(
-    T=st.integers(0, 20),
-    K=st.integers(1, 9),
-    W_node=st.sampled_from([(1, 1), (2, 2), (3, 1), (4, 2), (6, 3), (8, 4)]),
-    L=st.sampled_from([1, 2, 3]),
-    relay=st.booleans(),
-    skew=st.booleans(),
-    bound=st.one_of(st.none(), st.integers(-1, 24)),
-    staged=st.booleans(),
-    multi=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(**RANK_ROUTINGS, bound=st.one_of(st.none(), st.integers(-1, 24)), staged=st.booleans())
 def test_ranks_routed_beside_the_experts_equal_two_calls(T, K, W_node, L, relay, skew, bound, staged, multi, seed):
     """`route_tokens(ranks=RankRoutes(...))`: the experts' and the ranks' routing in the same launches write what
     the two calls apart write (counts, slots, node slots, the ranks' send rows, the published epoch); a bad
@@ -323,12 +316,7 @@ def test_ranks_routed_beside_the_experts_equal_two_calls(T, K, W_node, L, relay,
     W, node = W_node
     E = W * L
     relay = relay and W > node
-    lay = A2AConfig(max_num_tokens=max(T, 1), num_experts=E, experts_per_token=K, hidden_dim=8,
-                    in_dtype=torch.float32, dispatch_rows="rank", combine_rows="rank").layout(W, node, relay=relay)
-    gen = torch.Generator().manual_seed(seed)
-    indices = make_indices(T, K, E, 0.2, torch.int32, gen)
-    if skew:
-        indices = torch.where(indices >= 0, indices[:, :1].clamp(min=0), indices)
+    lay, indices, gen = _rank_routing(T, K, W, node, L, relay, skew, torch.int32, seed)
     rank = int(torch.randint(0, W, (), generator=gen))
     first = lay.node_of(rank) * node
     dev = TEST_DEVICE
