@@ -495,34 +495,6 @@ def expert_rows_source(c, cnt_l, first_l, rest_l, split_l, STRIDE_BYTES: tl.cons
 
 
 @triton.jit
-def load_expert_scales(l, c0, cnt_2d, first_2d, rest_2d, split_2d, ok, src_ptr, src_word, num_out_rows,
-                       L: tl.constexpr, L_PAD: tl.constexpr, CAPACITY: tl.constexpr, SD_BYTES: tl.constexpr,
-                       COLS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Local expert l's scale words of its rows c0 + [0, BLOCK_S) (COLS <= BLOCK_C of them, from word
-    `src_word` of each row's slot), loaded for a later `store_expert_scales`; l >= L loads nothing.
-    Returns (tile [BLOCK_S, BLOCK_C] int32, the rows' slot c [BLOCK_S] int64, is_row [BLOCK_S], n_l)."""
-    cnt_l, first_l, rest_l, split_l = expert_pair_row(l, cnt_2d, first_2d, rest_2d, split_2d, L_PAD)
-    n_l = tl.where(l < L, tl.minimum(tl.sum(cnt_l, axis=0), CAPACITY), 0)
-    n_l = tl.where(ok, n_l, 0)
-    c = c0 + tl.arange(0, BLOCK_S).to(tl.int64)
-    is_row = (c < n_l) & (l * CAPACITY + c < num_out_rows)
-    src_words = expert_rows_source(c, cnt_l, first_l, rest_l, split_l, SD_BYTES) // 4 + src_word
-    cols = tl.arange(0, BLOCK_C)
-    mask = is_row[:, None] & (cols < COLS)[None, :]
-    return tl.load(src_ptr + src_words[:, None] + cols[None, :], mask=mask), c, is_row, n_l
-
-
-@triton.jit
-def store_expert_scales(tile, l, c, is_row, dst_ptr, stride_e, stride_s, COLS: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-    """`load_expert_scales`' tile to expert l's rows c of an `[L, C, COLS]` output whose rows are adjacent
-    words (DeepEP's column-major scales): each column's stores run along the rows."""
-    cols = tl.arange(0, BLOCK_C)
-    mask = is_row[:, None] & (cols < COLS)[None, :]
-    tl.store(dst_ptr + (l * stride_e + c)[:, None] + cols[None, :] * stride_s, tile, mask=mask)
-
-
-@triton.jit
 def expert_row_words(out_row, stride_e, stride_r, CAPACITY: tl.constexpr):
     """Where output row `out_row` starts in a `[R, cols]` tensor (row stride `stride_r`) or, with CAPACITY C,
     in an `[L, C, cols]` one of any strides: `(row // C) * stride_e + (row % C) * stride_r` (a 2-D tensor

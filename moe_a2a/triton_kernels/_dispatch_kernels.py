@@ -244,11 +244,6 @@ def _unpack_tokens_by_expert_kernel(
     # that its stores coalesce along the rows; BLOCK_SC / BLOCK_QC columns at a time.
     SCALES_BY_EXPERT: tl.constexpr = False, QSCALES_BY_EXPERT: tl.constexpr = False,
     BLOCK_S: tl.constexpr = 8, BLOCK_SC: tl.constexpr = 1, BLOCK_QC: tl.constexpr = 1,
-    # With PREFETCH_SCALES (exactly one of the two by-expert outputs, PREFETCH_COLS <= PREFETCH_BLOCK columns
-    # from payload word PREFETCH_WORD): the pass is pipelined, each expert's first BLOCK_S rows loaded one
-    # expert ahead and the program's first expert before the row copy.
-    PREFETCH_SCALES: tl.constexpr = False, PREFETCH_WORD: tl.constexpr = 0, PREFETCH_COLS: tl.constexpr = 0,
-    PREFETCH_BLOCK: tl.constexpr = 1,
 ):
     """Compiled as `moe_a2a::dispatch()` (`_launch.compiled_as`, for profilers that look for it).
 
@@ -302,10 +297,6 @@ def _unpack_tokens_by_expert_kernel(
     base_words = base_ptr.to(tl.pointer_type(word_ty))
     base_i32 = base_ptr.to(tl.pointer_type(tl.int32))
     num_tiles = tl.cdiv(num_rows, BLOCK_R).to(tl.int32)
-    if PREFETCH_SCALES:  # in flight during the row copy: these loads' latency was the by-expert pass's cost
-        nxt, nxt_c, nxt_row, nxt_n = d.load_expert_scales(
-            pid, 0, cnt_2d, first_2d, rest_2d, split_2d, ok, base_i32, PREFETCH_WORD, num_out_rows,
-            L, L_PAD, CAPACITY, SD_BYTES, PREFETCH_COLS, BLOCK_S, PREFETCH_BLOCK)
     for tile in range(pid, num_tiles, num_programs):
         is_row, out_row, src_bytes = d.tile_rows(tile, num_rows, cnt, dense_start, out_start, first_bytes,
                                                  rest_bytes, split, SD_BYTES, BLOCK_R, True, fit, CAPACITY > 0)
@@ -322,25 +313,7 @@ def _unpack_tokens_by_expert_kernel(
                                d.expert_row_words(out_row, stride_out_qscale_e, stride_out_qscale_r, CAPACITY),
                                stride_out_qscale_s, is_row, Q_WORDS, BLOCK_W)
 
-    if PREFETCH_SCALES:
-        if SCALES_BY_EXPERT:
-            e_ptr, e_stride_e, e_stride_s = out_scale_ptr, stride_out_scale_e, stride_out_scale_s
-        else:
-            e_ptr, e_stride_e, e_stride_s = out_qscale_ptr, stride_out_qscale_e, stride_out_qscale_s
-        for l in range(pid, L, num_programs):
-            sc_tile, sc_c, sc_row, sc_n = nxt, nxt_c, nxt_row, nxt_n
-            nxt, nxt_c, nxt_row, nxt_n = d.load_expert_scales(
-                l + num_programs, 0, cnt_2d, first_2d, rest_2d, split_2d, ok, base_i32, PREFETCH_WORD, num_out_rows,
-                L, L_PAD, CAPACITY, SD_BYTES, PREFETCH_COLS, BLOCK_S, PREFETCH_BLOCK)
-            d.store_expert_scales(sc_tile, l, sc_c, sc_row, e_ptr, e_stride_e, e_stride_s, PREFETCH_COLS,
-                                  PREFETCH_BLOCK)
-            for c0 in range(BLOCK_S, sc_n, BLOCK_S):  # an expert of more than BLOCK_S rows
-                more, more_c, more_row, _ = d.load_expert_scales(
-                    l, c0, cnt_2d, first_2d, rest_2d, split_2d, ok, base_i32, PREFETCH_WORD, num_out_rows,
-                    L, L_PAD, CAPACITY, SD_BYTES, PREFETCH_COLS, BLOCK_S, PREFETCH_BLOCK)
-                d.store_expert_scales(more, l, more_c, more_row, e_ptr, e_stride_e, e_stride_s, PREFETCH_COLS,
-                                      PREFETCH_BLOCK)
-    elif SCALES_BY_EXPERT or QSCALES_BY_EXPERT:
+    if SCALES_BY_EXPERT or QSCALES_BY_EXPERT:
         # One local expert at a time (l = pid, pid + G, ...): its rows c < min(tot[l], CAPACITY) sit at
         # l * C + c, so a tile of them stores adjacent words; its four table rows in one reduction.
         for l in range(pid, L, num_programs):

@@ -33,10 +33,6 @@ from .node_sync import NodeSync, launch_wait_apart
 from .quant import Fp8Quantize, check_fused_quantize
 from ._dispatch_kernels import _pack_tokens_by_expert_kernel, _unpack_tokens_by_expert_kernel
 
-# The by-expert scale pass (DeepEP's column-major scales) pipelined one expert ahead, a program's first expert
-# loaded before its row copy; False: one expert after the other (the A/B of `benchmarks/gpu/facade_gap.py --set`).
-PREFETCH_EXPERT_SCALES = True
-
 
 def pack_tokens_by_expert(
     x: torch.Tensor,
@@ -232,8 +228,7 @@ def unpack_tokens_by_expert(
         if isinstance(quantize, dict):  # hashable for the launch key (checked after a miss)
             quantize = check_fused_quantize("quantize", quantize, cfg)
         key = launch.key(out_expert_num_tokens, out_expert_x, out_expert_x_scale, counts, rank, base, peer_send_bytes,
-                         recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, quantize, out_quantized_scale,
-                         PREFETCH_EXPERT_SCALES)
+                         recv_bytes, cfg, layout, node, copy_bytes, out_source_ranges, quantize, out_quantized_scale)
         if _UNPACK.hit(key):
             return
     W, L, E, device, R = check.expert_rows("out_expert_x", out_expert_x, cfg.in_dtype, cfg, layout)
@@ -289,13 +284,6 @@ def unpack_tokens_by_expert(
                      QSCALES_BY_EXPERT=bool(C and quant_args and stride_q[0] == 1),
                      BLOCK_SC=min(next_power_of_2(S), 64) if cfg.has_scales else 1,
                      BLOCK_QC=min(next_power_of_2(quant_args.get("Q_WORDS", 1)), 64))
-    if PREFETCH_EXPERT_SCALES and by_expert["SCALES_BY_EXPERT"] != by_expert["QSCALES_BY_EXPERT"]:
-        cols, block = ((S, by_expert["BLOCK_SC"]) if by_expert["SCALES_BY_EXPERT"]
-                       else (quant_args["Q_WORDS"], by_expert["BLOCK_QC"]))
-        word = (cfg.dispatch_scale_offset_bytes // 4 if by_expert["SCALES_BY_EXPERT"]
-                else quant_args["Q_SCALE_WORD"])
-        if cols <= block:
-            by_expert.update(PREFETCH_SCALES=True, PREFETCH_WORD=word, PREFETCH_COLS=cols, PREFETCH_BLOCK=block)
     grid, block_r = launch.persistent_grid(device, layout)
     sync_args = {} if node is None else node.kernel_args("dispatch_recv", device)
     _UNPACK.launch(

@@ -240,14 +240,13 @@ def main_rank_rows() -> None:
                           BLOCK_E=256, HAS_SCALES=True, CAPACITY=64, CAPACITY_WORD=1, ABORT_WORD=2, HAS_RANGES=True,
                           ABORT_AT_COMBINE=True, **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")},
                           **sync)),
-            # DeepEP's column-major scales of a fused quantisation, the by-expert pass pipelined
+            # DeepEP's column-major scales of a fused quantisation (the by-expert pass)
             _compile(_dispatch_kernels._unpack_tokens_by_expert_kernel, dict(ptrs, out_qscale_ptr="*i32"),
                      dict(PAD=1, P=lay.private_rows, PRIVATE_OFFSET_BYTES=0, HEADER_ROWS=lay.header_rows,
                           X_WORDS=cfg.x_bytes // 4, S=cfg.num_scales, SCALE_OFFSET_BYTES=cfg.dispatch_scale_offset_bytes,
                           SD_BYTES=cfg.dispatch_stride_bytes, WORD_BYTES=4, ALIGN_WORDS=4, BLOCK_R=16, BLOCK_W=512,
                           BLOCK_E=256, HAS_SCALES=True, CAPACITY=64, CAPACITY_WORD=1, ABORT_WORD=2, Q_SCALE_WORD=1792,
-                          Q_WORDS=56, QSCALES_BY_EXPERT=True, BLOCK_QC=64, PREFETCH_SCALES=True, PREFETCH_WORD=1792,
-                          PREFETCH_COLS=56, PREFETCH_BLOCK=64,
+                          Q_WORDS=56, QSCALES_BY_EXPERT=True, BLOCK_QC=64,
                           **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")}, **sync)),
             _compile(_combine_kernels._pack_combine_by_source_kernel, dict(ptrs, expert_y_ptr="*i32"),
                      dict(PAD=1, Y_WORDS=3584, SC_BYTES=cfg.combine_stride_bytes, WORD_BYTES=4, ALIGN_WORDS=4,

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from moe_a2a import reference
 from moe_a2a.protocol import plan
 from moe_a2a.runtime.checks import check_dispatch_outputs
-from moe_a2a.triton_kernels import dispatch as dispatch_module
 from moe_a2a.triton_kernels.dispatch import pack_tokens_by_expert, unpack_tokens_by_expert
 from moe_a2a.triton_kernels.quant import Fp8Quantize
 
@@ -299,14 +298,6 @@ def test_unpack_scales_into_a_3d_output(case: Case, layout: str) -> None:
     check_scales_3d(case, layout)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", SCALE_3D_CASES)
-def test_unpack_scales_into_a_3d_output_expert_by_expert(case: Case, monkeypatch) -> None:
-    """DeepEP's layout with the by-expert scale pass unpipelined (the `PREFETCH_EXPERT_SCALES` A/B)."""
-    monkeypatch.setattr(dispatch_module, "PREFETCH_EXPERT_SCALES", False)
-    check_scales_3d(case, "deep_ep")
-
-
 @st.composite
 def capacity_cases(draw) -> Case:
     """`cases()` with scales and a capacity that fits every route (C % 4 drawn: 0 to 3 past the worst)."""
@@ -350,7 +341,7 @@ QUANT_SCALE_CASES = [
                       num_tokens=(1, 1, 1, 1), bound_m=(None,) * 4, hidden_dim=7168, scale_block=7168,
                       routing="topk", expert_capacity=6),
                  Fp8Quantize(scale_offset_bytes=7168, block=128, ue8m0=True), id="W4-N2-H7168-C6-UE8M0x14"),
-    # More local experts than programs and experts of more rows than a scale tile (the pass's pipeline).
+    # More local experts than programs (3 in the interpreter) and experts of more rows than a scale tile.
     pytest.param(Case(world_size=2, node_size=1, num_local_experts=8, experts_per_token=4, max_num_tokens=16,
                       num_tokens=(16, 11), bound_m=(None, None), hidden_dim=40, routing="topk", expert_capacity=32),
                  Fp8Quantize(scale_offset_bytes=40, block=16), id="W2-N1-L8-C32-FP32x3"),
@@ -404,14 +395,6 @@ def check_quantized_scales(case: Case, quantize: Fp8Quantize, layout: str, devic
 @pytest.mark.parametrize("case, quantize", QUANT_SCALE_CASES)
 def test_unpack_quantized_scales_out_of_the_payload(case: Case, quantize: Fp8Quantize, layout: str) -> None:
     check_quantized_scales(case, quantize, layout)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("case, quantize", QUANT_SCALE_CASES)
-def test_unpack_quantized_scales_expert_by_expert(case: Case, quantize: Fp8Quantize, monkeypatch) -> None:
-    """DeepEP's layout with the by-expert scale pass unpipelined (the `PREFETCH_EXPERT_SCALES` A/B)."""
-    monkeypatch.setattr(dispatch_module, "PREFETCH_EXPERT_SCALES", False)
-    check_quantized_scales(case, quantize, "deep_ep")
 
 
 @pytest.mark.gpu(reason="the quantised scales' output with compiled kernels")
