@@ -69,8 +69,10 @@ class RankRoutes:
                     out_send_row=self.out_send_row, private_stage=self.private_stage)
 
     def key(self) -> tuple:
-        return (self.layout, self.out_counts, self.out_slot, self.rank, self.out_node_slots, self.node_ranks,
-                self.out_send_row, self.private_stage)
+        """Its part of a remembered launch's key: tensors by address, dtype, shape and strides (`launch.key`), so
+        a new view of the same rows (a call's `opened[:T]`) hits again."""
+        return launch.key(self.layout, self.out_counts, self.out_slot, self.rank, self.out_node_slots,
+                          self.node_ranks, self.out_send_row, self.private_stage)
 
 
 def validate_indices(indices: torch.Tensor, num_experts: int) -> None:
@@ -145,8 +147,8 @@ def route_tokens(
             the counts are rows per destination rank and each live route's slot the row it opens.
         ranks: optional `RankRoutes`, with experts in `indices`: also the per-rank routing (`rank_keys`), made in
             the same two launches (its own sort of each block, its histogram beside the experts'; `ready` is
-            published once both counts are written; a bad `bound_m` writes -1 in both). Inputs of one program, or `out_send_row` given here (send
-            rows of the routes), make it a call of its own after this one.
+            published once both counts are written; a bad `bound_m` writes -1 in both). Inputs of one program,
+            or `out_send_row` given here (send rows of the routes), make it a call of its own after this one.
 
     Returns:
         `(counts [E] int32, route_slot [T, K] int32)`: counts of live routes per expert; each live

@@ -357,6 +357,21 @@ def test_ranks_routed_beside_the_experts_equal_two_calls(T, K, W_node, L, relay,
 
 
 @pytest.mark.timeout(60)
+def test_rank_routes_key_a_new_view_of_the_same_rows_alike():
+    """A remembered launch's key holds `RankRoutes`' tensors by address, dtype, shape and strides: each call's new
+    view of the same rows (`opened[:T]`) hits the launch the last call remembered; other rows do not."""
+    cfg = A2AConfig(max_num_tokens=8, num_experts=8, experts_per_token=2, hidden_dim=8, in_dtype=torch.float32,
+                    dispatch_rows="rank", combine_rows="rank")
+    lay = cfg.layout(4, 2)
+    counts, slots = torch.zeros(4, 4, dtype=torch.int32), torch.zeros(8, 2, dtype=torch.int32)
+    one, two = (RankRoutes(lay, counts[0], slots[:6], out_send_row=slots[2:], private_stage=(lay, 0))
+                for _ in range(2))
+    assert one.key() == two.key() and hash(one.key()) == hash(two.key())
+    assert RankRoutes(lay, counts[1], slots[:6]).key() != RankRoutes(lay, counts[0], slots[:6]).key()
+    assert RankRoutes(lay, counts[0], slots[:5]).key() != RankRoutes(lay, counts[0], slots[:6]).key()
+
+
+@pytest.mark.timeout(60)
 def test_ranks_refuse_rank_keys_and_a_layout_of_other_experts():
     cfg = A2AConfig(max_num_tokens=4, num_experts=8, experts_per_token=2, hidden_dim=8, in_dtype=torch.float32,
                     dispatch_rows="rank", combine_rows="rank")
