@@ -233,8 +233,9 @@ def route_tokens(
         rank_args.update(rank_slot_ptr=ranks.out_slot, rk_ranks=W, RANK_ALSO=True)
         block_rank_args.update(W_BINS=next_power_of_2(W + 1))
         w_pad = next_power_of_2(W)
+        # blocks a step of the ranks' histogram pass: ~16 at decode, so 64 rows, not 4096 // W_PAD mostly masked
         fixup_rank_args.update(rank_counts_ptr=ranks.out_counts, stride_rank_counts=ranks.out_counts.stride(0),
-                               W_PAD=w_pad, CHUNK_BW=max(1, 4096 // w_pad))
+                               W_PAD=w_pad, CHUNK_BW=max(1, min(64, 4096 // w_pad)))
         hist_stride = num_experts + W
     use_ptx = device.type == "cuda"
     extra = dict(epoch_ptr=epoch, bad_index_ptr=bad_index, ready_ptr=ready, HAS_EPOCH=epoch is not None,

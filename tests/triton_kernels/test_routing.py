@@ -356,6 +356,20 @@ def test_ranks_routed_beside_the_experts_equal_two_calls(T, K, W_node, L, relay,
     assert int(got["ready"]) == int(got["epoch"]) == 1
 
 
+@pytest.mark.timeout(240)
+def test_ranks_routed_beside_the_experts_over_more_blocks_than_a_histogram_step():
+    """68 blocks of 16 routes (more than the fix-up reads of the ranks' histogram a step): the same counts and
+    slots as the two calls apart."""
+    T, K, W, node, L = 136, 8, 8, 4, 2
+    lay, indices, _ = _rank_routing(T, K, W, node, L, True, False, torch.int32, 3)
+    dev, kw = TEST_DEVICE, dict(_single_max_routes=0, _block_routes=16)
+    got = [torch.empty(n, dtype=torch.int32, device=dev) for n in ((W * L,), (T, K), (W,), (T, K))]
+    route_tokens(indices.to(dev), W * L, got[0], got[1], ranks=RankRoutes(lay, got[2], got[3], rank=5), **kw)
+    want = route_tokens(indices.to(dev), W * L, **kw) + route_tokens(indices.to(dev), W, rank_keys=(lay, 5), **kw)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w.cpu())
+
+
 @pytest.mark.timeout(60)
 def test_rank_routes_key_a_new_view_of_the_same_rows_alike():
     """A remembered launch's key holds `RankRoutes`' tensors by address, dtype, shape and strides: each call's new
