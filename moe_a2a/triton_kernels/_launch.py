@@ -76,7 +76,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_device_calls_skip_repatching()
 
 # Persistent programs per SM of the unpack / combine-pack kernels: 1 beats 2 and 4 on H200
-# (docs/perf-notes.md).
+# (docs/perf-notes.md); a fraction gives a rank that share of the SMs.
 PROGRAMS_PER_SM = 1
 # Programs of those kernels without a GPU (interpreter): few, but more than one, so the persistent
 # loop's stride is exercised.
@@ -146,7 +146,7 @@ def persistent_grid(device: torch.device, layout: Layout,
     max_rows = layout.max_recv_routes
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index) * PROGRAMS_PER_SM
+        programs = max(1, int(_sm_count(index) * PROGRAMS_PER_SM))  # a fraction: a share of the SMs
         rows_per_tile = rows_per_tile[1] if layout.max_routes > LARGE_ROUTES else rows_per_tile[0]
     else:
         programs, rows_per_tile = CPU_PROGRAMS, CPU_ROWS_PER_TILE

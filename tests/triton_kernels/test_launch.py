@@ -131,3 +131,18 @@ def test_interpreter_nested_calls_skip_repatching_and_the_launch_restores_the_la
     _row_sums_kernel[(1,)](x, out, R=4, C=8)
     assert torch.equal(out, x.sum(dim=1) + torch.tensor([0.0, 1.0, 3.0, 6.0]))
     assert (tl.sum, tl.load, tl.core.load, tl.core.reshape, tl.core.tensor.__add__) == before
+
+
+def test_a_fraction_of_programs_per_sm_gives_a_whole_grid_of_at_least_one(monkeypatch):
+    from moe_a2a.config import A2AConfig
+
+    layout = A2AConfig(max_num_tokens=128, num_experts=16, experts_per_token=4, hidden_dim=64).layout(2, 2)
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    grids = {}
+    for share in (1, 0.25, 0.001):
+        monkeypatch.setattr(launch, "PROGRAMS_PER_SM", share)
+        (programs,), rows = launch.persistent_grid(cuda, layout, (2, 8))
+        grids[share] = programs
+        assert isinstance(programs, int) and rows == 2
+    assert grids == {1: min(132, -(-layout.max_recv_routes // 2)), 0.25: 33, 0.001: 1}
