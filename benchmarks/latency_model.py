@@ -1449,9 +1449,11 @@ _RBS_WHY = (
     "(fp8 +18) on the combine, which its fewer NVLink bytes more than take back (one node: 162 -> 144 / 107 µs). "
     "The runs' one-node combine is 404 / 433 µs against the route rows' 164 (the totals +276 / +302 over "
     "per_route), and across the emulated NIC the totals are +347 / +362 over per_route (1127 / 1142 against "
-    "780) where the walk gives +82 / +42. No file in docs/results times that kernel with more "
-    "than 2 ranks on the GPU (at W=2 end to end the combine is 60.3 against 40.0 µs, gpu-2026-12-02-s11/lease3/"
-    "bytes_table_fp8.md: +20 µs, stretched to W=8 +56, still a fifth of it), so the term is named, not added: "
+    "780) where the walk gives +82 / +42. Timed with 8 ranks on one "
+    "H200 (docs/results/gpu-2026-12-07d/w8_kernels/wk_w8n8.json, rank 0's kernels by position) the reduce by "
+    "source takes 77.5 against the pack's 53.0 µs: +24.5, near the walk's +20; the runs' excess is in the waits "
+    "between the ranks (rank 0's combine receive waits 51.8 against 8.7 µs for its peers' sends), for which the "
+    "lock-step walk has no term, so the term is named, not added: "
     "item 0's first bullet (the reduce no slower than per-route) is what removes it")
 _DRIFT_WHY = (
     "sender_reduced's dispatch kernels are per_rank_dispatch's (its rows carry the K weights, 32 B more), so the "

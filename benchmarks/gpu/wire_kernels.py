@@ -6,8 +6,9 @@ Ranks of one node on this GPU (run under MPS for kernel waits: `nvidia-cuda-mps-
         [--set triton_kernels.rank_rows.REDUCE_ROWS_PER_TILE=(4,8) ...]  # a kernel variant, in every rank
 
 Prints, per variant, rank 0's kernels in launch order with the median GPU time of each position (torch profiler
-over graph replays; `_timing.kernel_positions`). A data kernel's time starts after its separate wait kernel
-(ranks sharing a GPU wait apart), so it is its own work, not its peers'.
+over graph replays; `_timing.kernel_positions`), then each position's slowest rank. A data kernel's time starts
+after its separate wait kernel (ranks sharing a GPU wait apart), so it is its own work, not its peers'. The JSON
+keeps rank 0's positions under "kernels" and every rank's under "ranks".
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def _apply_sets(sets):
         module = importlib.import_module("moe_a2a." + mod)
         getattr(module, attr)  # a name that is not there is a typo, not a variant
         setattr(module, attr, ast.literal_eval(value))
+
+
+def _slowest(rows):
+    """Per launch position: (name, the largest of the ranks' median µs, the rank that took it)."""
+    return [(name, *max((row[i][1], r) for r, row in enumerate(rows))) for i, (name, _) in enumerate(rows[0])]
 
 
 def _rank(a2a, rank, reps, sets=()):
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
     from moe_a2a.bench.kernels import PRESETS
     from moe_a2a.config import A2AConfig, wire_config
 
-    results = {}
+    results, every_rank = {}, {}
     for wire in a.wires.split(","):
         base = A2AConfig(**PRESETS[a.preset], in_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16)
         cfg = wire_config(base, wire)
@@ -87,13 +93,16 @@ def main(argv=None) -> int:
             with LocalCluster(cfg, world_size=a.world, node_size=a.node or a.world, transport=a.transport,
                               device="cuda", timeout_s=a.timeout, gpu_wait="kernel") as cl:
                 rows = cl.run(_rank, a.reps, a.set)
-            results[wire] = rows[0]
+            results[wire], every_rank[wire] = rows[0], rows
+            print(wire, json.dumps(rows[0]))
+            print(wire, "slowest rank a position", json.dumps(_slowest(rows)))
         except Exception as e:  # noqa: BLE001 - one variant's failure is its result
             results[wire] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(wire, json.dumps(results[wire]))
+            print(wire, json.dumps(results[wire]))
     if a.out:
         Path(a.out).write_text(json.dumps({"world": a.world, "node": a.node or a.world, "transport": a.transport,
-                                           "preset": a.preset, "set": a.set, "kernels": results}, indent=1))
+                                           "preset": a.preset, "set": a.set, "kernels": results,
+                                           "ranks": every_rank}, indent=1))
     return 0
 
 
