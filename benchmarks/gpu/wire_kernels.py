@@ -35,8 +35,8 @@ def _apply_sets(sets):
 
 
 def _slowest(rows):
-    """Per launch position: (name, the largest of the ranks' median µs, the rank that took it)."""
-    return [(name, *max((row[i][1], r) for r, row in enumerate(rows))) for i, (name, _) in enumerate(rows[0])]
+    """Per launch position every rank has: (name, the largest of the ranks' median µs, the rank that took it)."""
+    return [(at[0][0], *max((us, r) for r, (_, us) in enumerate(at))) for at in zip(*rows)]
 
 
 def _rank(a2a, rank, reps, sets=()):

@@ -76,7 +76,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_device_calls_skip_repatching()
 
 # Persistent programs per SM of the unpack / combine-pack kernels: 1 beats 2 and 4 on H200
-# (docs/perf-notes.md); a fraction gives a rank that share of the SMs.
+# (docs/perf-notes.md). A fraction gives a rank that share of the SMs (a probe: slower with 8 ranks a GPU).
 PROGRAMS_PER_SM = 1
 # Programs of those kernels without a GPU (interpreter): few, but more than one, so the persistent
 # loop's stride is exercised.
