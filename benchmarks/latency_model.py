@@ -572,7 +572,7 @@ class Setup:
     # fans the rows out over NVLink; the combine reduced inside the experts' node (rows per (token, rank)
     # and the sender-side reduce underneath: the kernels it builds on).
     relay: bool = False
-    relay_split: bool = False     # what-if: each relay write split over the GPU's NICs
+    relay_split: bool = False     # each relay write in pieces, one per proxy (the library with k > 1 proxies)
 
 
 def _dispatch_row_bytes(s: Setup) -> int:
@@ -818,9 +818,9 @@ def _dispatch_relay(s: Setup, early: bool = False) -> Path:
 
 
 def _relay_writes(s: Setup, size: float, writes: int) -> list[float]:
-    """The relay's writes of a phase: one per remote node; split over the NICs with `relay_split`, each
-    proxy (one per NIC on EFA) then posting one part of every write."""
-    k = s.fab.nics if s.relay_split else 1
+    """The relay's writes of a phase: one per remote node; with `relay_split` (the library with k > 1 proxies:
+    `Layout.wire_pieces`) each in k pieces, proxy j (NIC j on EFA) posting piece j of every write."""
+    k = s.proxies if s.relay_split else 1
     return [size / k] * (writes * k)
 
 
@@ -859,7 +859,7 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
           staged_remote_only: bool = False, rank_rows: bool = False,
           sender_reduce: bool = False, fp8_combine: bool = False, shared_gpu: bool | None = None,
           emu_gpu_factor: float | None = None, emulated_nic: tuple | None = None, relay: bool = False,
-          relay_split: bool = False) -> Setup:
+          relay_split: bool | None = None) -> Setup:
     """`proxies`: None = the library's default (one per NIC on EFA, else 1), capped by the remote peers.
     `post_us`: the proxy's Python per posted write at bench speed; None = the measured one
     (POST_PY_PRIVATE_US / POST_PY_COMBINE_US per table; the emulated NIC: its carrier's EMU_POST_US).
@@ -872,7 +872,9 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
     NIC), its settings (MOE_A2A_EMULATED_NIC; None: full speed).
     `relay` (issue 46): one write per remote node, fanned out over NVLink by the GPU with the sender's local
     index there, the combine reduced inside the experts' node; it implies `rank_rows` and `sender_reduce`;
-    `relay_split` (what-if): each of its writes split over the GPU's NICs (NIC j to NIC j: still rail-aligned)."""
+    `relay_split`: each of its writes in pieces, one per proxy (NIC j to NIC j: still rail-aligned); None = as the
+    library (pieces whenever a rank runs several proxies, one per NIC on EFA), False = whole writes (what-if: the
+    protocol before the pieces, the proxies sharing the few rail writes)."""
     node = min(node, world)
     if world < 2 or world % node or NUM_EXPERTS % world:
         raise ValueError(f"world must be a multiple of the node size ({node}) dividing {NUM_EXPERTS}, got {world}")
@@ -902,7 +904,7 @@ def setup(world: int, fabric_name: str | None, node: int = GPUS_PER_NODE, speed:
     return Setup(world, node, fab, factor, post_us, staged, proxies, staged_remote_only,
                  "rank" if rank_rows else "route", "rank" if sender_reduce else "route", bool(fp8_combine), share,
                  at, tuple(emulated_nic) if emulated_nic else None, bool(relay) and node < world,
-                 bool(relay_split) and bool(relay))
+                 (proxies > 1 if relay_split is None else bool(relay_split)) and bool(relay))
 
 
 # The node-local runs on the shared GPU, by world size (the fitting data of shared_gpu_factor).
@@ -1630,11 +1632,10 @@ WIRES = {"per_route": {}, "per_rank_dispatch": {"rank_rows": True},
 
 # (label, keywords) of the relay's what-ifs (EFA): each row one command of the page's "Run it".
 RELAY_SENSITIVITY = [
-    ("`--wire relay` (as above)", {}),
-    ("`--relay-split`: each write split over the GPU's two NICs", {"relay_split": True}),
+    ("`--wire relay` (as above: each write in 2 pieces, one per NIC)", {}),
+    ("`--relay-whole-writes`: each write whole, on one NIC (the protocol before the pieces)", {"relay_split": False}),
     ("`--speed bench`", {"speed": "bench"}),
     ("`--efa-efficiency 1.0` (EFA at line rate)", {"efa_efficiency": 1.0}),
-    ("`--relay-split --efa-efficiency 1.0`", {"relay_split": True, "efa_efficiency": 1.0}),
 ]
 
 
@@ -1860,8 +1861,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a wire variant by name (moe_a2a/reference.py WIRE_VARIANTS), or the relay of issue 46 "
                          "(a prediction); instead of --rank-rows / --sender-reduce, with "
                          "--fp8-combine where it applies")
-    ap.add_argument("--relay-split", action="store_true",
-                    help="what-if with --wire relay: each relay write split over the GPU's NICs")
+    ap.add_argument("--relay-whole-writes", action="store_true",
+                    help="what-if with --wire relay: each relay write whole, on one NIC (the library splits each "
+                         "in one piece per proxy)")
     args = ap.parse_args(argv)
     if args.proxies is not None and args.proxies < 1:
         ap.error(f"--proxies must be >= 1, got {args.proxies}")
@@ -1869,8 +1871,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--sender-reduce needs --rank-rows (the weights travel with the per-(token, rank) rows)")
     if args.wire and (args.rank_rows or args.sender_reduce):
         ap.error("--wire names the rows itself: not with --rank-rows / --sender-reduce")
-    if args.relay_split and args.wire != "relay":
-        ap.error("--relay-split needs --wire relay")
+    if args.relay_whole_writes and args.wire != "relay":
+        ap.error("--relay-whole-writes needs --wire relay")
     kw = dict(speed=args.speed, post_us=args.post_us, host_staged=True if args.host_staged else None,
               efa_efficiency=args.efa_efficiency, proxies=args.proxies)
     if args.rank_rows or args.fp8_combine:
@@ -1879,8 +1881,8 @@ def main(argv: list[str] | None = None) -> int:
         kw.update(WIRES[args.wire])
         if args.fp8_combine:
             kw["fp8_combine"] = True
-        if args.relay_split:
-            kw["relay_split"] = True
+        if args.relay_whole_writes:
+            kw["relay_split"] = False
     cal = calibration()
     rows = table(**kw)
     print("Calibration: the model against our measurements")

@@ -210,9 +210,10 @@ def kernel_tables(counts: np.ndarray, rank: int, lay, device: str = "cpu") -> tu
         at = lay.private_header_offset_bytes(s)
         base[at: at + lay.routing_row_bytes] = torch.tensor(counts[s], dtype=torch.int32).view(torch.uint8)
     base = base.to(dev)
-    tables = torch.full((int(WriteTable.NUM_TABLES), W, 4), -7, dtype=torch.int64, device=dev)
+    tables = torch.full((int(WriteTable.NUM_TABLES), 1, W, 4), -7, dtype=torch.int64, device=dev)  # whole writes
     write_plan.plan_private_writes(c, tables, epoch, flags, rank, lay)
     write_plan.plan_remainder_and_combine_writes(c, tables, node, base, 0, rank, lay)
+    tables = tables[:, 0]
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     got = tables.cpu().numpy().copy()

@@ -63,6 +63,8 @@ class AllToAll:
             and `.reason` saying how they were chosen; over tcp/shm the provider's first) or a list of names.
         proxies: proxy processes per rank, peer p carried by proxy p % k (`Layout.proxy_shard`): an int in
             [1, wire peers] or "auto" (one per NIC on EFA, else 1); the same on every rank (docs/protocol.md, 3.5).
+            Under the relay every proxy carries every rail peer: each write goes as k pieces, piece j by proxy j
+            (`Layout.wire_pieces`), so a rank's few rail writes use all its NICs; k up to 16 there.
         rank_mask: shrink mode (`runtime.shrink.RankMask`, shareable between instances): a peer that a
             wait times out on is masked instead of failing the call, which goes on without it; routes to
             masked ranks' experts are dropped (docs/protocol.md, section 6, shrink mode). The wait that masks

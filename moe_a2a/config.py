@@ -28,7 +28,7 @@ W*T*K expert rows (duplicates included) in the dispatch output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -374,6 +374,10 @@ class Layout:
     # node) are `relay_partial_stride_bytes` apart: round_up(4 H, 16), set by `from_config`.
     relay: bool = False
     relay_partial_stride_bytes: int = 0
+    # Under the relay with k > 1 proxies a rank (one per NIC): each network write goes as k pieces, piece j by
+    # proxy j to the peer's proxy j (docs/protocol.md, 3.5): a rank's few rail writes use every NIC. Set by
+    # `with_wire_pieces` once the proxies are chosen; 1: whole writes, each by the proxy `proxy_shard` names.
+    wire_pieces: int = 1
 
     def __post_init__(self) -> None:
         if self.relay and not (self.rank_rows and self.combine_rank_rows):
@@ -382,6 +386,10 @@ class Layout:
                              f"combine_rank_rows={self.combine_rank_rows}")
         if self.relay and self.relay_partial_stride_bytes <= 0:
             raise ValueError("Layout.relay needs relay_partial_stride_bytes > 0 (build it with from_config)")
+        k = self.wire_pieces
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_PROXY_SHARDS or (k > 1 and not self.relay):
+            raise ValueError(f"Layout.wire_pieces must be an int in [1, {MAX_PROXY_SHARDS}], above 1 only with the "
+                             f"relay, got {k!r} (relay={self.relay})")
 
     @classmethod
     def from_config(cls, cfg: "A2AConfig", world_size: int, node_size: int, relay: bool = False) -> "Layout":
@@ -405,6 +413,11 @@ class Layout:
         return cls(W, ns, E, cfg.max_num_tokens, cfg.experts_per_token, cfg.expert_padding, private,
                    cfg.dispatch_stride_bytes, cfg.combine_stride_bytes, cfg.expert_capacity or 0, cfg.rank_rows,
                    cfg.combine_rows == "rank", relay, round_up(4 * cfg.hidden_dim, ROW_ALIGN_BYTES) if relay else 0)
+
+    def with_wire_pieces(self, proxies: int) -> "Layout":
+        """This layout for `proxies` proxy processes a rank: under the relay with several, each network write
+        split in that many pieces (`wire_pieces`), else unchanged."""
+        return replace(self, wire_pieces=proxies) if self.relay and proxies > 1 else self
 
     @cached_property
     def num_local_experts(self) -> int:
@@ -636,16 +649,21 @@ class Layout:
 
     @cached_property
     def write_table_offset_bytes(self) -> int:
-        """int64 [WriteTable.NUM_TABLES, W, WRITE_TABLE_COLUMNS]: the writes the kernels planned for the
-        proxy (`protocol.words.WriteTable`): (src_offset_bytes, length_bytes, dst_offset_bytes, imm) per peer."""
+        """int64 [WriteTable.NUM_TABLES, wire_pieces, W, WRITE_TABLE_COLUMNS]: the writes the kernels planned for
+        the proxy (`protocol.words.WriteTable`): (src_offset_bytes, length_bytes, dst_offset_bytes, imm) per piece
+        and peer."""
         return round_up(self.shard_offset_bytes + MAX_PROXY_SHARDS * FLAG_SLOT_BYTES, FLAG_SLOT_BYTES)
 
     @cached_property
     def write_table_bytes(self) -> int:
-        return int(WriteTable.NUM_TABLES) * self.world_size * WRITE_TABLE_COLUMNS * 8
+        return int(WriteTable.NUM_TABLES) * self.wire_pieces * self.world_size * WRITE_TABLE_COLUMNS * 8
 
-    def write_table_row_offset_bytes(self, table: "WriteTable | int", peer: int) -> int:
-        return self.write_table_offset_bytes + ((int(table) * self.world_size + peer) * WRITE_TABLE_COLUMNS) * 8
+    def write_table_row_offset_bytes(self, table: "WriteTable | int", peer: int, piece: int = 0) -> int:
+        return self.write_table_offset_bytes + self.write_table_row_word(table, peer, piece) * 8
+
+    def write_table_row_word(self, table: "WriteTable | int", peer: int, piece: int = 0) -> int:
+        """Index, among the tables' int64 words, of the first word of (table, piece, peer)'s row."""
+        return ((int(table) * self.wire_pieces + piece) * self.world_size + peer) * WRITE_TABLE_COLUMNS
 
     @cached_property
     def peer_mask_offset_bytes(self) -> int:
@@ -721,6 +739,20 @@ class Layout:
         if self.relay and not self.same_node(rank, peer) and peer % self.node_size == rank % self.node_size:
             return (self.node_of(peer) - (self.node_of(peer) > self.node_of(rank))) % shards
         return peer % shards
+
+    def shard_peers(self, rank: int, shard: int, shards: int) -> list[int]:
+        """The wire peers proxy `shard` of `rank`'s `shards` posts to and counts immediates from: those
+        `proxy_shard` gives it, or with the writes in pieces (`wire_pieces` > 1) every one (its piece of each)."""
+        if self.wire_pieces > 1:
+            return self.wire_peers(rank)
+        return [p for p in self.wire_peers(rank) if self.proxy_shard(rank, p, shards) == shard]
+
+    def peer_proxy(self, rank: int, peer: int, shard: int, shards: int) -> int:
+        """Which of `peer`'s proxies proxy `shard` of `rank` talks to: the one carrying `rank`
+        (`proxy_shard(peer, rank)`), or with the writes in pieces the same index (piece j goes NIC j to NIC j)."""
+        if self.wire_pieces > 1 and peer in self.wire_peers(rank):
+            return shard
+        return self.proxy_shard(peer, rank, shards)
 
     def node_peers(self, rank: int) -> list[int]:
         """Ranks on this rank's node, itself included."""

@@ -1,4 +1,5 @@
 """A2AConfig and Layout: validation and the derived sizes every other module relies on."""
+import dataclasses
 import pickle
 
 import pytest
@@ -267,3 +268,33 @@ def test_wire_peers_and_proxy_shards_pair_up_and_split_the_rail(world, node, sha
             for p in wire:
                 assert r in lay.wire_peers(p)
                 assert 0 <= lay.proxy_shard(r, p, shards) < shards
+
+
+@pytest.mark.parametrize("world,node,shards", [(8, 2, 2), (16, 8, 2), (12, 4, 3), (6, 3, 1)])
+def test_under_the_relay_every_proxy_carries_its_piece_of_every_rail_write(world, node, shards):
+    """`Layout.with_wire_pieces(k)`: under the relay with k > 1 proxies each write goes in k pieces, so proxy j of
+    every rank carries every rail peer (`shard_peers`) and talks to the peer's proxy j (`peer_proxy`: NIC j to NIC
+    j, both ends agree); without the relay, or with one proxy, nothing changes (whole writes, `proxy_shard`).
+    The write tables grow by the pieces; a layout refuses pieces without the relay."""
+    base = dict(max_num_tokens=8, num_experts=2 * world, experts_per_token=2, hidden_dim=64, dispatch_rows="rank",
+                combine_rows="rank")
+    whole = A2AConfig(**base, relay=True).layout(world, node)
+    lay = whole.with_wire_pieces(shards)
+    assert lay.wire_pieces == shards and lay.write_table_bytes == shards * whole.write_table_bytes
+    assert A2AConfig(**base).layout(world, node).with_wire_pieces(shards).wire_pieces == 1
+    for r in range(world):
+        for j in range(shards):
+            mine = lay.shard_peers(r, j, shards)
+            if shards > 1:
+                assert mine == lay.wire_peers(r)
+                assert all(lay.peer_proxy(r, p, j, shards) == j and lay.peer_proxy(p, r, j, shards) == j
+                           for p in mine)
+            else:
+                assert mine == [p for p in lay.wire_peers(r) if lay.proxy_shard(r, p, 1) == 0]
+        for p in lay.node_peers(r):  # not on the wire: the proxy that would carry it, as without pieces
+            assert lay.peer_proxy(r, p, 0, shards) == lay.proxy_shard(p, r, shards)
+    assert lay.write_table_row_word(2, world - 1, shards - 1) * 8 + 32 == lay.write_table_bytes
+    with pytest.raises(ValueError, match="wire_pieces"):
+        dataclasses.replace(A2AConfig(**base).layout(world, node), wire_pieces=2)
+    with pytest.raises(ValueError, match="wire_pieces"):
+        dataclasses.replace(whole, wire_pieces=17)

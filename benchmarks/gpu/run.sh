@@ -316,9 +316,15 @@ mps:all|mps:relay)
   # in $RES/relay_full/ and $RES/relay_efa/ (bytes per rank, the oracle's verdict at decode); summarise each
   # folder with summarise_bytes.py. A step not started RELAY_BUDGET_S (default 420) s after the first is skipped.
   # EFA-like first, decode before prefill: what a shortened run (RELAY_BUDGET_S) reaches is what matters most.
+  # WIRE:K runs K proxies a rank (an emulated NIC each, as on EFA's two NICs a GPU; the relay then sends each
+  # write in K pieces): at 8 ranks, 16 proxies share the host's cores with the ranks.
   plan=()
   for shape in "8 4 decode" "16 8 decode" "8 4 prefill"; do
-    for nic in efa full; do for v in per_route sender_reduced relay; do plan+=("$nic ${shape% *} ${shape##* } $v"); done; done
+    for nic in efa full; do
+      wires="per_route sender_reduced relay"
+      if [ "$nic" = efa ] && [ "${shape% *}" = "8 4" ]; then wires="$wires per_route:2 relay:2"; fi
+      for v in $wires; do plan+=("$nic ${shape% *} ${shape##* } $v"); done
+    done
   done
   printf '  %s\n' "${plan[@]}" | tee -a "$RES/log.txt"
   mps_start
@@ -333,9 +339,10 @@ mps:all|mps:relay)
     fi
     mkdir -p "$RES/relay_$nic"
     if [ "$nic" = efa ]; then setting=${RELAY_NIC:-12us,25GBps}; else setting=""; fi
+    k=1; case $v in *:*) k=${v#*:}; v=${v%%:*} ;; esac
     step 90 env ${setting:+MOE_A2A_EMULATED_NIC=$setting} moe-a2a bench e2e --graph --no-nccl --world "$w" \
-         --node "$n" --transport emulated --preset "$p" --wire "$v" --iters 50 --warmup 10 --timeout 30 \
-         --json "$RES/relay_$nic/e2e_w${w}n${n}_${p}_${v}.json"
+         --node "$n" --transport emulated --preset "$p" --wire "$v" --proxies "$k" --iters 50 --warmup 10 \
+         --timeout 30 --json "$RES/relay_$nic/e2e_w${w}n${n}_${p}_${v}$([ "$k" = 1 ] || echo "_k$k").json"
   done
   mps_stop
   ;;

@@ -131,10 +131,13 @@ class LocalCluster:
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
         placement.check_options(gpu_wait, buffers, nics)
         remote = world_size - node_size
+        # Under the relay with remote peers each write goes in pieces, one per proxy: any number up to the most
+        most = MAX_PROXY_SHARDS if layout.relay and remote else min(max(1, remote), MAX_PROXY_SHARDS)
         if proxies != "auto" and (isinstance(proxies, bool) or not isinstance(proxies, int) or proxies < 1
-                                  or proxies > min(max(1, remote), MAX_PROXY_SHARDS)):
-            raise ValueError(f"proxies must be 'auto' or an int in [1, {min(max(1, remote), MAX_PROXY_SHARDS)}] "
-                             f"(at most the {remote} remote peers of a rank), got {proxies!r}")
+                                  or proxies > most):
+            raise ValueError(f"proxies must be 'auto' or an int in [1, {most}] "
+                             f"(at most the {remote} remote peers of a rank, or {MAX_PROXY_SHARDS} under the relay), "
+                             f"got {proxies!r}")
         if buffers == "gpu" and device != "cuda":
             raise ValueError(f"buffers='gpu' needs device='cuda', got device={device!r}")
         if buffers == "memfd" and device != "cpu":

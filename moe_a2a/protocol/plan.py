@@ -18,6 +18,8 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
+from .words import PIECE_ALIGN_BYTES
+
 if TYPE_CHECKING:  # the layout is config's; the protocol sits below it (config imports protocol.words)
     from ..config import Layout
 
@@ -278,3 +280,35 @@ def relay_partial_bases(rows: np.ndarray, rank: int, lay: Layout) -> np.ndarray:
     remote = s // ns != node
     n = np.where(remote, rows[s, node * ns + s % ns], 0).astype(np.int64)
     return np.where(remote, np.cumsum(n) - n, -1)
+
+
+# ---- writes in pieces (Layout.wire_pieces, docs/protocol.md 3.5): one piece per proxy, NIC j to NIC j ---------
+def piece_starts(length, pieces: int) -> np.ndarray:
+    """`[..., pieces + 1]` int64: where each of a write's `pieces` pieces starts (the last entry: `length`), the
+    j-th at `floor(length * j / pieces)` rounded down to `PIECE_ALIGN_BYTES`; a short write's first pieces may
+    be empty."""
+    length = np.asarray(length, dtype=np.int64)[..., None]
+    j = np.arange(pieces + 1, dtype=np.int64)
+    a = (length * j // pieces) // PIECE_ALIGN_BYTES * PIECE_ALIGN_BYTES
+    return np.where(j == pieces, length, a)
+
+
+def split_writes(writes: np.ndarray, pieces: int) -> np.ndarray:
+    """`[pieces, n, 4]`: piece j of every write of `writes` (`[n, 4]` rows of `_writes`), the same peer, the
+    source and destination advanced alike (`piece_starts`). Pieces of one write tile it, in order."""
+    a = piece_starts(writes[:, 2], pieces)                      # [n, pieces + 1]
+    out = np.repeat(writes[None], pieces, axis=0).copy()
+    out[:, :, 1] += a[:, :-1].T
+    out[:, :, 2] = (a[:, 1:] - a[:, :-1]).T
+    out[:, :, 3] += a[:, :-1].T
+    return out
+
+
+def private_piece_more(rows: np.ndarray, rank: int, lay: Layout, pieces: int) -> np.ndarray:
+    """`[pieces, nodes - 1]` bool: whether piece j of `rank`'s private write to each relay (`relay_peers`) says
+    a remainder piece follows (`Imm.DISPATCH_MORE`): piece j of its remainder write is not empty. The receiving
+    proxy j awaits exactly that piece."""
+    d = relay_peers(lay, rank)
+    rest = np.maximum(rows[rank, d] - lay.private_rows, 0) * lay.dispatch_stride_bytes
+    a = piece_starts(rest, pieces)
+    return (a[:, 1:] > a[:, :-1]).T

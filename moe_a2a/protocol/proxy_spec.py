@@ -34,8 +34,9 @@ class ProxySpec:
     # Every rank runs on this host: a socket provider (tcp) listens on 127.0.0.1 only, so other hosts
     # cannot reach the proxy's endpoint (docs/threat-model.md). No effect on shm/efa/verbs.
     local_only: bool = False
-    # This process is proxy `shard` of `shards` of its rank: it carries the remote peers p with
-    # layout.proxy_shard(rank, p, shards) == shard. Shard 0 (the primary) raises the flags the kernels read.
+    # This process is proxy `shard` of `shards` of its rank: it carries the remote peers
+    # layout.shard_peers(rank, shard, shards) (its share, or under the relay its piece of every rail write).
+    # Shard 0 (the primary) raises the flags the kernels read.
     shard: int = 0
     shards: int = 1
     # Where the proxy runs (topology.choose_proxy_cpus): MOE_A2A_PROXY_CPUS as the model process read

@@ -131,6 +131,8 @@ class WriteTable(enum.IntEnum):
 
 
 WRITE_TABLE_COLUMNS = 4
+# A write in pieces (`Layout.wire_pieces`, `plan.piece_starts`): piece boundaries are multiples of this from its start.
+PIECE_ALIGN_BYTES = 16
 
 
 # Moments the proxy timestamps (CLOCK_MONOTONIC ns) when Flag.TRACE is set: one (epoch, t_ns) pair of

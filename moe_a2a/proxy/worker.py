@@ -31,7 +31,8 @@ in causal order, something we sent it after we finished reading what it overwrit
 
 Several proxies per rank (`AllToAll(proxies=k)`, docs/protocol.md, "Proxy shards"): proxy j carries
 only its share of the remote peers, `Layout.proxy_shard` (it posts to them and counts their immediates), so k Python
-processes post in parallel. Shard 0, the primary, alone raises the proxy -> GPU flags, each once every
+processes post in parallel; under the relay, whose rail writes are few, each proxy posts its piece of every one
+(`Layout.wire_pieces`: NIC j to NIC j). Shard 0, the primary, alone raises the proxy -> GPU flags, each once every
 shard has reached that step (`ShardWord`s in the segment); with k = 1 there is nothing to wait for.
 
 Started with `python -m moe_a2a.proxy.worker FD` by `runtime.proxy_handle.ProxyHandle`; this module must not
@@ -52,7 +53,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..protocol.segment import Flags, ShardWords, write_error
-from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, WRITE_TABLE_COLUMNS, Flag, Imm, ShardWord,
+from ..protocol.words import (ERROR_FAILED, ERROR_TIMEOUT, TRACE_EVENTS, Flag, Imm, ShardWord,
                               WriteTable, decode_imm, encode_abort, encode_imm)
 from ..protocol.board import post_failure
 from ..protocol.memory import SHAREABLE_BUFFERS, SharedSegment, cuda_primary_context, recv_fds, remove_process_shm_files
@@ -151,8 +152,10 @@ class Proxy:
         self.peers = [p for p in range(lay.world_size) if p != r]
         # Our share of the remote peers: we post to them and count their immediates (all of them with
         # one proxy). `group` still holds every peer: a peer's position is its rank, less one past ours.
-        # With the relay (docs/protocol.md, 3.8) only the remote peers of our rail.
-        self.remote = [p for p in lay.wire_peers(r) if lay.proxy_shard(r, p, self.shards) == self.shard]
+        # With the relay (docs/protocol.md, 3.8) only the remote peers of our rail, and with several proxies
+        # all of them: we post and count piece `shard` of each write (`Layout.wire_pieces`).
+        self.remote = lay.shard_peers(r, self.shard, self.shards)
+        piece = self.shard if lay.wire_pieces > 1 else 0
         self.node_peers = [p for p in lay.node_peers(r) if p != r]
         # The node peers' segments, mapped now (they are unlinked once every process has mapped them): when
         # our model process dies, the primary writes its death into their ERROR words (`report_owner_death`).
@@ -196,9 +199,8 @@ class Proxy:
         # remote peer of ours, in posting order (computed once: nothing but reading in the hot loop).
         self._table_words = memoryview(self.seg.numpy(lay.write_table_offset_bytes, lay.write_table_bytes // 8,
                                                       np.int64)).cast("B").cast("q")
-        self._all_slots = {t: tuple((p - (p > r), ((int(t) * lay.world_size + p) * WRITE_TABLE_COLUMNS))
-                                    for p in self.remote) for t in (WriteTable.PRIVATE, WriteTable.REMAINDER,
-                                                                    WriteTable.COMBINE)}
+        self._all_slots = {t: tuple((p - (p > r), lay.write_table_row_word(t, p, piece)) for p in self.remote)
+                           for t in (WriteTable.PRIVATE, WriteTable.REMAINDER, WriteTable.COMBINE)}
         self._slots = self._all_slots
         # Shrink mode (docs/protocol.md, section 6, shrink mode): peers masked (word p nonzero) get no write and are not
         # awaited. The model writes the words it decided; this proxy those of peers it timed out on.

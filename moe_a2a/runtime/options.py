@@ -117,7 +117,8 @@ def plan(cfg: A2AConfig, group, node_group, transport: str, device, timeout_s: f
                              f"one node), the proxies' remote ones are taken in by the host")
     chosen = wiring.choose_transport(transport, hosts)
     chosen_nics = wiring.choose_nics(nics, chosen, rank, layout, device=device)
-    num_proxies = wiring.choose_proxies(proxies, chosen, chosen_nics, len(layout.wire_peers(rank)))
+    num_proxies = wiring.choose_proxies(proxies, chosen, chosen_nics, len(layout.wire_peers(rank)), layout.relay)
+    layout = layout.with_wire_pieces(num_proxies)  # the relay with several proxies: each write in pieces
     # Every rank on this host: the proxies listen on loopback only (docs/threat-model.md), unless the
     # caller named the NICs to use.
     return Plan(group=group, rank=rank, world_size=world_size, device=device, timeout_s=float(timeout_s),

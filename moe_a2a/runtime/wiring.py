@@ -18,7 +18,7 @@ from ..config import Layout
 from ..protocol.memory import SharedSegment, device_view, unique_name
 from ..protocol.proxy_spec import ProxySpec
 from ..protocol.segment import Flags
-from ..protocol.words import HALF_FLAGS, WRITE_TABLE_COLUMNS, Flag, WriteTable, flag_word
+from ..protocol.words import HALF_FLAGS, MAX_PROXY_SHARDS, WRITE_TABLE_COLUMNS, Flag, WriteTable, flag_word
 from ..proxy import topology
 from ..proxy.fabric import auto_provider
 from ..triton_kernels.node_sync import NodeSync
@@ -95,11 +95,13 @@ def choose_nics(nics, transport: str, rank: int, layout: Layout, device=None) ->
     return choice
 
 
-def choose_proxies(proxies, transport: str, nics, remote_peers: int) -> int:
-    """Proxy processes per rank: "auto" is one per NIC on EFA (at most one per remote peer), else 1."""
+def choose_proxies(proxies, transport: str, nics, remote_peers: int, pieces: bool = False) -> int:
+    """Proxy processes per rank: "auto" is one per NIC on EFA (at most one per remote peer, unless each write
+    goes in pieces, one per proxy: `pieces`, the relay's few rail writes), else 1."""
+    most = MAX_PROXY_SHARDS if pieces and remote_peers else remote_peers
     if proxies == "auto":
-        return max(1, min(len(nics) if transport == "efa" and nics else 1, remote_peers))
-    if proxies > max(1, remote_peers):
+        return max(1, min(len(nics) if transport == "efa" and nics else 1, most))
+    if proxies > max(1, most):
         raise ValueError(f"proxies={proxies}: more proxies than remote peers ({remote_peers}) per rank")
     return proxies
 
@@ -256,11 +258,11 @@ class Wiring:
         self.device_sync = not self.with_proxy and not any(map(waits_on_host, range(W)))
         # Kernel waits read the epoch from the device, so a replayed CUDA graph uses the replay's epoch.
         self.epoch_dev = torch.zeros(1, dtype=torch.int64, device=dev) if on_gpu else None
-        # Our proxy proxy_shard(r, p) carries peer p, and p's proxy proxy_shard(p, r) carries us: every one
-        # of our proxies gets that entry of each peer, and uses only its share.
-        at = [lay.proxy_shard(p, r, k) for p in range(W)]
-        mine = [(t.addresses[j], t.regions[j], t.segment, t.gpu_regions[j]) for t, j in zip(table, at)]
-        for h in self.proxies:
+        # Our proxy j talks to proxy `peer_proxy(r, p, j)` of each peer p: the one carrying us (p's proxy
+        # proxy_shard(p, r) carries r, ours proxy_shard(r, p) carries p), or with the writes in pieces its own index.
+        for j, h in enumerate(self.proxies):
+            at = [lay.peer_proxy(r, p, j, k) for p in range(W)]
+            mine = [(t.addresses[i], t.regions[i], t.segment, t.gpu_regions[i]) for t, i in zip(table, at)]
             h.finish(mine, max(self.timeout_s, STARTUP_S), not self.with_proxy)
 
         send, recv = self.buffers.own()
@@ -363,7 +365,7 @@ class Wiring:
         self.route_ready = self.flags[flag_word(Flag.ROUTE_READY): flag_word(Flag.ROUTE_READY) + 1]
         # The writes the kernels plan for the proxy (triton_kernels/write_plan.py), read by the proxy.
         self.write_tables = self.view(seg.addr + lay.write_table_offset_bytes, lay.write_table_bytes).view(
-            torch.int64).view(int(WriteTable.NUM_TABLES), W, WRITE_TABLE_COLUMNS)
+            torch.int64).view(int(WriteTable.NUM_TABLES), lay.wire_pieces, W, WRITE_TABLE_COLUMNS)
         self.peer_mask_np = seg.numpy(lay.peer_mask_offset_bytes, W, "int64")  # shrink mode's masked peers
         self.node = NodeSync(
             epoch=self.epoch_dev if on_gpu else torch.zeros(1, dtype=torch.int64),

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..protocol import device as protocol_device
-from ..protocol.words import Imm
+from ..protocol.words import PIECE_ALIGN_BYTES, Imm
 from . import _details as d
 from . import _launch as launch
 
@@ -16,19 +16,39 @@ _DISPATCH: tl.constexpr = tl.constexpr(int(Imm.DISPATCH))
 _DISPATCH_MORE: tl.constexpr = tl.constexpr(int(Imm.DISPATCH_MORE))
 _DISPATCH_REMAINDER: tl.constexpr = tl.constexpr(int(Imm.DISPATCH_REMAINDER))
 _COMBINE: tl.constexpr = tl.constexpr(int(Imm.COMBINE))
+_ALIGN: tl.constexpr = tl.constexpr(PIECE_ALIGN_BYTES)
 
 
 @triton.jit
-def _store_rows(table_ptr, peer, valid, src, length, dst, imm, W: tl.constexpr):
-    """Rows `peer < W` of one write table: (src_offset_bytes, length_bytes, dst_offset_bytes, imm); zeros
-    where not `valid` (same-node peers, this rank), so a stale row of an earlier call never survives."""
-    row = table_ptr + peer.to(tl.int64) * 4
+def _piece_bounds(length, j: tl.constexpr, PIECES: tl.constexpr):
+    """[start, end) of piece j of writes of `length` bytes (`plan.piece_starts`)."""
+    start = (length * j // PIECES) // _ALIGN * _ALIGN
+    if j + 1 == PIECES:
+        end = length
+    else:
+        end = (length * (j + 1) // PIECES) // _ALIGN * _ALIGN
+    return start, end
+
+
+@triton.jit
+def _store_rows(table_ptr, piece, peer, valid, src, length, dst, imm, W: tl.constexpr):
+    """Rows `peer < W` of piece `piece` of one write table: (src_offset_bytes, length_bytes, dst_offset_bytes,
+    imm); zeros where not `valid` (same-node peers, this rank), so a stale row of an earlier call never survives."""
+    row = table_ptr + (piece * W + peer.to(tl.int64)) * 4
     z = tl.zeros_like(src)
     inside = peer < W
     tl.store(row + 0, tl.where(valid, src, z), mask=inside)
     tl.store(row + 1, tl.where(valid, length, z), mask=inside)
     tl.store(row + 2, tl.where(valid, dst, z), mask=inside)
     tl.store(row + 3, tl.where(valid, imm, z), mask=inside)
+
+
+@triton.jit
+def _store_pieces(table_ptr, peer, valid, src, length, dst, imm, W: tl.constexpr, PIECES: tl.constexpr):
+    """`_store_rows` of each of the PIECES pieces of the writes (src, length, dst), one immediate for all."""
+    for j in tl.static_range(PIECES):
+        a, b = _piece_bounds(length, j, PIECES)
+        _store_rows(table_ptr, j, peer, valid, src + a, b - a, dst + a, imm, W)
 
 
 @triton.jit
@@ -51,7 +71,7 @@ def _plan_private_writes_kernel(
     rank, node_first,    # this rank; its node is ranks [node_first, node_first + NODE)
     header_dst_bytes,    # Layout.private_header_offset_bytes(rank): where the count row lands at a peer
     # outputs
-    table_ptr,           # (W, 4) int64: the PRIVATE write table
+    table_ptr,           # (PIECES, W, 4) int64: the PRIVATE write table
     remainder_writes_ptr,  # (1,) int64: how many remote peers get a remainder write (Flag.REMAINDER_WRITES)
     base_ptr,            # uint8: byte address space of the send buffer (with HEADERS)
     send_bytes,          # the send buffer - base, in bytes (with HEADERS)
@@ -62,6 +82,7 @@ def _plan_private_writes_kernel(
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HEADERS: tl.constexpr,
     RANK_ROWS: tl.constexpr = False,   # per-rank rows: the rows to each peer are the count row's last W ints
     RELAY: tl.constexpr = False,       # the relay: writes only to the remote peers of this rank's rail
+    PIECES: tl.constexpr = 1,          # Layout.wire_pieces: each write as PIECES pieces (table rows [PIECES, W])
 ):
     """Grid (1,): the private write to every remote peer (`plan.private_writes`): one source range, the
     peer's slot of the private staging region, whose header gets this rank's count row here (with HEADERS)
@@ -77,10 +98,17 @@ def _plan_private_writes_kernel(
         remote = remote & (peer % NODE == rank % NODE)
     index = tl.where(peer >= node_first + NODE, peer - NODE, peer).to(tl.int64)  # Layout.private_stage_index
     more = n > P
-    kind = tl.where(more, _DISPATCH_MORE, _DISPATCH)
-    imm = protocol_device.encode_imm(kind, tl.full([W_PAD], 0, tl.int64) + rank, tl.load(epoch_ptr))
-    _store_rows(table_ptr, peer, remote, STAGE_HEADER_BYTES + index * SLOT_BYTES,
-                E * 4 + tl.minimum(n, P) * STRIDE_BYTES, tl.full([W_PAD], 0, tl.int64) + header_dst_bytes, imm, W)
+    src = STAGE_HEADER_BYTES + index * SLOT_BYTES
+    length = E * 4 + tl.minimum(n, P) * STRIDE_BYTES
+    dst = tl.full([W_PAD], 0, tl.int64) + header_dst_bytes
+    rest = tl.maximum(n - P, 0) * STRIDE_BYTES
+    for piece in tl.static_range(PIECES):
+        # A piece says "more" only when that piece of the remainder is not empty: its receiving proxy awaits it
+        r0, r1 = _piece_bounds(rest, piece, PIECES)
+        kind = tl.where(r1 > r0, _DISPATCH_MORE, _DISPATCH)
+        imm = protocol_device.encode_imm(kind, tl.full([W_PAD], 0, tl.int64) + rank, tl.load(epoch_ptr))
+        a, b = _piece_bounds(length, piece, PIECES)
+        _store_rows(table_ptr, piece, peer, remote, src + a, b - a, dst + a, imm, W)
     tl.store(remainder_writes_ptr, tl.sum((remote & more).to(tl.int64), axis=0))
     if HEADERS:  # the count row (a row of -1 too: an aborted call) at the head of every remote peer's slot
         e = tl.arange(0, E_PAD)
@@ -108,8 +136,8 @@ def _plan_remainder_and_combine_writes_kernel(
     rank, node_first,
     timeout_ns, max_spins,
     # outputs (and counts_ptr: the remote sources' rows)
-    remainder_ptr,       # (W, 4) int64: the REMAINDER write table
-    combine_ptr,         # (W, 4) int64: the COMBINE write table
+    remainder_ptr,       # (PIECES, W, 4) int64: the REMAINDER write table
+    combine_ptr,         # (PIECES, W, 4) int64: the COMBINE write table
     NODE: tl.constexpr, P: tl.constexpr, PRIVATE_SLOT_ROWS: tl.constexpr, SLOT_WORDS: tl.constexpr,
     DISPATCH_STRIDE_BYTES: tl.constexpr, COMBINE_STRIDE_BYTES: tl.constexpr,
     COMBINE_STAGE_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr,
@@ -124,6 +152,7 @@ def _plan_remainder_and_combine_writes_kernel(
     # The relay (Layout.relay): a remote source's count row landed in its relay's recv buffer, the node peer
     # with its local index, at `relay_recv_ptr[s % NODE]` (offsets from base) + HEADER0_BYTES + s*SLOT_BYTES.
     relay_recv_ptr=None, HEADER0_BYTES: tl.constexpr = 0, RELAY: tl.constexpr = False,
+    PIECES: tl.constexpr = 1,  # Layout.wire_pieces: each write as PIECES pieces (table rows [PIECES, W])
 ):
     """Grid (1,), four warps: once the proxy says every private write has landed (COUNT_ROWS_READY),
     one pass over the W count rows, BLOCK_S at a time as [BLOCK_S, W, L] tiles: the remote sources' rows
@@ -199,7 +228,8 @@ def _plan_remainder_and_combine_writes_kernel(
         else:
             _store_plans(remainder_ptr, combine_ptr, flags_ptr + SIGNAL_WORD, epoch_ptr, peer, rank, node_first,
                          n, before, n_src, first, NODE, P, PRIVATE_SLOT_ROWS, DISPATCH_STRIDE_BYTES,
-                         COMBINE_STRIDE_BYTES, COMBINE_STAGE_BYTES, COMBINE_RECV_BYTES, W, W_PAD, USE_PTX, RELAY)
+                         COMBINE_STRIDE_BYTES, COMBINE_STAGE_BYTES, COMBINE_RECV_BYTES, W, W_PAD, USE_PTX, RELAY,
+                         PIECES)
 
 
 @triton.jit
@@ -207,7 +237,8 @@ def _store_plans(remainder_ptr, combine_ptr, planned_ptr, epoch_ptr, peer, rank,
                  NODE: tl.constexpr, P: tl.constexpr, PRIVATE_SLOT_ROWS: tl.constexpr,
                  DISPATCH_STRIDE_BYTES: tl.constexpr, COMBINE_STRIDE_BYTES: tl.constexpr,
                  COMBINE_STAGE_BYTES: tl.constexpr, COMBINE_RECV_BYTES: tl.constexpr,
-                 W: tl.constexpr, W_PAD: tl.constexpr, USE_PTX: tl.constexpr, RELAY: tl.constexpr):
+                 W: tl.constexpr, W_PAD: tl.constexpr, USE_PTX: tl.constexpr, RELAY: tl.constexpr,
+                 PIECES: tl.constexpr):
     """The REMAINDER and COMBINE tables from the pass's sums, then REMAINDER_PLANNED (release)."""
     epoch = tl.load(epoch_ptr)
     remote = (peer < W) & ((peer < node_first) | (peer >= node_first + NODE))
@@ -220,13 +251,14 @@ def _store_plans(remainder_ptr, combine_ptr, planned_ptr, epoch_ptr, peer, rank,
     off = tl.cumsum(n, axis=0) - n
     has_rest = remote & (n > P)
     imm = protocol_device.encode_imm(tl.full([W_PAD], _DISPATCH_REMAINDER, tl.int64), me, epoch)
-    _store_rows(remainder_ptr, peer, has_rest, (off + P) * DISPATCH_STRIDE_BYTES,
-                (n - P) * DISPATCH_STRIDE_BYTES, (W * PRIVATE_SLOT_ROWS + before) * DISPATCH_STRIDE_BYTES, imm, W)
+    _store_pieces(remainder_ptr, peer, has_rest, (off + P) * DISPATCH_STRIDE_BYTES,
+                  (n - P) * DISPATCH_STRIDE_BYTES, (W * PRIVATE_SLOT_ROWS + before) * DISPATCH_STRIDE_BYTES, imm, W,
+                  PIECES)
     # ---- combine: to every remote source s, its rows (staged source-major) back to the slots its
     # dispatch send buffer used: routes[s, rank] rows from stage[s], landing at sum_{d<rank} routes[s, d].
     stage = tl.cumsum(n_src, axis=0) - n_src
     imm = protocol_device.encode_imm(tl.full([W_PAD], _COMBINE, tl.int64), me, epoch)
-    _store_rows(combine_ptr, peer, remote, COMBINE_STAGE_BYTES + stage * COMBINE_STRIDE_BYTES,
-                n_src * COMBINE_STRIDE_BYTES, COMBINE_RECV_BYTES + first * COMBINE_STRIDE_BYTES, imm, W)
+    _store_pieces(combine_ptr, peer, remote, COMBINE_STAGE_BYTES + stage * COMBINE_STRIDE_BYTES,
+                  n_src * COMBINE_STRIDE_BYTES, COMBINE_RECV_BYTES + first * COMBINE_STRIDE_BYTES, imm, W, PIECES)
     d.publish_epoch(planned_ptr, epoch_ptr, USE_PTX)
 

@@ -18,7 +18,8 @@ and posts (docs/protocol.md, "Write tables"). Two one-program kernels, launched 
   remainder writes (pairs with more than P routes) and the combine writes, then raises
   `Flag.REMAINDER_PLANNED`.
 
-Both read each count at most once (W*E int32: 64 KB at W=64, E=256) and write 3*W*4 int64.
+Both read each count at most once (W*E int32: 64 KB at W=64, E=256) and write 3*W*4 int64 (times
+`Layout.wire_pieces`: under the relay with k proxies a rank, each write as k pieces, one per proxy).
 The rows equal `plan.private_writes / remainder_writes / combine_writes` for every remote peer
 (tests/triton_kernels/test_write_plan.py); rows of same-node peers and of this rank are zero.
 """
@@ -40,7 +41,8 @@ BLOCK_S = 16
 def _check(counts: torch.Tensor, write_tables: torch.Tensor, lay: Layout) -> None:
     check.tensor("counts", counts, dtypes=(torch.int32,), shape=(lay.world_size, lay.num_experts))
     check.tensor("write_tables", write_tables, dtypes=(torch.int64,),
-                 shape=(int(WriteTable.NUM_TABLES), lay.world_size, WRITE_TABLE_COLUMNS), strides="contiguous")
+                 shape=(int(WriteTable.NUM_TABLES), lay.wire_pieces, lay.world_size, WRITE_TABLE_COLUMNS),
+                 strides="contiguous")
 
 
 def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch: torch.Tensor,
@@ -52,8 +54,9 @@ def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch:
 
     Args:
         counts: `[W, E]` int32, this rank's routing area (row `rank` is read).
-        write_tables: `[WriteTable.NUM_TABLES, W, 4]` int64, the segment's write tables (host memory seen
-            by the device on a GPU).
+        write_tables: `[WriteTable.NUM_TABLES, lay.wire_pieces, W, 4]` int64, the segment's write tables (host
+            memory seen by the device on a GPU): with several pieces, piece j of each write in `[:, j]`
+            (`plan.split_writes`), its immediate saying "more" only when piece j of the remainder is not empty.
         epoch: `[1]` int64 on the device: this call's epoch (the immediates carry it).
         flags: this rank's flags area (`protocol.words.Flag`), int64.
         base, send_bytes: 1-D uint8 tensor and the offset in it of the send buffer the proxy posts from (the
@@ -79,7 +82,7 @@ def plan_private_writes(counts: torch.Tensor, write_tables: torch.Tensor, epoch:
         W=W, L=L, W_PAD=next_power_of_2(W), L_PAD=next_power_of_2(L),
         STAGE_HEADER_BYTES=lay.private_stage_header_offset_bytes(0), SLOT_BYTES=lay.private_slot_bytes,
         E=E, E_PAD=e_pad, BLOCK_P=max(1, min(next_power_of_2(max(W - lay.node_size, 1)), 4096 // e_pad)),
-        HEADERS=base is not None, RANK_ROWS=lay.rank_rows, RELAY=lay.relay, num_warps=4)
+        HEADERS=base is not None, RANK_ROWS=lay.rank_rows, RELAY=lay.relay, PIECES=lay.wire_pieces, num_warps=4)
 
 
 def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.Tensor, node: NodeSync,
@@ -98,7 +101,7 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
             are copied and checked too, and the remainder writes count them.
         combine_rank: the combine sends one row per (token, rank) back (`A2AConfig.combine_rows="rank"`):
             the combine writes count rows per rank, not routes.
-        write_tables: `[WriteTable.NUM_TABLES, W, 4]` int64.
+        write_tables: `[WriteTable.NUM_TABLES, lay.wire_pieces, W, 4]` int64 (each write in pieces, as above).
         base: 1-D uint8 tensor: the byte address space the recv buffer is in (`recv_bytes` from its start).
         relay_recv_bytes: with the relay (`lay.relay`, required then): `[node_size]` int64 on the counts' device,
             where each rank of this node (by local index) receives the network's rows, from `base`: a remote
@@ -131,7 +134,8 @@ def plan_remainder_and_combine_writes(counts: torch.Tensor, write_tables: torch.
         PROXY_WAIT_WORD=flag_word(wait), SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
         STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS),
         SPIN=node.kernel_waits, USE_PTX=on_gpu, BACKOFF_NS=WAIT_APART_BACKOFF_NS,
-        RANK_ROWS=lay.rank_rows, COMBINE_RANK=combine_rank, MAX_RANK_ROWS=lay.send_rows, **relay, num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
+        RANK_ROWS=lay.rank_rows, COMBINE_RANK=combine_rank, MAX_RANK_ROWS=lay.send_rows, PIECES=lay.wire_pieces,
+        **relay, num_warps=4)  # more loads in flight: the count rows are read over PCIe from host memory
 
 
 _PRIVATE = launch.LaunchCache(_plan_private_writes_kernel)

@@ -780,11 +780,13 @@ def test_the_relay_walk():
                 assert r["total"] < per_rank["total"]
     s = lm.setup(64, "efa", relay=True)
     assert (s.dispatch_rows, s.combine_rows, s.relay) == ("rank", "rank", True)
-    assert lm._relay_writes(s, 1.0, 7) == [1.0] * 7
-    assert lm._relay_writes(lm.setup(64, "efa", relay=True, relay_split=True), 1.0, 7) == [0.5] * 14
-    # EP16: one write a phase rides one NIC of two; split, both
-    assert lm.predict(16, "efa", relay=True, relay_split=True)["total"] < lm.predict(16, "efa", relay=True)["total"]
-    assert lm.predict(16, "cx7", relay=True, relay_split=True)["total"] == lm.predict(16, "cx7", relay=True)["total"]
+    # as the library: one proxy per EFA NIC, each write in one piece per proxy (Layout.wire_pieces)
+    assert s.proxies == 2 and s.relay_split and lm._relay_writes(s, 1.0, 7) == [0.5] * 14
+    assert lm._relay_writes(lm.setup(64, "efa", relay=True, relay_split=False), 1.0, 7) == [1.0] * 7
+    assert not lm.setup(64, "efa", relay=True, proxies=1).relay_split
+    # EP16: one write a phase; whole, it rides one NIC of two; in pieces, both
+    assert lm.predict(16, "efa", relay=True)["total"] < lm.predict(16, "efa", relay=True, relay_split=False)["total"]
+    assert lm.predict(16, "cx7", relay=True, relay_split=False)["total"] == lm.predict(16, "cx7", relay=True)["total"]
     one = lm.predict(8, None, node=8, relay=True)
     assert one == lm.predict(8, None, node=8, rank_rows=True, sender_reduce=True)
     # the partials' NVLink bytes: an expert GPU's rows from other nodes' tokens, (G - 1) / G of them to others
@@ -834,7 +836,7 @@ def test_main_takes_the_wire_by_name_and_the_relay(tmp_path, capsys):
     efa64 = next(r for r in json.loads(js.read_text())["predictions"] if r["fabric"] == "efa" and r["world"] == 64)
     assert efa64["total"] == pytest.approx(lm.predict(64, "efa", **ALL_LEVERS)["total"])
     capsys.readouterr()
-    for argv in (["--relay-split"], ["--wire", "relay", "--rank-rows"], ["--wire", "pigeon"]):
+    for argv in (["--relay-whole-writes"], ["--wire", "relay", "--rank-rows"], ["--wire", "pigeon"]):
         with pytest.raises(SystemExit) as e:
             lm.main(argv)
         assert e.value.code == 2

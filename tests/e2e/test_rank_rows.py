@@ -153,11 +153,12 @@ CONFIGS = {k: v for k, v in CONFIGS.items() if TEST_DEVICE == "cpu" or v[3] != "
 
 
 def open_cluster(configs: dict, name: str, make_cfg):
-    """(cluster, cfg, world, node) of `configs[name]` = (world, node size, transport, buffers, config fields)."""
-    world, node, transport, buffers, kw = configs[name]
+    """(cluster, cfg, world, node) of `configs[name]` = (world, node size, transport, buffers, config fields[,
+    proxies a rank])."""
+    world, node, transport, buffers, kw, *proxies = configs[name]
     cfg = make_cfg(world, **kw)
     cl = LocalCluster(cfg, world_size=world, node_size=node, transport=transport, buffers=buffers,
-                      device=TEST_DEVICE, timeout_s=60)
+                      device=TEST_DEVICE, timeout_s=60, proxies=proxies[0] if proxies else "auto")
     return cl, cfg, world, node
 
 

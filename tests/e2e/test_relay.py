@@ -2,7 +2,8 @@
 (real processes, real libfabric shm/tcp or the emulated NIC between the proxies), kernels in the interpreter, against reference.py:
 every rank's dispatch output is `reference.dispatch`'s bit for bit, the combined tokens
 `reference.combine_relay`'s (bf16 and fp8 rows), for random routings with -1 routes, duplicated experts,
-skew, bound_m and accumulate; and the proxies write only along their rail (nodes - 1 writes a phase)."""
+skew, bound_m and accumulate; and the proxies write only along their rail (nodes - 1 writes a phase), with
+several proxies a rank each write in pieces, one per proxy."""
 from __future__ import annotations
 
 import pytest
@@ -37,13 +38,16 @@ def _check(cfg, world, node, results, xs, scales, idxs, ws, bound, accumulate):
         assert torch.equal(out[n_live:], results[r][4][n_live:]), r  # tokens past bound_m untouched
 
 
-# name: (world, node size, transport, buffers, config fields)
+# name: (world, node size, transport, buffers, config fields[, proxies a rank: each write in that many pieces])
 CONFIGS = {
     "W4-N2-SHM-P1": (4, 2, "shm", "auto", dict(max_private_tokens=1)),
     "W6-N3-TCP-fp8-staged": (6, 3, "tcp", "staged", dict(combine_fp8=True, in_dtype=torch.float8_e4m3fn)),
     "W4-N1-TCP-memfd-P0": (4, 1, "tcp", "memfd", dict(max_private_tokens=0)),
-    "W4-N2-emulated-P2": (4, 2, "emulated", "auto", dict(max_private_tokens=2)),  # the emulated NIC's carrier
+    "W4-N2-emulated-P2-pieces2": (4, 2, "emulated", "auto", dict(max_private_tokens=2), 2),  # the emulated NIC's carrier
     "W2-one-node": (2, 2, "shm", "auto", {}),  # nothing to relay: the sender-reduced rows' call
+    # Each write in 2 / 3 pieces, one per proxy (P small: remainders in pieces too, some of them empty)
+    "W4-N2-SHM-P1-pieces2": (4, 2, "shm", "auto", dict(max_private_tokens=1), 2),
+    "W6-N3-TCP-fp8-P0-pieces3": (6, 3, "tcp", "auto", dict(combine_fp8=True, max_private_tokens=0), 3),
 }
 CONFIGS = {k: v for k, v in CONFIGS.items() if TEST_DEVICE == "cpu" or v[3] != "memfd"}  # (CPU's stand-in)
 
@@ -78,20 +82,20 @@ def _one_call_report(a2a, rank, cfg, xs, idxs, ws):
     return [{ph: a[ph] - b[ph] for ph in a} for a, b in zip(after, before)], a2a.bytes_last_call()
 
 
-@pytest.mark.parametrize("relay", [True, False])
-def test_a_rank_writes_once_per_remote_node_and_its_network_bytes_are_the_references(relay):
+@pytest.mark.parametrize("relay,proxies", [(True, 1), (True, 2), (False, 1)])
+def test_a_rank_writes_once_per_remote_node_and_its_network_bytes_are_the_references(relay, proxies):
     """W = 6 as 3 nodes of 2, P large (no remainders): with the relay a rank posts nodes - 1 = 2 writes a phase
-    (to its rail), one by each of its 2 proxies (rail peers are congruent modulo the node size: sharded by their
-    place on the rail, not by rank), without it W - node = 4 from one proxy; the network bytes a rank sends are
-    the hop-1 rows (one per (token, remote node)) and one count row per relay, as
-    `reference.relay_bytes_per_phase` counts them."""
+    (to its rail); with 2 proxies each write goes in 2 pieces, one by each proxy (`Layout.wire_pieces`), so each
+    proxy posts its piece of both; without the relay W - node = 4 from one proxy. The network bytes a rank sends
+    are the hop-1 rows (one per (token, remote node)) and one count row per relay, as
+    `reference.relay_bytes_per_phase` counts them, whatever the pieces."""
     world, node = 6, 2
     cfg = _cfg(world, relay=relay, max_private_tokens=T * K)
     xs, _, idxs, ws = _inputs(cfg, world, 5, False, [T] * world)
     with LocalCluster(cfg, world_size=world, node_size=node, transport="shm", device=TEST_DEVICE, timeout_s=60,
-                      proxies=2 if relay else 1) as cl:
+                      proxies=proxies) as cl:
         got = cl.run(_one_call_report, cfg, xs, idxs, ws)
-    per_proxy = [{"dispatch": 1, "combine": 1}] * 2 if relay else [{"dispatch": 4, "combine": 4}]
+    per_proxy = [{"dispatch": 2, "combine": 2}] * proxies if relay else [{"dispatch": 4, "combine": 4}]
     assert [w for w, _ in got] == [per_proxy] * world
     writes = world // node - 1 if relay else world - node
     if relay:
@@ -137,15 +141,18 @@ def _good_bad_good_good(a2a, rank, cfg, bad_rank, kind):
 ABORTS = [("weights", 3), ("combine", 0), ("capacity", None)]
 
 
-def test_an_abort_reaches_every_rank_through_the_relays_and_never_a_later_call():
+@pytest.mark.parametrize("proxies", [1, 2])
+def test_an_abort_reaches_every_rank_through_the_relays_and_never_a_later_call(proxies):
     """W = 4 as 2 nodes of 2, through the relay, one instance: for each of `ABORTS`, good -> bad -> good -> good:
     every rank's call 1 fails (the bad rank's with its own error, an overflowed expert's rank with
-    CapacityExceeded, every other with CallAborted), and calls 0, 2, 3 match the reference."""
+    CapacityExceeded, every other with CallAborted), and calls 0, 2, 3 match the reference. With 2 proxies a
+    rank each write goes in 2 pieces, and an aborted combine's immediate rides every piece."""
     from moe_a2a.oracle import check_against_reference
 
     world, node = 4, 2
     cfg = _cfg(world, in_dtype=torch.bfloat16, expert_capacity=T * world)  # room for every call but "capacity"
-    with LocalCluster(cfg, world_size=world, node_size=node, transport="shm", device=TEST_DEVICE, timeout_s=60) as cl:
+    with LocalCluster(cfg, world_size=world, node_size=node, transport="shm", device=TEST_DEVICE, timeout_s=60,
+                      proxies=proxies) as cl:
         runs = [(kind, bad_rank, cl.run(_good_bad_good_good, cfg, bad_rank, kind)) for kind, bad_rank in ABORTS]
     for kind, bad_rank, got in runs:
         for r, calls in enumerate(got):

@@ -206,3 +206,28 @@ def test_immediates_of_neighbouring_calls_differ_across_the_epoch_wrap():
                 assert a != b and 0 <= a < 2**32
                 assert decode_imm(a) == (int(kind), rank, e % wrap)
     assert encode_imm(Imm.DISPATCH, 3, wrap) == encode_imm(Imm.DISPATCH, 3, 0)  # the only aliasing
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 1 << 20), min_size=1, max_size=6), pieces=st.integers(1, 16),
+       src=st.integers(0, 1 << 30), dst=st.integers(0, 1 << 30))
+def test_pieces_of_a_write_tile_it_in_order(lengths, pieces, src, dst):
+    """`plan.split_writes`: the pieces of each write, one per proxy, cover it exactly once, in order, starting at
+    multiples of PIECE_ALIGN_BYTES from its start, source and destination advanced alike; a write of at least
+    PIECE_ALIGN_BYTES per piece has no empty piece (a short one's first pieces may be)."""
+    from moe_a2a.protocol.words import PIECE_ALIGN_BYTES
+
+    writes = np.array([(i + 3, src + 16 * i, n, dst + 32 * i) for i, n in enumerate(lengths)], np.int64)
+    parts = plan.split_writes(writes, pieces)
+    assert parts.shape == (pieces, len(lengths), 4)
+    for i, (peer, s0, n, d0) in enumerate(writes.tolist()):
+        at = 0
+        for j in range(pieces):
+            p, s, m, d = parts[j, i].tolist()
+            assert p == peer and s - s0 == d - d0 == at and m >= 0
+            assert at % PIECE_ALIGN_BYTES == 0
+            at += m
+        assert at == n
+        if n >= pieces * PIECE_ALIGN_BYTES:
+            assert (parts[:, i, 2] > 0).all()
+    assert (plan.split_writes(writes, 1)[0] == writes).all()

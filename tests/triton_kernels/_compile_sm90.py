@@ -269,6 +269,7 @@ def main_rank_rows() -> None:
                               SIGNAL_WORD=flag_word(signal), ERROR_WORD=flag_word(Flag.ERROR),
                               STATUS_WORD=flag_word(status), BAD_COUNTS_WORD=flag_word(Flag.BAD_COUNTS), SPIN=True,
                               USE_PTX=True, BACKOFF_NS=200, RANK_ROWS=True, COMBINE_RANK=True,
+                              PIECES=2,  # each write in pieces (the relay with 2 proxies a rank)
                               **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")})),
                 _compile(_write_plan_kernels._plan_private_writes_kernel,
                          dict(counts_ptr="*i32", epoch_ptr="*i64", table_ptr="*i64", remainder_writes_ptr="*i64",
@@ -277,7 +278,7 @@ def main_rank_rows() -> None:
                               STAGE_HEADER_BYTES=lay.private_stage_header_offset_bytes(0),
                               SLOT_BYTES=lay.private_slot_bytes, E=lay.count_row_ints,
                               E_PAD=next_power_of_2(lay.count_row_ints), BLOCK_P=8, HEADERS=True, RANK_ROWS=True,
-                              **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")})),
+                              PIECES=2, **{k: v for k, v in shape.items() if k not in ("K", "K_PAD")})),
             ]
     for k in kernels:
         assert k.asm.get("cubin"), "no cubin"

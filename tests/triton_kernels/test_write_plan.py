@@ -74,7 +74,7 @@ def _plan(counts_np, rank, lay, epoch, kernel_waits):
     node = _node(lay, rank, epoch, flags, kernel_waits)
     base, counts = _recv_buffer(counts_np, rank, lay)
     # Poisoned: every row the kernels own must be written (zeros for same-node peers).
-    tables = torch.full((int(WriteTable.NUM_TABLES), lay.world_size, 4), -7, dtype=torch.int64, device=DEVICE)
+    tables = torch.full((int(WriteTable.NUM_TABLES), 1, lay.world_size, 4), -7, dtype=torch.int64, device=DEVICE)
     write_plan.plan_private_writes(counts, tables, node.epoch, flags, rank, lay)
     write_plan.plan_remainder_and_combine_writes(counts, tables, node, base, RECV_BYTES, rank, lay)
     assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == epoch
@@ -84,7 +84,7 @@ def _plan(counts_np, rank, lay, epoch, kernel_waits):
     routes = plan.route_matrix(np.maximum(counts_np, 0), lay)
     assert int(flags[flag_word(Flag.REMAINDER_WRITES)]) == sum(
         int(routes[rank, p] > lay.private_rows) for p in lay.remote_peers(rank))
-    return tables.cpu().numpy()
+    return tables.cpu().numpy()[:, 0]  # whole writes: one piece
 
 
 # W up to 256 (the largest EP a layout is built for), nodes of 1-8, L of 1-3 local experts, P small
@@ -122,7 +122,7 @@ def test_the_count_row_heads_every_remote_peers_private_staging_slot(W, node, ab
     if aborted:
         counts[rank] = -1
     flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
-    tables = torch.zeros((int(WriteTable.NUM_TABLES), W, 4), dtype=torch.int64, device=DEVICE)
+    tables = torch.zeros((int(WriteTable.NUM_TABLES), 1, W, 4), dtype=torch.int64, device=DEVICE)
     send_at = 32  # the send buffer's offset in base (not 0: it must be honoured)
     base = torch.full((send_at + lay.send_bytes,), 0x5A, dtype=torch.uint8, device=DEVICE)
     write_plan.plan_private_writes(torch.tensor(counts, dtype=torch.int32, device=DEVICE), tables,
@@ -131,7 +131,7 @@ def test_the_count_row_heads_every_remote_peers_private_staging_slot(W, node, ab
     row = counts[rank].astype(np.int32).view(np.uint8)
     n_to = np.maximum(plan.rank_counts(counts[rank], lay), 0)
     for peer in lay.remote_peers(rank):
-        src, n, dst, _ = tables[WriteTable.PRIVATE, peer].tolist()
+        src, n, dst, _ = tables[WriteTable.PRIVATE, 0, peer].tolist()
         assert n == row.size + min(int(n_to[peer]), 3) * lay.dispatch_stride_bytes
         assert dst == lay.private_header_offset_bytes(rank)
         want[send_at + src: send_at + src + row.size] = row
@@ -165,7 +165,7 @@ def test_a_missing_count_rows_flag_fails_the_wait_and_plans_nothing():
     flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
     node = _node(lay, 0, 3, flags, kernel_waits=True, spins=50)
     base, counts = _recv_buffer(np.ones((4, 4), np.int64), 0, lay)
-    tables = torch.full((3, 4, 4), -7, dtype=torch.int64, device=DEVICE)
+    tables = torch.full((3, 1, 4, 4), -7, dtype=torch.int64, device=DEVICE)
     write_plan.plan_remainder_and_combine_writes(counts, tables, node, base, RECV_BYTES, 0, lay)
     assert int(node.failed) == 1
     assert int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == 0
@@ -181,10 +181,10 @@ def test_bad_arguments_are_named():
     flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="write_tables"):
         write_plan.plan_private_writes(torch.zeros(4, 4, dtype=torch.int32, device=DEVICE),
-                                       torch.zeros(3, 4, 3, dtype=torch.int64, device=DEVICE), epoch, flags, 0, lay)
+                                       torch.zeros(3, 1, 4, 3, dtype=torch.int64, device=DEVICE), epoch, flags, 0, lay)
     with pytest.raises(ValueError, match="counts"):
         write_plan.plan_private_writes(torch.zeros(4, 5, dtype=torch.int32, device=DEVICE),
-                                       torch.zeros(3, 4, 4, dtype=torch.int64, device=DEVICE), epoch, flags, 0, lay)
+                                       torch.zeros(3, 1, 4, 4, dtype=torch.int64, device=DEVICE), epoch, flags, 0, lay)
 
 
 @pytest.mark.parametrize("corrupt", ["negative", "too_many", "mixed_minus_one"])
@@ -201,7 +201,7 @@ def test_a_corrupt_count_row_is_refused_before_any_offset(corrupt):
     flags = torch.zeros(flag_word(Flag.NUM_FLAGS), dtype=torch.int64, device=DEVICE)
     flags[flag_word(Flag.COUNT_ROWS_READY)] = 1
     node = _node(lay, 0, 1, flags, kernel_waits=False)
-    tables = torch.full((3, 4, 4), -7, dtype=torch.int64, device=DEVICE)
+    tables = torch.full((3, 1, 4, 4), -7, dtype=torch.int64, device=DEVICE)
     base, counts_t = _recv_buffer(counts, 0, lay)
     write_plan.plan_remainder_and_combine_writes(counts_t, tables, node, base, RECV_BYTES, 0, lay)
     assert int(flags[flag_word(Flag.BAD_COUNTS)]) == 1 + 3
@@ -212,15 +212,18 @@ def test_a_corrupt_count_row_is_refused_before_any_offset(corrupt):
 
 @settings(max_examples=12, deadline=None)
 @given(nodes=st.integers(2, 4), node=st.integers(1, 4), L=st.integers(1, 2), T=st.integers(1, 6),
-       private=st.sampled_from([0, 1, 3]), epoch=st.integers(1, 1 << 20), data=st.data())
-def test_relay_write_tables_go_along_the_rail_and_equal_plan(nodes, node, L, T, private, epoch, data):
+       private=st.sampled_from([0, 1, 3]), epoch=st.integers(1, 1 << 20), pieces=st.sampled_from([1, 2, 3, 16]),
+       data=st.data())
+def test_relay_write_tables_go_along_the_rail_and_equal_plan(nodes, node, L, T, private, epoch, pieces, data):
     """The relay (`Layout.relay`): a rank's PRIVATE and REMAINDER writes go to its relays only, its COMBINE writes
     to the sources it relays for, as `plan.relay_*` say (relay remainder geometry); every remote source's count
-    row is copied in from its relay's recv buffer (this rank's or a node peer's), none from elsewhere."""
+    row is copied in from its relay's recv buffer (this rank's or a node peer's), none from elsewhere. With
+    several proxies (`Layout.wire_pieces`) each write is in pieces, `plan.split_writes`, and piece j of a private
+    write says "more" exactly when piece j of the remainder is not empty (`plan.private_piece_more`)."""
     W, K = nodes * node, 2
     cfg = A2AConfig(max_num_tokens=T, num_experts=W * L, experts_per_token=K, hidden_dim=8, in_dtype=torch.float32,
                     max_private_tokens=private, dispatch_rows="rank", combine_rows="rank", relay=True)
-    lay = cfg.layout(W, node)
+    lay = cfg.layout(W, node).with_wire_pieces(pieces)
     E, C = lay.num_experts, lay.count_row_ints
     rank = data.draw(st.integers(0, W - 1), label="rank")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
@@ -249,7 +252,7 @@ def test_relay_write_tables_go_along_the_rail_and_equal_plan(nodes, node, L, T, 
     flags[flag_word(Flag.COUNT_ROWS_READY)] = epoch
     node_sync = _node(lay, rank, epoch, flags, kernel_waits=False)
     mine = mine.to(DEVICE)
-    tables = torch.full((int(WriteTable.NUM_TABLES), W, 4), -7, dtype=torch.int64, device=DEVICE)
+    tables = torch.full((int(WriteTable.NUM_TABLES), pieces, W, 4), -7, dtype=torch.int64, device=DEVICE)
     write_plan.plan_private_writes(mine[:, :E], tables, node_sync.epoch, flags, rank, lay)
     write_plan.plan_remainder_and_combine_writes(
         mine[:, :E], tables, node_sync, base.to(DEVICE), recv_at[rank % node], rank, lay, combine_rank=True,
@@ -257,14 +260,20 @@ def test_relay_write_tables_go_along_the_rail_and_equal_plan(nodes, node, L, T, 
     assert int(node_sync.failed) == 0 and int(flags[flag_word(Flag.REMAINDER_PLANNED)]) == epoch
     np.testing.assert_array_equal(mine.cpu().numpy(), counts)
     rows = counts[:, E:]
-    want = np.zeros((int(WriteTable.NUM_TABLES), W, 4), np.int64)
-    for peer, src, n, dst in plan.relay_private_writes(rows, rank, lay).tolist():
-        kind = Imm.DISPATCH_MORE if rows[rank, peer] > private else Imm.DISPATCH
-        want[WriteTable.PRIVATE, peer] = (src, n, dst, encode_imm(kind, rank, epoch))
-    for peer, src, n, dst in plan.relay_remainder_writes(rows, rank, lay).tolist():
-        want[WriteTable.REMAINDER, peer] = (src, n, dst, encode_imm(Imm.DISPATCH_REMAINDER, rank, epoch))
-    for peer, src, n, dst in plan.relay_combine_writes(rows, rank, lay).tolist():
-        want[WriteTable.COMBINE, peer] = (src, n, dst, encode_imm(Imm.COMBINE, rank, epoch))
+    want = np.zeros((int(WriteTable.NUM_TABLES), pieces, W, 4), np.int64)
+    more = plan.private_piece_more(rows, rank, lay, pieces)
+    for j, part in enumerate(plan.split_writes(plan.relay_private_writes(rows, rank, lay), pieces)):
+        for i, (peer, src, n, dst) in enumerate(part.tolist()):
+            kind = Imm.DISPATCH_MORE if more[j, i] else Imm.DISPATCH
+            want[WriteTable.PRIVATE, j, peer] = (src, n, dst, encode_imm(kind, rank, epoch))
+    for j, part in enumerate(plan.split_writes(plan.relay_remainder_writes(rows, rank, lay), pieces)):
+        for peer, src, n, dst in part.tolist():
+            want[WriteTable.REMAINDER, j, peer] = (src, n, dst, encode_imm(Imm.DISPATCH_REMAINDER, rank, epoch))
+    for j, part in enumerate(plan.split_writes(plan.relay_combine_writes(rows, rank, lay), pieces)):
+        for peer, src, n, dst in part.tolist():
+            want[WriteTable.COMBINE, j, peer] = (src, n, dst, encode_imm(Imm.COMBINE, rank, epoch))
     np.testing.assert_array_equal(tables.cpu().numpy(), want)
+    if pieces == 1:  # whole writes: "more" is the remainder's existence
+        assert (more[0] == (rows[rank, plan.relay_peers(lay, rank)] > private)).all()
     assert int(flags[flag_word(Flag.REMAINDER_WRITES)]) == sum(
         int(rows[rank, p] > private) for p in plan.relay_peers(lay, rank).tolist())
