@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     sizes.add_argument("--wire", default="per_route", choices=WIRE_CHOICES,
                        help="how rows travel (as `moe-a2a bench e2e --wire`): per-rank rows shrink the buffers, the "
                             "relay adds its fp32 partial region (default per_route)")
+    sizes.add_argument("--proxies", type=t.positive_int, default=1,
+                       help="proxy processes a rank (default 1; under the relay each write is in a piece per proxy, "
+                            "and the segment's write tables hold them)")
     sizes.add_argument("--json", action="store_true", help="print the report as JSON")
     sizes.set_defaults(error=sizes.error)
 
@@ -135,6 +138,7 @@ def _run_sizes(args) -> int:
 
     from .compat.deep_ep import Buffer
     from .config import A2AConfig, wire_config
+    from .protocol.words import MAX_PROXY_SHARDS
     from .runtime.traffic import sizes_report
 
     node = args.node_size or args.world
@@ -144,7 +148,9 @@ def _run_sizes(args) -> int:
                     hidden_dim=args.hidden, in_dtype=torch.float8_e4m3fn if args.dtype == "fp8" else torch.bfloat16,
                     out_dtype=torch.bfloat16)
     cfg = wire_config(cfg, args.wire)
-    rep = sizes_report(cfg, args.world, node)
+    if args.proxies > MAX_PROXY_SHARDS:
+        args.error(f"--proxies must be at most {MAX_PROXY_SHARDS}, got {args.proxies}")
+    rep = sizes_report(cfg, args.world, node, args.proxies)
     # The facade's own instances for these shapes (compat/_slots.instance_bytes), not DeepEP's formula.
     rep["deep_ep_facade_hint_bytes"] = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, args.world,
                                                                              args.experts)
@@ -162,6 +168,7 @@ def _run_sizes(args) -> int:
     if rows.get("row_plan_bytes"):
         print(f"  row plan     {_mib(rows['row_plan_bytes'])}  (the expand's expert rows of each received row, "
               f"for the reduce at the experts' rank; on the device)")
+    print(f"  write tables {_mib(rep['write_table_bytes'])}  (in the segment; {args.proxies} proxies a rank)")
     print("  one rank, per placement (AllToAll(buffers=...); on a GPU):")
     for name, b in rep["placements"].items():
         print(f"    {name:<7} GPU {_mib(b['device_bytes'])}   host (segment) {_mib(b['host_bytes'])}")

@@ -87,3 +87,18 @@ def test_sizes_of_a_wire_count_the_relays_partial_region(capsys, wire):
     for name, b in rep["placements"].items():
         assert b["send_bytes"] - plain["placements"][name]["send_bytes"] in range(partial, partial + 4096), name
         assert b["recv_bytes"] == plain["placements"][name]["recv_bytes"], name
+
+
+def test_sizes_count_a_write_piece_per_proxy_under_the_relay(capsys):
+    """`--proxies k`: under the relay each write is in k pieces, one per proxy, and the segment's write tables hold
+    them (k times the bytes); without the relay the proxies share whole writes and the tables stay."""
+    argv = ["--world", "16", "--node-size", "8", "--tokens", "16", "--hidden", "256", "--experts", "16", "--topk", "2"]
+    one = _sizes(capsys, *argv, "--wire", "relay")
+    two = _sizes(capsys, *argv, "--wire", "relay", "--proxies", "2")
+    route = _sizes(capsys, *argv, "--proxies", "2")
+    assert two["proxies"] == 2 and two["write_table_bytes"] == 2 * one["write_table_bytes"] == 2 * 3 * 16 * 32
+    assert route["write_table_bytes"] == one["write_table_bytes"]
+    assert two["placements"]["nic"]["host_bytes"] >= one["placements"]["nic"]["host_bytes"]
+    with pytest.raises(SystemExit):
+        cli_main(["sizes", *argv, "--proxies", "17"])
+    assert "--proxies" in capsys.readouterr().err

@@ -138,12 +138,13 @@ def placements_for(layout) -> list[str]:
     return ["ipc", "host"] if one_node else ["nic", "staged", "host"]
 
 
-def sizes_report(cfg, world_size: int, node_size: int | None = None) -> dict:
+def sizes_report(cfg, world_size: int, node_size: int | None = None, proxies: int = 1) -> dict:
     """What `moe-a2a sizes` prints (the CLI adds the DeepEP facade's size hint): one rank's row sizes and
     buffers for `cfg` at `world_size` ranks (`node_size` per node, default one node), per placement
-    (`buffer_bytes`, on a GPU)."""
-    lay = cfg.layout(world_size, node_size)
-    return {"config": str(cfg), "world": world_size, "node": lay.node_size,
+    (`buffer_bytes`, on a GPU); `proxies` a rank (under the relay its write tables hold a piece per proxy)."""
+    lay = cfg.layout(world_size, node_size).with_wire_pieces(proxies)
+    return {"config": str(cfg), "world": world_size, "node": lay.node_size, "proxies": proxies,
+            "write_table_bytes": lay.write_table_bytes,
             "rows": {"dispatch_stride_bytes": cfg.dispatch_stride_bytes,
                      "combine_stride_bytes": cfg.combine_stride_bytes, "count_row_bytes": count_row_bytes(lay),
                      "private_rows": lay.private_rows, "max_dispatch_rows": lay.max_dispatch_rows,
