@@ -96,7 +96,7 @@ class LocalCluster:
         buffers: passed to every `AllToAll` ("auto", "staged", "host", "gpu" or "memfd").
         nics: passed to every `AllToAll` ("auto" or a list of libfabric domain names).
         proxies: passed to every `AllToAll` (proxy processes per rank: "auto" or a positive int, at most
-            the number of remote peers per rank).
+            the number of remote peers per rank, or 16 under the relay, whose writes go in a piece per proxy).
 
     Use as a context manager; `run(fn, *args)` calls `fn(a2a, rank, *args)` on every rank and returns
     the results in rank order (tensors of any dtype, float8 included, go both ways; results come back

@@ -60,6 +60,12 @@ def test_bad_cluster_arguments_are_refused_before_starting():
         LocalCluster(cfg, world_size=2, device="cpu", buffers="gpu")
     with pytest.raises(ValueError, match="gpu_wait"):
         LocalCluster(cfg, world_size=2, gpu_wait="spin")
+    with pytest.raises(ValueError, match=r"proxies must be .* \[1, 2\]"):  # at most the 2 remote peers
+        LocalCluster(cfg, world_size=4, node_size=2, proxies=3)
+    relay = A2AConfig(num_experts=8, dispatch_rows="rank", combine_rows="rank", relay=True)
+    LocalCluster(relay, world_size=4, node_size=2, proxies=3)  # the relay: a piece per proxy, none started yet
+    with pytest.raises(ValueError, match=r"proxies must be .* \[1, 16\]"):
+        LocalCluster(relay, world_size=4, node_size=2, proxies=17)
 
 
 def _children() -> set[int]:
