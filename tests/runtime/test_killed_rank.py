@@ -19,7 +19,8 @@ TIMEOUT_S = 20.0  # the peers' own timeout: without the report they would raise 
 BOUND_S = 2.0     # README's Errors bullet: a killed rank is known to its peers within 2 s
 
 
-def _rank(comm, store: str, node_size: int, transport: str, victim: int, device: str = "cpu", relay: bool = False):
+def _rank(comm, store: str, node_size: int, transport: str, victim: int, device: str = "cpu", relay: bool = False,
+          proxies="auto"):
     """One rank; on a GPU (`device="cuda"`) with kernel waits: the peers' waits are kernels, and `check()`
     after the combine says what they saw."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -37,7 +38,7 @@ def _rank(comm, store: str, node_size: int, transport: str, victim: int, device:
     cfg = A2AConfig(max_num_tokens=2, num_experts=2 * comm.size, experts_per_token=2, hidden_dim=16,
                     in_dtype=torch.bfloat16, **rows)
     a2a = AllToAll(cfg, node_group=node_size, transport=transport, device=device, timeout_s=TIMEOUT_S,
-                   **({} if str(device) == "cpu" else {"gpu_wait": "kernel"}))
+                   proxies=proxies, **({} if str(device) == "cpu" else {"gpu_wait": "kernel"}))
     g = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(2, 16, generator=g).to(torch.bfloat16).to(device)
     idx = torch.tensor([[(comm.rank + 1) % cfg.num_experts, (2 * comm.rank + 3) % cfg.num_experts]] * 2).to(device)
@@ -110,12 +111,14 @@ def test_a_rank_killed_outright_is_known_to_kernel_waits_within_two_seconds(tmp_
 
 @interpreter_only("its ranks run on the CPU")
 @pytest.mark.timeout(120)
-def test_a_relay_killed_outright_is_known_to_every_rank_within_two_seconds(tmp_path):
+@pytest.mark.parametrize("proxies", [1, 2])
+def test_a_relay_killed_outright_is_known_to_every_rank_within_two_seconds(tmp_path, proxies):
     """W = 4 as 2 nodes of 2 through the relay (`A2AConfig(relay=True)`): rank 1 dies mid-call. It is the relay of
     rank 3 on node 0 and holds partials rank 0's relay reduce waits for; ranks 2 and 3 wait only for their relays'
-    rows. Every rank knows within 2 s, naming rank 1."""
+    rows (with 2 proxies a rank, each write in 2 pieces: rank 3's two proxies each wait for one of the dead rank's).
+    Every rank knows within 2 s, naming rank 1."""
     victim = 1
-    results = run_peers(4, _rank, str(tmp_path / "store"), 2, "shm", victim, "cpu", True, timeout_s=100)
+    results = run_peers(4, _rank, str(tmp_path / "store"), 2, "shm", victim, "cpu", True, proxies, timeout_s=100)
     assert isinstance(results[victim], Died), results[victim]
     for rank, result in enumerate(results):
         if rank == victim:
