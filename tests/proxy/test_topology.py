@@ -498,3 +498,21 @@ def test_wiring_asks_the_topology_only_for_efa_and_verbs(monkeypatch):
         got = wiring.choose_nics("auto", transport, 5, layout, device="cpu")
         assert got == ("n1",) and got.rule == "numa"
     assert calls == [("efa", 1, 4, None, None), ("verbs", 1, 4, None, None)]
+
+
+def test_proxies_auto_is_one_per_efa_nic_and_under_the_relay_not_capped_by_the_rail():
+    """`wiring.choose_proxies`: "auto" is one proxy per NIC on EFA, capped by the wire peers (a proxy needs a share
+    of them), except under the relay, whose few rail writes go in a piece per proxy: EP16 as 2 nodes of 8 has one
+    rail peer a rank and still gets both NICs' proxies. Elsewhere 1; an explicit count past the cap is refused."""
+    from moe_a2a.runtime import wiring
+
+    nics = ("rdmap0", "rdmap1")
+    assert wiring.choose_proxies("auto", "efa", nics, 8) == 2
+    assert wiring.choose_proxies("auto", "efa", nics, 1) == 1                 # one remote peer: one proxy
+    assert wiring.choose_proxies("auto", "efa", nics, 1, pieces=True) == 2    # the relay: a piece per NIC
+    assert wiring.choose_proxies("auto", "efa", nics, 0, pieces=True) == 1    # one node: nothing on the wire
+    for transport in ("tcp", "shm", "emulated"):
+        assert wiring.choose_proxies("auto", transport, None, 8, pieces=True) == 1
+    assert wiring.choose_proxies(3, "shm", None, 1, pieces=True) == 3
+    with pytest.raises(ValueError, match="more proxies than remote peers"):
+        wiring.choose_proxies(3, "shm", None, 1)
