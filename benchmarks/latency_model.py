@@ -1602,9 +1602,8 @@ def relay_table(**kw) -> list[dict]:
                 r = predict(w, fab, relay=True, fp8_combine=fp8, **kw)
                 rows.append({"fabric": fab, "combine_rows": combine, "world": w, **r,
                              "per_rank_total": predict(w, fab, rank_rows=True, sender_reduce=True, fp8_combine=fp8,
-                                                       **{k: v for k, v in kw.items() if k != "relay_split"})["total"],
-                             "per_route_total": predict(w, fab, fp8_combine=fp8, **{
-                                 k: v for k, v in kw.items() if k != "relay_split"})["total"],
+                                                       **kw)["total"],
+                             "per_route_total": predict(w, fab, fp8_combine=fp8, **kw)["total"],
                              "target": RELAY_TARGETS_US[combine][w] if fab == "efa" else None})
     return rows
 
