@@ -182,6 +182,10 @@ PROXY_HOST_WAITS_FACTOR = ((RUN_PRIVATE_POST_US + RUN_COMBINE_POST_US)
 # (b / bandwidth after the previous write, from its post) plus the latency. Issue 46's EFA-like runs set them so.
 EMU_NIC_EFA_LIKE_LATENCY_US = 12.0  # MOE_A2A_EMULATED_NIC=12us,25GBps
 EMU_NIC_EFA_LIKE_GBPS = 25.0
+# EFA at the run's stretch (`run.sh mps relay`, relay_scaled/): 12us,25GBps with the latency times and the
+# bandwidth over `emulated_stretch(8)` (~7.2, rounded), so the wire's share of the call is EFA's with a GPU a rank.
+EMU_NIC_EFA_SCALED_LATENCY_US = 87.0  # MOE_A2A_EMULATED_NIC=87us,3.5GBps
+EMU_NIC_EFA_SCALED_GBPS = 3.5
 # The carrier's host cost per write with settings on (the schedule kept per write): zero-length writes,
 # "NIC 20us,10GBps" [4.35, 4.07] µs (emulated_gpu_tests_helper.txt), mean
 EMU_POST_PACED_US = 4.21
@@ -339,6 +343,10 @@ PROVENANCE = {
                                               "per write; docs/transport.md, the emulated NIC)"),
     "EMU_NIC_EFA_LIKE_GBPS": ("config", "issue 46's EFA-like runs: MOE_A2A_EMULATED_NIC=12us,25GBps (bandwidth per "
                                         "NIC, i.e. per proxy)"),
+    "EMU_NIC_EFA_SCALED_LATENCY_US": ("config", "issue 46's runs at EFA's share: MOE_A2A_EMULATED_NIC=87us,3.5GBps "
+                                                "(12 µs times emulated_stretch(8), rounded)"),
+    "EMU_NIC_EFA_SCALED_GBPS": ("config", "issue 46's runs at EFA's share: MOE_A2A_EMULATED_NIC=87us,3.5GBps "
+                                          "(25 GB/s over emulated_stretch(8), rounded)"),
     "BENCH_MASKED_ROUTES": ("config", "moe_a2a/bench/demo.py make_inputs, routing 'random': each route -1 with "
                                       "probability 0.1 (the bytes check of issue 46's runs only; the walk leaves "
                                       "it out)"),
@@ -923,6 +931,14 @@ def shared_gpu_factor(world: int) -> float:
     return (globals()[MPS_NODE_LOCAL_US[world]] - (alone["total"] - gpu)) / gpu
 
 
+def emulated_stretch(world: int) -> float:
+    """How many times longer the GPU side of a call is when ``world`` ranks share one H200 under MPS over the
+    emulated NIC than with a GPU a rank (``shared_gpu_factor`` x ``EMU_GPU_FACTOR``). An emulated wire slowed
+    by it (latency times, bandwidth over) takes the share of the call that the real wire takes with a GPU a
+    rank: the relay_scaled runs of ``run.sh mps relay``, where fewer bytes can show as less time."""
+    return shared_gpu_factor(world) * EMU_GPU_FACTOR
+
+
 def predict(world: int, fabric_name: str | None, **kw) -> dict:
     """Lock-step latency in µs: ``{"dispatch", "dispatch.<term>", "combine", "combine.<term>", "total",
     "dispatch_early"}`` for every term of TERMS (zero where unused). Terms are critical-path contributions
@@ -1416,6 +1432,10 @@ ISSUE46_SETUPS = {
                                                                                       EMU_NIC_EFA_LIKE_GBPS)}),
 }
 _ONE, _FULL, _EFA_LIKE = ISSUE46_SETUPS
+# The relay's runs add EFA at the run's stretch (not one of the issue's cells).
+_EFA_SCALED = "2 x 4, emulated NIC, 87us,3.5GBps (EFA at the run's stretch)"
+RELAY_SETUPS = {**ISSUE46_SETUPS, _EFA_SCALED: (8, "emulated", {
+    "node": 4, "emulated_nic": (EMU_NIC_EFA_SCALED_LATENCY_US, EMU_NIC_EFA_SCALED_GBPS)})}
 # (set-up, wire, quantity, measured µs): the totals of every cell, the one-node d / c where the issue gives them
 ISSUE46_MEASURED = [
     (_ONE, "per_route", "dispatch + combine", 275.0), (_ONE, "per_route", "dispatch", 154.0),
@@ -1651,13 +1671,15 @@ def format_relay_sensitivity() -> str:
 
 def format_relay_emulated() -> str:
     """What the walk expects of item 4's runs: 8 ranks as 2 x 4 on one H200 under MPS over the emulated NIC."""
-    wires = [(w, kw) for w, kw in ISSUE46_WIRES.items()] + [("relay", {"relay": True}),
-                                                           ("relay, fp8 combine", {"relay": True, "fp8_combine": True})]
-    lines = ["| wire | full speed: d / c / **sum** | 12us,25GBps: d / c / **sum** |", "|---|---|---|"]
+    wires = [(w, kw) for w, kw in ISSUE46_WIRES.items()] + [
+        ("relay", {"relay": True}), ("relay, fp8 combine", {"relay": True, "fp8_combine": True}),
+        ("per_route, 2 proxies a rank", {"proxies": 2}), ("relay, 2 proxies a rank (pieces)", {"relay": True, "proxies": 2})]
+    lines = ["| wire | full speed: d / c / **sum** | 12us,25GBps: d / c / **sum** | 87us,3.5GBps (EFA at the run's "
+             "stretch): d / c / **sum** |", "|---|---|---|---|"]
     for name, kw in wires:
         cells = []
-        for setup_name in (_FULL, _EFA_LIKE):
-            world, fab, skw = ISSUE46_SETUPS[setup_name]
+        for setup_name in (_FULL, _EFA_LIKE, _EFA_SCALED):
+            world, fab, skw = RELAY_SETUPS[setup_name]
             r = predict(world, fab, **skw, **kw)
             cells.append(f"{r['dispatch']:.0f} / {r['combine']:.0f} / **{r['total']:.0f}**")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -1687,7 +1709,7 @@ def relay_runs() -> list[dict]:
     """The walk against the relay's runs and the per_route run beside each (same set-up, same GPU)."""
     out = []
     for setup_name, gpu, tree, relay_us, per_route_us, raw in RELAY_RUNS:
-        world, fab, kw = ISSUE46_SETUPS[setup_name]
+        world, fab, kw = RELAY_SETUPS[setup_name]
         for wire, measured, levers in (("relay", relay_us, {"relay": True}),
                                        ("per_route", per_route_us, {})):
             predicted = predict(world, fab, **kw, **levers)["total"]

@@ -311,18 +311,24 @@ mps:all|mps:bytes)
 mps:all|mps:relay)
   # Issue 46: the relay (once per (token, node) across nodes) beside the sender-reduced per-rank rows and the
   # route rows, in one run, CUDA graphs under MPS over the emulated NIC, at full speed and EFA-like
-  # (MOE_A2A_EMULATED_NIC=$RELAY_NIC, default 12us,25GBps: a latency per message and a bandwidth cap per NIC):
+  # (MOE_A2A_EMULATED_NIC=$RELAY_NIC, default 12us,25GBps: a latency per message and a bandwidth cap per NIC),
+  # and at 8 ranks EFA at the run's stretch (below):
   # 8 ranks as 2 x 4, decode and prefill, then 16 as 2 x 8 at decode (where MPS carries them). One JSON a step
   # in $RES/relay_full/ and $RES/relay_efa/ (bytes per rank, the oracle's verdict at decode); summarise each
   # folder with summarise_bytes.py. A step not started RELAY_BUDGET_S (default 420) s after the first is skipped.
   # EFA-like first, decode before prefill: what a shortened run (RELAY_BUDGET_S) reaches is what matters most.
   # WIRE:K runs K proxies a rank (an emulated NIC each, as on EFA's two NICs a GPU; the relay then sends each
   # write in K pieces): at 8 ranks, 16 proxies share the host's cores with the ranks.
+  # relay_scaled/ (W8 as 2 x 4 only): EFA at the run's stretch, MOE_A2A_EMULATED_NIC=$RELAY_NIC_SCALED (default
+  # 87us,3.5GBps: 12us,25GBps with the latency times and the bandwidth over the factor by which 8 ranks on one GPU
+  # over the emulated NIC stretch the GPU side, `latency_model.emulated_stretch(8)` ~7.2), so that the wire's
+  # share of a call is what EFA's would be with a GPU per rank (docs/benchmarks.md, the relay).
   plan=()
   for shape in "8 4 decode" "16 8 decode" "8 4 prefill"; do
-    for nic in efa full; do
+    for nic in efa scaled full; do
       wires="per_route sender_reduced relay"
-      if [ "$nic" = efa ] && [ "${shape% *}" = "8 4" ]; then wires="$wires per_route:2 relay:2"; fi
+      [ "$nic" = scaled ] && [ "$shape" != "8 4 decode" ] && continue
+      if [ "$nic" != full ] && [ "${shape% *}" = "8 4" ]; then wires="$wires per_route:2 relay:2"; fi
       for v in $wires; do plan+=("$nic ${shape% *} ${shape##* } $v"); done
     done
   done
@@ -338,7 +344,7 @@ mps:all|mps:relay)
       continue
     fi
     mkdir -p "$RES/relay_$nic"
-    if [ "$nic" = efa ]; then setting=${RELAY_NIC:-12us,25GBps}; else setting=""; fi
+    case $nic in efa) setting=${RELAY_NIC:-12us,25GBps} ;; scaled) setting=${RELAY_NIC_SCALED:-87us,3.5GBps} ;; *) setting="" ;; esac
     k=1; case $v in *:*) k=${v#*:}; v=${v%%:*} ;; esac
     step 90 env ${setting:+MOE_A2A_EMULATED_NIC=$setting} moe-a2a bench e2e --graph --no-nccl --world "$w" \
          --node "$n" --transport emulated --preset "$p" --wire "$v" --proxies "$k" --iters 50 --warmup 10 \
