@@ -716,6 +716,21 @@ def test_issue46_bytes_are_the_benchmark_s_routing():
         assert u["dispatch"] > b["dispatch"] and u["combine"] > b["combine"]
 
 
+def test_efa_at_the_run_s_stretch_is_the_efa_like_setting_slowed_by_the_gpu_s_stretch():
+    """relay_scaled (run.sh mps relay): 12us,25GBps times / over emulated_stretch(8), rounded, in run.sh too."""
+    f = lm.emulated_stretch(8)
+    assert f == pytest.approx(lm.shared_gpu_factor(8) * lm.EMU_GPU_FACTOR) and 5 < f < 10
+    assert lm.EMU_NIC_EFA_SCALED_LATENCY_US == pytest.approx(lm.EMU_NIC_EFA_LIKE_LATENCY_US * f, rel=0.03)
+    assert lm.EMU_NIC_EFA_SCALED_GBPS == pytest.approx(lm.EMU_NIC_EFA_LIKE_GBPS / f, rel=0.03)
+    run_sh = (ROOT / "benchmarks" / "gpu" / "run.sh").read_text()
+    assert (f"RELAY_NIC_SCALED:-{lm.EMU_NIC_EFA_SCALED_LATENCY_US:g}us,{lm.EMU_NIC_EFA_SCALED_GBPS:g}GBps"
+            in run_sh)
+    # at EFA's share the relay's fewer bytes are less time in the walk, as they are on EFA
+    world, fab, kw = lm.RELAY_SETUPS[lm._EFA_SCALED]
+    relay, per_route = (lm.predict(world, fab, **kw, **levers)["total"] for levers in ({"relay": True}, {}))
+    assert relay < per_route
+
+
 def test_the_emulated_nic_s_settings():
     """MOE_A2A_EMULATED_NIC: a write lands at the later of its copy and the host-clock schedule (bytes / GB/s
     after the previous write, from its post) + latency; the carrier's post then costs EMU_POST_PACED_US."""
