@@ -1695,6 +1695,9 @@ RELAY_RUNS = [
     (_EFA_LIKE, "H200", "cbbb503", 1616.5, 898.3, "gpu-2026-12-06d/callF_h200/e2e_relay.json"),
     # the reduces walking 4 hidden chunks a program (rank_rows.REDUCE_H_CHUNKS): the relay's work 160 + 92 -> 83 + 65 µs
     (_EFA_LIKE, "H100", "8c9906d", 1071.2, 928.8, "gpu-2026-12-07b/e2e_wires/e2e_w8x2_efa_relay_1.json"),
+    # one proxy a rank, the code of 872bf7a; EFA at the run's stretch (RELAY_SETUPS), where the relay is ahead
+    (_EFA_LIKE, "H100", "872bf7a", 1093.7, 939.5, "gpu-2026-12-08/relay_efa/e2e_w8n4_decode_relay.json"),
+    (_EFA_SCALED, "H100", "872bf7a", 1842.6, 3393.1, "gpu-2026-12-08/relay_scaled/e2e_w8n4_decode_relay.json"),
 ]
 RELAY_MISSING = (
     "rank skew through the relay's node barrier",

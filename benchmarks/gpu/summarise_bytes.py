@@ -48,8 +48,11 @@ def rows_of(doc: dict, source: str) -> list[dict]:
             continue
         nbytes = res.get("bytes_per_rank") or [g["trace"]["bytes"] for g in graph if "bytes" in g.get("trace", {})]
         check = res.get("check")
+        proxies = doc.get("proxies")
         rows.append({
-            "world": doc["world"], "node": doc["node"], "preset": preset, "wire": doc.get("wire", "per_route"),
+            # WIRE:K where the run had K > 1 proxies a rank (`run.sh mps relay`'s per_route:2, relay:2)
+            "world": doc["world"], "node": doc["node"], "preset": preset,
+            "wire": doc.get("wire", "per_route") + (f":{proxies}" if isinstance(proxies, int) and proxies > 1 else ""),
             "transport": doc.get("transport", "?"), "source": source,
             "dispatch_us": _slowest(graph, "dispatch"), "combine_us": _slowest(graph, "combine"),
             "total_us": _slowest(graph, "total"),
@@ -58,6 +61,10 @@ def rows_of(doc: dict, source: str) -> list[dict]:
             "check": "-" if check is None else "ok" if not check["problems"] else _n_problems(len(check["problems"])),
         })
     return rows
+
+
+def _base(row: dict) -> str:
+    return row["wire"].split(":")[0]
 
 
 def load(results_dir: str) -> list[dict]:
@@ -72,7 +79,7 @@ def load(results_dir: str) -> list[dict]:
         if isinstance(doc, dict):
             rows += rows_of(doc, os.path.basename(path))
     key = lambda r: (r["world"], -r["node"], PRESET_ORDER.index(r["preset"]) if r["preset"] in PRESET_ORDER else 9,
-                     WIRE_ORDER.index(r["wire"]) if r["wire"] in WIRE_ORDER else 9, r["wire"])  # noqa: E731
+                     WIRE_ORDER.index(_base(r)) if _base(r) in WIRE_ORDER else 9, r["wire"])  # noqa: E731
     return sorted(rows, key=key)
 
 

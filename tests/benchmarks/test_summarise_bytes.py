@@ -70,3 +70,14 @@ def test_without_per_route_the_ratio_is_a_dash(tmp_path, capsys):
 def test_an_empty_folder_says_so(tmp_path, capsys):
     assert sb.main([str(tmp_path)]) == 1
     assert "no bench e2e --graph results" in capsys.readouterr().err
+
+
+def test_runs_with_several_proxies_a_rank_are_labelled_and_compared_with_one_proxy_s_per_route(tmp_path, capsys):
+    for wire, proxies, us in (("per_route", 1, 40.0), ("per_route", 2, 80.0), ("relay", 2, 30.0)):
+        doc = _result(wire, (us, us), (us, us), [_bytes(1_000, 2_000)] * 2, [])
+        doc["proxies"] = proxies
+        (tmp_path / f"{wire}_{proxies}.json").write_text(json.dumps(doc))
+    assert sb.main([str(tmp_path)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 2 |")]
+    assert [ln.split(" | ")[3] for ln in lines] == ["per_route", "per_route:2", "relay:2"]
+    assert lines[1].split(" | ")[6] == "160.0" and lines[1].split(" | ")[9] == "1.00 / 1.00 / 1.00"
