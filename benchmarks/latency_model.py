@@ -1673,7 +1673,8 @@ def format_relay_emulated() -> str:
     """What the walk expects of item 4's runs: 8 ranks as 2 x 4 on one H200 under MPS over the emulated NIC."""
     wires = [(w, kw) for w, kw in ISSUE46_WIRES.items()] + [
         ("relay", {"relay": True}), ("relay, fp8 combine", {"relay": True, "fp8_combine": True}),
-        ("per_route, 2 proxies a rank", {"proxies": 2}), ("relay, 2 proxies a rank (pieces)", {"relay": True, "proxies": 2})]
+        ("per_route, 2 proxies a rank", {"proxies": 2}),
+        ("relay, 2 proxies a rank (pieces)", {"relay": True, "proxies": 2})]
     lines = ["| wire | full speed: d / c / **sum** | 12us,25GBps: d / c / **sum** | 87us,3.5GBps (EFA at the run's "
              "stretch): d / c / **sum** |", "|---|---|---|---|"]
     for name, kw in wires:
