@@ -41,7 +41,8 @@
 #                                                  emulated NIC, 2 / 4 / 8 ranks, decode and prefill; issue 32's
 #                                                  wire variants (bytes and time), ~8 min; issue 46's relay
 #                                                  beside per-rank and per-route rows over the emulated NIC at
-#                                                  full speed, EFA-like and at EFA's share (relay_full/, relay_efa/, relay_scaled/), ~9 min
+#                                                  full speed, EFA-like and at EFA's share (relay_full/,
+#                                                  relay_efa/, relay_scaled/), ~9 min
 #
 # Results (JSON, PNG, the steps' log, the machine's description) go to $OUT/<suite>/ when OUT is set (a
 # runner that brings $OUT back), else to docs/results/<suite>/, where the docs quote them. Exit status: the
@@ -314,8 +315,8 @@ mps:all|mps:relay)
   # (MOE_A2A_EMULATED_NIC=$RELAY_NIC, default 12us,25GBps: a latency per message and a bandwidth cap per NIC),
   # and at 8 ranks EFA at the run's stretch (below):
   # 8 ranks as 2 x 4, decode and prefill, then 16 as 2 x 8 at decode (where MPS carries them). One JSON a step
-  # in $RES/relay_full/, $RES/relay_efa/ and $RES/relay_scaled/ (bytes per rank, the oracle's verdict at decode); summarise each
-  # folder with summarise_bytes.py. A step not started RELAY_BUDGET_S (default 420) s after the first is skipped.
+  # in $RES/relay_full/, $RES/relay_efa/ and $RES/relay_scaled/ (bytes per rank, the oracle's verdict at
+  # decode); summarise each folder with summarise_bytes.py. A step not started RELAY_BUDGET_S (default 420) s after the first is skipped.
   # EFA-like first, decode before prefill: what a shortened run (RELAY_BUDGET_S) reaches is what matters most.
   # WIRE:K runs K proxies a rank (an emulated NIC each, as on EFA's two NICs a GPU; the relay then sends each
   # write in K pieces): at 8 ranks, 16 proxies share the host's cores with the ranks.
